@@ -1,0 +1,143 @@
+// The IR: a graph of operators over values with known shapes and dtypes.
+//
+// A Graph is built once (by models through Builder), differentiated once
+// (autodiff.h appends the backward nodes), then handed to the executor, the
+// SPMD lowering or the planner. Nodes are stored in a valid execution order:
+// every node's inputs are produced by earlier nodes or are graph inputs /
+// parameters. Values and nodes are addressed by dense integer ids.
+// Not thread-safe; owned by whoever builds it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "meshtrain/tensor/backend.h"
+#include "meshtrain/tensor/dtype.h"
+#include "meshtrain/tensor/shape.h"
+
+namespace mt {
+
+using ValueId = int32_t;
+using NodeId = int32_t;
+constexpr ValueId kNoValue = -1;
+constexpr NodeId kNoNode = -1;
+
+enum class OpKind : uint16_t {
+  // forward
+  matmul,         // attrs: trans_a, trans_b
+  add, sub, mul,  // b may broadcast as a suffix of a's shape or be a scalar
+  scale,          // attrs: alpha
+  relu, gelu, tanh, sigmoid,
+  softmax,        // attrs: causal
+  log_softmax,
+  layer_norm,     // inputs x, gamma, beta; outputs y, mean, rstd; attrs: eps
+  cross_entropy,  // inputs logits [N,C], labels i32 [N]; output scalar f32
+  embedding,      // inputs table [V,C], ids i32
+  conv2d,         // inputs x, w[, b]; attrs: stride_h/w, pad_h/w
+  max_pool2d,     // outputs y, argmax; attrs: kernel_h/w, stride_h/w, pad_h/w
+  reshape,        // attrs: shape (a view: no copy)
+  permute,        // attrs: perm
+  cast,           // attrs: dtype
+  sum_to,         // attrs: shape (reduce leading dims)
+  // backward-only
+  unary_grad,          // inputs x, y, dy; attrs: unary (UnaryOp as int)
+  softmax_grad,        // inputs y, dy
+  log_softmax_grad,    // inputs y, dy
+  layer_norm_grad,     // inputs dy, x, gamma, mean, rstd; outputs dx, dgamma, dbeta
+  cross_entropy_grad,  // inputs logits, labels, dloss
+  embedding_grad,      // inputs dy, ids; attrs: shape (of the table)
+  conv2d_grad_data,    // inputs dy, w; attrs as conv2d + shape (of x)
+  conv2d_grad_weight,  // inputs dy, x; outputs dw[, db]; attrs as conv2d + has_bias
+  max_pool2d_grad,     // inputs dy, argmax; attrs: shape (of x)
+};
+
+enum class ValueRole : uint8_t { input, param, activation, grad };
+
+// How a parameter is initialised (the trainer draws it from the run's seed).
+struct ParamInit {
+  enum class Kind : uint8_t { zeros, ones, normal, uniform } kind = Kind::zeros;
+  double scale = 0.0;  // std for normal, bound for uniform
+};
+
+struct Value {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::f32;
+  ValueRole role = ValueRole::activation;
+  NodeId producer = kNoNode;
+  ParamInit init;  // params only
+};
+
+using AttrValue = std::variant<int64_t, double, bool, std::vector<int64_t>, std::string>;
+
+class Attrs {
+ public:
+  Attrs& set(const std::string& key, AttrValue v) {
+    values_[key] = std::move(v);
+    return *this;
+  }
+  bool has(const std::string& key) const { return values_.count(key) != 0; }
+  int64_t i(const std::string& key) const;
+  double f(const std::string& key) const;
+  bool b(const std::string& key) const;
+  const std::vector<int64_t>& ints(const std::string& key) const;
+  const std::string& s(const std::string& key) const;
+  const std::map<std::string, AttrValue>& all() const { return values_; }
+
+ private:
+  std::map<std::string, AttrValue> values_;
+};
+
+struct Node {
+  OpKind op;
+  std::string name;
+  std::vector<ValueId> inputs;
+  std::vector<ValueId> outputs;
+  Attrs attrs;
+  bool backward = false;  // emitted by autodiff
+};
+
+class Graph {
+ public:
+  ValueId add_input(const std::string& name, const Shape& shape, DType dtype);
+  ValueId add_param(const std::string& name, const Shape& shape, DType dtype, ParamInit init);
+  // Appends a node, infers its outputs' shapes and dtypes (throws ShapeError
+  // naming the node, the op and the input shapes), and returns the outputs.
+  std::vector<ValueId> add_node(OpKind op, const std::string& name, std::vector<ValueId> inputs,
+                                Attrs attrs = {}, bool backward = false);
+
+  const Value& value(ValueId id) const { return values_.at(static_cast<size_t>(id)); }
+  Value& value(ValueId id) { return values_.at(static_cast<size_t>(id)); }
+  const Node& node(NodeId id) const { return nodes_.at(static_cast<size_t>(id)); }
+  int num_values() const { return static_cast<int>(values_.size()); }
+  int num_nodes() const { return static_cast<int>(nodes_.size()); }
+  const std::vector<Node>& nodes() const { return nodes_; }
+  const std::vector<ValueId>& inputs() const { return inputs_; }
+  const std::vector<ValueId>& params() const { return params_; }
+  std::optional<ValueId> find(const std::string& value_name) const;
+
+  // Set by autodiff: the scalar loss and each parameter's gradient value.
+  ValueId loss() const { return loss_; }
+  void set_loss(ValueId v) { loss_ = v; }
+  ValueId grad_of(ValueId param) const;  // kNoValue if none
+  void set_grad(ValueId param, ValueId grad) { grads_[param] = grad; }
+  const std::map<ValueId, ValueId>& grads() const { return grads_; }
+
+  int64_t param_count() const;  // total elements over all params
+
+ private:
+  std::vector<Value> values_;
+  std::vector<Node> nodes_;
+  std::vector<ValueId> inputs_;
+  std::vector<ValueId> params_;
+  ValueId loss_ = kNoValue;
+  std::map<ValueId, ValueId> grads_;
+};
+
+std::string_view op_name(OpKind op);
+
+}  // namespace mt

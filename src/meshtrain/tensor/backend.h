@@ -1,0 +1,124 @@
+// The kernel interface every tensor backend implements (the implementer's
+// header; callers include kernels.h).
+//
+// Conventions for every method:
+// - Tensors are contiguous and row-major; outputs are pre-allocated by the
+//   caller with the right shape and dtype, and are overwritten (never
+//   accumulated into) unless the method says otherwise.
+// - The reference backend supports f32 and f64 for every float kernel (the
+//   gradient checks run in f64); fast backends support at least f32 and fall
+//   back to the reference backend for anything else.
+// - Integer index tensors (labels, token ids, argmax) are i32.
+// - Shape or dtype errors throw mt::ShapeError naming the kernel and shapes.
+// - Methods may use several threads internally (see set_num_threads) but are
+//   called from one thread at a time per backend instance.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "meshtrain/tensor/tensor.h"
+
+namespace mt {
+
+enum class UnaryOp : uint8_t { relu, gelu, tanh, sigmoid };
+enum class BinaryOp : uint8_t { add, sub, mul, div };
+
+struct MatmulParams {
+  bool trans_a = false;
+  bool trans_b = false;
+  float alpha = 1.0f;
+  // c = alpha * op(a) @ op(b) + beta * c.  beta != 0 accumulates into c.
+  float beta = 0.0f;
+};
+
+struct Conv2dParams {
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_h = 0, pad_w = 0;
+};
+
+struct Pool2dParams {
+  int64_t kernel_h = 2, kernel_w = 2;
+  int64_t stride_h = 2, stride_w = 2;
+  int64_t pad_h = 0, pad_w = 0;
+};
+
+class KernelBackend {
+ public:
+  virtual ~KernelBackend() = default;
+  virtual std::string name() const = 0;
+  // Threads used inside one kernel call (OpenMP / oneDNN / OpenBLAS).
+  virtual void set_num_threads(int n) = 0;
+
+  // ---- linear algebra ----
+  // a: [M,K] (or [K,M] if trans_a), b: [K,N] (or [N,K] if trans_b), c: [M,N].
+  // Batched: a [B,M,K], b [B,K,N], c [B,M,N]; b may also be rank 2 and shared
+  // across the batch. Mixed precision: a and b may be bf16 (or f16) with c f32.
+  virtual void matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) = 0;
+
+  // ---- element-wise ----
+  // y = op(x). x and y have equal shapes; may alias.
+  virtual void unary(UnaryOp op, const Tensor& x, Tensor& y) = 0;
+  // dx = dy * op'(x). (x is the forward input; y = op(x) is passed too so a
+  // backend may use whichever is cheaper.) May not alias dy with x.
+  virtual void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& dy,
+                              Tensor& dx) = 0;
+  // c = a op b. b has a's shape, or a suffix of it (broadcast over the leading
+  // dims, e.g. a bias [C] over [N, C]), or is a scalar (rank 0 or numel 1).
+  virtual void binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c) = 0;
+  // y = alpha * x (+ beta * y if beta != 0).
+  virtual void scale(const Tensor& x, Tensor& y, double alpha, double beta = 0.0) = 0;
+  // y = sum of x over its leading dims so that y's shape is a suffix of x's
+  // (the backward of a broadcast binary). y scalar = sum of all elements.
+  virtual void sum_to(const Tensor& x, Tensor& y) = 0;
+  // Element-wise dtype conversion.
+  virtual void cast(const Tensor& x, Tensor& y) = 0;
+  // y = x transposed by `perm` (y.shape[i] == x.shape[perm[i]]).
+  virtual void permute(const Tensor& x, Tensor& y, const std::vector<int>& perm) = 0;
+
+  // ---- normalisation and losses (over the last axis) ----
+  // causal: x is [..., T, S] and entries with column > row + (S - T) are
+  // masked to -inf before the softmax (decoder self-attention).
+  virtual void softmax(const Tensor& x, Tensor& y, bool causal) = 0;
+  // dx = y * (dy - sum(dy * y)).
+  virtual void softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
+  virtual void log_softmax(const Tensor& x, Tensor& y) = 0;
+  // dx = dy - exp(y) * sum(dy).
+  virtual void log_softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
+  // x [..., C], gamma/beta [C]; mean/rstd [prod(leading dims)] are saved for
+  // the backward (f32 for f32 x, f64 for f64 x).
+  virtual void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps,
+                          Tensor& y, Tensor& mean, Tensor& rstd) = 0;
+  virtual void layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                   const Tensor& mean, const Tensor& rstd, Tensor& dx,
+                                   Tensor& dgamma, Tensor& dbeta) = 0;
+  // logits [N, C], labels i32 [N] in [0, C) -> loss scalar = mean_n
+  // -log softmax(logits)[n, label[n]]. Out-of-range labels throw ShapeError.
+  virtual void cross_entropy(const Tensor& logits, const Tensor& labels, Tensor& loss) = 0;
+  // dlogits = dloss * (softmax(logits) - onehot(labels)) / N.
+  virtual void cross_entropy_backward(const Tensor& logits, const Tensor& labels,
+                                      const Tensor& dloss, Tensor& dlogits) = 0;
+
+  // ---- embeddings ----
+  // table [V, C], ids i32 [...] -> y [..., C]. Out-of-range ids throw.
+  virtual void embedding(const Tensor& table, const Tensor& ids, Tensor& y) = 0;
+  // dtable = scatter-add of dy rows at ids (dtable is overwritten: zeroed first).
+  virtual void embedding_backward(const Tensor& dy, const Tensor& ids, Tensor& dtable) = 0;
+
+  // ---- convolution and pooling (NCHW, weights OIHW) ----
+  // bias [O] may be undefined (Tensor()).
+  virtual void conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y,
+                      const Conv2dParams& p) = 0;
+  virtual void conv2d_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx,
+                                    const Conv2dParams& p) = 0;
+  // dbias may be undefined (no bias).
+  virtual void conv2d_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw,
+                                      Tensor& dbias, const Conv2dParams& p) = 0;
+  // y [N,C,OH,OW]; argmax i32 [N,C,OH,OW] holds the flat index (h * W + w)
+  // inside the input plane of the chosen element.
+  virtual void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& p) = 0;
+  virtual void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) = 0;
+};
+
+}  // namespace mt
