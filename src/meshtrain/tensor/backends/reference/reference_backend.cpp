@@ -1,0 +1,364 @@
+// Reference kernels: matmul and the element-wise / layout kernels.
+#include "meshtrain/tensor/backends/reference/reference_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numbers>
+#include <vector>
+
+#include <fmt/ranges.h>
+
+#include "meshtrain/tensor/backends/reference/reference_util.h"
+
+namespace mt {
+
+using namespace reference;
+
+void ReferenceBackend::set_num_threads(int n) {
+  if (n < 1) {
+    throw ConfigError(fmt::format("reference backend: set_num_threads({}): need at least 1", n));
+  }
+}
+
+// ---- matmul ----
+
+namespace {
+
+struct MatmulDims {
+  int64_t batch = 1, m = 0, k = 0, n = 0;
+  bool shared_b = false;
+};
+
+MatmulDims check_matmul(const Tensor& a, const Tensor& b, const Tensor& c, const MatmulParams& p) {
+  const char* K = "matmul";
+  require_defined(K, "a", a);
+  require_defined(K, "b", b);
+  require_defined(K, "c", c);
+  require_same_dtype(K, "a", a, "b", b);
+  const DType in = a.dtype();
+  if (!is_float(in)) fail(K, "a {} and b {} must be floating point", a.desc(), b.desc());
+  const DType want_c = (in == DType::bf16 || in == DType::f16) ? DType::f32 : in;
+  if (c.dtype() != want_c) {
+    fail(K, "c {} must be {} for inputs a {} and b {}", c.desc(), dtype_name(want_c), a.desc(),
+         b.desc());
+  }
+  MatmulDims d;
+  if (a.rank() == 2) {
+    if (b.rank() != 2) {
+      fail(K, "a {} is rank 2 but b {} is rank {} (expected 2)", a.desc(), b.desc(), b.rank());
+    }
+  } else if (a.rank() == 3) {
+    if (b.rank() != 2 && b.rank() != 3) {
+      fail(K, "a {} is rank 3 but b {} is rank {} (expected 2 or 3)", a.desc(), b.desc(), b.rank());
+    }
+    d.batch = a.shape()[0];
+    d.shared_b = b.rank() == 2;
+    if (!d.shared_b && b.shape()[0] != d.batch) {
+      fail(K, "batch sizes differ: a {} vs b {}", a.desc(), b.desc());
+    }
+  } else {
+    fail(K, "a {} must have rank 2 or 3", a.desc());
+  }
+  const Shape& as = a.shape();
+  const Shape& bs = b.shape();
+  d.m = p.trans_a ? as[-1] : as[-2];
+  d.k = p.trans_a ? as[-2] : as[-1];
+  const int64_t kb = p.trans_b ? bs[-1] : bs[-2];
+  d.n = p.trans_b ? bs[-2] : bs[-1];
+  if (d.k != kb) {
+    fail(K, "inner dimensions differ: a {} (trans_a={}) vs b {} (trans_b={})", a.desc(),
+         int{p.trans_a}, b.desc(), int{p.trans_b});
+  }
+  const Shape want = a.rank() == 3 ? Shape{d.batch, d.m, d.n} : Shape{d.m, d.n};
+  if (!(c.shape() == want)) {
+    fail(K, "c is {}, expected shape {} for a {} (trans_a={}) and b {} (trans_b={})", c.desc(),
+         want.str(), a.desc(), int{p.trans_a}, b.desc(), int{p.trans_b});
+  }
+  return d;
+}
+
+// Copies op(src) of one batch entry into a row-major double matrix [rows, cols].
+template <class T>
+void load_operand(const T* src, bool trans, int64_t rows, int64_t cols, std::vector<double>& dst) {
+  dst.resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t q = 0; q < cols; ++q) {
+      dst[static_cast<size_t>(r * cols + q)] = load(src, trans ? q * rows + r : r * cols + q);
+    }
+  }
+}
+
+template <class In, class Out>
+void matmul_typed(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p,
+                  const MatmulDims& d) {
+  const In* pa = static_cast<const In*>(a.raw());
+  const In* pb = static_cast<const In*>(b.raw());
+  Out* pc = static_cast<Out*>(c.raw());
+  std::vector<double> am, bm, acc(static_cast<size_t>(d.n));
+  for (int64_t bi = 0; bi < d.batch; ++bi) {
+    load_operand(pa + bi * d.m * d.k, p.trans_a, d.m, d.k, am);
+    if (bi == 0 || !d.shared_b) {
+      load_operand(pb + (d.shared_b ? 0 : bi * d.k * d.n), p.trans_b, d.k, d.n, bm);
+    }
+    Out* cb = pc + bi * d.m * d.n;
+    for (int64_t i = 0; i < d.m; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      // i-k-j order: the innermost loop runs along contiguous rows of bm.
+      for (int64_t kk = 0; kk < d.k; ++kk) {
+        const double aik = am[static_cast<size_t>(i * d.k + kk)];
+        const double* brow = bm.data() + kk * d.n;
+        for (int64_t j = 0; j < d.n; ++j) acc[static_cast<size_t>(j)] += aik * brow[j];
+      }
+      Out* crow = cb + i * d.n;
+      for (int64_t j = 0; j < d.n; ++j) {
+        double v = double{p.alpha} * acc[static_cast<size_t>(j)];
+        // beta == 0 must not read c: it may hold uninitialised memory.
+        if (p.beta != 0.0f) v += double{p.beta} * static_cast<double>(crow[j]);
+        crow[j] = static_cast<Out>(v);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void ReferenceBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) {
+  const MatmulDims d = check_matmul(a, b, c, p);
+  switch (a.dtype()) {
+    case DType::f32:
+      matmul_typed<float, float>(a, b, c, p, d);
+      break;
+    case DType::f64:
+      matmul_typed<double, double>(a, b, c, p, d);
+      break;
+    case DType::bf16:
+      matmul_typed<bf16, float>(a, b, c, p, d);
+      break;
+    case DType::f16:
+      matmul_typed<f16, float>(a, b, c, p, d);
+      break;
+    default:
+      MT_CHECK(false, "matmul: dtype {} passed the checks", dtype_name(a.dtype()));
+  }
+}
+
+// ---- element-wise ----
+
+namespace {
+
+constexpr double kGeluC = 0.044715;
+const double kSqrt2OverPi = std::sqrt(2.0 / std::numbers::pi);
+
+double unary_value(UnaryOp op, double x) {
+  switch (op) {
+    case UnaryOp::relu:
+      return x < 0.0 ? 0.0 : x;
+    case UnaryOp::gelu:
+      return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + kGeluC * x * x * x)));
+    case UnaryOp::tanh:
+      return std::tanh(x);
+    case UnaryOp::sigmoid:
+      return 1.0 / (1.0 + std::exp(-x));
+  }
+  MT_CHECK(false, "unknown UnaryOp {}", static_cast<int>(op));
+  return 0.0;
+}
+
+double unary_derivative(UnaryOp op, double x) {
+  switch (op) {
+    case UnaryOp::relu:
+      return x > 0.0 ? 1.0 : 0.0;
+    case UnaryOp::gelu: {
+      const double t = std::tanh(kSqrt2OverPi * (x + kGeluC * x * x * x));
+      const double du = kSqrt2OverPi * (1.0 + 3.0 * kGeluC * x * x);
+      return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du;
+    }
+    case UnaryOp::tanh: {
+      const double t = std::tanh(x);
+      return 1.0 - t * t;
+    }
+    case UnaryOp::sigmoid: {
+      const double s = 1.0 / (1.0 + std::exp(-x));
+      return s * (1.0 - s);
+    }
+  }
+  MT_CHECK(false, "unknown UnaryOp {}", static_cast<int>(op));
+  return 0.0;
+}
+
+double binary_value(BinaryOp op, double a, double b) {
+  switch (op) {
+    case BinaryOp::add:
+      return a + b;
+    case BinaryOp::sub:
+      return a - b;
+    case BinaryOp::mul:
+      return a * b;
+    case BinaryOp::div:
+      return a / b;
+  }
+  MT_CHECK(false, "unknown BinaryOp {}", static_cast<int>(op));
+  return 0.0;
+}
+
+}  // namespace
+
+void ReferenceBackend::unary(UnaryOp op, const Tensor& x, Tensor& y) {
+  const char* K = "unary";
+  require_f32_f64(K, "x", x);
+  require_like(K, "y", y, "x", x);
+  dispatch_f32_f64(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      py[i] = static_cast<T>(unary_value(op, static_cast<double>(px[i])));
+    }
+  });
+}
+
+void ReferenceBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y,
+                                      const Tensor& dy, Tensor& dx) {
+  const char* K = "unary_backward";
+  require_f32_f64(K, "x", x);
+  if (y.defined()) require_like(K, "y", y, "x", x);
+  require_like(K, "dy", dy, "x", x);
+  require_like(K, "dx", dx, "x", x);
+  dispatch_f32_f64(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    const T* pdy = dy.data<T>();
+    T* pdx = dx.data<T>();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      const double g =
+          static_cast<double>(pdy[i]) * unary_derivative(op, static_cast<double>(px[i]));
+      pdx[i] = static_cast<T>(g);
+    }
+  });
+}
+
+void ReferenceBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c) {
+  const char* K = "binary";
+  require_f32_f64(K, "a", a);
+  require_defined(K, "b", b);
+  require_same_dtype(K, "a", a, "b", b);
+  require_like(K, "c", c, "a", a);
+  const int64_t nb = b.numel();
+  if (nb != 1 && !is_suffix(b.shape(), a.shape())) {
+    fail(K, "b {} is neither a scalar nor a suffix of a {}", b.desc(), a.desc());
+  }
+  dispatch_f32_f64(a.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* pa = a.data<T>();
+    const T* pb = b.data<T>();
+    T* pc = c.data<T>();
+    // A suffix of a's shape repeats every nb elements of a's row-major order.
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      pc[i] = static_cast<T>(
+          binary_value(op, static_cast<double>(pa[i]), static_cast<double>(pb[i % nb])));
+    }
+  });
+}
+
+void ReferenceBackend::scale(const Tensor& x, Tensor& y, double alpha, double beta) {
+  const char* K = "scale";
+  require_f32_f64(K, "x", x);
+  require_like(K, "y", y, "x", x);
+  dispatch_f32_f64(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      double v = alpha * static_cast<double>(px[i]);
+      // As in matmul, beta == 0 means y is write-only.
+      if (beta != 0.0) v += beta * static_cast<double>(py[i]);
+      py[i] = static_cast<T>(v);
+    }
+  });
+}
+
+void ReferenceBackend::sum_to(const Tensor& x, Tensor& y) {
+  const char* K = "sum_to";
+  require_f32_f64(K, "x", x);
+  require_defined(K, "y", y);
+  require_same_dtype(K, "x", x, "y", y);
+  const int64_t ny = y.numel();
+  if (ny != 1 && !is_suffix(y.shape(), x.shape())) {
+    fail(K, "y {} is neither a scalar nor a suffix of x {}", y.desc(), x.desc());
+  }
+  dispatch_f32_f64(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    std::vector<double> acc(static_cast<size_t>(ny), 0.0);
+    for (int64_t i = 0; i < x.numel(); ++i) acc[static_cast<size_t>(i % ny)] += px[i];
+    for (int64_t j = 0; j < ny; ++j) py[j] = static_cast<T>(acc[static_cast<size_t>(j)]);
+  });
+}
+
+void ReferenceBackend::cast(const Tensor& x, Tensor& y) {
+  const char* K = "cast";
+  require_defined(K, "x", x);
+  require_defined(K, "y", y);
+  require_same_shape(K, "x", x, "y", y);
+  convert(x, y);
+}
+
+void ReferenceBackend::permute(const Tensor& x, Tensor& y, const std::vector<int>& perm) {
+  const char* K = "permute";
+  require_defined(K, "x", x);
+  require_defined(K, "y", y);
+  require_same_dtype(K, "x", x, "y", y);
+  const int rank = x.rank();
+  const std::string perm_str = fmt::format("[{}]", fmt::join(perm, ", "));
+  if (static_cast<int>(perm.size()) != rank) {
+    fail(K, "perm {} has {} entries for x {} of rank {}", perm_str, perm.size(), x.desc(), rank);
+  }
+  std::vector<bool> seen(static_cast<size_t>(rank), false);
+  for (int a : perm) {
+    if (a < 0 || a >= rank || seen[static_cast<size_t>(a)]) {
+      fail(K, "perm {} is not a permutation of the axes of x {}", perm_str, x.desc());
+    }
+    seen[static_cast<size_t>(a)] = true;
+  }
+  std::vector<int64_t> want(static_cast<size_t>(rank));
+  for (int i = 0; i < rank; ++i)
+    want[static_cast<size_t>(i)] = x.shape()[perm[static_cast<size_t>(i)]];
+  if (!(y.shape() == Shape(want))) {
+    fail(K, "y is {}, expected shape {} for x {} and perm {}", y.desc(), Shape(want).str(),
+         x.desc(), perm_str);
+  }
+  if (x.numel() == 0) return;
+
+  // Walk y in row-major order with a multi-index; src_stride[i] is the step in
+  // x when y's index i grows by one.
+  std::vector<int64_t> x_stride(static_cast<size_t>(rank), 1);
+  for (int i = rank - 2; i >= 0; --i) {
+    x_stride[static_cast<size_t>(i)] = x_stride[static_cast<size_t>(i + 1)] * x.shape()[i + 1];
+  }
+  std::vector<int64_t> src_stride(static_cast<size_t>(rank));
+  for (int i = 0; i < rank; ++i) {
+    src_stride[static_cast<size_t>(i)] =
+        x_stride[static_cast<size_t>(perm[static_cast<size_t>(i)])];
+  }
+  const size_t es = dtype_size(x.dtype());
+  const auto* src = static_cast<const unsigned char*>(x.raw());
+  auto* dst = static_cast<unsigned char*>(y.raw());
+  std::vector<int64_t> idx(static_cast<size_t>(rank), 0);
+  int64_t off = 0;
+  for (int64_t i = 0; i < y.numel(); ++i) {
+    std::memcpy(dst + static_cast<size_t>(i) * es, src + static_cast<size_t>(off) * es, es);
+    for (int d = rank - 1; d >= 0; --d) {
+      const auto ud = static_cast<size_t>(d);
+      if (++idx[ud] < want[ud]) {
+        off += src_stride[ud];
+        break;
+      }
+      off -= src_stride[ud] * (want[ud] - 1);
+      idx[ud] = 0;
+    }
+  }
+}
+
+}  // namespace mt

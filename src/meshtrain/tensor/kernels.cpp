@@ -1,0 +1,45 @@
+#include "meshtrain/tensor/kernels.h"
+
+#include <memory>
+#include <string>
+
+#include <fmt/ranges.h>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/tensor/backends/reference/reference_backend.h"
+
+namespace mt {
+
+namespace {
+
+KernelBackend& reference_instance() {
+  static ReferenceBackend instance;
+  return instance;
+}
+
+// The fast backend hands dtypes it does not implement to the reference one.
+// Until it exists, "fast" names the reference backend itself.
+std::unique_ptr<KernelBackend> make_fast_instance(KernelBackend& /*fallback*/) {
+  return nullptr;
+}
+
+KernelBackend& fast_instance() {
+  // Function-local statics are initialised once, thread-safely.
+  static const std::unique_ptr<KernelBackend> instance = make_fast_instance(reference_instance());
+  return instance ? *instance : reference_instance();
+}
+
+}  // namespace
+
+std::vector<std::string_view> kernel_backend_names() {
+  return {"reference", "fast"};
+}
+
+KernelBackend& kernels(std::string_view name) {
+  if (name == "reference") return reference_instance();
+  if (name == "fast") return fast_instance();
+  throw ConfigError(fmt::format("unknown kernel backend '{}' (expected one of {})", name,
+                                fmt::join(kernel_backend_names(), ", ")));
+}
+
+}  // namespace mt
