@@ -1,13 +1,57 @@
-// meshtrain command-line entry point: maps sub-commands to the library and
-// library errors to exit codes (the only place that does).
+// meshtrain command-line entry point. Parses the sub-commands, maps the
+// config to options (run_config.cpp), and turns library errors into messages
+// and exit codes (the only place that does; see docs/errors.md):
+// 0 success, 1 mt::Error (bad input, peer failure), 2 usage error,
+// 3 internal error.
 #include <cstdio>
 #include <exception>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/cli/commands.h"
 
 int main(int argc, char** argv) {
-  (void)argc;
-  (void)argv;
-  std::fprintf(stderr, "meshtrain: no sub-command yet\n");
+  CLI::App app{"meshtrain: train deep neural networks on one machine or many"};
+  app.require_subcommand(1);
+
+  mt::CommandOptions opts;
+  auto add_common = [&](CLI::App* sub) {
+    sub->add_option("--config", opts.config_path, "TOML config file (see configs/)")->required();
+    sub->add_option("--set", opts.overrides, "override a config value: section.key=value")
+        ->take_all();
+  };
+
+  CLI::App* train = app.add_subcommand("train", "train a model");
+  add_common(train);
+  train->add_option("--metrics", opts.metrics_path, "write metrics as JSON lines to this file");
+  train->add_option("--nproc", opts.nproc, "number of local ranks to start (through mpirun)");
+  train->add_flag("--quiet", opts.quiet, "no progress output");
+
+  CLI::App* inspect = app.add_subcommand("inspect", "print the model graph and its costs");
+  add_common(inspect);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  try {
+    if (train->parsed()) return mt::cmd_train(opts, argc, argv);
+    if (inspect->parsed()) return mt::cmd_inspect(opts);
+  } catch (const mt::InternalError& e) {
+    std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
+    return 3;
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
+    return 3;
+  }
   return 2;
 }

@@ -1,0 +1,69 @@
+#include "meshtrain/cli/commands.h"
+
+#include <fmt/format.h>
+
+#include "meshtrain/cli/config.h"
+#include "meshtrain/cli/run_config.h"
+#include "meshtrain/exec/executor.h"
+#include "meshtrain/graph/autodiff.h"
+#include "meshtrain/graph/cost.h"
+#include "meshtrain/graph/print.h"
+#include "meshtrain/train/trainer.h"
+
+namespace mt {
+
+namespace {
+RunConfig load(const CommandOptions& opts) {
+  Config c = Config::load(opts.config_path);
+  c.set_all(opts.overrides);
+  return read_run_config(c);
+}
+}  // namespace
+
+int cmd_train(const CommandOptions& opts, int argc, char** argv) {
+  (void)argc;
+  (void)argv;
+  RunConfig rc = load(opts);
+  if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
+  rc.train.progress = !opts.quiet;
+  auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
+  auto test_data = open_dataset(rc.data, rc.model, DataSplit::test);
+  if (!opts.quiet) {
+    fmt::print(stderr, "meshtrain: training {} on {} ({} threads, {})\n", rc.model.kind,
+               train_data->describe(), rc.train.threads, dtype_name(rc.train.precision));
+  }
+  Trainer trainer(rc.model, train_data, test_data, rc.train);
+  TrainResult r = trainer.run();
+  fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,
+             r.samples_per_s);
+  if (rc.train.eval) {
+    fmt::print("final test accuracy: {:.2f}%  (test loss {:.4f})\n", 100.0 * r.test_accuracy,
+               r.test_loss);
+  }
+  if (!rc.train.checkpoint_path.empty()) fmt::print("checkpoint: {}\n", rc.train.checkpoint_path);
+  return 0;
+}
+
+int cmd_inspect(const CommandOptions& opts) {
+  RunConfig rc = load(opts);
+  ModelSpec spec = rc.model;
+  spec.compute = rc.train.precision;
+  ModelGraph m = build_model(spec, rc.train.batch_size);
+  build_backward(m.graph, m.loss);
+  fmt::print("{}", describe(m.graph));
+  Executor ex(m.graph, rc.train.exec);
+  const MemoryPlan& plan = ex.memory_plan();
+  const OpCost cost = graph_cost(m.graph);
+  fmt::print("\nparameters: {} ({})\n", m.graph.param_count(),
+             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"));
+  fmt::print("FLOPs per training step (forward + backward): {}\n", human_count(cost.flops, "FLOP"));
+  fmt::print("planned peak activation memory: {} (without reuse: {})\n",
+             human_count(static_cast<double>(plan.arena_bytes), "B"),
+             human_count(static_cast<double>(plan.unplanned_bytes), "B"));
+  fmt::print("parameters + gradients: {} + {}\n",
+             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"),
+             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"));
+  return 0;
+}
+
+}  // namespace mt

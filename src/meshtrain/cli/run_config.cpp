@@ -1,0 +1,132 @@
+#include "meshtrain/cli/run_config.h"
+
+#include "meshtrain/data/byte_text.h"
+#include "meshtrain/data/fashion_mnist.h"
+
+namespace mt {
+
+namespace {
+
+ModelSpec read_model(const Config& c) {
+  ModelSpec m;
+  m.kind = c.get_string("model.kind", "mlp", {"mlp", "cnn", "gpt"});
+  if (m.kind == "mlp") {
+    m.hidden = c.get_int_list("model.hidden", m.hidden, Bounds<int64_t>::positive());
+  } else if (m.kind == "cnn") {
+    m.conv_channels =
+        c.get_int_list("model.conv_channels", m.conv_channels, Bounds<int64_t>::positive());
+    m.fc = c.get_int("model.fc", m.fc, Bounds<int64_t>::positive());
+  } else {
+    m.layers = c.get_int("model.layers", m.layers, Bounds<int64_t>::positive());
+    m.d_model = c.get_int("model.d_model", m.d_model, Bounds<int64_t>::positive());
+    m.heads = c.get_int("model.heads", m.heads, Bounds<int64_t>::positive());
+    m.seq_len = c.get_int("model.seq_len", m.seq_len, Bounds<int64_t>::positive());
+  }
+  return m;
+}
+
+DataSpec read_data(const Config& c, const ModelSpec& m) {
+  DataSpec d;
+  d.kind = c.get_string("data.kind", m.kind == "gpt" ? "text" : "fashion_mnist",
+                        {"fashion_mnist", "text"});
+  if ((d.kind == "text") != (m.kind == "gpt")) {
+    throw ConfigError(
+        fmt::format("config {}: data.kind '{}' does not fit model.kind '{}' (gpt "
+                    "trains on text, mlp and cnn on fashion_mnist)",
+                    c.source(), d.kind, m.kind));
+  }
+  if (d.kind == "fashion_mnist") {
+    d.dir = c.get_string("data.dir", kFashionMnistDefaultDir);
+  } else {
+    d.path = c.get_string("data.path", kFortunesDefaultDir);
+    d.test_fraction = c.get_double("data.test_fraction", 0.1, Bounds<double>::in(0.0, 0.9));
+  }
+  d.limit_train = c.get_int("data.limit_train", -1, Bounds<int64_t>::at_least(-1));
+  d.limit_test = c.get_int("data.limit_test", -1, Bounds<int64_t>::at_least(-1));
+  return d;
+}
+
+TrainerOptions read_train(const Config& c) {
+  TrainerOptions t;
+  t.epochs = c.get_int("train.epochs", 1, Bounds<int64_t>::non_negative());
+  t.max_steps = c.get_int("train.steps", 0, Bounds<int64_t>::non_negative());
+  t.batch_size = c.get_int("train.batch_size", 128, Bounds<int64_t>::positive());
+  t.eval_batch_size = c.get_int("train.eval_batch_size", 1000, Bounds<int64_t>::positive());
+  t.seed = static_cast<uint64_t>(c.get_int("train.seed", 1, Bounds<int64_t>::non_negative()));
+  t.threads = static_cast<int>(c.get_int("train.threads", 1, Bounds<int64_t>::in(1, 256)));
+  t.precision = parse_dtype(c.get_string("train.precision", "f32", {"f32", "bf16", "f16"}));
+  t.eval = c.get_bool("train.eval", true);
+  t.log_every = c.get_int("train.log_every", 50, Bounds<int64_t>::positive());
+  t.checkpoint_path = c.get_string("train.checkpoint", "");
+  t.checkpoint_every = c.get_int("train.checkpoint_every", 0, Bounds<int64_t>::non_negative());
+  t.resume_path = c.get_string("train.resume", "");
+
+  t.optimizer = c.get_string("optim.name", "sgd", {"sgd", "adamw", "lars", "lamb"});
+  const double wd = c.get_double("optim.weight_decay", t.optimizer == "sgd" ? 0.0 : 0.01,
+                                 Bounds<double>::non_negative());
+  OptimizerOptions& op = t.optim;
+  if (t.optimizer == "sgd") {
+    op.sgd.momentum = c.get_double("optim.momentum", 0.9, Bounds<double>::in(0.0, 1.0));
+    op.sgd.nesterov = c.get_bool("optim.nesterov", false);
+    op.sgd.weight_decay = wd;
+  } else if (t.optimizer == "adamw") {
+    op.adamw.beta1 = c.get_double("optim.beta1", 0.9, Bounds<double>::in(0.0, 1.0));
+    op.adamw.beta2 = c.get_double("optim.beta2", 0.999, Bounds<double>::in(0.0, 1.0));
+    op.adamw.eps = c.get_double("optim.eps", 1e-8, Bounds<double>::positive());
+    op.adamw.weight_decay = wd;
+  } else if (t.optimizer == "lars") {
+    op.lars.momentum = c.get_double("optim.momentum", 0.9, Bounds<double>::in(0.0, 1.0));
+    op.lars.trust_coefficient =
+        c.get_double("optim.trust_coefficient", 0.001, Bounds<double>::positive());
+    op.lars.weight_decay = wd;
+  } else {
+    op.lamb.beta1 = c.get_double("optim.beta1", 0.9, Bounds<double>::in(0.0, 1.0));
+    op.lamb.beta2 = c.get_double("optim.beta2", 0.999, Bounds<double>::in(0.0, 1.0));
+    op.lamb.eps = c.get_double("optim.eps", 1e-6, Bounds<double>::positive());
+    op.lamb.weight_decay = wd;
+  }
+  t.schedule.lr = c.get_double("optim.lr", 0.01, Bounds<double>::positive());
+  t.schedule.kind =
+      parse_lr_schedule_kind(c.get_string("optim.schedule", "constant", {"constant", "cosine"}));
+  t.schedule.warmup_steps = c.get_int("optim.warmup_steps", 0, Bounds<int64_t>::non_negative());
+  t.schedule.min_lr = c.get_double("optim.min_lr", 0.0, Bounds<double>::non_negative());
+  t.clip_grad_norm = c.get_double("optim.clip_grad_norm", 0.0, Bounds<double>::non_negative());
+
+  t.exec.backend = c.get_string("exec.backend", "fast", {"fast", "reference"});
+  t.exec.recompute = c.get_bool("exec.recompute", false);
+  return t;
+}
+
+}  // namespace
+
+RunConfig read_run_config(const Config& c) {
+  RunConfig r;
+  r.model = read_model(c);
+  r.data = read_data(c, r.model);
+  r.train = read_train(c);
+  r.nproc = static_cast<int>(c.get_int("dist.nproc", 1, Bounds<int64_t>::in(1, 1024)));
+  c.check_all_used();
+  return r;
+}
+
+std::shared_ptr<const Dataset> open_dataset(const DataSpec& d, const ModelSpec& m,
+                                            DataSplit split) {
+  const int64_t limit = split == DataSplit::train ? d.limit_train : d.limit_test;
+  if (d.kind == "fashion_mnist") {
+    FashionMnistOptions o;
+    o.dir = d.dir;
+    o.split = split;
+    o.limit = limit;
+    o.flatten = m.kind == "mlp";
+    return std::make_shared<FashionMnist>(o);
+  }
+  ByteTextOptions o;
+  o.path = d.path;
+  o.seq_len = m.seq_len;
+  o.split = split;
+  o.test_fraction = d.test_fraction;
+  o.limit = limit;
+  return std::make_shared<ByteText>(o);
+}
+
+}  // namespace mt

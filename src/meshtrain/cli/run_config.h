@@ -1,0 +1,40 @@
+// Maps a Config (TOML file + --set overrides) onto the options of every
+// component: the one place where config keys are known. Each getter names
+// the key in its errors; after reading, unknown keys are reported.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "meshtrain/cli/config.h"
+#include "meshtrain/data/dataset.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/train/trainer.h"
+
+namespace mt {
+
+struct DataSpec {
+  std::string kind = "fashion_mnist";  // or "text"
+  std::string dir;                     // fashion_mnist: directory of the idx files
+  std::string path;                    // text: file or directory
+  int64_t limit_train = -1;            // examples (windows for text); -1 = all
+  int64_t limit_test = -1;
+  double test_fraction = 0.1;  // text only
+};
+
+struct RunConfig {
+  ModelSpec model;
+  DataSpec data;
+  TrainerOptions train;
+  int nproc = 1;
+};
+
+// Reads every known key; throws ConfigError for wrong values and, at the end,
+// for keys nobody read.
+RunConfig read_run_config(const Config& config);
+
+// Opens the train and test splits the DataSpec names (FileError if missing).
+std::shared_ptr<const Dataset> open_dataset(const DataSpec& spec, const ModelSpec& model,
+                                            DataSplit split);
+
+}  // namespace mt

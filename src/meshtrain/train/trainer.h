@@ -1,0 +1,89 @@
+// The training loop: builds the model's training graph (forward + backward),
+// owns the parameters (ParamStore), the optimizer, the LR schedule, the data
+// loaders and the executors, and runs epochs of steps with periodic
+// evaluation, metrics (JSON lines), progress output and checkpoints.
+//
+// Determinism: with the same options and seed, two runs produce bitwise
+// identical losses and parameters (parameters are initialised from streams
+// derived from the seed, batches come from the seeded DataLoader, kernels are
+// deterministic for a fixed thread count). Resuming from a checkpoint written
+// at step s continues exactly as the uninterrupted run would.
+//
+// run() blocks until training ends. One Trainer per process (rank).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "meshtrain/data/dataset.h"
+#include "meshtrain/exec/executor.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/train/loss_scaler.h"
+#include "meshtrain/train/lr_schedule.h"
+#include "meshtrain/train/optimizer.h"
+
+namespace mt {
+
+struct TrainerOptions {
+  int64_t epochs = 1;
+  int64_t max_steps = 0;  // > 0: stop after this many optimizer steps in total
+  int64_t batch_size = 128;
+  int64_t eval_batch_size = 1000;
+  uint64_t seed = 1;
+  int threads = 1;
+  DType precision = DType::f32;  // f32, bf16 (mixed) or f16 (mixed, dynamic loss scaling)
+  bool eval = true;              // evaluate on the test split after each epoch
+  int64_t log_every = 50;        // steps between metrics lines
+  bool progress = true;          // progress bar / lines on stderr
+  std::string metrics_path;      // JSON lines; empty: none
+  std::string checkpoint_path;   // written at the end (and every checkpoint_every steps)
+  int64_t checkpoint_every = 0;
+  std::string resume_path;  // continue from this checkpoint
+
+  std::string optimizer = "sgd";
+  OptimizerOptions optim;
+  LrScheduleOptions schedule;   // total_steps is filled in from the run length
+  double clip_grad_norm = 0.0;  // 0: no clipping
+  LossScalerOptions loss_scaler;
+  ExecOptions exec;
+};
+
+struct TrainResult {
+  int64_t steps = 0;
+  double final_loss = 0;  // training loss of the last step
+  double test_loss = 0;
+  double test_accuracy = 0;  // fraction in [0, 1]; next-token accuracy for text
+  double samples_per_s = 0;  // median over steps after warm-up
+  double matmul_gflops = 0;  // matmul FLOPs / matmul time inside training steps
+  int64_t planned_arena_bytes = 0;
+  std::vector<double> losses;  // per step
+};
+
+class Trainer {
+ public:
+  // Builds the graphs and loaders; throws ConfigError / ShapeError /
+  // FileError / CheckpointError for bad options, models or files.
+  Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
+          std::shared_ptr<const Dataset> test_data, TrainerOptions options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  TrainResult run();
+
+  // Evaluates on the whole test split: {loss, accuracy}.
+  std::pair<double, double> evaluate();
+
+  // The training graph (forward + backward) and its executor's memory plan.
+  const Graph& train_graph() const;
+  const MemoryPlan& memory_plan() const;
+  class ParamStore& params();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mt
