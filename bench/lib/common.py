@@ -1,0 +1,269 @@
+"""Shared machinery of bench/run: where the binaries and the PyTorch venv are,
+how children are started (thread pinning, time limit, peak RSS through
+os.wait4), and how result lines are printed.
+
+stdout carries only JSON lines; everything meant for a person goes to stderr.
+"""
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PEERS = REPO / "bench" / "peers"
+
+# Seconds a single child may run before it is killed; keeps a suite bounded
+# when something hangs (a rank that never joins, a stuck compile).
+DEFAULT_CHILD_TIMEOUT_S = 420
+
+
+class BenchError(Exception):
+    """A failure that ends the suite (not one measurement): missing build,
+    venv that cannot be created, unknown suite."""
+
+
+# Global batch, timed steps and warm-up steps (normal, --quick) per model, and
+# the unit of its throughput lines (GPT's samples are sequences of seq tokens).
+MODEL_PLAN = {
+    "mlp": {"batch": 128, "steps": (60, 20), "warmup": (10, 3), "unit": "samples/s", "seq": 1},
+    "cnn": {"batch": 128, "steps": (30, 8), "warmup": (5, 2), "unit": "samples/s", "seq": 1},
+    "gpt": {"batch": 16, "steps": (20, 6), "warmup": (5, 2), "unit": "tokens/s", "seq": 128},
+}
+
+
+def parse_models(text):
+    """Model names from a comma-separated --models value."""
+    models = [m for m in text.split(",") if m]
+    for m in models:
+        if m not in MODEL_PLAN:
+            raise BenchError(f"--models: unknown model '{m}' (expected {', '.join(MODEL_PLAN)})")
+    return models
+
+
+def steps_for(ctx, model):
+    """(timed steps, warm-up steps) for model under ctx's --quick."""
+    q = 1 if ctx.quick else 0
+    return MODEL_PLAN[model]["steps"][q], MODEL_PLAN[model]["warmup"][q]
+
+
+class ChildResult:
+    """What one finished child process left: exit status, its output files,
+    peak RSS in KiB (ru_maxrss of the child and the descendants it reaped) and
+    wall time in seconds."""
+
+    def __init__(self, cmd, rc, stdout, stderr, maxrss_kib, wall_s, timed_out):
+        self.cmd = cmd
+        self.rc = rc
+        self.stdout = stdout
+        self.stderr = stderr
+        self.maxrss_kib = maxrss_kib
+        self.wall_s = wall_s
+        self.timed_out = timed_out
+
+    @property
+    def ok(self):
+        return self.rc == 0 and not self.timed_out
+
+    def failure(self):
+        """One-line reason for a failed child, with the tail of its stderr."""
+        what = "timed out" if self.timed_out else f"exit status {self.rc}"
+        tail = " | ".join(line for line in self.stderr.strip().splitlines()[-4:])
+        return f"{Path(self.cmd[0]).name} {what}" + (f": {tail}" if tail else "")
+
+    def json_lines(self):
+        """The JSON objects this child printed on stdout, in order."""
+        out = []
+        for line in self.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+
+def thread_env(n):
+    """Environment that pins every BLAS / OpenMP runtime to n threads."""
+    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n), "OPENBLAS_NUM_THREADS": str(n)}
+
+
+def mpi_env():
+    """Lets Open MPI's launcher run as root, as it does on CI and here."""
+    return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def median(values):
+    return statistics.median(values) if values else None
+
+
+def ratio(num, den):
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def mib(kib):
+    return None if kib is None else round(kib / 1024.0, 1)
+
+
+class Context:
+    """One invocation of bench/run: the options, the build and venv it uses,
+    a scratch directory, and the printer of result lines. Not thread-safe."""
+
+    def __init__(self, suite, args):
+        self.suite = suite
+        self.args = args
+        self.quick = args.quick
+        self.build_dir = Path(os.environ.get("MT_BUILD_DIR", REPO / "build")).resolve()
+        self.default_build = self.build_dir == (REPO / "build").resolve()
+        self.venv = Path(os.environ.get("MT_BENCH_VENV", self.build_dir / "bench-venv")).resolve()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"mt-bench-{suite}-"))
+        self.errors = 0
+        self.started = time.monotonic()
+        self._built = False
+        self._torch_python = None
+
+    # ---- output -----------------------------------------------------------
+
+    def emit(self, line):
+        """Prints one result line; "suite" first, floats rounded for reading,
+        the load average added."""
+        out = {"suite": self.suite}
+        for k, v in line.items():
+            if isinstance(v, float):
+                v = round(v, 4) if abs(v) < 100 else round(v, 1)
+            out[k] = v
+        # The box is shared: the 1-minute load average, taken as the line is
+        # printed (right after its runs), tells a reader how noisy it was.
+        out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+        if out.get("error"):
+            self.errors += 1
+        print(json.dumps(out), flush=True)
+
+    def log(self, msg):
+        t = time.monotonic() - self.started
+        print(f"[bench {self.suite} {t:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def cleanup(self):
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # ---- children ---------------------------------------------------------
+
+    def start(self, cmd, env_extra=None, name="child"):
+        """Starts cmd in its own process group with stdout/stderr to files in
+        the scratch directory; returns (Popen, stdout path, stderr path)."""
+        env = dict(os.environ)
+        env.update(env_extra or {})
+        out_path = self.workdir / f"{name}.out"
+        err_path = self.workdir / f"{name}.err"
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            p = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env,
+                                 cwd=REPO, start_new_session=True)
+        return p, out_path, err_path
+
+    def finish(self, started, timeout_s=DEFAULT_CHILD_TIMEOUT_S):
+        """Waits for children from start() with os.wait4 (for ru_maxrss),
+        killing a child's process group when its time is up."""
+        t0 = time.monotonic()
+        results = []
+        for p, out_path, err_path in started:
+            timed_out = threading.Event()
+
+            def kill(proc=p, flag=timed_out):
+                flag.set()
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+            left = max(1.0, timeout_s - (time.monotonic() - t0))
+            timer = threading.Timer(left, kill)
+            timer.start()
+            try:
+                _, status, ru = os.wait4(p.pid, 0)
+            finally:
+                timer.cancel()
+            p.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait again
+            results.append(ChildResult(p.args, p.returncode,
+                                       out_path.read_text(errors="replace"),
+                                       err_path.read_text(errors="replace"), ru.ru_maxrss,
+                                       time.monotonic() - t0, timed_out.is_set()))
+        return results
+
+    def run(self, cmd, env_extra=None, name="child", timeout_s=DEFAULT_CHILD_TIMEOUT_S):
+        return self.finish([self.start(cmd, env_extra, name)], timeout_s)[0]
+
+    # ---- what the suites need ---------------------------------------------
+
+    def binary(self, rel):
+        return self.build_dir / rel
+
+    def ensure_built(self, rel):
+        """Returns the path of build_dir/rel, building meshtrain first when it
+        is missing (scripts/setup for the default build/, else the CMake target
+        of that name). Raises BenchError if it still is not there."""
+        path = self.binary(rel)
+        if path.exists() or self._built:
+            if not path.exists():
+                raise BenchError(f"{path} does not exist after building")
+            return path
+        self._built = True
+        if self.default_build:
+            self.log(f"{path} is missing: running scripts/setup (apt packages + build)")
+            cmd = [str(REPO / "scripts" / "setup")]
+        else:
+            target = Path(rel).name
+            self.log(f"{path} is missing: building target {target} in {self.build_dir}")
+            cmd = ["cmake", "--build", str(self.build_dir), "--target", target]
+        rc = subprocess.call(cmd, cwd=REPO, stdout=sys.stderr, stderr=sys.stderr)
+        if rc != 0 or not path.exists():
+            raise BenchError(f"{path} does not exist ({' '.join(cmd)} exited with {rc})")
+        return path
+
+    def torch_python(self):
+        """Path of the venv's python with torch and numpy; creates the venv
+        and installs them from PyPI on first use (a multi-GB download)."""
+        if self._torch_python:
+            return self._torch_python
+        py = self.venv / "bin" / "python"
+        marker = self.venv / ".bench-ready"
+        if not marker.exists():
+            self.log(f"creating the PyTorch venv in {self.venv} (first use only)")
+            if not py.exists():
+                rc = subprocess.call([sys.executable, "-m", "venv", str(self.venv)],
+                                     stdout=sys.stderr, stderr=sys.stderr)
+                if rc != 0:
+                    raise BenchError(f"python3 -m venv {self.venv} failed (exit {rc}); "
+                                     "install python3-venv")
+            self.log("pip install torch numpy: the PyPI torch wheel for linux x86_64 brings "
+                     "its CUDA libraries, about 3 GB to download and 5 GB on disk")
+            rc = subprocess.call([str(py), "-m", "pip", "install", "--progress-bar", "on",
+                                  "torch", "numpy"], stdout=sys.stderr, stderr=sys.stderr)
+            if rc != 0:
+                raise BenchError(f"pip install torch numpy into {self.venv} failed (exit {rc})")
+            check = subprocess.run([str(py), "-c", "import torch, numpy; print(torch.__version__)"],
+                                   capture_output=True, text=True)
+            if check.returncode != 0:
+                raise BenchError(f"torch does not import in {self.venv}: {check.stderr.strip()}")
+            marker.write_text(check.stdout)
+            self.log(f"torch {check.stdout.strip()} ready")
+        self._torch_python = py
+        return py
+
+    def peer(self, args, threads, name, env_extra=None, timeout_s=DEFAULT_CHILD_TIMEOUT_S):
+        """Runs bench/peers/torch_train.py with args, pinned to `threads`;
+        returns (its JSON result or None, ChildResult)."""
+        env = thread_env(threads)
+        env.update(env_extra or {})
+        r = self.run([self.torch_python(), PEERS / "torch_train.py", *args], env, name, timeout_s)
+        lines = r.json_lines()
+        return (lines[-1] if r.ok and lines else None), r

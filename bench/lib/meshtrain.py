@@ -1,0 +1,78 @@
+"""Runs `build/meshtrain train` for the suites and reads its metrics file.
+
+Contract with the CLI: `--metrics FILE` writes JSON lines, one per logged step
+({"step", "loss", "samples_per_s", "lr"}) and at the end one line
+{"summary": true, "samples_per_s": <median over steps after warm-up>,
+ "matmul_gflops", "planned_arena_bytes", "allocated_arena_bytes"}.
+samples_per_s counts samples of the global batch (for GPT a sample is one
+sequence of seq_len tokens).
+"""
+
+import json
+
+from common import BenchError, REPO, mpi_env, thread_env
+
+CONFIGS = {"mlp": "mlp_fashion", "cnn": "cnn_fashion", "gpt": "gpt_text"}
+
+
+class MeshtrainRun:
+    """Outcome of one meshtrain training run: the summary line (or None),
+    the per-step lines, peak RSS in KiB and an error string (or None)."""
+
+    def __init__(self, summary, steps, maxrss_kib, error, wall_s):
+        self.summary = summary
+        self.steps = steps
+        self.maxrss_kib = maxrss_kib
+        self.error = error
+        self.wall_s = wall_s
+
+    @property
+    def samples_per_s(self):
+        return self.summary.get("samples_per_s") if self.summary else None
+
+    def get(self, key):
+        return self.summary.get(key) if self.summary else None
+
+
+def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None):
+    """Trains `model` (mlp, cnn, gpt) for `steps` steps. Never raises: a run
+    that fails, or a meshtrain that cannot be built, comes back with .error
+    set, so the suite still prints the peer's figures."""
+    name = name or f"meshtrain-{model}-t{threads}-{precision}" + (f"-np{nproc}" if nproc else "")
+    try:
+        exe = ctx.ensure_built("meshtrain")
+    except BenchError as e:
+        return MeshtrainRun(None, [], None, f"meshtrain unavailable: {e}", 0.0)
+    config = REPO / "configs" / f"{CONFIGS[model]}.toml"
+    metrics = ctx.workdir / f"{name}.jsonl"
+    cmd = [exe, "train", "--config", config]
+    if nproc:
+        cmd += ["--nproc", str(nproc)]
+    for kv in (f"train.steps={steps}", "train.eval=false", f"train.threads={threads}",
+               f"train.precision={precision}", "train.checkpoint="):
+        cmd += ["--set", kv]
+    cmd += ["--metrics", metrics]
+    env = thread_env(threads)
+    env.update(mpi_env())
+    ctx.log(f"{name}: {' '.join(str(c) for c in cmd[1:])}")
+    r = ctx.run(cmd, env, name)
+    lines = []
+    if metrics.exists():
+        for text in metrics.read_text(errors="replace").splitlines():
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError:
+                continue
+    summary = next((ln for ln in reversed(lines) if ln.get("summary") is True), None)
+    error = None
+    if not r.ok:
+        error = f"meshtrain: {r.failure()}"
+    elif summary is None:
+        error = f"meshtrain: no summary line in {metrics.name}"
+    elif not summary.get("samples_per_s"):
+        error = "meshtrain: summary line has no samples_per_s"
+    steps_logged = [ln for ln in lines if "step" in ln and not ln.get("summary")]
+    if error:
+        ctx.log(error)
+    return MeshtrainRun(summary if not error else None, steps_logged, r.maxrss_kib if r.ok else None,
+                        error, r.wall_s)

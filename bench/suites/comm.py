@@ -1,0 +1,45 @@
+"""Collectives over MPI: runs build/bench/comm/comm_bench on 2 ranks and passes its lines through.
+
+comm_bench prints its own JSON lines (one per collective and size); this
+suite adds "suite": "comm" where a line lacks it and forwards the rest of its
+output to stderr. --quick sets MT_BENCH_QUICK=1 in comm_bench's environment.
+"""
+
+import json
+import sys
+
+from common import mpi_env
+
+NPROC = 2
+
+
+def add_args(p):
+    p.add_argument("--np", type=int, default=NPROC, help="MPI ranks (default 2)")
+
+
+def run(ctx):
+    exe = ctx.ensure_built("bench/comm/comm_bench")
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ctx.args.np), exe]
+    env = mpi_env()
+    if ctx.quick:
+        env["MT_BENCH_QUICK"] = "1"
+    ctx.log(" ".join(str(c) for c in cmd))
+    r = ctx.run(cmd, env, "comm_bench")
+    passed = 0
+    for text in r.stdout.splitlines():
+        try:
+            line = json.loads(text) if text.lstrip().startswith("{") else None
+        except json.JSONDecodeError:
+            line = None
+        if not isinstance(line, dict):
+            print(text, file=sys.stderr)
+            continue
+        line.setdefault("suite", "comm")
+        print(json.dumps(line), flush=True)
+        passed += 1
+        if line.get("error"):
+            ctx.errors += 1
+    sys.stderr.write(r.stderr)
+    if not r.ok or passed == 0:
+        ctx.emit({"name": "comm_bench", "unit": "lines", "value": passed, "np": ctx.args.np,
+                  "error": r.failure() if not r.ok else "comm_bench printed no JSON line"})

@@ -1,0 +1,197 @@
+"""Single-process training (MLP, CNN, GPT at 1 and 2 threads) vs PyTorch eager and torch.compile.
+
+For each model and thread count it trains meshtrain, PyTorch eager and
+PyTorch torch.compile one after the other, then prints, per peer mode:
+  <model>_train_throughput  samples/s (tokens/s for GPT), ratio = meshtrain/peer
+  <model>_peak_rss          MiB of the child process, ratio = peer/meshtrain
+At 1 thread it also prints sgemm_peak (GFLOP/s of the big square SGEMM) and
+mlp_train_matmul_gflops (meshtrain's matmul rate inside the MLP step), and
+<model>_bf16_vs_f32_* lines for meshtrain's own bf16 against its f32 (MLP, GPT).
+"""
+
+import meshtrain
+from common import MODEL_PLAN as PLAN
+from common import BenchError, PEERS, mib, parse_models, ratio, steps_for, thread_env
+
+NOTE = ("peer trains on synthetic random data of the same shapes (throughput does not depend "
+        "on values); median step time after warm-up; torch.compile compiles the model, the "
+        "optimizer step runs eagerly")
+
+
+def add_args(p):
+    p.add_argument("--models", default="mlp,cnn,gpt", help="comma-separated subset of mlp,cnn,gpt")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--peer-only", action="store_true",
+                   help="skip meshtrain (peer figures only, e.g. before meshtrain builds)")
+
+
+def run_peer(ctx, model, mode, threads, steps, warmup):
+    res, r = ctx.peer(["--model", model, "--mode", mode, "--threads", str(threads),
+                       "--steps", str(steps), "--warmup", str(warmup)],
+                      threads, f"torch-{model}-{mode}-t{threads}")
+    if res is None:
+        ctx.log(f"peer {model} {mode} t{threads} failed: {r.failure()}")
+        return None, r.failure(), None
+    ctx.log(f"peer {model} {mode} t{threads}: {res['samples_per_s']:.1f} samples/s "
+            f"(median step {res['step_ms_median']:.1f} ms, warm-up {res['warmup_s']:.1f} s)")
+    return res, None, r.maxrss_kib
+
+
+def run_meshtrain(ctx, model, threads, steps, warmup, precision="f32"):
+    if ctx.args.peer_only:
+        return meshtrain.MeshtrainRun(None, [], None, None, 0.0)
+    run = meshtrain.train(ctx, model, steps + warmup, threads, precision)
+    if run.samples_per_s:
+        ctx.log(f"meshtrain {model} {precision} t{threads}: {run.samples_per_s:.1f} samples/s")
+    return run
+
+
+def sgemm_peak(ctx):
+    """Peak single-thread SGEMM GFLOP/s: the largest square sgemm case of
+    build/bench/kernels_bench, or torch.mm 2048^3 when that binary is missing."""
+    exe = ctx.binary("bench/kernels_bench")
+    if exe.exists():
+        r = ctx.run([exe, "--benchmark_filter=(?i)sgemm", "--benchmark_format=json"],
+                    thread_env(1), "kernels_bench")
+        best = pick_square_sgemm(r.stdout) if r.ok else None
+        if best:
+            return {"value": best[1], "source": f"kernels_bench {best[0]}"}
+        why = r.failure() if not r.ok else "no square sgemm case with a GFLOP/s counter"
+        ctx.log(f"kernels_bench: {why}; falling back to torch.mm")
+        fallback = f"torch.mm 2048x2048x2048 (fallback: kernels_bench gave {why})"
+    else:
+        fallback = "torch.mm 2048x2048x2048 (fallback: build/bench/kernels_bench is missing)"
+    code = ("import torch,time,statistics;torch.set_num_threads(1);n=2048;"
+            "a=torch.rand(n,n);b=torch.rand(n,n);c=a@b;ts=[]\n"
+            "for _ in range(7):\n t=time.perf_counter();torch.mm(a,b,out=c);"
+            "ts.append(time.perf_counter()-t)\n"
+            "print(2*n**3/statistics.median(ts)/1e9)")
+    r = ctx.run([ctx.torch_python(), "-c", code], thread_env(1), "torch-mm")
+    if not r.ok:
+        return {"value": None, "source": fallback, "error": r.failure()}
+    return {"value": float(r.stdout.strip().splitlines()[-1]), "source": fallback}
+
+
+def pick_square_sgemm(stdout):
+    """From Google Benchmark JSON, the (name, GFLOP/s) of the largest square
+    sgemm case. Sizes come from the name's numeric arguments (BM_x/2048 or
+    BM_x/M/N/K); the rate from a counter whose name mentions flop."""
+    import json
+    import re
+
+    try:
+        doc = json.loads(stdout)
+    except json.JSONDecodeError:
+        return None
+    best = None
+    for b in doc.get("benchmarks", []):
+        if b.get("run_type") == "aggregate" or "sgemm" not in b.get("name", "").lower():
+            continue
+        dims = [int(x) for x in re.findall(r"/(\d+)", b["name"])]
+        if not dims or len(set(dims[:3])) != 1:
+            continue
+        rate = None
+        for k, v in b.items():
+            if "flop" in k.lower() and isinstance(v, (int, float)):
+                rate = v / 1e9 if v > 1e6 else v  # counters may be FLOP/s or GFLOP/s
+                break
+        if rate and (best is None or dims[0] > best[2]):
+            best = (b["name"], rate, dims[0])
+    return best[:2] if best else None
+
+
+def compare(ctx, model, threads, steps, warmup, mt, peers):
+    """Prints throughput and RSS lines of meshtrain against each peer mode."""
+    plan = PLAN[model]
+    seq = plan["seq"]
+    mt_rate = mt.samples_per_s * seq if mt.samples_per_s else None
+    for mode, (res, err, rss) in peers.items():
+        peer_rate = res["samples_per_s"] * seq if res else None
+        version = res["torch_version"] if res else "?"
+        ctx_fields = {
+            "model": model, "threads": threads,
+            "peer_threads": res["peer_threads"] if res else None,
+            "batch": plan["batch"], "steps": steps, "warmup": warmup,
+        }
+        if seq > 1:
+            ctx_fields["seq"] = seq
+        error = "; ".join(e for e in (mt.error, f"peer: {err}" if err else None) if e) or None
+        line = {"name": f"{model}_train_throughput", "unit": plan["unit"],
+                "meshtrain": mt_rate, "peer": peer_rate, "ratio": ratio(mt_rate, peer_rate),
+                "peer_name": f"pytorch-{version} {mode}", **ctx_fields}
+        if res:
+            line["peer_warmup_s"] = res["warmup_s"]
+        line["note"] = NOTE
+        if error:
+            line["error"] = error
+        ctx.emit(line)
+        line = {"name": f"{model}_peak_rss", "unit": "MiB", "meshtrain": mib(mt.maxrss_kib),
+                "peer": mib(rss), "ratio": ratio(rss, mt.maxrss_kib),
+                "peer_name": f"pytorch-{version} {mode}", **ctx_fields}
+        if res:
+            line["peer_import_rss_mib"] = mib(res["import_maxrss_kib"])
+        for key in ("planned_arena_bytes", "allocated_arena_bytes"):
+            if mt.get(key) is not None:
+                line[f"meshtrain_{key}"] = mt.get(key)
+        line["note"] = ("ru_maxrss of the child process; peer_import_rss_mib is what "
+                        "`import torch` alone costs (the PyPI wheel maps its CUDA libraries)")
+        if error:
+            line["error"] = error
+        ctx.emit(line)
+
+
+def bf16_lines(ctx, model, steps, warmup, f32):
+    bf = run_meshtrain(ctx, model, 1, steps, warmup, precision="bf16")
+    plan = PLAN[model]
+    seq = plan["seq"]
+    error = "; ".join(e for e in (f32.error, bf.error) if e) or None
+    common = {"peer_name": "meshtrain f32", "model": model, "threads": 1,
+              "batch": plan["batch"], "steps": steps, "warmup": warmup}
+    b_rate = bf.samples_per_s * seq if bf.samples_per_s else None
+    f_rate = f32.samples_per_s * seq if f32.samples_per_s else None
+    line = {"name": f"{model}_bf16_vs_f32_throughput", "unit": plan["unit"],
+            "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common}
+    if error:
+        line["error"] = error
+    ctx.emit(line)
+    line = {"name": f"{model}_bf16_vs_f32_peak_rss", "unit": "MiB",
+            "meshtrain": mib(bf.maxrss_kib), "peer": mib(f32.maxrss_kib),
+            "ratio": ratio(f32.maxrss_kib, bf.maxrss_kib), **common}
+    if error:
+        line["error"] = error
+    ctx.emit(line)
+
+
+def run(ctx):
+    models = parse_models(ctx.args.models)
+    threads_list = [int(t) for t in ctx.args.threads.split(",") if t]
+    if not (PEERS / "torch_train.py").exists():
+        raise BenchError("bench/peers/torch_train.py is missing")
+    ctx.torch_python()  # create the venv up front, not in the middle of timings
+    for model in models:
+        steps, warmup = steps_for(ctx, model)
+        for threads in threads_list:
+            mt = run_meshtrain(ctx, model, threads, steps, warmup)
+            peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup)
+                     for mode in ("eager", "compile")}
+            compare(ctx, model, threads, steps, warmup, mt, peers)
+            if model == "mlp" and threads == 1:
+                peak = sgemm_peak(ctx)
+                line = {"name": "sgemm_peak", "unit": "GFLOP/s", "value": peak["value"],
+                        "threads": 1, "source": peak["source"]}
+                if peak.get("error"):
+                    line["error"] = peak["error"]
+                ctx.emit(line)
+                if ctx.args.peer_only:
+                    continue
+                gf = mt.get("matmul_gflops")
+                line = {"name": "mlp_train_matmul_gflops", "unit": "GFLOP/s", "value": gf,
+                        "threads": 1, "model": "mlp", "batch": PLAN["mlp"]["batch"],
+                        "fraction_of_sgemm_peak": ratio(gf, peak["value"]),
+                        "note": "matmul FLOPs / matmul time inside meshtrain's training step "
+                                "(summary metrics line)"}
+                if mt.error:
+                    line["error"] = mt.error
+                ctx.emit(line)
+            if model in ("mlp", "gpt") and threads == 1 and not ctx.args.peer_only:
+                bf16_lines(ctx, model, steps, warmup, mt)

@@ -1,0 +1,110 @@
+"""Data parallel, 2 processes x 1 thread: meshtrain --nproc 2 vs PyTorch DDP over gloo.
+
+Both train with the same global batch as the core suite (per-rank batch =
+global / 2). For each model it prints
+  <model>_dp2_throughput          samples/s (tokens/s for GPT), ratio = meshtrain/peer
+  <model>_dp2_scaling_efficiency  value = 2-process rate / (2 x own 1-process rate),
+                                  one line per system ("system": meshtrain | peer name)
+"""
+
+import socket
+
+import meshtrain
+from common import MODEL_PLAN as PLAN
+from common import PEERS, parse_models, ratio, steps_for, thread_env
+
+WORLD = 2
+
+
+def add_args(p):
+    p.add_argument("--models", default="mlp,cnn,gpt", help="comma-separated subset of mlp,cnn,gpt")
+    p.add_argument("--peer-only", action="store_true", help="skip meshtrain (peer figures only)")
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peer_ddp(ctx, model, steps, warmup):
+    """Starts WORLD ranks of torch_train.py (torchrun's environment: MASTER_ADDR,
+    MASTER_PORT; rank on the command line); returns (rank 0's result, error,
+    max peak RSS over ranks in KiB)."""
+    py = ctx.torch_python()
+    env = thread_env(1)
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "WORLD_SIZE": str(WORLD)})
+    started = []
+    for rank in range(WORLD):
+        env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        started.append(ctx.start([py, PEERS / "torch_train.py", "--model", model, "--threads", "1",
+                                  "--steps", str(steps), "--warmup", str(warmup),
+                                  "--world", str(WORLD), "--rank", str(rank)],
+                                 env_r, f"torch-ddp-{model}-r{rank}"))
+    results = ctx.finish(started)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        return None, "; ".join(r.failure() for r in bad), None
+    lines = [r.json_lines() for r in results]
+    if not all(lines):
+        return None, "a DDP rank printed no result line", None
+    return lines[0][-1], None, max(r.maxrss_kib for r in results)
+
+
+def peer_single(ctx, model, steps, warmup):
+    res, r = ctx.peer(["--model", model, "--threads", "1", "--steps", str(steps),
+                       "--warmup", str(warmup)], 1, f"torch-{model}-t1")
+    return res, (None if res else r.failure())
+
+
+def run(ctx):
+    models = parse_models(ctx.args.models)
+    ctx.torch_python()
+    for model in models:
+        plan = PLAN[model]
+        steps, warmup = steps_for(ctx, model)
+        seq = plan["seq"]
+        if ctx.args.peer_only:
+            mt1 = mt2 = meshtrain.MeshtrainRun(None, [], None, None, 0.0)
+        else:
+            mt1 = meshtrain.train(ctx, model, steps + warmup, 1)
+            mt2 = meshtrain.train(ctx, model, steps + warmup, 1, nproc=WORLD)
+        p1, err1 = peer_single(ctx, model, steps, warmup)
+        p2, err2, rss2 = peer_ddp(ctx, model, steps, warmup)
+        version = (p2 or p1 or {}).get("torch_version", "?")
+        peer_name = f"pytorch-{version} DDP gloo eager"
+        for label, res in (("1 process", p1), (f"DDP {WORLD} processes", p2)):
+            if res:
+                ctx.log(f"peer {model} {label}: {res['samples_per_s']:.1f} samples/s")
+        mt1_rate = mt1.samples_per_s * seq if mt1.samples_per_s else None
+        mt2_rate = mt2.samples_per_s * seq if mt2.samples_per_s else None
+        p1_rate = p1["samples_per_s"] * seq if p1 else None
+        p2_rate = p2["samples_per_s"] * seq if p2 else None
+        ctx_fields = {"model": model, "processes": WORLD, "threads_per_process": 1,
+                      "batch": plan["batch"], "local_batch": plan["batch"] // WORLD,
+                      "steps": steps, "warmup": warmup}
+        if seq > 1:
+            ctx_fields["seq"] = seq
+        line = {"name": f"{model}_dp2_throughput", "unit": plan["unit"], "meshtrain": mt2_rate,
+                "peer": p2_rate, "ratio": ratio(mt2_rate, p2_rate), "peer_name": peer_name,
+                **ctx_fields}
+        if rss2:
+            line["peer_max_rank_rss_mib"] = round(rss2 / 1024.0, 1)
+        line["note"] = ("peer: torch DistributedDataParallel, gloo on 127.0.0.1, synthetic "
+                        "random data; rank 0's median step time after warm-up")
+        err = "; ".join(e for e in (mt2.error, f"peer: {err2}" if err2 else None) if e)
+        if err:
+            line["error"] = err
+        ctx.emit(line)
+        for system, two, one, errs in (
+                ("meshtrain", mt2_rate, mt1_rate, (mt1.error, mt2.error)),
+                (peer_name, p2_rate, p1_rate, (err1, err2))):
+            line = {"name": f"{model}_dp2_scaling_efficiency", "unit": "fraction",
+                    "value": ratio(two, None if one is None else WORLD * one), "system": system,
+                    "rate_1proc": one, "rate_2proc": two, "rate_unit": plan["unit"],
+                    **ctx_fields}
+            err = "; ".join(e for e in errs if e)
+            if err:
+                line["error"] = err
+            ctx.emit(line)
