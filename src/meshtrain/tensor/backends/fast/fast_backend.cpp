@@ -1,0 +1,220 @@
+// FastBackend: routes each KernelBackend call to the fast kernels when the
+// dtypes are ones they compute, to the fallback backend otherwise, and keeps
+// OpenMP / oneDNN / OpenBLAS on the configured thread count.
+#include "meshtrain/tensor/backends/fast/fast_backend.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <initializer_list>
+
+#include "meshtrain/tensor/backends/fast/conv_engine.h"
+#include "meshtrain/tensor/backends/fast/fast_common.h"
+#include "meshtrain/tensor/backends/fast/fast_kernels.h"
+#include "meshtrain/tensor/backends/fast/matmul_engine.h"
+#include "meshtrain/tensor/backends/fast/onednn_context.h"
+
+namespace mt {
+
+namespace {
+
+// True when every defined tensor in `ts` is f32 and the first one is defined
+// (undefined optional tensors such as a missing bias do not count).
+bool f32_inputs(std::initializer_list<const Tensor*> ts) {
+  if (!(*ts.begin())->defined()) return false;
+  for (const Tensor* t : ts) {
+    if (t->defined() && t->dtype() != DType::f32) return false;
+  }
+  return true;
+}
+
+bool any_empty(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts) {
+    if (t->defined() && t->numel() == 0) return true;
+  }
+  return false;
+}
+
+// The fast backend (see fast_backend.h). Owns the oneDNN context and the
+// matmul / convolution engines with their primitive caches; `fallback_` is
+// borrowed. Calls block; one caller thread at a time.
+class FastBackend final : public KernelBackend {
+ public:
+  FastBackend(KernelBackend& fallback, const FastBackendOptions& options)
+      : fallback_(fallback), matmul_(ctx_, options.f32_matmul), conv_(ctx_) {
+    set_num_threads(1);
+  }
+
+  std::string name() const override { return "fast"; }
+
+  void set_num_threads(int n) override {
+    if (n < 1) {
+      throw ConfigError(fmt::format("fast backend: set_num_threads({}): need at least 1", n));
+    }
+    threads_ = n;
+    omp_set_num_threads(n);
+    openblas_set_num_threads(n);
+    fallback_.set_num_threads(n);
+  }
+
+  void matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) override {
+    if (!fast::MatmulEngine::supports(a, b, c)) return fallback_.matmul(a, b, c, p);
+    apply_threads();
+    matmul_.run(a, b, c, p, threads_);
+  }
+
+  void unary(UnaryOp op, const Tensor& x, Tensor& y) override {
+    if (!f32_inputs({&x, &y})) return fallback_.unary(op, x, y);
+    fast::unary(op, x, y, threads_);
+  }
+  void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& dy,
+                      Tensor& dx) override {
+    if (!f32_inputs({&x, &y, &dy, &dx})) return fallback_.unary_backward(op, x, y, dy, dx);
+    fast::unary_backward(op, x, y, dy, dx, threads_);
+  }
+  void binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c) override {
+    if (!f32_inputs({&a, &b, &c})) return fallback_.binary(op, a, b, c);
+    fast::binary(op, a, b, c, threads_);
+  }
+  void scale(const Tensor& x, Tensor& y, double alpha, double beta) override {
+    if (!f32_inputs({&x, &y})) return fallback_.scale(x, y, alpha, beta);
+    fast::scale(x, y, alpha, beta, threads_);
+  }
+  void sum_to(const Tensor& x, Tensor& y) override {
+    if (!f32_inputs({&x, &y})) return fallback_.sum_to(x, y);
+    fast::sum_to(x, y, threads_);
+  }
+  void cast(const Tensor& x, Tensor& y) override {
+    if (!fast::cast(x, y, threads_)) fallback_.cast(x, y);
+  }
+  void permute(const Tensor& x, Tensor& y, const std::vector<int>& perm) override {
+    fast::permute(x, y, perm, threads_);
+  }
+
+  void softmax(const Tensor& x, Tensor& y, bool causal) override {
+    if (!f32_inputs({&x, &y})) return fallback_.softmax(x, y, causal);
+    fast::softmax(x, y, causal, threads_);
+  }
+  void softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    if (!f32_inputs({&y, &dy, &dx})) return fallback_.softmax_backward(y, dy, dx);
+    fast::softmax_backward(y, dy, dx, threads_);
+  }
+  void log_softmax(const Tensor& x, Tensor& y) override {
+    if (!f32_inputs({&x, &y})) return fallback_.log_softmax(x, y);
+    fast::log_softmax(x, y, threads_);
+  }
+  void log_softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
+    if (!f32_inputs({&y, &dy, &dx})) return fallback_.log_softmax_backward(y, dy, dx);
+    fast::log_softmax_backward(y, dy, dx, threads_);
+  }
+  void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
+                  Tensor& mean, Tensor& rstd) override {
+    if (!f32_inputs({&x, &gamma, &beta, &y, &mean, &rstd})) {
+      return fallback_.layer_norm(x, gamma, beta, eps, y, mean, rstd);
+    }
+    fast::layer_norm(x, gamma, beta, eps, y, mean, rstd, threads_);
+  }
+  void layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                           const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
+                           Tensor& dbeta) override {
+    if (!f32_inputs({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta})) {
+      return fallback_.layer_norm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+    }
+    fast::layer_norm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, threads_);
+  }
+  void cross_entropy(const Tensor& logits, const Tensor& labels, Tensor& loss) override {
+    // loss may be f32 or f64 whatever the logits' dtype.
+    if (!f32_inputs({&logits})) return fallback_.cross_entropy(logits, labels, loss);
+    fast::cross_entropy(logits, labels, loss, threads_);
+  }
+  void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& dloss,
+                              Tensor& dlogits) override {
+    if (!f32_inputs({&logits, &dlogits})) {
+      return fallback_.cross_entropy_backward(logits, labels, dloss, dlogits);
+    }
+    fast::cross_entropy_backward(logits, labels, dloss, dlogits, threads_);
+  }
+
+  void embedding(const Tensor& table, const Tensor& ids, Tensor& y) override {
+    fast::embedding(table, ids, y, threads_);  // a row copy: every dtype
+  }
+  void embedding_backward(const Tensor& dy, const Tensor& ids, Tensor& dtable) override {
+    if (!f32_inputs({&dtable, &dy})) return fallback_.embedding_backward(dy, ids, dtable);
+    fast::embedding_backward(dy, ids, dtable, threads_);
+  }
+
+  void conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y,
+              const Conv2dParams& p) override {
+    // Empty tensors (no batch, channels or filters) have nothing to compute;
+    // the fallback validates them and writes the trivial result.
+    if (!f32_inputs({&x, &w, &bias, &y}) || any_empty({&x, &w, &y})) {
+      return fallback_.conv2d(x, w, bias, y, p);
+    }
+    const char* K = "conv2d";
+    const fast::ConvGeom g = fast::conv_geom(K, x, "x", w, "w", p);
+    if (bias.defined()) fast::require_shape(K, "bias", bias, Shape{g.co});
+    fast::require_shape(K, "y", y, Shape{g.n, g.co, g.oh, g.ow});
+    apply_threads();
+    conv_.forward(g, p, x, w, bias, y, threads_);
+  }
+  void conv2d_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx,
+                            const Conv2dParams& p) override {
+    if (!f32_inputs({&dx, &w, &dy}) || any_empty({&dx, &w, &dy})) {
+      return fallback_.conv2d_backward_data(dy, w, dx, p);
+    }
+    const char* K = "conv2d_backward_data";
+    // dx fixes H and W: with stride > 1 several input sizes give the same dy.
+    const fast::ConvGeom g = fast::conv_geom(K, dx, "dx", w, "w", p);
+    fast::require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
+    apply_threads();
+    conv_.backward_data(g, p, dy, w, dx, threads_);
+  }
+  void conv2d_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, Tensor& dbias,
+                              const Conv2dParams& p) override {
+    if (!f32_inputs({&x, &dw, &dy, &dbias}) || any_empty({&x, &dw, &dy})) {
+      return fallback_.conv2d_backward_weight(dy, x, dw, dbias, p);
+    }
+    const char* K = "conv2d_backward_weight";
+    const fast::ConvGeom g = fast::conv_geom(K, x, "x", dw, "dw", p);
+    if (dbias.defined()) fast::require_shape(K, "dbias", dbias, Shape{g.co});
+    fast::require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
+    apply_threads();
+    conv_.backward_weight(g, p, dy, x, dw, dbias, threads_);
+  }
+  void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& p) override {
+    if (!f32_inputs({&x, &y})) return fallback_.max_pool2d(x, y, argmax, p);
+    fast::max_pool2d(x, y, argmax, p, threads_);
+  }
+  void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override {
+    if (!f32_inputs({&dy, &dx})) return fallback_.max_pool2d_backward(dy, argmax, dx);
+    fast::max_pool2d_backward(dy, argmax, dx, threads_);
+  }
+
+ private:
+  // OpenMP's thread count is per calling thread and OpenBLAS's is global, and
+  // either may have been changed since set_num_threads: oneDNN and OpenBLAS
+  // read them at call time, so they are re-applied before each library call.
+  void apply_threads() {
+    if (omp_get_max_threads() != threads_) omp_set_num_threads(threads_);
+    if (openblas_get_num_threads() != threads_) openblas_set_num_threads(threads_);
+  }
+
+  KernelBackend& fallback_;
+  int threads_ = 1;
+  fast::OneDnnContext ctx_;
+  fast::MatmulEngine matmul_;
+  fast::ConvEngine conv_;
+};
+
+}  // namespace
+
+std::unique_ptr<KernelBackend> make_fast_backend(KernelBackend& fallback) {
+  return make_fast_backend(fallback, FastBackendOptions{});
+}
+
+std::unique_ptr<KernelBackend> make_fast_backend(KernelBackend& fallback,
+                                                 const FastBackendOptions& options) {
+  return std::make_unique<FastBackend>(fallback, options);
+}
+
+}  // namespace mt

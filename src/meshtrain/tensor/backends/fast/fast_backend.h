@@ -1,0 +1,38 @@
+// The fast CPU kernel backend: oneDNN (convolution, bf16/f16 matmul), OpenBLAS
+// or oneDNN for f32 matmul (chosen per shape by measurement), and vectorised,
+// OpenMP-parallel element-wise, normalisation, loss, embedding and pooling
+// kernels. It computes f32 (and bf16/f16 matmul inputs with an f32 output)
+// itself and hands every other dtype to `fallback`, which must outlive it.
+//
+// Semantics are exactly those of the reference backend (see
+// backends/reference/reference_backend.h), within float tolerance.
+//
+// Threads: set_num_threads(n) sets the threads used inside one kernel call for
+// OpenMP, oneDNN (which runs on OpenMP here) and OpenBLAS; the default is 1.
+// These runtimes keep process-wide (OpenBLAS) or per-calling-thread (OpenMP)
+// settings, so the backend re-applies its count on entry to each kernel. Like
+// every backend, one instance is called from one thread at a time.
+#pragma once
+
+#include <memory>
+
+#include "meshtrain/tensor/backend.h"
+
+namespace mt {
+
+// Which library computes f32 matmuls.
+enum class MatmulEngineChoice : uint8_t {
+  measure,   // time both on the first calls of each shape, keep the faster
+  onednn,    // always oneDNN's matmul primitive
+  openblas,  // always OpenBLAS sgemm
+};
+
+struct FastBackendOptions {
+  MatmulEngineChoice f32_matmul = MatmulEngineChoice::measure;
+};
+
+std::unique_ptr<KernelBackend> make_fast_backend(KernelBackend& fallback);
+std::unique_ptr<KernelBackend> make_fast_backend(KernelBackend& fallback,
+                                                 const FastBackendOptions& options);
+
+}  // namespace mt

@@ -1,0 +1,95 @@
+// Argument checks and threading helpers shared by the fast backend's source
+// files (internal to src/meshtrain/tensor/backends/fast). Checks throw
+// mt::ShapeError whose message starts with the kernel's name and shows the
+// offending tensors as dtype[shape], as the reference backend's do.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/tensor/tensor.h"
+
+namespace mt::fast {
+
+template <class... Args>
+[[noreturn]] void fail(const char* kernel, fmt::format_string<Args...> f, Args&&... args) {
+  throw ShapeError(std::string(kernel) + ": " + fmt::format(f, std::forward<Args>(args)...));
+}
+
+inline void require_defined(const char* kernel, const char* name, const Tensor& t) {
+  if (!t.defined()) fail(kernel, "{} is undefined", name);
+}
+
+inline void require_dtype(const char* kernel, const char* name, const Tensor& t, DType want) {
+  require_defined(kernel, name, t);
+  if (t.dtype() != want) fail(kernel, "{} {} must be {}", name, t.desc(), dtype_name(want));
+}
+
+inline void require_same_shape(const char* kernel, const char* na, const Tensor& a, const char* nb,
+                               const Tensor& b) {
+  if (!(a.shape() == b.shape())) {
+    fail(kernel, "shapes differ: {} {} vs {} {}", na, a.desc(), nb, b.desc());
+  }
+}
+
+inline void require_shape(const char* kernel, const char* name, const Tensor& t,
+                          const Shape& want) {
+  if (!(t.shape() == want)) {
+    fail(kernel, "{} is {}, expected shape {}", name, t.desc(), want.str());
+  }
+}
+
+inline void require_rank(const char* kernel, const char* name, const Tensor& t, int rank) {
+  if (t.rank() != rank) fail(kernel, "{} {} must have rank {}", name, t.desc(), rank);
+}
+
+// t is defined, f32 and shaped like ref.
+inline void require_f32_like(const char* kernel, const char* name, const Tensor& t,
+                             const char* ref_name, const Tensor& ref) {
+  require_dtype(kernel, name, t, DType::f32);
+  require_same_shape(kernel, ref_name, ref, name, t);
+}
+
+// True when b's shape equals the trailing b.rank() dims of a's shape.
+inline bool is_suffix(const Shape& b, const Shape& a) {
+  if (b.rank() > a.rank()) return false;
+  const int off = a.rank() - b.rank();
+  for (int i = 0; i < b.rank(); ++i) {
+    if (b[i] != a[off + i]) return false;
+  }
+  return true;
+}
+
+// Work below this many elements per thread is not worth waking a thread for.
+inline constexpr int64_t kMinElemsPerThread = 16 * 1024;
+
+// Calls f(begin, end) over [0, n) split into at most `threads` contiguous
+// chunks of at least `grain` items; runs inline (no OpenMP region) when one
+// chunk suffices, so single-threaded calls pay nothing. f must not throw.
+template <class F>
+void parallel_for(int64_t n, int64_t grain, int threads, F&& f) {
+  if (n <= 0) return;
+  const int64_t chunks =
+      std::min<int64_t>(threads, std::max<int64_t>(1, n / std::max<int64_t>(grain, 1)));
+  if (chunks <= 1) {
+    f(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel for num_threads(static_cast <int>(chunks)) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    f(n * c / chunks, n * (c + 1) / chunks);
+  }
+}
+
+// Grain (in rows) so that each chunk of rows of `cols` elements holds about
+// kMinElemsPerThread elements.
+inline int64_t row_grain(int64_t cols) {
+  return std::max<int64_t>(1, kMinElemsPerThread / std::max<int64_t>(cols, 1));
+}
+
+}  // namespace mt::fast

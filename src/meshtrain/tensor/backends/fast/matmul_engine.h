@@ -1,0 +1,89 @@
+// Runs matmul for the fast backend (internal to
+// src/meshtrain/tensor/backends/fast): f32 through OpenBLAS sgemm or oneDNN's
+// matmul primitive, bf16/f16 inputs with an f32 output through oneDNN only
+// (it uses AVX512_BF16 / AMX where the CPU has them).
+//
+// Engine choice for f32 (MatmulEngineChoice::measure): each distinct call
+// signature -- dtype, batch, M, N, K, transposes, shared b, alpha, beta and
+// thread count -- starts undecided. Its first 2 * kTrials calls alternate
+// between oneDNN and OpenBLAS and time each (every trial is a real call that
+// produces the caller's result, so measuring wastes no work); the engine with
+// the lower minimum time then serves that signature for the engine's
+// lifetime. oneDNN primitives are created once per signature and cached.
+//
+// Owned by the fast backend; blocks until c is written; not thread-safe.
+#pragma once
+
+#include <compare>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+
+#include "meshtrain/tensor/backend.h"
+#include "meshtrain/tensor/backends/fast/fast_backend.h"
+#include "meshtrain/tensor/backends/fast/onednn_context.h"
+
+namespace mt::fast {
+
+class MatmulEngine {
+ public:
+  // Timed calls per engine while a signature is undecided.
+  static constexpr int kTrials = 3;
+
+  MatmulEngine(OneDnnContext& ctx, MatmulEngineChoice f32_choice);
+  ~MatmulEngine();
+  MatmulEngine(const MatmulEngine&) = delete;
+  MatmulEngine& operator=(const MatmulEngine&) = delete;
+
+  // True for the dtype combinations run() computes: f32 x f32 -> f32 and
+  // bf16 x bf16 / f16 x f16 -> f32. The backend hands the rest to its fallback.
+  static bool supports(const Tensor& a, const Tensor& b, const Tensor& c);
+  // Validates shapes (ShapeError) and computes c = alpha op(a) op(b) + beta c
+  // using `threads` threads (the caller has set OpenMP's count to match).
+  void run(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p, int threads);
+
+  // The engine serving f32 calls of this signature so far: "onednn",
+  // "openblas" or "undecided" (for benchmarks and tests).
+  const char* chosen_engine(const Tensor& a, const Tensor& b, const MatmulParams& p,
+                            int threads) const;
+
+ private:
+  // Problem sizes after validation; batch folded into m when b is shared and
+  // a is not transposed (then one 2-D product covers the whole batch).
+  struct Dims {
+    int64_t batch = 1, m = 0, n = 0, k = 0;
+    bool shared_b = false;
+  };
+  // A call signature; alpha and beta are kept as bit patterns.
+  struct Key {
+    DType in;
+    int64_t batch, m, n, k;
+    bool shared_b, trans_a, trans_b;
+    uint32_t alpha_bits, beta_bits;
+    int threads;
+    auto operator<=>(const Key&) const = default;
+  };
+  enum class Engine : uint8_t { undecided, onednn, openblas };
+  struct Plan {
+    std::optional<dnnl::matmul> prim;  // created on first oneDNN use
+    dnnl::memory::desc a_md, b_md, c_md;
+    Engine engine = Engine::undecided;
+    int trials = 0;
+    double best_onednn = 1e300, best_openblas = 1e300;  // seconds
+  };
+
+  static Dims dims_of(const Tensor& a, const Tensor& b, const MatmulParams& p);
+  static void fold_batch(Dims& d, const MatmulParams& p);
+  static Key key_of(DType in, const Dims& d, const MatmulParams& p, int threads);
+  Plan& plan_for(const Key& key, const Dims& d, DType in, const MatmulParams& p);
+  void run_onednn(Plan& plan, const Tensor& a, const Tensor& b, Tensor& c);
+  void run_openblas(const Dims& d, const Tensor& a, const Tensor& b, Tensor& c,
+                    const MatmulParams& p);
+
+  OneDnnContext& ctx_;
+  MatmulEngineChoice f32_choice_;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace mt::fast
