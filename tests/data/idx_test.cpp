@@ -134,6 +134,15 @@ TEST(Idx, TruncatedHeader) {
                     HasSubstr("found only 1")));
 }
 
+TEST(Idx, ImplausibleDimensionsAreRejectedBeforeAnyArithmetic) {
+  TempDir dir;
+  const std::string path =
+      dir.write("huge", idx_bytes(kIdxImagesMagic, {0xffffffffu, 0xffffffffu, 0xffffffffu}, ""));
+  EXPECT_THAT(file_error_of([&] { read_idx(path, kIdxImagesMagic); }),
+              AllOf(HasSubstr(path), HasSubstr("implausible IDX header"),
+                    HasSubstr("[4294967295, 4294967295, 4294967295]")));
+}
+
 TEST(Idx, DataShorterThanHeaderIsTruncated) {
   TempDir dir;
   const std::string path = dir.file("x.gz");

@@ -10,12 +10,17 @@
 #include <memory>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "meshtrain/base/error.h"
 
 namespace mt {
 
 namespace {
+
+// Far above any real IDX data set (MNIST's largest file is 47 MB), far below
+// where byte counts could overflow.
+constexpr int64_t kMaxIdxBytes = int64_t{1} << 40;
 
 struct GzCloser {
   void operator()(gzFile_s* f) const { gzclose_r(f); }
@@ -97,8 +102,20 @@ IdxArray read_idx(const std::string& path, uint32_t expected_magic, int64_t limi
     out.dims.push_back(big_endian_u32(word));
   }
 
+  // Each dimension is below 2^32, so products of three can overflow int64:
+  // a corrupt header must be reported, not computed with.
   int64_t record_bytes = 1;
-  for (int d = 1; d < ndims; ++d) record_bytes *= out.dims[static_cast<size_t>(d)];
+  int64_t total_bytes = 1;
+  bool overflow = false;
+  for (int d = 0; d < ndims; ++d) {
+    const int64_t dim = out.dims[static_cast<size_t>(d)];
+    if (d > 0) overflow |= __builtin_mul_overflow(record_bytes, dim, &record_bytes);
+    overflow |= __builtin_mul_overflow(total_bytes, dim, &total_bytes);
+  }
+  if (overflow || total_bytes > kMaxIdxBytes) {
+    throw FileError(fmt::format("{}: implausible IDX header: dimensions [{}] exceed {} bytes", path,
+                                fmt::join(out.dims, ", "), kMaxIdxBytes));
+  }
   const int64_t declared = out.dims.empty() ? 0 : out.dims[0];
   out.records = limit >= 0 ? std::min(limit, declared) : declared;
   const int64_t want = out.records * record_bytes;
