@@ -1,6 +1,9 @@
 // The API models are written in. Each call appends one operator to a Graph
 // and returns its output value; names are prefixed by the current scope
 // ("block0.attn.q") so the graph dump and checkpoints read like the model.
+// Operators are named "<scope><op>_<n>" unless renamed with name().
+// Shape errors throw ShapeError from Graph::add_node. Holds a reference to
+// the graph, which must outlive it.
 //
 //   Graph g; Builder b(g);
 //   ValueId x = b.input("x", {128, 784});
@@ -48,12 +51,23 @@ class Builder {
   ValueId reshape(ValueId x, const Shape& shape);
   ValueId permute(ValueId x, const std::vector<int>& perm);
   ValueId cast(ValueId x, DType dtype);
+  // Sums x over leading dims down to `shape` (a suffix of x's shape; {} sums all).
+  ValueId sum_to(ValueId x, const Shape& shape);
+  // Repeats x over new leading dims up to `shape` (x's shape is a suffix of it).
+  ValueId broadcast_to(ValueId x, const Shape& shape);
+  // A constant tensor, refilled on every run.
+  ValueId fill(const Shape& shape, DType dtype, double value);
+
+  // Renames the operator that produced v (scoped), instead of its automatic
+  // "<op>_<n>", and returns v:  ValueId logits = b.name(b.matmul(h, w), "logits");
+  ValueId name(ValueId v, const std::string& name);
 
   const Shape& shape(ValueId v) const { return g_.value(v).shape; }
 
  private:
   std::string scoped(const std::string& name) const;
   std::string auto_name(OpKind op);
+  ValueId append(OpKind kind, std::vector<ValueId> inputs, Attrs attrs = {});
 
   Graph& g_;
   std::vector<std::string> scopes_;

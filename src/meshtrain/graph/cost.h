@@ -9,8 +9,8 @@
 namespace mt {
 
 struct OpCost {
-  double flops = 0;    // floating-point operations (a multiply-add is 2)
-  double bytes = 0;    // bytes read + written, assuming no cache reuse
+  double flops = 0;  // floating-point operations (a multiply-add is 2)
+  double bytes = 0;  // bytes read + written, assuming no cache reuse
 };
 
 OpCost op_cost(const Graph& g, const Node& n);

@@ -28,11 +28,16 @@ constexpr NodeId kNoNode = -1;
 
 enum class OpKind : uint16_t {
   // forward
-  matmul,         // attrs: trans_a, trans_b
-  add, sub, mul,  // b may broadcast as a suffix of a's shape or be a scalar
-  scale,          // attrs: alpha
-  relu, gelu, tanh, sigmoid,
-  softmax,        // attrs: causal
+  matmul,  // attrs: trans_a, trans_b
+  add,
+  sub,
+  mul,    // b may broadcast as a suffix of a's shape or be a scalar
+  scale,  // attrs: alpha
+  relu,
+  gelu,
+  tanh,
+  sigmoid,
+  softmax,  // attrs: causal
   log_softmax,
   layer_norm,     // inputs x, gamma, beta; outputs y, mean, rstd; attrs: eps
   cross_entropy,  // inputs logits [N,C], labels i32 [N]; output scalar f32
@@ -53,8 +58,12 @@ enum class OpKind : uint16_t {
   conv2d_grad_data,    // inputs dy, w; attrs as conv2d + shape (of x)
   conv2d_grad_weight,  // inputs dy, x; outputs dw[, db]; attrs as conv2d + has_bias
   max_pool2d_grad,     // inputs dy, argmax; attrs: shape (of x)
+  // added after the first skeleton (appended so existing values keep their numbers)
+  fill,          // no inputs; attrs: shape, dtype (name), value. Seeds d loss = 1.
+  broadcast_to,  // attrs: shape (x's shape is a suffix of it, or x is a scalar); backward of sum_to
 };
 
+// activation: produced by a forward node; grad: produced by a backward node.
 enum class ValueRole : uint8_t { input, param, activation, grad };
 
 // How a parameter is initialised (the trainer draws it from the run's seed).
@@ -86,6 +95,10 @@ class Attrs {
   bool b(const std::string& key) const;
   const std::vector<int64_t>& ints(const std::string& key) const;
   const std::string& s(const std::string& key) const;
+  // The value if present, `dflt` otherwise (a present value of another type still throws).
+  int64_t i_or(const std::string& key, int64_t dflt) const;
+  double f_or(const std::string& key, double dflt) const;
+  bool b_or(const std::string& key, bool dflt) const;
   const std::map<std::string, AttrValue>& all() const { return values_; }
 
  private:
@@ -93,7 +106,7 @@ class Attrs {
 };
 
 struct Node {
-  OpKind op;
+  OpKind op = OpKind::matmul;
   std::string name;
   std::vector<ValueId> inputs;
   std::vector<ValueId> outputs;
@@ -119,6 +132,14 @@ class Graph {
   const std::vector<ValueId>& inputs() const { return inputs_; }
   const std::vector<ValueId>& params() const { return params_; }
   std::optional<ValueId> find(const std::string& value_name) const;
+  // Value names are unique within a graph (add_* throw ConfigError on a
+  // duplicate). Renames keep find() in step; do not assign Value::name directly.
+  void rename_value(ValueId v, const std::string& name);
+  // Renames a node and its outputs ("<name>", "<name>.mean", ...).
+  void rename_node(NodeId n, const std::string& name);
+  // `base` if no value has that name yet, else `base#2`, `base#3`, ...
+  std::string unique_name(const std::string& base) const;
+  int num_forward_nodes() const;  // nodes with backward == false
 
   // Set by autodiff: the scalar loss and each parameter's gradient value.
   ValueId loss() const { return loss_; }
@@ -136,6 +157,9 @@ class Graph {
   std::vector<ValueId> params_;
   ValueId loss_ = kNoValue;
   std::map<ValueId, ValueId> grads_;
+  std::map<std::string, ValueId> by_name_;
+
+  ValueId new_value(Value v);
 };
 
 std::string_view op_name(OpKind op);

@@ -1,0 +1,198 @@
+#include "meshtrain/graph/autodiff.h"
+
+#include <fmt/format.h>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/graph/op_registry.h"
+
+namespace mt {
+
+namespace {
+
+// One backward pass under construction. Gradient contributions are counted
+// before any node is emitted, so each value's gradient is summed (and, for a
+// parameter, recorded) the moment its last contribution arrives: a
+// parameter's gradient is then produced as early as the reverse order allows,
+// which is when data-parallel sync may start on it.
+class BackwardBuilder {
+ public:
+  BackwardBuilder(Graph& g, ValueId loss)
+      : g_(g),
+        loss_(loss),
+        forward_nodes_(g.num_nodes()),
+        needs_(static_cast<size_t>(g.num_values()), false),
+        count_(static_cast<size_t>(g.num_values()), 0),
+        contribs_(static_cast<size_t>(g.num_values())),
+        grad_(static_cast<size_t>(g.num_values()), kNoValue),
+        active_(static_cast<size_t>(g.num_nodes()), false) {}
+
+  void run() {
+    mark_needs();
+    if (!needs_[idx(loss_)]) return;  // no parameter reaches the loss
+    count_contributions();
+    const Value& lv = g_.value(loss_);
+    ValueId seed = g_.add_node(OpKind::fill, g_.unique_name(contrib_name(loss_, 0)), {},
+                               Attrs()
+                                   .set("shape", lv.shape.dims())
+                                   .set("dtype", std::string(dtype_name(lv.dtype)))
+                                   .set("value", 1.0),
+                               true)
+                       .front();
+    add_contribution(loss_, seed);
+    for (NodeId i = forward_nodes_ - 1; i >= 0; --i) {
+      if (active_[idx(i)]) differentiate(i);
+    }
+  }
+
+ private:
+  static size_t idx(int32_t v) { return static_cast<size_t>(v); }
+
+  // needs_[v]: v is a float value that depends on a parameter.
+  void mark_needs() {
+    for (ValueId p : g_.params()) needs_[idx(p)] = is_float(g_.value(p).dtype);
+    for (NodeId i = 0; i < forward_nodes_; ++i) {
+      const Node& n = g_.node(i);
+      bool any = false;
+      for (ValueId v : n.inputs) any = any || needs_[idx(v)];
+      if (!any) continue;
+      const int diff = std::min<int>(op_def(n.op).diff_outputs, static_cast<int>(n.outputs.size()));
+      for (int k = 0; k < diff; ++k) {
+        ValueId out = n.outputs[idx(k)];
+        needs_[idx(out)] = is_float(g_.value(out).dtype);
+      }
+    }
+  }
+
+  // A node is active if one of its differentiable outputs gets a gradient;
+  // each of its inputs that needs a gradient then receives one contribution.
+  void count_contributions() {
+    std::vector<bool> has_grad(needs_.size(), false);
+    has_grad[idx(loss_)] = true;
+    count_[idx(loss_)] = 1;  // the seed
+    for (NodeId i = forward_nodes_ - 1; i >= 0; --i) {
+      const Node& n = g_.node(i);
+      const OpDef& def = op_def(n.op);
+      bool active = false;
+      const int diff = std::min<int>(def.diff_outputs, static_cast<int>(n.outputs.size()));
+      for (int k = 0; k < diff; ++k) {
+        ValueId out = n.outputs[idx(k)];
+        active = active || (has_grad[idx(out)] && needs_[idx(out)]);
+      }
+      if (!active) continue;
+      if (def.grad == nullptr) {
+        throw InternalError(fmt::format(
+            "build_backward: operator {} (node '{}') lies between a parameter and the loss but "
+            "has no gradient rule",
+            def.name, n.name));
+      }
+      active_[idx(i)] = true;
+      for (ValueId v : n.inputs) {
+        if (!needs_[idx(v)]) continue;
+        ++count_[idx(v)];
+        has_grad[idx(v)] = true;
+      }
+    }
+  }
+
+  std::string contrib_name(ValueId v, int k) const {
+    const std::string base = "grad/" + g_.value(v).name;
+    return count_[idx(v)] <= 1 ? base : fmt::format("{}.{}", base, k);
+  }
+
+  void differentiate(NodeId i) {
+    Node n = g_.node(i);  // copied: emitting nodes may reallocate g's storage
+    const OpDef& def = op_def(n.op);
+    std::vector<ValueId> dys(n.outputs.size(), kNoValue);
+    bool any = false;
+    for (int k = 0; k < std::min<int>(def.diff_outputs, static_cast<int>(n.outputs.size())); ++k) {
+      dys[idx(k)] = grad_[idx(n.outputs[idx(k)])];
+      any = any || dys[idx(k)] != kNoValue;
+    }
+    MT_CHECK(any, "node '{}' is active but none of its outputs has a gradient", n.name);
+
+    std::vector<bool> wants(n.inputs.size());
+    std::vector<std::string> names(n.inputs.size());
+    for (size_t j = 0; j < n.inputs.size(); ++j) {
+      ValueId v = n.inputs[j];
+      wants[j] = needs_[idx(v)];
+      if (!wants[j]) {
+        names[j] = fmt::format("grad/{}.in{}", n.name, j);
+        continue;
+      }
+      int k = static_cast<int>(contribs_[idx(v)].size());
+      for (size_t e = 0; e < j; ++e) k += (n.inputs[e] == v) ? 1 : 0;
+      names[j] = contrib_name(v, k);
+    }
+    GradContext ctx(g_, n, std::move(dys), wants, std::move(names));
+    def.grad(ctx);
+    for (size_t j = 0; j < n.inputs.size(); ++j) {
+      if (!wants[j]) continue;
+      ValueId gv = ctx.given()[j];
+      if (gv == kNoValue) {
+        throw InternalError(
+            fmt::format("gradient rule of {} (node '{}') gave no gradient for input "
+                        "{} ('{}')",
+                        def.name, n.name, j, g_.value(n.inputs[j]).name));
+      }
+      add_contribution(n.inputs[j], gv);
+    }
+  }
+
+  void add_contribution(ValueId v, ValueId c) {
+    auto& cs = contribs_[idx(v)];
+    cs.push_back(c);
+    if (static_cast<int>(cs.size()) == count_[idx(v)]) finalize(v);
+  }
+
+  void finalize(ValueId v) {
+    const auto& cs = contribs_[idx(v)];
+    const std::string name = "grad/" + g_.value(v).name;
+    const bool is_param = g_.value(v).role == ValueRole::param;
+    ValueId r = cs.front();
+    if (cs.size() == 1) {
+      // A pass-through gradient (e.g. add's dy) may be shared with other
+      // values; a parameter gets its own copy so it can be bound separately.
+      if (is_param && g_.value(r).name != name) {
+        r = g_.add_node(OpKind::scale, g_.unique_name(name), {r}, Attrs().set("alpha", 1.0), true)
+                .front();
+      }
+    } else {
+      for (size_t k = 1; k < cs.size(); ++k) {
+        std::string nm = k + 1 == cs.size() ? name : fmt::format("{}.sum{}", name, k);
+        r = g_.add_node(OpKind::add, g_.unique_name(nm), {r, cs[k]}, {}, true).front();
+      }
+    }
+    grad_[idx(v)] = r;
+    if (is_param) g_.set_grad(v, r);
+  }
+
+  Graph& g_;
+  ValueId loss_;
+  NodeId forward_nodes_;
+  std::vector<bool> needs_;
+  std::vector<int> count_;
+  std::vector<std::vector<ValueId>> contribs_;
+  std::vector<ValueId> grad_;
+  std::vector<bool> active_;
+};
+
+}  // namespace
+
+void build_backward(Graph& g, ValueId loss) {
+  MT_CHECK(loss >= 0 && loss < g.num_values(), "build_backward: loss id {} is not a value", loss);
+  const Value& lv = g.value(loss);
+  if (lv.shape.numel() != 1 || !is_float(lv.dtype)) {
+    throw ShapeError(fmt::format("build_backward: loss '{}' must be a float scalar, got {}{}",
+                                 lv.name, dtype_name(lv.dtype), lv.shape.str()));
+  }
+  for (const Node& n : g.nodes()) {
+    if (n.backward) {
+      throw InternalError(
+          fmt::format("build_backward: the graph already has backward nodes (e.g. '{}')", n.name));
+    }
+  }
+  g.set_loss(loss);
+  BackwardBuilder(g, loss).run();
+}
+
+}  // namespace mt
