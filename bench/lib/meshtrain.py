@@ -9,6 +9,7 @@ sequence of seq_len tokens).
 """
 
 import json
+import tomllib
 
 from common import BenchError, REPO, mpi_env, thread_env
 
@@ -43,13 +44,13 @@ def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None):
         exe = ctx.ensure_built("meshtrain")
     except BenchError as e:
         return MeshtrainRun(None, [], None, f"meshtrain unavailable: {e}", 0.0)
-    config = REPO / "configs" / f"{CONFIGS[model]}.toml"
+    config = config_path(model)
     metrics = ctx.workdir / f"{name}.jsonl"
     cmd = [exe, "train", "--config", config]
     if nproc:
         cmd += ["--nproc", str(nproc)]
     for kv in (f"train.steps={steps}", "train.eval=false", f"train.threads={threads}",
-               f"train.precision={precision}", "train.checkpoint="):
+               f"train.precision={precision}", 'train.checkpoint=""'):
         cmd += ["--set", kv]
     cmd += ["--metrics", metrics]
     env = thread_env(threads)
@@ -76,3 +77,46 @@ def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None):
         ctx.log(error)
     return MeshtrainRun(summary if not error else None, steps_logged, r.maxrss_kib if r.ok else None,
                         error, r.wall_s)
+
+
+def config_path(model):
+    return REPO / "configs" / f"{CONFIGS[model]}.toml"
+
+
+def peer_setup(model, default_batch):
+    """Reads meshtrain's config for `model` and returns (global batch, the
+    torch_train.py arguments that give the peer the same model dimensions,
+    optimizer and clipping). Defaults are meshtrain's own (cli/run_config.cpp).
+    Raises BenchError for a config that cannot be read."""
+    path = config_path(model)
+    try:
+        cfg = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise BenchError(f"cannot read {path}: {e}") from e
+    m, t, o = cfg.get("model", {}), cfg.get("train", {}), cfg.get("optim", {})
+    batch = int(t.get("batch_size", default_batch))
+    args = ["--batch", str(batch)]
+    if model == "mlp":
+        args += ["--hidden", ",".join(str(h) for h in m.get("hidden", [512, 512]))]
+    elif model == "cnn":
+        args += ["--conv-channels", ",".join(str(c) for c in m.get("conv_channels", [32, 64])),
+                 "--fc", str(m.get("fc", 128))]
+    else:
+        for key, flag in (("layers", "--layers"), ("d_model", "--d-model"), ("heads", "--heads"),
+                          ("seq_len", "--seq")):
+            if key in m:
+                args += [flag, str(m[key])]
+    name = o.get("name", "sgd")
+    if name not in ("sgd", "adamw"):
+        raise BenchError(f"{path}: optim.name '{name}' has no PyTorch peer here (sgd, adamw)")
+    args += ["--opt", name, "--lr", str(o.get("lr", 0.01)),
+             "--weight-decay", str(o.get("weight_decay", 0.0 if name == "sgd" else 0.01)),
+             "--clip-grad-norm", str(o.get("clip_grad_norm", 0.0))]
+    if name == "sgd":
+        args += ["--momentum", str(o.get("momentum", 0.9))]
+        if o.get("nesterov", False):
+            args.append("--nesterov")
+    else:
+        args += ["--beta1", str(o.get("beta1", 0.9)), "--beta2", str(o.get("beta2", 0.999)),
+                 "--eps", str(o.get("eps", 1e-8))]
+    return batch, args

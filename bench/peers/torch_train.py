@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch peer for the meshtrain benchmarks: trains the same MLP / CNN / GPT
 that meshtrain trains, on synthetic data of the same shapes, and prints one
-JSON line with the median step throughput.
+JSON line with the median step throughput. bench/run passes the model sizes,
+batch and optimizer settings of meshtrain's config file; the defaults here are
+the benchmark models with SGD (momentum 0.9, lr 0.01) / AdamW (lr 3e-4).
 
 Run by bench/run (core and dp suites), also usable by hand:
 
@@ -34,14 +36,18 @@ import time
 # run and escape the peak-RSS measurement of this process.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# Defaults when run by hand; bench/run passes the values of meshtrain's config
+# file (configs/*.toml) so both sides train the same model the same way.
 MODELS = {
-    # name: (global batch, optimizer, items per sample for the "tokens" unit)
-    "mlp": {"batch": 128, "opt": "sgd"},
-    "cnn": {"batch": 128, "opt": "sgd"},
-    "gpt": {"batch": 16, "opt": "adamw", "seq": 128},
+    "mlp": {"batch": 128, "opt": "sgd", "lr": 0.01},
+    "cnn": {"batch": 128, "opt": "sgd", "lr": 0.01},
+    "gpt": {"batch": 16, "opt": "adamw", "lr": 3e-4},
 }
+VOCAB = 256  # byte-level text
 
-GPT_CFG = {"layers": 4, "d_model": 256, "heads": 4, "seq": 128, "vocab": 256}
+
+def int_list(text):
+    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv):
@@ -55,7 +61,32 @@ def parse_args(argv):
     p.add_argument("--world", type=int, default=1, help="data-parallel processes")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    m = p.add_argument_group("model (defaults: the benchmark models)")
+    m.add_argument("--hidden", type=int_list, default=[512, 512], help="MLP hidden sizes")
+    m.add_argument("--conv-channels", type=int_list, default=[32, 64], help="CNN conv channels")
+    m.add_argument("--fc", type=int, default=128, help="CNN hidden fc size")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--d-model", type=int, default=256)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--seq", type=int, default=128)
+    o = p.add_argument_group("optimizer (defaults: SGD momentum 0.9 lr 0.01; AdamW lr 3e-4)")
+    o.add_argument("--opt", choices=["sgd", "adamw"], default=None)
+    o.add_argument("--lr", type=float, default=None)
+    o.add_argument("--momentum", type=float, default=0.9)
+    o.add_argument("--nesterov", action="store_true")
+    o.add_argument("--weight-decay", type=float, default=None,
+                   help="default 0 for SGD, 0.01 for AdamW")
+    o.add_argument("--beta1", type=float, default=0.9)
+    o.add_argument("--beta2", type=float, default=0.999)
+    o.add_argument("--eps", type=float, default=1e-8)
+    o.add_argument("--clip-grad-norm", type=float, default=0.0, help="0: no clipping")
+    a = p.parse_args(argv)
+    spec = MODELS[a.model]
+    a.opt = a.opt or spec["opt"]
+    a.lr = a.lr if a.lr is not None else spec["lr"]
+    if a.weight_decay is None:
+        a.weight_decay = 0.0 if a.opt == "sgd" else 0.01
+    return a
 
 
 def set_threads(n):
@@ -75,21 +106,28 @@ def set_threads(n):
     return got
 
 
-def build_model(name):
+def build_model(a):
+    """The model a describes: MLP 784-hidden...-10, CNN (conv3x3 pad 1, relu,
+    maxpool 2)* then fc-relu-fc to 10 classes on 1x28x28, or the GPT."""
     import torch
     from torch import nn
     import torch.nn.functional as F
 
-    if name == "mlp":
-        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                             nn.Linear(512, 10))
-    if name == "cnn":
-        return nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10))
+    if a.model == "mlp":
+        layers, width = [], 784
+        for h in a.hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        return nn.Sequential(*layers, nn.Linear(width, 10))
+    if a.model == "cnn":
+        layers, ch, size = [], 1, 28
+        for out in a.conv_channels:
+            layers += [nn.Conv2d(ch, out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+            ch, size = out, size // 2
+        return nn.Sequential(*layers, nn.Flatten(), nn.Linear(ch * size * size, a.fc), nn.ReLU(),
+                             nn.Linear(a.fc, 10))
 
-    c = GPT_CFG
+    c = {"layers": a.layers, "d_model": a.d_model, "heads": a.heads, "seq": a.seq, "vocab": VOCAB}
 
     class Block(nn.Module):
         def __init__(self):
@@ -147,23 +185,31 @@ def build_model(name):
     return gpt
 
 
-def make_batches(name, batch, count, gen):
+def make_batches(a, batch, count, gen):
     """Returns `count` random (input, target) pairs shaped like the real data."""
     import torch
 
     out = []
     for _ in range(count):
-        if name == "mlp":
+        if a.model == "mlp":
             x = torch.rand(batch, 784, generator=gen)
             y = torch.randint(0, 10, (batch,), generator=gen)
-        elif name == "cnn":
+        elif a.model == "cnn":
             x = torch.rand(batch, 1, 28, 28, generator=gen)
             y = torch.randint(0, 10, (batch,), generator=gen)
         else:
-            tok = torch.randint(0, GPT_CFG["vocab"], (batch, GPT_CFG["seq"] + 1), generator=gen)
+            tok = torch.randint(0, VOCAB, (batch, a.seq + 1), generator=gen)
             x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
         out.append((x, y))
     return out
+
+
+def describe_optimizer(a):
+    if a.opt == "sgd":
+        text = f"sgd lr={a.lr} momentum={a.momentum} nesterov={a.nesterov} wd={a.weight_decay}"
+    else:
+        text = f"adamw lr={a.lr} betas=({a.beta1},{a.beta2}) eps={a.eps} wd={a.weight_decay}"
+    return text + (f" clip={a.clip_grad_norm}" if a.clip_grad_norm > 0 else "")
 
 
 def main(argv):
@@ -183,7 +229,7 @@ def main(argv):
     peer_threads = set_threads(a.threads)
     torch.manual_seed(a.seed + a.rank)
 
-    model = build_model(a.model)
+    model = build_model(a)
     params = sum(p.numel() for p in model.parameters())
     if a.world > 1:
         import torch.distributed as dist
@@ -191,20 +237,24 @@ def main(argv):
 
         dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
         model = DistributedDataParallel(model)
-    if spec["opt"] == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if a.opt == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum,
+                              nesterov=a.nesterov, weight_decay=a.weight_decay)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
+                                weight_decay=a.weight_decay)
     step_model = torch.compile(model) if a.mode == "compile" else model
 
     gen = torch.Generator().manual_seed(1000 + a.seed + a.rank)
-    batches = make_batches(a.model, local_batch, 4, gen)
+    batches = make_batches(a, local_batch, 4, gen)
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
         logits = step_model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
+        if a.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad_norm)
         opt.step()
         return loss.detach()
 
@@ -239,13 +289,14 @@ def main(argv):
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "params": params,
+        "optimizer": describe_optimizer(a),
         "torch_version": torch.__version__,
         "import_maxrss_kib": import_maxrss_kib,
         "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }
-    if "seq" in spec:
-        result["seq"] = spec["seq"]
-        result["tokens_per_s"] = result["samples_per_s"] * spec["seq"]
+    if a.model == "gpt":
+        result["seq"] = a.seq
+        result["tokens_per_s"] = result["samples_per_s"] * a.seq
     if a.world > 1:
         import torch.distributed as dist
 

@@ -14,8 +14,9 @@ from common import MODEL_PLAN as PLAN
 from common import BenchError, PEERS, mib, parse_models, ratio, steps_for, thread_env
 
 NOTE = ("peer trains on synthetic random data of the same shapes (throughput does not depend "
-        "on values); median step time after warm-up; torch.compile compiles the model, the "
-        "optimizer step runs eagerly")
+        "on values), with the model sizes, batch, optimizer and clipping of meshtrain's config; "
+        "median step time after warm-up; torch.compile compiles the model, the optimizer step "
+        "runs eagerly")
 
 
 def add_args(p):
@@ -25,9 +26,9 @@ def add_args(p):
                    help="skip meshtrain (peer figures only, e.g. before meshtrain builds)")
 
 
-def run_peer(ctx, model, mode, threads, steps, warmup):
+def run_peer(ctx, model, mode, threads, steps, warmup, setup_args):
     res, r = ctx.peer(["--model", model, "--mode", mode, "--threads", str(threads),
-                       "--steps", str(steps), "--warmup", str(warmup)],
+                       "--steps", str(steps), "--warmup", str(warmup), *setup_args],
                       threads, f"torch-{model}-{mode}-t{threads}")
     if res is None:
         ctx.log(f"peer {model} {mode} t{threads} failed: {r.failure()}")
@@ -100,7 +101,7 @@ def pick_square_sgemm(stdout):
     return best[:2] if best else None
 
 
-def compare(ctx, model, threads, steps, warmup, mt, peers):
+def compare(ctx, model, threads, steps, warmup, batch, mt, peers):
     """Prints throughput and RSS lines of meshtrain against each peer mode."""
     plan = PLAN[model]
     seq = plan["seq"]
@@ -111,7 +112,7 @@ def compare(ctx, model, threads, steps, warmup, mt, peers):
         ctx_fields = {
             "model": model, "threads": threads,
             "peer_threads": res["peer_threads"] if res else None,
-            "batch": plan["batch"], "steps": steps, "warmup": warmup,
+            "batch": batch, "steps": steps, "warmup": warmup,
         }
         if seq > 1:
             ctx_fields["seq"] = seq
@@ -121,6 +122,7 @@ def compare(ctx, model, threads, steps, warmup, mt, peers):
                 "peer_name": f"pytorch-{version} {mode}", **ctx_fields}
         if res:
             line["peer_warmup_s"] = res["warmup_s"]
+            line["peer_optimizer"] = res["optimizer"]
         line["note"] = NOTE
         if error:
             line["error"] = error
@@ -140,13 +142,13 @@ def compare(ctx, model, threads, steps, warmup, mt, peers):
         ctx.emit(line)
 
 
-def bf16_lines(ctx, model, steps, warmup, f32):
+def bf16_lines(ctx, model, steps, warmup, batch, f32):
     bf = run_meshtrain(ctx, model, 1, steps, warmup, precision="bf16")
     plan = PLAN[model]
     seq = plan["seq"]
     error = "; ".join(e for e in (f32.error, bf.error) if e) or None
     common = {"peer_name": "meshtrain f32", "model": model, "threads": 1,
-              "batch": plan["batch"], "steps": steps, "warmup": warmup}
+              "batch": batch, "steps": steps, "warmup": warmup}
     b_rate = bf.samples_per_s * seq if bf.samples_per_s else None
     f_rate = f32.samples_per_s * seq if f32.samples_per_s else None
     line = {"name": f"{model}_bf16_vs_f32_throughput", "unit": plan["unit"],
@@ -170,11 +172,12 @@ def run(ctx):
     ctx.torch_python()  # create the venv up front, not in the middle of timings
     for model in models:
         steps, warmup = steps_for(ctx, model)
+        batch, setup_args = meshtrain.peer_setup(model, PLAN[model]["batch"])
         for threads in threads_list:
             mt = run_meshtrain(ctx, model, threads, steps, warmup)
-            peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup)
+            peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup, setup_args)
                      for mode in ("eager", "compile")}
-            compare(ctx, model, threads, steps, warmup, mt, peers)
+            compare(ctx, model, threads, steps, warmup, batch, mt, peers)
             if model == "mlp" and threads == 1:
                 peak = sgemm_peak(ctx)
                 line = {"name": "sgemm_peak", "unit": "GFLOP/s", "value": peak["value"],
@@ -186,7 +189,7 @@ def run(ctx):
                     continue
                 gf = mt.get("matmul_gflops")
                 line = {"name": "mlp_train_matmul_gflops", "unit": "GFLOP/s", "value": gf,
-                        "threads": 1, "model": "mlp", "batch": PLAN["mlp"]["batch"],
+                        "threads": 1, "model": "mlp", "batch": batch,
                         "fraction_of_sgemm_peak": ratio(gf, peak["value"]),
                         "note": "matmul FLOPs / matmul time inside meshtrain's training step "
                                 "(summary metrics line)"}
@@ -194,4 +197,4 @@ def run(ctx):
                     line["error"] = mt.error
                 ctx.emit(line)
             if model in ("mlp", "gpt") and threads == 1 and not ctx.args.peer_only:
-                bf16_lines(ctx, model, steps, warmup, mt)
+                bf16_lines(ctx, model, steps, warmup, batch, mt)

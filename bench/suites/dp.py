@@ -27,7 +27,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def peer_ddp(ctx, model, steps, warmup):
+def peer_ddp(ctx, model, steps, warmup, setup_args):
     """Starts WORLD ranks of torch_train.py (torchrun's environment: MASTER_ADDR,
     MASTER_PORT; rank on the command line); returns (rank 0's result, error,
     max peak RSS over ranks in KiB)."""
@@ -40,7 +40,7 @@ def peer_ddp(ctx, model, steps, warmup):
         env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
         started.append(ctx.start([py, PEERS / "torch_train.py", "--model", model, "--threads", "1",
                                   "--steps", str(steps), "--warmup", str(warmup),
-                                  "--world", str(WORLD), "--rank", str(rank)],
+                                  "--world", str(WORLD), "--rank", str(rank), *setup_args],
                                  env_r, f"torch-ddp-{model}-r{rank}"))
     results = ctx.finish(started)
     bad = [r for r in results if not r.ok]
@@ -52,9 +52,9 @@ def peer_ddp(ctx, model, steps, warmup):
     return lines[0][-1], None, max(r.maxrss_kib for r in results)
 
 
-def peer_single(ctx, model, steps, warmup):
+def peer_single(ctx, model, steps, warmup, setup_args):
     res, r = ctx.peer(["--model", model, "--threads", "1", "--steps", str(steps),
-                       "--warmup", str(warmup)], 1, f"torch-{model}-t1")
+                       "--warmup", str(warmup), *setup_args], 1, f"torch-{model}-t1")
     return res, (None if res else r.failure())
 
 
@@ -64,14 +64,15 @@ def run(ctx):
     for model in models:
         plan = PLAN[model]
         steps, warmup = steps_for(ctx, model)
+        batch, setup_args = meshtrain.peer_setup(model, plan["batch"])
         seq = plan["seq"]
         if ctx.args.peer_only:
             mt1 = mt2 = meshtrain.MeshtrainRun(None, [], None, None, 0.0)
         else:
             mt1 = meshtrain.train(ctx, model, steps + warmup, 1)
             mt2 = meshtrain.train(ctx, model, steps + warmup, 1, nproc=WORLD)
-        p1, err1 = peer_single(ctx, model, steps, warmup)
-        p2, err2, rss2 = peer_ddp(ctx, model, steps, warmup)
+        p1, err1 = peer_single(ctx, model, steps, warmup, setup_args)
+        p2, err2, rss2 = peer_ddp(ctx, model, steps, warmup, setup_args)
         version = (p2 or p1 or {}).get("torch_version", "?")
         peer_name = f"pytorch-{version} DDP gloo eager"
         for label, res in (("1 process", p1), (f"DDP {WORLD} processes", p2)):
@@ -82,7 +83,7 @@ def run(ctx):
         p1_rate = p1["samples_per_s"] * seq if p1 else None
         p2_rate = p2["samples_per_s"] * seq if p2 else None
         ctx_fields = {"model": model, "processes": WORLD, "threads_per_process": 1,
-                      "batch": plan["batch"], "local_batch": plan["batch"] // WORLD,
+                      "batch": batch, "local_batch": batch // WORLD,
                       "steps": steps, "warmup": warmup}
         if seq > 1:
             ctx_fields["seq"] = seq
