@@ -33,6 +33,7 @@ TEST(KernelRegistry, ReturnsOneInstancePerName) {
   EXPECT_EQ(ref().name(), "reference");
   EXPECT_EQ(&kernels("reference"), &kernels("reference"));
   EXPECT_EQ(&kernels("fast"), &kernels("fast"));
+  EXPECT_EQ(kernels("fast").name(), "fast");
   const auto names = kernel_backend_names();
   ASSERT_EQ(names.size(), 2u);
   EXPECT_EQ(names[0], "reference");

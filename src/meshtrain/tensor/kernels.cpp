@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/tensor/backends/fast/fast_backend.h"
 #include "meshtrain/tensor/backends/reference/reference_backend.h"
 
 namespace mt {
@@ -17,16 +18,11 @@ KernelBackend& reference_instance() {
   return instance;
 }
 
-// The fast backend hands dtypes it does not implement to the reference one.
-// Until it exists, "fast" names the reference backend itself.
-std::unique_ptr<KernelBackend> make_fast_instance(KernelBackend& /*fallback*/) {
-  return nullptr;
-}
-
+// The fast backend hands the dtypes it does not implement to the reference one.
 KernelBackend& fast_instance() {
   // Function-local statics are initialised once, thread-safely.
-  static const std::unique_ptr<KernelBackend> instance = make_fast_instance(reference_instance());
-  return instance ? *instance : reference_instance();
+  static const std::unique_ptr<KernelBackend> instance = make_fast_backend(reference_instance());
+  return *instance;
 }
 
 }  // namespace
