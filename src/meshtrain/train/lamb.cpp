@@ -1,5 +1,6 @@
 // LAMB: Adam moments with bias correction, and a per-parameter trust ratio
 // ||w|| / ||r|| over the whole parameter (see optimizer.h).
+#include <algorithm>
 #include <cmath>
 
 #include "meshtrain/train/optimizer.h"
@@ -46,16 +47,22 @@ class Lamb final : public Optimizer {
       float* m = slot(p, "exp_avg");
       float* v = slot(p, "exp_avg_sq");
       const int64_t n = p.param.numel();
-      for (int64_t i = 0; i < n; ++i) {
-        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-      }
-      if (!adapts(p)) continue;
+      const bool adapt = adapts(p);
+      // Blocks of r go through a small buffer so that the moment update and
+      // r vectorise and the squared norm reuses sum_squares' partial sums.
+      float r[kBlock];
       double rr = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const double r = direction(c, m[i], v[i], w[i]);
-        rr += r * r;
+      for (int64_t b = 0; b < n; b += kBlock) {
+        const int64_t len = std::min<int64_t>(kBlock, n - b);
+        for (int64_t j = 0; j < len; ++j) {
+          const int64_t i = b + j;
+          m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+          v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+          r[j] = direction(c, m[i], v[i], w[i]);
+        }
+        if (adapt) rr += sum_squares(r, len);
       }
+      if (!adapt) continue;
       norms_[2 * k] = sum_squares(w, n);
       norms_[2 * k + 1] = rr;
     }
@@ -91,6 +98,8 @@ class Lamb final : public Optimizer {
   bool adapts(const ParamRef& p) const {
     return !o_.exclude_from_adaptation || o_.decay.applies(p);
   }
+
+  static constexpr int64_t kBlock = 256;
 
   LambOptions o_;
   std::vector<double> norms_;  // scratch, reused across steps
