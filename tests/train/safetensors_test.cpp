@@ -101,6 +101,8 @@ TEST_F(Safetensors, RoundTripsEveryDtypeWithMetadata) {
   Tensor into = Tensor::zeros({3, 4}, DType::f32);
   r.read_into("a.f32", into);
   expect_same(into, tensors.at("a.f32"), "read_into");
+  SafetensorsReader moved(std::move(r));
+  expect_same(moved.read("d.f16"), tensors.at("d.f16"), "after a move");
 }
 
 TEST_F(Safetensors, BytesFollowTheFormatAsAnIndependentParserReadsThem) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -298,6 +299,12 @@ SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)) 
     throw;
   }
 }
+
+SafetensorsReader::SafetensorsReader(SafetensorsReader&& other) noexcept
+    : path_(std::move(other.path_)),
+      fd_(std::exchange(other.fd_, -1)),
+      file_size_(other.file_size_),
+      header_(std::move(other.header_)) {}
 
 SafetensorsReader::~SafetensorsReader() {
   if (fd_ >= 0) ::close(fd_);

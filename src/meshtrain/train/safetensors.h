@@ -74,6 +74,8 @@ class SafetensorsReader {
   ~SafetensorsReader();
   SafetensorsReader(const SafetensorsReader&) = delete;
   SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+  SafetensorsReader(SafetensorsReader&& other) noexcept;
+  SafetensorsReader& operator=(SafetensorsReader&&) = delete;
 
   const std::string& path() const { return path_; }
   const SafetensorsHeader& header() const { return header_; }
