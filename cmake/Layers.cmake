@@ -3,7 +3,7 @@
 # layers below it, so a wrong-way include fails to link.
 add_library(mt_flags INTERFACE)
 target_compile_options(mt_flags INTERFACE -Wall -Wextra -Wpedantic -Wshadow
-  -Wnon-virtual-dtor -Wno-unused-parameter)
+  -Wnon-virtual-dtor -Wno-unused-parameter -fno-math-errno)
 if(MT_WERROR)
   target_compile_options(mt_flags INTERFACE -Werror)
 endif()
