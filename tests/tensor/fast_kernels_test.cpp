@@ -200,7 +200,7 @@ TEST_P(FastKernels, MatmulRejectsBadShapes) {
                ShapeError);
 }
 
-TEST(FastKernelsEngines, EveryEngineChoiceMatchesAndTheMeasuredOneSettles) {
+TEST(FastKernelsEngines, EveryEngineAndLayoutChoiceMatchesAndTheMeasuredOneSettles) {
   KernelBackend& ref = kernels("reference");
   for (MatmulEngineChoice choice :
        {MatmulEngineChoice::onednn, MatmulEngineChoice::openblas, MatmulEngineChoice::measure}) {
@@ -208,6 +208,31 @@ TEST(FastKernelsEngines, EveryEngineChoiceMatchesAndTheMeasuredOneSettles) {
     check_matmul(*fast, ref, {0, 45, 31, 60, false, true, false, 1, 1}, 40);
     check_matmul(*fast, ref, {5, 12, 20, 16, false, true, false, 0.25f, 0}, 41);
   }
+  // Both convolution layouts, forced, give the reference's results.
+  const Conv2dParams cp{1, 1, 1, 1};
+  const Tensor x = random_tensor({3, 16, 9, 9}, 42), w = random_tensor({32, 16, 3, 3}, 43);
+  const Tensor bias = random_tensor({32}, 44), dy = random_tensor({3, 32, 9, 9}, 45);
+  Tensor y_want = Tensor::empty(dy.shape(), DType::f32),
+         dx_want = Tensor::empty(x.shape(), DType::f32);
+  Tensor dw_want = Tensor::empty(w.shape(), DType::f32), db_want = Tensor::empty({32}, DType::f32);
+  ref.conv2d(x, w, bias, y_want, cp);
+  ref.conv2d_backward_data(dy, w, dx_want, cp);
+  ref.conv2d_backward_weight(dy, x, dw_want, db_want, cp);
+  for (ConvLayoutChoice layout : {ConvLayoutChoice::plain, ConvLayoutChoice::blocked}) {
+    auto fast = make_fast_backend(ref, FastBackendOptions{MatmulEngineChoice::measure, layout});
+    Tensor y = nan_like(dy.shape()), dx = nan_like(x.shape()), dw = nan_like(w.shape()),
+           db = nan_like({32});
+    fast->conv2d(x, w, bias, y, cp);
+    fast->conv2d_backward_data(dy, w, dx, cp);
+    fast->conv2d_backward_weight(dy, x, dw, db, cp);
+    const std::string what = layout == ConvLayoutChoice::plain ? "plain" : "blocked";
+    expect_close(y, y_want, 1e-5, 1e-4, what + " conv forward");
+    expect_close(dx, dx_want, 1e-5, 1e-4, what + " conv backward data");
+    expect_close(dw, dw_want, 1e-5, 1e-3, what + " conv backward weight");
+    expect_close(db, db_want, 1e-5, 1e-3, what + " conv backward bias");
+  }
+
+  // The measured engine, used directly, settles after its trials.
   fast::OneDnnContext ctx;
   fast::MatmulEngine engine(ctx, MatmulEngineChoice::measure);
   const Tensor a = random_tensor({40, 30}, 1), b = random_tensor({30, 20}, 2);
@@ -561,7 +586,9 @@ TEST_P(FastKernels, MaxPoolMatchesReference) {
   const std::vector<Case> cases = {
       {{4, 8, 28, 28}, {2, 2, 2, 2, 0, 0}}, {{2, 3, 13, 11}, {3, 3, 2, 2, 1, 1}},
       {{1, 2, 7, 9}, {2, 3, 1, 2, 1, 0}},   {{1, 1, 1, 1}, {1, 1, 1, 1, 0, 0}},
-      {{2, 2, 5, 200}, {2, 2, 2, 2, 0, 0}}, {{128, 32, 28, 28}, {2, 2, 2, 2, 0, 0}}};
+      {{2, 2, 5, 200}, {2, 2, 2, 2, 0, 0}}, {{128, 32, 28, 28}, {2, 2, 2, 2, 0, 0}},
+      {{2, 3, 12, 12}, {3, 3, 2, 2, 1, 1}},  // output sizes halve, but windows overlap
+      {{2, 3, 9, 35}, {2, 2, 2, 2, 0, 0}}};  // odd sizes: last row and column unused
   for (const Case& c : cases) {
     // Coarse values make ties common; a few NaNs test the NaN rule.
     Tensor x = random_tensor(c.x, 61, -3, 3);
@@ -583,6 +610,18 @@ TEST_P(FastKernels, MaxPoolMatchesReference) {
     fast_->max_pool2d_backward(dy, a_want, dx);
     expect_close(dx, dx_want, 1e-6, 0, "max_pool2d_backward " + c.x.str());
   }
+  // An argmax that points outside its own 2x2 window is legal (any index into
+  // the plane): the one-pass 2x2 backward must notice and scatter instead.
+  Tensor odd_arg = Tensor::zeros({2, 3, 4, 5}, DType::i32);
+  for (int64_t i = 0; i < odd_arg.numel(); ++i) {
+    odd_arg.data<int32_t>()[i] = static_cast<int32_t>((i * 7) % 90);
+  }
+  const Tensor g = random_tensor({2, 3, 4, 5}, 63);
+  Tensor dx_want = nan_like({2, 3, 9, 10}), dx_got = nan_like({2, 3, 9, 10});
+  ref_.max_pool2d_backward(g, odd_arg, dx_want);
+  fast_->max_pool2d_backward(g, odd_arg, dx_got);
+  expect_close(dx_got, dx_want, 1e-6, 0, "max_pool2d_backward with foreign argmax");
+
   Tensor a = Tensor::full({1, 1, 1, 1}, DType::i32, 4);
   Tensor dx = Tensor::empty({1, 1, 2, 2}, DType::f32);
   EXPECT_THROW(fast_->max_pool2d_backward(random_tensor({1, 1, 1, 1}, 1), a, dx), ShapeError);

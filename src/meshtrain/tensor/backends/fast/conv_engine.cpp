@@ -2,7 +2,6 @@
 // layouts (see conv_engine.h).
 #include "meshtrain/tensor/backends/fast/conv_engine.h"
 
-#include <chrono>
 #include <string>
 #include <unordered_map>
 
@@ -55,7 +54,7 @@ ConvGeom conv_geom(const char* kernel, const Tensor& x, const char* x_name, cons
   return g;
 }
 
-ConvEngine::ConvEngine(OneDnnContext& ctx) : ctx_(ctx) {}
+ConvEngine::ConvEngine(OneDnnContext& ctx, ConvLayoutChoice layout) : ctx_(ctx), layout_(layout) {}
 ConvEngine::~ConvEngine() = default;
 
 ConvEngine::Key ConvEngine::key_of(Kind kind, const ConvGeom& g, const Conv2dParams& p, bool bias,
@@ -139,10 +138,11 @@ ConvEngine::Plan& ConvEngine::plan_for(const Key& key) {
   auto plan = std::make_unique<Plan>();
   bool same = true;
   plan->variants[0] = make_variant(key, false, same);
-  plan->variants[1] = make_variant(key, true, same);
+  if (layout_ != ConvLayoutChoice::plain) plan->variants[1] = make_variant(key, true, same);
   // When oneDNN's preferred layouts are the caller's, there is nothing to choose.
   plan->count = same ? 1 : 2;
-  if (plan->count == 1) plan->chosen = 0;
+  if (plan->count == 1 || layout_ == ConvLayoutChoice::plain) plan->chosen = 0;
+  if (plan->count == 2 && layout_ == ConvLayoutChoice::blocked) plan->chosen = 1;
   return *plans_.emplace(key, std::move(plan)).first->second;
 }
 
@@ -188,9 +188,9 @@ void ConvEngine::run(const Key& key, const std::vector<std::pair<int, void*>>& b
     execute(v, ptrs);
     return;
   }
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = trial_clock(key.threads);
   execute(v, ptrs);
-  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double t = trial_clock(key.threads) - t0;
   double& best = plan.best[static_cast<size_t>(pick)];
   best = std::min(best, t);
   if (++plan.trials == 2 * kTrials) plan.chosen = plan.best[0] <= plan.best[1] ? 0 : 1;

@@ -8,7 +8,9 @@
 // picks its preferred (channel-blocked) layouts and the engine reorders
 // between those and the caller's buffers. Like MatmulEngine, the first
 // 2 * kTrials calls alternate between the variants, timing each whole call
-// (reorders included); the faster one serves the signature afterwards.
+// (reorders included, on trial_clock); the faster one serves the signature
+// afterwards.
+// ConvLayoutChoice::plain / blocked skip the measurement.
 // Primitives, reorders and the blocked buffers are cached per signature.
 //
 // Callers pass validated, non-empty f32 tensors. Owned by the fast backend;
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "meshtrain/tensor/backend.h"
+#include "meshtrain/tensor/backends/fast/fast_backend.h"
 #include "meshtrain/tensor/backends/fast/onednn_context.h"
 
 namespace mt::fast {
@@ -44,7 +47,7 @@ class ConvEngine {
  public:
   static constexpr int kTrials = 3;
 
-  explicit ConvEngine(OneDnnContext& ctx);
+  ConvEngine(OneDnnContext& ctx, ConvLayoutChoice layout);
   ~ConvEngine();
   ConvEngine(const ConvEngine&) = delete;
   ConvEngine& operator=(const ConvEngine&) = delete;
@@ -101,6 +104,7 @@ class ConvEngine {
   void run(const Key& key, const std::vector<std::pair<int, void*>>& buffers);
 
   OneDnnContext& ctx_;
+  ConvLayoutChoice layout_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

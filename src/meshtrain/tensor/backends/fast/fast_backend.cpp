@@ -41,7 +41,7 @@ bool any_empty(std::initializer_list<const Tensor*> ts) {
 class FastBackend final : public KernelBackend {
  public:
   FastBackend(KernelBackend& fallback, const FastBackendOptions& options)
-      : fallback_(fallback), matmul_(ctx_, options.f32_matmul), conv_(ctx_) {
+      : fallback_(fallback), matmul_(ctx_, options.f32_matmul), conv_(ctx_, options.conv_layout) {
     set_num_threads(1);
   }
 

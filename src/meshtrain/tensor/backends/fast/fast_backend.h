@@ -27,8 +27,16 @@ enum class MatmulEngineChoice : uint8_t {
   openblas,  // always OpenBLAS sgemm
 };
 
+// Which memory layout convolutions run in.
+enum class ConvLayoutChoice : uint8_t {
+  measure,  // time both on the first calls of each shape, keep the faster
+  plain,    // oneDNN works on the caller's NCHW / OIHW buffers directly
+  blocked,  // oneDNN's preferred (channel-blocked) layouts, reordered to and fro
+};
+
 struct FastBackendOptions {
   MatmulEngineChoice f32_matmul = MatmulEngineChoice::measure;
+  ConvLayoutChoice conv_layout = ConvLayoutChoice::measure;
 };
 
 std::unique_ptr<KernelBackend> make_fast_backend(KernelBackend& fallback);

@@ -5,7 +5,6 @@
 #include <cblas.h>
 
 #include <bit>
-#include <chrono>
 #include <climits>
 #include <cstring>
 
@@ -43,10 +42,6 @@ memory::desc operand_desc(int64_t batch, int64_t rows, int64_t cols, bool trans,
   const memory::dims s2 = trans ? memory::dims{1, rows} : memory::dims{cols, 1};
   if (batch == 0) return memory::desc({rows, cols}, t, s2);
   return memory::desc({batch, rows, cols}, t, {rows * cols, s2[0], s2[1]});
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
@@ -134,7 +129,7 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   if (c.numel() == 0) return;
   if (d.k == 0) {  // an empty sum: c = beta * c, and c is write-only when beta == 0
     float* pc = c.data<float>();
-    for (int64_t i = 0; i < c.numel(); ++i) pc[i] = p.beta == 0.0f ? 0.0f : p.beta * pc[i];
+    for (int64_t i = 0, n = c.numel(); i < n; ++i) pc[i] = p.beta == 0.0f ? 0.0f : p.beta * pc[i];
     return;
   }
   if (d.m > INT_MAX || d.n > INT_MAX || d.k > INT_MAX) {
@@ -165,13 +160,13 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   // Undecided: alternate engines and keep each one's best time. Primitive
   // creation happens outside the timed region (plan_for made it already).
   const bool use_onednn = plan.trials % 2 == 0;
-  const auto t0 = std::chrono::steady_clock::now();
+  const double t0 = trial_clock(threads);
   if (use_onednn) {
     run_onednn(plan, a, b, c);
   } else {
     run_openblas(d, a, b, c, p);
   }
-  const double t = seconds_since(t0);
+  const double t = trial_clock(threads) - t0;
   double& best = use_onednn ? plan.best_onednn : plan.best_openblas;
   best = std::min(best, t);
   if (++plan.trials == 2 * kTrials) {

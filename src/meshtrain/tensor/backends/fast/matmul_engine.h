@@ -9,7 +9,9 @@
 // between oneDNN and OpenBLAS and time each (every trial is a real call that
 // produces the caller's result, so measuring wastes no work); the engine with
 // the lower minimum time then serves that signature for the engine's
-// lifetime. oneDNN primitives are created once per signature and cached.
+// lifetime. Times are the calling thread's CPU time at one thread (robust to
+// other processes on a shared machine) and wall time otherwise
+// (trial_clock in fast_common.h). oneDNN primitives are created once per signature and cached.
 //
 // Owned by the fast backend; blocks until c is written; not thread-safe.
 #pragma once

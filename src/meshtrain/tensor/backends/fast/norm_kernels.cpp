@@ -391,7 +391,7 @@ namespace {
 void check_ids(const char* kernel, const Tensor& ids, int64_t vocab, const Tensor& table) {
   require_dtype(kernel, "ids", ids, DType::i32);
   const int32_t* pi = ids.data<int32_t>();
-  for (int64_t i = 0; i < ids.numel(); ++i) {
+  for (int64_t i = 0, n = ids.numel(); i < n; ++i) {
     if (pi[i] < 0 || pi[i] >= vocab) {
       fail(kernel, "id {} at flat position {} of ids {} is out of range [0, {}) for table {}",
            pi[i], i, ids.desc(), vocab, table.desc());
