@@ -56,8 +56,9 @@ def steps_for(ctx, model):
 
 class ChildResult:
     """What one finished child process left: exit status, its output files,
-    peak RSS in KiB (ru_maxrss of the child and the descendants it reaped) and
-    wall time in seconds."""
+    peak RSS in KiB (ru_maxrss of the child and the descendants it reaped),
+    wall time in seconds, and others_cpu: the share of the machine's CPUs
+    (0..1) that other processes used while it ran."""
 
     def __init__(self, cmd, rc, stdout, stderr, maxrss_kib, wall_s, timed_out):
         self.cmd = cmd
@@ -67,6 +68,7 @@ class ChildResult:
         self.maxrss_kib = maxrss_kib
         self.wall_s = wall_s
         self.timed_out = timed_out
+        self.others_cpu = None
 
     @property
     def ok(self):
@@ -101,6 +103,15 @@ def mpi_env():
     return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
+def busy_cpu_seconds():
+    """CPU seconds all processes have spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    # guest time is already counted in user; count it once.
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def median(values):
     return statistics.median(values) if values else None
 
@@ -129,7 +140,10 @@ class Context:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"mt-bench-{suite}-"))
         self.errors = 0
         self.started = time.monotonic()
-        self._built = False
+        self.ncpu = os.cpu_count() or 1
+        self.idle_wait_s = getattr(args, "idle_wait", 0.0)
+        self.idle_budget_s = 4 * self.idle_wait_s  # for the whole suite
+        self._built = set()
         self._torch_python = None
 
     # ---- output -----------------------------------------------------------
@@ -158,24 +172,47 @@ class Context:
 
     # ---- children ---------------------------------------------------------
 
-    def start(self, cmd, env_extra=None, name="child"):
+    def wait_idle(self):
+        """Waits (up to --idle-wait seconds per run, 4x that per suite) until
+        the rest of the machine uses under a quarter of its CPUs, so that a
+        measurement does not start in the middle of someone else's build."""
+        waited = 0.0
+        while True:
+            b0, t0 = busy_cpu_seconds(), time.monotonic()
+            time.sleep(1.0)
+            busy = (busy_cpu_seconds() - b0) / ((time.monotonic() - t0) * self.ncpu)
+            if busy < 0.25 or waited >= min(self.idle_wait_s, self.idle_budget_s):
+                break
+            waited += 1.0
+        if waited:
+            self.idle_budget_s -= waited
+            self.log(f"waited {waited:.0f} s for the machine to quieten (now {100 * busy:.0f}% "
+                     f"busy; {self.idle_budget_s:.0f} s of waiting left)")
+
+    def start(self, cmd, env_extra=None, name="child", wait_idle=True):
         """Starts cmd in its own process group with stdout/stderr to files in
-        the scratch directory; returns (Popen, stdout path, stderr path)."""
+        the scratch directory, after wait_idle() unless told not to."""
+        if wait_idle and self.idle_wait_s > 0:
+            self.wait_idle()
         env = dict(os.environ)
         env.update(env_extra or {})
         out_path = self.workdir / f"{name}.out"
         err_path = self.workdir / f"{name}.err"
+        t0, busy0 = time.monotonic(), busy_cpu_seconds()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             p = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env,
                                  cwd=REPO, start_new_session=True)
-        return p, out_path, err_path
+        return p, out_path, err_path, t0, busy0
 
     def finish(self, started, timeout_s=DEFAULT_CHILD_TIMEOUT_S):
         """Waits for children from start() with os.wait4 (for ru_maxrss),
-        killing a child's process group when its time is up."""
-        t0 = time.monotonic()
-        results = []
-        for p, out_path, err_path in started:
+        killing a child's process group when its time is up. The children
+        of one call are taken to have run together: others_cpu is the same
+        for all of them."""
+        t0 = min(s[3] for s in started)
+        busy0 = min(s[4] for s in started)
+        results, own_cpu = [], 0.0
+        for p, out_path, err_path, _, _ in started:
             timed_out = threading.Event()
 
             def kill(proc=p, flag=timed_out):
@@ -192,11 +229,16 @@ class Context:
                 _, status, ru = os.wait4(p.pid, 0)
             finally:
                 timer.cancel()
+            own_cpu += ru.ru_utime + ru.ru_stime
             p.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait again
             results.append(ChildResult(p.args, p.returncode,
                                        out_path.read_text(errors="replace"),
                                        err_path.read_text(errors="replace"), ru.ru_maxrss,
                                        time.monotonic() - t0, timed_out.is_set()))
+        wall = time.monotonic() - t0
+        others = max(0.0, busy_cpu_seconds() - busy0 - own_cpu) / max(wall * self.ncpu, 1e-9)
+        for r in results:
+            r.others_cpu = round(min(others, 1.0), 3)
         return results
 
     def run(self, cmd, env_extra=None, name="child", timeout_s=DEFAULT_CHILD_TIMEOUT_S):
@@ -212,11 +254,12 @@ class Context:
         is missing (scripts/setup for the default build/, else the CMake target
         of that name). Raises BenchError if it still is not there."""
         path = self.binary(rel)
-        if path.exists() or self._built:
-            if not path.exists():
-                raise BenchError(f"{path} does not exist after building")
+        if path.exists():
             return path
-        self._built = True
+        key = "setup" if self.default_build else rel
+        if key in self._built:
+            raise BenchError(f"{path} does not exist after building")
+        self._built.add(key)
         if self.default_build:
             self.log(f"{path} is missing: running scripts/setup (apt packages + build)")
             cmd = [str(REPO / "scripts" / "setup")]

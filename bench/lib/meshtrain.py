@@ -5,7 +5,8 @@ Contract with the CLI: `--metrics FILE` writes JSON lines, one per logged step
 {"summary": true, "samples_per_s": <median over steps after warm-up>,
  "matmul_gflops", "planned_arena_bytes", "allocated_arena_bytes"}.
 samples_per_s counts samples of the global batch (for GPT a sample is one
-sequence of seq_len tokens).
+sequence of seq_len tokens). A run with --nproc N > 1 must also carry
+"world_size": N in its summary (the dp suite refuses it otherwise).
 """
 
 import json
@@ -18,14 +19,16 @@ CONFIGS = {"mlp": "mlp_fashion", "cnn": "cnn_fashion", "gpt": "gpt_text"}
 
 class MeshtrainRun:
     """Outcome of one meshtrain training run: the summary line (or None),
-    the per-step lines, peak RSS in KiB and an error string (or None)."""
+    the per-step lines, peak RSS in KiB, an error string (or None), and the
+    share of the CPUs other processes used meanwhile (see ChildResult)."""
 
-    def __init__(self, summary, steps, maxrss_kib, error, wall_s):
+    def __init__(self, summary, steps, maxrss_kib, error, wall_s, others_cpu=None):
         self.summary = summary
         self.steps = steps
         self.maxrss_kib = maxrss_kib
         self.error = error
         self.wall_s = wall_s
+        self.others_cpu = others_cpu
 
     @property
     def samples_per_s(self):
@@ -33,6 +36,13 @@ class MeshtrainRun:
 
     def get(self, key):
         return self.summary.get(key) if self.summary else None
+
+
+def summary_world(summary):
+    for key in ("world_size", "world", "nproc", "ranks"):
+        if key in summary:
+            return summary[key]
+    return None
 
 
 def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None):
@@ -72,11 +82,17 @@ def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None):
         error = f"meshtrain: no summary line in {metrics.name}"
     elif not summary.get("samples_per_s"):
         error = "meshtrain: summary line has no samples_per_s"
+    elif nproc and nproc > 1 and summary_world(summary) != nproc:
+        # Without it, a launcher that starts nproc independent single-process
+        # trainings would pass for data parallel.
+        error = (f"meshtrain: --nproc {nproc} run's summary says world_size="
+                 f"{summary_world(summary)}, expected {nproc} (a data-parallel run's summary "
+                 f"must carry world_size, and samples_per_s for the global batch)")
     steps_logged = [ln for ln in lines if "step" in ln and not ln.get("summary")]
     if error:
         ctx.log(error)
-    return MeshtrainRun(summary if not error else None, steps_logged, r.maxrss_kib if r.ok else None,
-                        error, r.wall_s)
+    return MeshtrainRun(summary if not error else None, steps_logged,
+                        r.maxrss_kib if r.ok else None, error, r.wall_s, r.others_cpu)
 
 
 def config_path(model):

@@ -32,10 +32,10 @@ def run_peer(ctx, model, mode, threads, steps, warmup, setup_args):
                       threads, f"torch-{model}-{mode}-t{threads}")
     if res is None:
         ctx.log(f"peer {model} {mode} t{threads} failed: {r.failure()}")
-        return None, r.failure(), None
+        return None, r.failure(), r
     ctx.log(f"peer {model} {mode} t{threads}: {res['samples_per_s']:.1f} samples/s "
             f"(median step {res['step_ms_median']:.1f} ms, warm-up {res['warmup_s']:.1f} s)")
-    return res, None, r.maxrss_kib
+    return res, None, r
 
 
 def run_meshtrain(ctx, model, threads, steps, warmup, precision="f32"):
@@ -107,7 +107,8 @@ def compare(ctx, model, threads, steps, warmup, batch, mt, peers):
     plan = PLAN[model]
     seq = plan["seq"]
     mt_rate = mt.samples_per_s * seq if mt.samples_per_s else None
-    for mode, (res, err, rss) in peers.items():
+    for mode, (res, err, child) in peers.items():
+        rss = child.maxrss_kib if res else None
         peer_rate = res["samples_per_s"] * seq if res else None
         version = res["torch_version"] if res else "?"
         ctx_fields = {
@@ -117,6 +118,8 @@ def compare(ctx, model, threads, steps, warmup, batch, mt, peers):
         }
         if seq > 1:
             ctx_fields["seq"] = seq
+        ctx_fields["meshtrain_others_cpu"] = mt.others_cpu
+        ctx_fields["peer_others_cpu"] = child.others_cpu
         error = "; ".join(e for e in (mt.error, f"peer: {err}" if err else None) if e) or None
         line = {"name": f"{model}_train_throughput", "unit": plan["unit"],
                 "meshtrain": mt_rate, "peer": peer_rate, "ratio": ratio(mt_rate, peer_rate),
@@ -149,7 +152,8 @@ def bf16_lines(ctx, model, steps, warmup, batch, f32):
     seq = plan["seq"]
     error = "; ".join(e for e in (f32.error, bf.error) if e) or None
     common = {"peer_name": "meshtrain f32", "model": model, "threads": 1,
-              "batch": batch, "steps": steps, "warmup": warmup}
+              "batch": batch, "steps": steps, "warmup": warmup,
+              "meshtrain_others_cpu": bf.others_cpu, "peer_others_cpu": f32.others_cpu}
     b_rate = bf.samples_per_s * seq if bf.samples_per_s else None
     f_rate = f32.samples_per_s * seq if f32.samples_per_s else None
     line = {"name": f"{model}_bf16_vs_f32_throughput", "unit": plan["unit"],

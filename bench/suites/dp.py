@@ -41,21 +41,22 @@ def peer_ddp(ctx, model, steps, warmup, setup_args):
         started.append(ctx.start([py, PEERS / "torch_train.py", "--model", model, "--threads", "1",
                                   "--steps", str(steps), "--warmup", str(warmup),
                                   "--world", str(WORLD), "--rank", str(rank), *setup_args],
-                                 env_r, f"torch-ddp-{model}-r{rank}"))
+                                 env_r, f"torch-ddp-{model}-r{rank}", wait_idle=rank == 0))
     results = ctx.finish(started)
     bad = [r for r in results if not r.ok]
     if bad:
-        return None, "; ".join(r.failure() for r in bad), None
+        return None, "; ".join(r.failure() for r in bad), results[0]
     lines = [r.json_lines() for r in results]
     if not all(lines):
-        return None, "a DDP rank printed no result line", None
-    return lines[0][-1], None, max(r.maxrss_kib for r in results)
+        return None, "a DDP rank printed no result line", results[0]
+    res = dict(lines[0][-1], max_rank_rss_kib=max(r.maxrss_kib for r in results))
+    return res, None, results[0]
 
 
 def peer_single(ctx, model, steps, warmup, setup_args):
     res, r = ctx.peer(["--model", model, "--threads", "1", "--steps", str(steps),
                        "--warmup", str(warmup), *setup_args], 1, f"torch-{model}-t1")
-    return res, (None if res else r.failure())
+    return res, (None if res else r.failure()), r
 
 
 def run(ctx):
@@ -71,8 +72,8 @@ def run(ctx):
         else:
             mt1 = meshtrain.train(ctx, model, steps + warmup, 1)
             mt2 = meshtrain.train(ctx, model, steps + warmup, 1, nproc=WORLD)
-        p1, err1 = peer_single(ctx, model, steps, warmup, setup_args)
-        p2, err2, rss2 = peer_ddp(ctx, model, steps, warmup, setup_args)
+        p1, err1, c1 = peer_single(ctx, model, steps, warmup, setup_args)
+        p2, err2, c2 = peer_ddp(ctx, model, steps, warmup, setup_args)
         version = (p2 or p1 or {}).get("torch_version", "?")
         peer_name = f"pytorch-{version} DDP gloo eager"
         for label, res in (("1 process", p1), (f"DDP {WORLD} processes", p2)):
@@ -90,21 +91,24 @@ def run(ctx):
         line = {"name": f"{model}_dp2_throughput", "unit": plan["unit"], "meshtrain": mt2_rate,
                 "peer": p2_rate, "ratio": ratio(mt2_rate, p2_rate), "peer_name": peer_name,
                 **ctx_fields}
-        if rss2:
-            line["peer_max_rank_rss_mib"] = round(rss2 / 1024.0, 1)
+        line["meshtrain_others_cpu"] = mt2.others_cpu
+        line["peer_others_cpu"] = c2.others_cpu
+        if p2:
+            line["peer_max_rank_rss_mib"] = round(p2["max_rank_rss_kib"] / 1024.0, 1)
         line["note"] = ("peer: torch DistributedDataParallel, gloo on 127.0.0.1, synthetic "
                         "random data; rank 0's median step time after warm-up")
         err = "; ".join(e for e in (mt2.error, f"peer: {err2}" if err2 else None) if e)
         if err:
             line["error"] = err
         ctx.emit(line)
-        for system, two, one, errs in (
-                ("meshtrain", mt2_rate, mt1_rate, (mt1.error, mt2.error)),
-                (peer_name, p2_rate, p1_rate, (err1, err2))):
+        for system, two, one, errs, busy in (
+                ("meshtrain", mt2_rate, mt1_rate, (mt1.error, mt2.error),
+                 (mt1.others_cpu, mt2.others_cpu)),
+                (peer_name, p2_rate, p1_rate, (err1, err2), (c1.others_cpu, c2.others_cpu))):
             line = {"name": f"{model}_dp2_scaling_efficiency", "unit": "fraction",
                     "value": ratio(two, None if one is None else WORLD * one), "system": system,
                     "rate_1proc": one, "rate_2proc": two, "rate_unit": plan["unit"],
-                    **ctx_fields}
+                    "others_cpu_1proc": busy[0], "others_cpu_2proc": busy[1], **ctx_fields}
             err = "; ".join(e for e in errs if e)
             if err:
                 line["error"] = err
