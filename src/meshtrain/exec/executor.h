@@ -4,11 +4,14 @@
 // memory plan (every activation and gradient gets an offset in one arena,
 // buffers reused once their last reader has run, so peak activation memory is
 // known before the first step), optional activation recomputation, and a
-// kernel per node. Parameters and their gradients live outside the arena:
-// the caller binds them (the optimizer updates them in place).
+// kernel per node. Inputs and parameters live outside the arena: the caller
+// binds them (the optimizer updates them in place). A parameter gradient the
+// caller binds is written straight into that memory; one it does not bind is
+// planned in the arena and kept alive until the end of run().
 //
-// run() executes every node once, timing each. Not thread-safe; one executor
-// per rank.
+// run() executes every node once (recomputed nodes twice), timing each. The
+// executor keeps its own copy of the graph. Not thread-safe; one executor per
+// rank.
 #pragma once
 
 #include <cstdint>
@@ -28,17 +31,25 @@ struct ExecOptions {
   // backward instead of keeping them alive: trades FLOPs for memory.
   bool recompute = false;
   bool profile = true;  // time every operator
-  // Values kept alive until the end of run() so get() can read them (the
-  // loss always is; add e.g. the logits for accuracy).
+  // Values kept alive until the end of run() so get() can read them. Always
+  // kept: the graph's loss, unbound parameter gradients, and the first output
+  // of every forward node that no node reads (e.g. the loss of a forward-only
+  // graph). Add e.g. the logits for accuracy.
   std::vector<ValueId> outputs;
+  // Threads per kernel call, passed to the backend's set_num_threads (which
+  // is process-wide); 0 leaves the backend's setting alone.
+  int num_threads = 0;
 };
 
 struct MemoryPlan {
-  int64_t arena_bytes = 0;       // planned peak of activations + temporaries
-  int64_t param_bytes = 0;       // bound parameters
-  int64_t grad_bytes = 0;        // bound or planned parameter gradients
-  int64_t unplanned_bytes = 0;   // what keeping every value alive would take
-  std::vector<int64_t> offset;   // per ValueId: arena offset, -1 if not in the arena
+  int64_t arena_bytes = 0;      // planned peak of activations + temporaries
+  int64_t param_bytes = 0;      // bound parameters
+  int64_t grad_bytes = 0;       // bound or planned parameter gradients
+  int64_t unplanned_bytes = 0;  // what keeping every value alive would take
+  std::vector<int64_t> offset;  // per ValueId: arena offset, -1 if not in the arena
+  // With ExecOptions::recompute: forward nodes re-run during backward, and their FLOPs.
+  int recompute_steps = 0;
+  double recompute_flops = 0;
 };
 
 struct OpProfile {
@@ -61,18 +72,31 @@ class Executor {
   void bind(ValueId v, Tensor t);
   // Called after the node producing a parameter's gradient has run, with the
   // parameter id (data-parallel sync starts buckets from here).
+  // Replaces any earlier callback; an empty function removes it. Fires in
+  // run() only (not run_forward()), not for recomputation steps.
   void on_grad_ready(std::function<void(ValueId param)> cb);
 
-  // Runs all nodes. Throws if an input or parameter is unbound.
+  // Runs all nodes. Throws ConfigError naming every input or parameter that a
+  // node reads but that is unbound.
   void run();
   // Runs only the forward nodes (evaluation).
   void run_forward();
 
   // The current contents of any value that is still alive after run() (the
-  // loss, outputs, gradients, bound values).
+  // loss, outputs, gradients, bound values). Arena values are returned as a
+  // view, valid until the next run() or bind() or the executor's end. Other
+  // values, and arena gradients after a run_forward(), throw ConfigError
+  // naming the value.
   Tensor get(ValueId v) const;
 
+  // The plan for the current bindings: binding a gradient moves it out of the
+  // arena, so the plan (and the arena, at the next run) follows bind().
   const MemoryPlan& memory_plan() const;
+  // Bytes of the one arena actually allocated (0 before the first run).
+  int64_t allocated_arena_bytes() const;
+  // One entry per step in schedule order: the graph's nodes, with
+  // recomputation steps (named "recompute/<node>") interleaved where they
+  // run. Times accumulate over runs until reset_profile().
   const std::vector<OpProfile>& profile() const;
   void reset_profile();
 
