@@ -1,0 +1,222 @@
+// Straggler detection: a rank that really sleeps longer each step is found
+// and named, equal ranks are not; with given times the window, threshold,
+// once-only announcement, recovery and relapse, batched exchanges and the
+// per-step times for metrics are exact; bad input and desynchronised ranks
+// fail on every rank.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/sync/straggler.h"
+
+namespace mt {
+namespace {
+
+LocalWorldOptions world(int size) {
+  LocalWorldOptions o;
+  o.size = size;
+  o.comm.timeout = std::chrono::milliseconds(10'000);
+  return o;
+}
+
+StragglerOptions options(int window, int64_t every_steps = 1, double threshold = 1.2,
+                         double recover_threshold = 0) {
+  StragglerOptions o;
+  o.window = window;
+  o.every_steps = every_steps;
+  o.threshold = threshold;
+  o.recover_threshold = recover_threshold;
+  return o;
+}
+
+TEST(MedianOf, OddEvenAndUnsorted) {
+  EXPECT_EQ(median_of({3.0}), 3.0);
+  EXPECT_EQ(median_of({5.0, 1.0, 3.0}), 3.0);
+  EXPECT_EQ(median_of({4.0, 1.0, 3.0, 2.0}), 2.5);
+  EXPECT_THROW(median_of({}), InternalError);
+}
+
+// Runs `steps` steps on `size` ranks with time(rank, step) and returns rank
+// 0's reports (every rank's reports are checked to be equal).
+std::vector<StragglerReport> run_given(int size, int steps, const StragglerOptions& opts,
+                                       double (*time)(int rank, int step)) {
+  std::mutex mu;
+  std::vector<std::vector<StragglerReport>> by_rank(static_cast<size_t>(size));
+  LocalWorld::run(world(size), [&](Communicator& comm) {
+    StragglerDetector det(comm, opts);
+    std::vector<StragglerReport> mine;
+    for (int s = 0; s < steps; ++s) mine.push_back(det.report(100 + s, time(comm.rank(), s)));
+    std::lock_guard lock(mu);
+    by_rank[static_cast<size_t>(comm.rank())] = std::move(mine);
+  });
+  for (int r = 1; r < size; ++r) {
+    for (int s = 0; s < steps; ++s) {
+      const auto& a = by_rank[0][static_cast<size_t>(s)];
+      const auto& b = by_rank[static_cast<size_t>(r)][static_cast<size_t>(s)];
+      EXPECT_EQ(a.messages, b.messages) << "rank " << r << " step " << s;
+      EXPECT_EQ(a.stragglers, b.stragglers) << "rank " << r << " step " << s;
+      EXPECT_EQ(a.seconds, b.seconds) << "rank " << r << " step " << s;
+    }
+  }
+  return by_rank[0];
+}
+
+TEST(Straggler, SlowRankIsAnnouncedOnceWhenTheWindowFills) {
+  const auto reports = run_given(3, 12, options(5), [](int rank, int step) {
+    return (rank == 2 ? 0.040 : 0.020) + 0.0001 * (step % 3);
+  });
+  for (int s = 0; s < 4; ++s) {
+    EXPECT_TRUE(reports[static_cast<size_t>(s)].exchanged);
+    EXPECT_TRUE(reports[static_cast<size_t>(s)].window_median.empty()) << "window not full yet";
+    EXPECT_TRUE(reports[static_cast<size_t>(s)].stragglers.empty());
+  }
+  const StragglerReport& first = reports[4];
+  ASSERT_EQ(first.new_stragglers, std::vector<int>{2});
+  ASSERT_EQ(first.messages.size(), 1u);
+  EXPECT_EQ(first.messages[0],
+            "rank 2 is a straggler: median step 40.1 ms vs 20.1 ms for the others (2.00x) over "
+            "the last 5 steps");
+  ASSERT_EQ(first.ratio.size(), 3u);
+  EXPECT_NEAR(first.ratio[2], 0.0401 / 0.0201, 1e-12);
+  EXPECT_LT(first.ratio[0], 1.0);
+  for (size_t s = 5; s < reports.size(); ++s) {
+    EXPECT_EQ(reports[s].stragglers, std::vector<int>{2}) << "still slow at step " << s;
+    EXPECT_TRUE(reports[s].new_stragglers.empty()) << "announced twice at step " << s;
+    EXPECT_TRUE(reports[s].messages.empty());
+  }
+  // The per-step times for the metrics log.
+  ASSERT_EQ(reports[6].steps, std::vector<int64_t>{106});
+  ASSERT_EQ(reports[6].seconds.size(), 1u);
+  EXPECT_EQ(reports[6].seconds[0], (std::vector<double>{0.020, 0.020, 0.040}));
+}
+
+TEST(Straggler, EqualRanksWithJitterAreNotReported) {
+  const auto reports = run_given(4, 30, options(10), [](int rank, int step) {
+    return 0.020 * (1.0 + 0.15 * (((rank * 7 + step * 13) % 11) / 10.0 - 0.5));
+  });
+  for (const auto& r : reports) {
+    EXPECT_TRUE(r.stragglers.empty());
+    EXPECT_TRUE(r.messages.empty());
+  }
+}
+
+TEST(Straggler, ThresholdIsStrictAndMedianIgnoresSpikes) {
+  // Rank 1 is exactly 1.2x (0.75 / 0.625 rounds to the double 1.2): not a
+  // straggler. Rank 0 has rare huge spikes: the median does not see them.
+  const auto reports = run_given(3, 10, options(10), [](int rank, int step) {
+    if (rank == 1) return 0.75;
+    if (rank == 0 && step % 4 == 0) return 100.0;
+    return 0.625;
+  });
+  EXPECT_TRUE(reports.back().stragglers.empty());
+  EXPECT_NEAR(reports.back().ratio[1], 1.2, 1e-12);
+}
+
+TEST(Straggler, RecoveryAndRelapseAreAnnounced) {
+  // Rank 1: slow for steps 0-9, normal for 10-19, slow again from 20.
+  const auto reports = run_given(2, 30, options(4), [](int rank, int step) {
+    const bool slow = rank == 1 && (step < 10 || step >= 20);
+    return slow ? 0.030 : 0.010;
+  });
+  std::vector<std::pair<int, std::string>> events;
+  for (size_t s = 0; s < reports.size(); ++s) {
+    for (const auto& m : reports[s].messages) events.emplace_back(static_cast<int>(s), m);
+  }
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].first, 3);
+  EXPECT_EQ(events[0].second,
+            "rank 1 is a straggler: median step 30.0 ms vs 10.0 ms for the others (3.00x) over "
+            "the last 4 steps");
+  // Recovered once the median of the last 4 steps is normal again: at step 11
+  // the window holds two slow and two normal samples (median 20 ms, still 2x),
+  // at step 12 one slow and three normal. The relapse shows at the first 2:2.
+  EXPECT_EQ(events[1].first, 12);
+  EXPECT_NE(events[1].second.find("rank 1 recovered: median step 10.0 ms"), std::string::npos)
+      << events[1].second;
+  EXPECT_EQ(events[2].first, 21);
+  EXPECT_NE(events[2].second.find("rank 1 is a straggler"), std::string::npos);
+  EXPECT_EQ(reports[12].recovered, std::vector<int>{1});
+}
+
+TEST(Straggler, BatchedExchangesCarryEveryStep) {
+  const auto reports =
+      run_given(3, 9, options(4, 4), [](int rank, int step) { return 0.001 * (rank + 1) + step; });
+  for (int s = 0; s < 9; ++s) {
+    EXPECT_EQ(reports[static_cast<size_t>(s)].exchanged, s == 3 || s == 7) << s;
+  }
+  const StragglerReport& r = reports[7];
+  EXPECT_EQ(r.steps, (std::vector<int64_t>{104, 105, 106, 107}));
+  ASSERT_EQ(r.seconds.size(), 4u);
+  ASSERT_EQ(r.seconds[2].size(), 3u);
+  for (int rank = 0; rank < 3; ++rank)
+    EXPECT_DOUBLE_EQ(r.seconds[2][rank], 6.0 + 0.001 * (rank + 1));
+  ASSERT_EQ(r.window_median.size(), 3u);
+  EXPECT_DOUBLE_EQ(r.window_median[1], 5.502);
+}
+
+TEST(Straggler, SleepingRankIsFoundAndEqualRanksAreNot) {
+  using std::chrono::duration;
+  using std::chrono::milliseconds;
+  using Clock = std::chrono::steady_clock;
+  for (int slow : {1, -1}) {
+    std::mutex mu;
+    std::vector<std::string> messages;
+    std::vector<int> found;
+    LocalWorld::run(world(3), [&](Communicator& comm) {
+      StragglerDetector det(comm, options(10));
+      for (int s = 0; s < 12; ++s) {
+        const auto t0 = Clock::now();
+        std::this_thread::sleep_for(milliseconds(comm.rank() == slow ? 15 : 5));
+        const double seconds = duration<double>(Clock::now() - t0).count();
+        const StragglerReport rep = det.report(s, seconds);
+        if (comm.rank() == 0) {
+          std::lock_guard lock(mu);
+          messages.insert(messages.end(), rep.messages.begin(), rep.messages.end());
+          found.insert(found.end(), rep.new_stragglers.begin(), rep.new_stragglers.end());
+        }
+      }
+    });
+    if (slow >= 0) {
+      ASSERT_EQ(found, std::vector<int>{slow});
+      ASSERT_EQ(messages.size(), 1u);
+      EXPECT_NE(messages[0].find("rank 1 is a straggler: median step"), std::string::npos)
+          << messages[0];
+    } else {
+      EXPECT_TRUE(found.empty()) << (messages.empty() ? "" : messages[0]);
+    }
+  }
+}
+
+TEST(Straggler, BadInputIsNamed) {
+  LocalWorld::run(world(1), [&](Communicator& comm) {
+    EXPECT_THROW(StragglerDetector(comm, options(20, 0)), ConfigError);
+    EXPECT_THROW(StragglerDetector(comm, options(0)), ConfigError);
+    EXPECT_THROW(StragglerDetector(comm, options(20, 1, 1.0)), ConfigError);
+    EXPECT_THROW(StragglerDetector(comm, options(20, 1, 1.5, 1.6)), ConfigError);
+    StragglerDetector det(comm, options(1));
+    EXPECT_THROW(det.report(0, -0.5), ConfigError);
+    EXPECT_THROW(det.report(0, std::nan("")), ConfigError);
+    // A single rank has nobody to be slower than.
+    const StragglerReport r = det.report(1, 0.5);
+    EXPECT_EQ(r.window_median, std::vector<double>{0.5});
+    EXPECT_TRUE(r.stragglers.empty());
+  });
+}
+
+TEST(Straggler, RanksAtDifferentStepsFailEverywhere) {
+  const auto errors = LocalWorld::run_collect(world(3), [&](Communicator& comm) {
+    StragglerDetector det(comm);
+    det.report(comm.rank() == 1 ? 6 : 5, 0.01);
+  });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    ASSERT_TRUE(errors[r]) << "rank " << r;
+    EXPECT_THROW(std::rethrow_exception(errors[r]), MismatchError) << "rank " << r;
+  }
+}
+
+}  // namespace
+}  // namespace mt
