@@ -30,14 +30,13 @@ class BackwardBuilder {
     mark_needs();
     if (!needs_[idx(loss_)]) return;  // no parameter reaches the loss
     count_contributions();
-    const Value& lv = g_.value(loss_);
-    ValueId seed = g_.add_node(OpKind::fill, g_.unique_name(contrib_name(loss_, 0)), {},
-                               Attrs()
-                                   .set("shape", lv.shape.dims())
-                                   .set("dtype", std::string(dtype_name(lv.dtype)))
-                                   .set("value", 1.0),
-                               true)
-                       .front();
+    Attrs seed_attrs;
+    seed_attrs.set("shape", g_.value(loss_).shape.dims())
+        .set("dtype", std::string(dtype_name(g_.value(loss_).dtype)))
+        .set("value", 1.0);
+    ValueId seed =
+        g_.add_node(OpKind::fill, g_.unique_name(contrib_name(loss_, 0)), {}, seed_attrs, true)
+            .front();
     add_contribution(loss_, seed);
     for (NodeId i = forward_nodes_ - 1; i >= 0; --i) {
       if (active_[idx(i)]) differentiate(i);

@@ -37,8 +37,8 @@ double flops_per_output(const Graph& g, const Node& n) {
 
 // Reduces gradient `gv` (shaped like the output) to `target`, the shape of a
 // broadcast operand. Returns gv itself when no reduction is needed.
-ValueId reduce_to(GradContext& c, ValueId gv, const Shape& target, const std::string& name) {
-  const Shape& s = c.value(gv).shape;
+ValueId reduce_to(GradContext& c, ValueId gv, const Shape target, const std::string& name) {
+  const Shape s = c.value(gv).shape;
   if (s == target) return gv;
   if (is_suffix(target, s)) return c.emit(OpKind::sum_to, name, {gv}, shape_attrs(target));
   // A one-element b that is not a suffix (e.g. [1] against [4, 3]).
@@ -54,7 +54,7 @@ void grad_add(GradContext& c) {
 void grad_sub(GradContext& c) {
   c.give(0, c.dy());
   if (c.wants(1)) {
-    const Shape& bs = c.value(c.x(1)).shape;
+    const Shape bs = c.value(c.x(1)).shape;  // a copy: emit() may move values
     ValueId r = reduce_to(c, c.dy(), bs, c.name(1) + ".sum");
     c.give(1, c.emit(OpKind::scale, c.name(1), {r}, Attrs().set("alpha", -1.0)));
   }
@@ -63,7 +63,7 @@ void grad_sub(GradContext& c) {
 void grad_mul(GradContext& c) {
   if (c.wants(0)) c.give(0, c.emit(OpKind::mul, c.name(0), {c.dy(), c.x(1)}));
   if (c.wants(1)) {
-    const Shape& bs = c.value(c.x(1)).shape;
+    const Shape bs = c.value(c.x(1)).shape;  // a copy: emit() may move values
     if (bs == c.value(c.x(0)).shape) {
       c.give(1, c.emit(OpKind::mul, c.name(1), {c.dy(), c.x(0)}));
     } else {

@@ -80,14 +80,15 @@ void grad_matmul(GradContext& c) {
   const bool ta = c.attrs().b_or("trans_a", false);
   const bool tb = c.attrs().b_or("trans_b", false);
   ValueId a = c.x(0), b = c.x(1), dy = c.dy();
-  const Value& av = c.value(a);
-  const Value& bv = c.value(b);
-  const DType in = av.dtype;
+  // Copies: emitting nodes may move the graph's values.
+  const Shape a_shape = c.value(a).shape;
+  const Shape b_shape = c.value(b).shape;
+  const DType in = c.value(a).dtype;
   if (c.value(dy).dtype != in) {
     dy = c.emit(OpKind::cast, c.node_name("dy_" + std::string(dtype_name(in))), {dy},
                 Attrs().set("dtype", std::string(dtype_name(in))));
   }
-  const bool shared_b = av.shape.rank() == 3 && bv.shape.rank() == 2;
+  const bool shared_b = a_shape.rank() == 3 && b_shape.rank() == 2;
 
   if (c.wants(0)) {
     if (!ta) {
@@ -115,7 +116,7 @@ void grad_matmul(GradContext& c) {
       if (ta)
         ae = c.emit(OpKind::permute, c.name(1) + ".a", {a},
                     Attrs().set("perm", std::vector<int64_t>{0, 2, 1}));
-      const Shape& ys = c.value(dy).shape;
+      const Shape ys = c.value(dy).shape;
       const int64_t rows = ys[0] * ys[1];
       const int64_t kdim = c.value(ae).shape[2];
       ValueId a2 = c.emit(OpKind::reshape, c.name(1) + ".a2", {ae}, shape_attrs(Shape{rows, kdim}));

@@ -93,9 +93,9 @@ std::vector<ValueType> infer_cast(const InferContext& c) {
 }
 
 void grad_cast(GradContext& c) {
-  const Value& x = c.value(c.x(0));
+  const DType x = c.value(c.x(0)).dtype;
   c.give(0, c.emit(OpKind::cast, c.name(0), {c.dy()},
-                   Attrs().set("dtype", std::string(dtype_name(x.dtype)))));
+                   Attrs().set("dtype", std::string(dtype_name(x)))));
 }
 
 // ---- sum_to / broadcast_to ----
