@@ -1,0 +1,95 @@
+// Collective algorithms written against the point-to-point transport (and,
+// for shared_memory, the node-shared arena), each beside the function that
+// states its cost on one rank: latency-bound steps and exact bytes sent to /
+// received from peers. The communicator's byte counters report the same
+// numbers, which tests/comm checks; docs/comm.md tabulates them.
+//
+// Conventions: counts are elements of `dtype`; `counts` spans have one entry
+// per rank (block r belongs to rank r, blocks are contiguous in rank order);
+// `send` may equal `recv` for all-reduce (in place) and all-gather(v) (the
+// rank's own block already in place); otherwise buffers do not overlap. Every
+// function blocks until done or throws TimeoutError / CommError via ctx.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "meshtrain/comm/collective_context.h"
+#include "meshtrain/comm/options.h"
+
+namespace mt::comm {
+
+class ShmChannel;
+
+// Splits `count` elements into `parts` contiguous blocks whose sizes are
+// multiples of `align` (except the last) and differ by at most `align`.
+std::vector<size_t> balanced_counts(size_t count, int parts, size_t align = 1);
+// Exclusive prefix sums: offsets[i] = counts[0] + ... + counts[i-1]; size n+1.
+std::vector<size_t> prefix_offsets(std::span<const size_t> counts);
+
+// ---- ring (ring.cpp) --------------------------------------------------------
+void ring_all_reduce(CollectiveContext& ctx, const void* send, void* recv, size_t count,
+                     DType dtype, ReduceOp op);
+CollectiveCost ring_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes);
+void ring_reduce_scatterv(CollectiveContext& ctx, const void* send, void* recv,
+                          std::span<const size_t> counts, DType dtype, ReduceOp op);
+CollectiveCost ring_reduce_scatterv_cost(int n, int rank, std::span<const size_t> counts,
+                                         size_t elem_bytes);
+void ring_all_gatherv(CollectiveContext& ctx, const void* send, void* recv,
+                      std::span<const size_t> counts, size_t elem_bytes);
+CollectiveCost ring_all_gatherv_cost(int n, int rank, std::span<const size_t> counts,
+                                     size_t elem_bytes);
+
+// ---- recursive halving / doubling (halving_doubling.cpp) --------------------
+void hd_all_reduce(CollectiveContext& ctx, const void* send, void* recv, size_t count, DType dtype,
+                   ReduceOp op);
+CollectiveCost hd_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes);
+void hd_reduce_scatterv(CollectiveContext& ctx, const void* send, void* recv,
+                        std::span<const size_t> counts, DType dtype, ReduceOp op);
+CollectiveCost hd_reduce_scatterv_cost(int n, int rank, std::span<const size_t> counts,
+                                       size_t elem_bytes);
+void hd_all_gatherv(CollectiveContext& ctx, const void* send, void* recv,
+                    std::span<const size_t> counts, size_t elem_bytes);
+CollectiveCost hd_all_gatherv_cost(int n, int rank, std::span<const size_t> counts,
+                                   size_t elem_bytes);
+
+// ---- tree, pairwise, dissemination, direct agreement (basic_algorithms.cpp) -
+void tree_broadcast(CollectiveContext& ctx, void* buf, size_t bytes, int root);
+CollectiveCost tree_broadcast_cost(int n, int rank, size_t bytes, int root);
+void pairwise_all_to_allv(CollectiveContext& ctx, const void* send,
+                          std::span<const size_t> send_counts, void* recv,
+                          std::span<const size_t> recv_counts, size_t elem_bytes);
+CollectiveCost pairwise_all_to_allv_cost(int n, int rank, std::span<const size_t> send_counts,
+                                         std::span<const size_t> recv_counts, size_t elem_bytes);
+void dissemination_barrier(CollectiveContext& ctx);
+CollectiveCost dissemination_barrier_cost(int n, int rank);
+// Every rank sends its `record_bytes` record to every other rank: all[r] is
+// rank r's record. One step; used for the handshake when there is no arena.
+void direct_exchange(CollectiveContext& ctx, const void* record, void* all, size_t record_bytes);
+CollectiveCost direct_exchange_cost(int n, int rank, size_t record_bytes);
+
+// ---- shared memory (shm_algorithms.cpp, arena layout in shm_channel.h) ------
+void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                    size_t count, DType dtype, ReduceOp op);
+CollectiveCost shm_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes,
+                                   size_t slot_bytes);
+void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                         std::span<const size_t> counts, DType dtype, ReduceOp op);
+CollectiveCost shm_reduce_scatterv_cost(int n, int rank, std::span<const size_t> counts,
+                                        size_t elem_bytes, size_t slot_bytes);
+void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                     std::span<const size_t> counts, size_t elem_bytes);
+CollectiveCost shm_all_gatherv_cost(int n, int rank, std::span<const size_t> counts,
+                                    size_t elem_bytes, size_t slot_bytes);
+void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t bytes, int root);
+CollectiveCost shm_broadcast_cost(int n, int rank, size_t bytes, int root, size_t slot_bytes);
+void shm_barrier(CollectiveContext& ctx, ShmChannel& ch);
+CollectiveCost shm_barrier_cost(int n, int rank);
+// The handshake over the arena: like direct_exchange, for records of at most
+// ShmChannel::kRecordBytes.
+void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, void* all,
+                  size_t record_bytes);
+CollectiveCost shm_exchange_cost(int n, int rank, size_t record_bytes);
+
+}  // namespace mt::comm

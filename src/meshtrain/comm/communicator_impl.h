@@ -1,0 +1,71 @@
+// Internal to the communicator: its state and the split of its work between
+// communicator.cpp (public calls, queueing, the progress thread),
+// executor.cpp (running one call: handshake, status board, errors) and
+// dispatch.cpp (algorithm choice and dispatch, costs).
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "meshtrain/comm/agreement.h"
+#include "meshtrain/comm/call.h"
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm/counters.h"
+#include "meshtrain/comm/shm_channel.h"
+#include "meshtrain/comm/transport.h"
+
+namespace mt {
+
+struct Communicator::Impl {
+  Impl(std::shared_ptr<Transport> t, CommOptions o);
+
+  // Runs `call` on the calling thread (under exec_mu); throws its error.
+  void execute(comm::Call& call);
+  // Blocking call: inline when nothing is queued, else queued and awaited.
+  void run(comm::Call call);
+  CommHandle submit(comm::Call call);
+  // Checks the tag, then run() or submit().
+  CommHandle issue(comm::Call call, bool async);
+  std::unique_ptr<Communicator> split(int color, int key, uint64_t list_hash, std::string name,
+                                      const CollectiveOptions& opts);
+  void worker_loop();
+  void stop_worker();
+
+  comm::CallInfo info_of(const comm::Call& call) const;
+  CommAlgorithm resolve(const comm::Call& call, const comm::CallInfo& info) const;
+  void dispatch(comm::CollectiveContext& ctx, comm::Call& call, CommAlgorithm algorithm);
+  void handshake(const comm::CallInfo& info, const comm::Call& call, Deadline deadline);
+  std::string watchdog_report(const comm::CallInfo& info) const;
+  void publish(const comm::CallInfo& info, comm::ShmChannel::State state);
+  uint32_t wire_tag(const comm::Call& call) const;
+
+  std::shared_ptr<Transport> transport;
+  CommOptions options;
+  int rank;
+  int size;
+  CounterBook counters;
+  std::unique_ptr<comm::ShmChannel> shm;
+  std::vector<std::byte> scratch0, scratch1;
+  uint64_t agreements = 0;  // handshakes without shared memory
+
+  std::mutex exec_mu;  // held while a call executes
+
+  std::mutex q_mu;
+  std::condition_variable q_cv;
+  std::deque<comm::Call> queue;
+  size_t outstanding = 0;  // queued or running async calls
+  uint64_t next_seq = 0;   // collective sequence numbers handed out
+  bool stopping = false;
+  std::thread worker;
+
+  mutable std::mutex broken_mu;
+  std::optional<std::string> broken;
+};
+
+}  // namespace mt

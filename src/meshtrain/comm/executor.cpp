@@ -1,0 +1,213 @@
+// Running one call of a Communicator: deadline, status board, handshake,
+// algorithm, counters, and what a failure does to the communicator.
+#include <numeric>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/base/timer.h"
+#include "meshtrain/comm/algorithms.h"
+#include "meshtrain/comm/communicator_impl.h"
+
+namespace mt {
+
+using comm::Call;
+using comm::CallInfo;
+using comm::CallRecord;
+using comm::ShmChannel;
+
+namespace {
+// Wire tags: user point-to-point tags below 2^20, collectives and handshakes
+// in their own ranges so they can never match a user message.
+constexpr uint32_t kCollectiveTagBit = 1u << 29;
+constexpr uint32_t kHandshakeTagBit = 1u << 28;
+constexpr uint32_t kSeqTagMask = (1u << 28) - 1;
+}  // namespace
+
+Communicator::Impl::Impl(std::shared_ptr<Transport> t, CommOptions o)
+    : transport(std::move(t)),
+      options(std::move(o)),
+      rank(transport->rank()),
+      size(transport->size()),
+      counters(transport->size()) {
+  MT_CHECK(transport->max_tag() >= (kCollectiveTagBit | kHandshakeTagBit | kSeqTagMask),
+           "transport '{}' allows tags up to {} only", transport->backend(), transport->max_tag());
+  if (SharedArena* arena = transport->arena()) {
+    shm = std::make_unique<ShmChannel>(*arena, rank);
+  }
+}
+
+uint32_t Communicator::Impl::wire_tag(const Call& call) const {
+  if (comm::is_p2p(call.kind)) return call.opts.tag;
+  return kCollectiveTagBit | static_cast<uint32_t>(call.seq & kSeqTagMask);
+}
+
+CallInfo Communicator::Impl::info_of(const Call& call) const {
+  CallInfo info;
+  info.comm_name = options.name;
+  info.rank = rank;
+  info.size = size;
+  info.kind = call.kind;
+  info.seq = call.seq;
+  info.dtype = call.dtype;
+  info.count = call.count;
+  info.op = call.op;
+  info.root = call.root;
+  info.tag = call.opts.tag;
+  info.algorithm = call.opts.algorithm;
+  info.timeout_s =
+      std::chrono::duration<double>(call.opts.timeout.value_or(options.timeout)).count();
+  const size_t elem = dtype_size(call.dtype);
+  const size_t n = static_cast<size_t>(size);
+  switch (call.kind) {
+    case Collective::all_gather:
+    case Collective::reduce_scatter:
+    case Collective::all_to_all:
+      info.bytes = n * call.count * elem;
+      break;
+    case Collective::all_to_allv:
+      info.bytes = std::accumulate(call.counts.begin(), call.counts.end(), size_t{0}) * elem;
+      break;
+    case Collective::split:
+      info.bytes = n * call.count * elem;
+      break;
+    default:
+      info.bytes = call.count * elem;
+      break;
+  }
+  return info;
+}
+
+void Communicator::Impl::publish(const CallInfo& info, ShmChannel::State state) {
+  if (!shm) return;
+  ShmChannel::Status s;
+  s.seq = info.seq;
+  s.kind = info.kind;
+  s.state = state;
+  s.algorithm = info.algorithm;
+  s.bytes = info.bytes;
+  s.time_ns = now_ns();
+  shm->publish_status(s);
+}
+
+std::string Communicator::Impl::watchdog_report(const CallInfo& info) const {
+  if (!shm) return {};
+  std::string missing;
+  std::string entered;
+  for (int q : shm->peers()) {
+    const auto s = shm->read_status(q);
+    if (!s) {
+      missing += fmt::format("{}rank {} (status unreadable: it may have died while updating it)",
+                             missing.empty() ? "" : "; ", q);
+      continue;
+    }
+    if (s->seq >= info.seq && s->state != ShmChannel::State::none) {
+      entered += fmt::format("{}{}", entered.empty() ? "" : ", ", q);
+      continue;
+    }
+    const double ago = static_cast<double>(now_ns() - s->time_ns) * 1e-9;
+    if (s->state == ShmChannel::State::none) {
+      missing += fmt::format("{}rank {} (has not entered any collective yet)",
+                             missing.empty() ? "" : "; ", q);
+    } else {
+      const char* state = s->state == ShmChannel::State::entered     ? "still in"
+                          : s->state == ShmChannel::State::completed ? "completed"
+                                                                     : "failed in";
+      missing += fmt::format("{}rank {} (last: {} {} #{}, {} bytes, {:.1f} s ago)",
+                             missing.empty() ? "" : "; ", q, state, collective_name(s->kind),
+                             s->seq, s->bytes, ago);
+    }
+  }
+  if (missing.empty()) {
+    return fmt::format("watchdog: every rank has entered {} #{}", collective_name(info.kind),
+                       info.seq);
+  }
+  return fmt::format("watchdog: ranks that have not entered {} #{}: {}{}",
+                     collective_name(info.kind), info.seq, missing,
+                     entered.empty() ? "" : fmt::format("; entered: {}", entered));
+}
+
+void Communicator::Impl::handshake(const CallInfo& info, const Call& call, Deadline deadline) {
+  const CallRecord mine = comm::make_record(info, call.counts_hash, call.opts.algorithm);
+  std::vector<CallRecord> all(static_cast<size_t>(size));
+  CallInfo hinfo = info;
+  hinfo.phase = "handshake";
+  Stopwatch sw;
+  const uint32_t tag = kCollectiveTagBit | kHandshakeTagBit |
+                       static_cast<uint32_t>((shm ? shm->agreements : agreements) & kSeqTagMask);
+  // Without a status board, the records that did not arrive say who is missing.
+  comm::CollectiveContext::Diagnose diagnose = [&] {
+    if (shm) return watchdog_report(info);
+    return std::string(
+        "watchdog: the ranks whose handshake records did not arrive have not entered the call");
+  };
+  comm::CollectiveContext hctx(*transport, hinfo, deadline, tag, counters, options, diagnose);
+  if (shm) {
+    comm::shm_exchange(hctx, *shm, &mine, all.data(), sizeof(CallRecord));
+  } else {
+    comm::direct_exchange(hctx, &mine, all.data(), sizeof(CallRecord));
+    ++agreements;
+  }
+  counters.close_call("handshake", 0, hctx.bytes_sent(), hctx.bytes_received(), sw.seconds());
+  if (auto msg = comm::find_mismatch(options.name, all)) {
+    throw MismatchError(*msg);
+  }
+}
+
+void Communicator::Impl::execute(Call& call) {
+  CallInfo info = info_of(call);
+  {
+    std::lock_guard<std::mutex> lock(broken_mu);
+    if (broken) {
+      throw CommError(
+          fmt::format("{}: {} refused: the communicator is unusable after an earlier "
+                      "failure: {}",
+                      info.where(), info.describe(), *broken));
+    }
+  }
+  const auto timeout = call.opts.timeout.value_or(options.timeout);
+  const Deadline deadline = CommClock::now() + timeout;
+  Stopwatch sw;
+  const bool p2p = comm::is_p2p(call.kind);
+  try {
+    if (!p2p) {
+      publish(info, ShmChannel::State::entered);
+      if (call.opts.handshake.value_or(options.handshake) && size > 1) {
+        handshake(info, call, deadline);
+      }
+    }
+    info.algorithm = resolve(call, info);
+    comm::CollectiveContext ctx(*transport, info, deadline, wire_tag(call), counters, options,
+                                [&] { return watchdog_report(info); });
+    ctx.set_scratch(&scratch0, &scratch1);
+    dispatch(ctx, call, info.algorithm);
+    if (!p2p) publish(info, ShmChannel::State::completed);
+    counters.close_call(std::string(collective_name(call.kind)), info.bytes, ctx.bytes_sent(),
+                        ctx.bytes_received(), sw.seconds());
+  } catch (const TimeoutError& e) {
+    // Messages of this call may still be in flight: nothing later could trust
+    // the transport's matching, so the communicator refuses further calls.
+    {
+      std::lock_guard<std::mutex> lock(broken_mu);
+      if (!broken) broken = e.what();
+    }
+    transport->mark_broken(e.what());
+    if (!p2p) publish(info, ShmChannel::State::failed);
+    throw;
+  } catch (const MismatchError&) {
+    // Every rank saw the same records and stops before moving data: usable.
+    if (!p2p) publish(info, ShmChannel::State::failed);
+    throw;
+  } catch (const CommError& e) {
+    {
+      std::lock_guard<std::mutex> lock(broken_mu);
+      if (!broken) broken = e.what();
+    }
+    transport->mark_broken(e.what());
+    if (!p2p) publish(info, ShmChannel::State::failed);
+    throw;
+  } catch (...) {
+    if (!p2p) publish(info, ShmChannel::State::failed);
+    throw;
+  }
+}
+
+}  // namespace mt

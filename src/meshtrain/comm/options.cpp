@@ -1,0 +1,125 @@
+#include "meshtrain/comm/options.h"
+
+#include "meshtrain/base/error.h"
+
+namespace mt {
+
+std::string_view collective_name(Collective c) {
+  switch (c) {
+    case Collective::all_reduce:
+      return "all_reduce";
+    case Collective::all_gather:
+      return "all_gather";
+    case Collective::all_gatherv:
+      return "all_gatherv";
+    case Collective::reduce_scatter:
+      return "reduce_scatter";
+    case Collective::reduce_scatterv:
+      return "reduce_scatterv";
+    case Collective::broadcast:
+      return "broadcast";
+    case Collective::all_to_all:
+      return "all_to_all";
+    case Collective::all_to_allv:
+      return "all_to_allv";
+    case Collective::barrier:
+      return "barrier";
+    case Collective::split:
+      return "split";
+    case Collective::send:
+      return "send";
+    case Collective::recv:
+      return "recv";
+  }
+  return "?";
+}
+
+std::string_view reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::max:
+      return "max";
+    case ReduceOp::min:
+      return "min";
+  }
+  return "?";
+}
+
+std::string_view algorithm_name(CommAlgorithm a) {
+  switch (a) {
+    case CommAlgorithm::automatic:
+      return "automatic";
+    case CommAlgorithm::ring:
+      return "ring";
+    case CommAlgorithm::halving_doubling:
+      return "halving_doubling";
+    case CommAlgorithm::shared_memory:
+      return "shared_memory";
+    case CommAlgorithm::native:
+      return "native";
+    case CommAlgorithm::tree:
+      return "tree";
+    case CommAlgorithm::pairwise:
+      return "pairwise";
+    case CommAlgorithm::dissemination:
+      return "dissemination";
+  }
+  return "?";
+}
+
+CommAlgorithm parse_algorithm(std::string_view name) {
+  for (auto a : {CommAlgorithm::automatic, CommAlgorithm::ring, CommAlgorithm::halving_doubling,
+                 CommAlgorithm::shared_memory, CommAlgorithm::native, CommAlgorithm::tree,
+                 CommAlgorithm::pairwise, CommAlgorithm::dissemination}) {
+    if (algorithm_name(a) == name) return a;
+  }
+  throw ConfigError(
+      fmt::format("unknown collective algorithm '{}' (expected automatic, ring, halving_doubling, "
+                  "shared_memory, native, tree, pairwise or dissemination)",
+                  name));
+}
+
+ReduceOp parse_reduce_op(std::string_view name) {
+  for (auto op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min}) {
+    if (reduce_op_name(op) == name) return op;
+  }
+  throw ConfigError(fmt::format("unknown reduce op '{}' (expected sum, avg, max or min)", name));
+}
+
+CommAlgorithm AlgorithmPolicy::choose(Collective c, size_t bytes, int size, bool has_shared_memory,
+                                      bool has_native) const {
+  const bool shm = prefer_shared_memory && has_shared_memory;
+  const bool native = prefer_native && has_native;
+  switch (c) {
+    case Collective::all_reduce:
+    case Collective::reduce_scatter:
+    case Collective::reduce_scatterv:
+    case Collective::all_gather:
+    case Collective::all_gatherv:
+    case Collective::split:
+      if (shm) return CommAlgorithm::shared_memory;
+      if (native) return CommAlgorithm::native;
+      // A power-of-two group has no fold steps, so halving-doubling keeps its
+      // log2(n) advantage longer; elsewhere the fold costs a full extra copy.
+      return bytes <= halving_doubling_max_bytes && size > 2 ? CommAlgorithm::halving_doubling
+                                                             : CommAlgorithm::ring;
+    case Collective::broadcast:
+      if (shm) return CommAlgorithm::shared_memory;
+      return native ? CommAlgorithm::native : CommAlgorithm::tree;
+    case Collective::barrier:
+      if (shm) return CommAlgorithm::shared_memory;
+      return native ? CommAlgorithm::native : CommAlgorithm::dissemination;
+    case Collective::all_to_all:
+    case Collective::all_to_allv:
+      return native ? CommAlgorithm::native : CommAlgorithm::pairwise;
+    case Collective::send:
+    case Collective::recv:
+      return CommAlgorithm::pairwise;
+  }
+  return CommAlgorithm::ring;
+}
+
+}  // namespace mt

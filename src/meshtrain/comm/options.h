@@ -1,0 +1,116 @@
+// Vocabulary of the comm layer, shared by callers and backend implementers:
+// which collective, which reduction, which algorithm, and the options structs
+// every call and every communicator takes (timeouts are explicit, in
+// milliseconds; sizes are in elements of the call's dtype unless a name says
+// bytes).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "meshtrain/tensor/dtype.h"
+
+namespace mt {
+
+// How contributions combine. `avg` is a sum divided by the group size once, at
+// the end (integer dtypes divide with truncation toward zero).
+enum class ReduceOp : uint8_t { sum, avg, max, min };
+
+enum class Collective : uint8_t {
+  all_reduce,
+  all_gather,
+  all_gatherv,
+  reduce_scatter,
+  reduce_scatterv,
+  broadcast,
+  all_to_all,
+  all_to_allv,
+  barrier,
+  split,
+  send,
+  recv,
+};
+
+// The algorithm a collective runs. Which ones apply to which collective, and
+// what each costs, is in docs/comm.md and next to each implementation.
+enum class CommAlgorithm : uint8_t {
+  automatic,         // AlgorithmPolicy picks by collective, size and backend
+  ring,              // bandwidth-optimal, 2(n-1) steps for all-reduce
+  halving_doubling,  // recursive halving / doubling, ~2 log2(n) steps
+  shared_memory,     // node-shared memory window, pipelined in chunks
+  native,            // the engine's own collective (MPI), polled with a deadline
+  tree,              // binomial tree (broadcast)
+  pairwise,          // n-1 pairwise exchanges (all-to-all)
+  dissemination,     // ceil(log2 n) rounds of tokens (barrier)
+};
+
+std::string_view collective_name(Collective c);
+std::string_view reduce_op_name(ReduceOp op);
+std::string_view algorithm_name(CommAlgorithm a);
+// Parses "ring", "halving_doubling", ...; throws ConfigError naming the text.
+CommAlgorithm parse_algorithm(std::string_view name);
+ReduceOp parse_reduce_op(std::string_view name);
+
+// Per-call options. Every blocking call has a deadline: `timeout` when set,
+// else the communicator's CommOptions::timeout.
+struct CollectiveOptions {
+  std::optional<std::chrono::milliseconds> timeout;
+  CommAlgorithm algorithm = CommAlgorithm::automatic;
+  // Ranks must pass the same tag to a collective (checked by the handshake);
+  // send/recv match on it. At most kMaxUserTag.
+  uint32_t tag = 0;
+  // Pre-collective agreement on (collective, dtype, count, root, op, tag,
+  // algorithm); unset means CommOptions::handshake.
+  std::optional<bool> handshake;
+};
+
+inline constexpr uint32_t kMaxUserTag = (1u << 20) - 1;
+
+// Which algorithm `automatic` picks. Defaults come from measurements on 2 and
+// 4 ranks on one node (docs/comm.md); the choice depends only on values that
+// every rank agrees on, so all ranks pick the same one.
+struct AlgorithmPolicy {
+  // Use the shared-memory algorithms whenever the backend offers a node-shared
+  // window (all ranks on one node).
+  bool prefer_shared_memory = true;
+  // Without shared memory: messages up to this many bytes use halving-doubling
+  // (fewer steps), larger ones ring (less per-step overhead, balanced links).
+  size_t halving_doubling_max_bytes = 256 * 1024;
+  // Without shared memory, use the engine's own collectives when it has them.
+  bool prefer_native = false;
+
+  // The algorithm for `c` on `bytes` payload bytes (the full buffer for
+  // all-reduce, the gathered size for all-gather/reduce-scatter) and `size`
+  // ranks, given what the transport offers.
+  CommAlgorithm choose(Collective c, size_t bytes, int size, bool has_shared_memory,
+                       bool has_native) const;
+};
+
+// Options of one communicator (and, by default, of communicators split from it).
+struct CommOptions {
+  std::string name = "world";  // appears in every error message
+  std::chrono::milliseconds timeout{300'000};
+  bool handshake = true;
+  // While a wait lasts longer than this, on_stall (when set) is called once per
+  // wait with the watchdog report (who has not entered which collective).
+  std::chrono::milliseconds stall_warning{60'000};
+  std::function<void(const std::string&)> on_stall;
+  AlgorithmPolicy policy;
+};
+
+// Cost of one call of an algorithm on one rank: latency-bound steps (rounds of
+// messages or shared-memory synchronisations) and bytes moved to and from
+// peers. Byte counts are exact for the given rank and counts; the byte
+// counters of a communicator report the same numbers (tests check it).
+struct CollectiveCost {
+  int64_t steps = 0;
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+};
+
+}  // namespace mt

@@ -1,0 +1,419 @@
+// Shared-memory collectives for ranks on one node. Data moves through each
+// rank's arena slots in rounds of at most one slot; within a round a rank
+// copies its contribution into its own slot, raises a flag, and reads its
+// peers' slots once their flags are up. Chunks are small enough to stay in
+// the caches between the writer and the reader, so a rank touches each byte
+// of its own buffers about once in DRAM, and all n ranks reduce in parallel
+// (each owns 1/n of the buffer), instead of forwarding partial sums hop by
+// hop as the ring does.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/base/timer.h"
+#include "meshtrain/comm/algorithms.h"
+#include "meshtrain/comm/reduce.h"
+#include "meshtrain/comm/shm_channel.h"
+
+namespace mt::comm {
+
+// ---- ShmChannel -------------------------------------------------------------
+
+void ShmChannel::construct(std::byte* region, size_t data_bytes, int64_t pid) {
+  auto* c = new (region) Control();
+  c->pid.store(pid, std::memory_order_relaxed);
+  c->data_bytes.store(data_bytes, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+}
+
+ShmChannel::ShmChannel(SharedArena& arena, int rank)
+    : arena_(arena), rank_(rank), size_(arena.size()) {
+  // Slots are 64-byte multiples so every chunk starts on its own cache line.
+  slot_bytes_ = arena.data_bytes() / kDepth / 64 * 64;
+  MT_CHECK(slot_bytes_ >= 64 * static_cast<size_t>(size_),
+           "shared arena data area of {} bytes is too small for {} ranks", arena.data_bytes(),
+           size_);
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) peers_.push_back(r);
+  }
+}
+
+void ShmChannel::publish_status(const Status& s) {
+  Control& c = control(rank_);
+  const uint64_t v = c.status_version.load(std::memory_order_relaxed);
+  c.status_version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  c.status_seq.store(s.seq, std::memory_order_relaxed);
+  c.status_word.store(static_cast<uint64_t>(s.kind) | static_cast<uint64_t>(s.state) << 8 |
+                          static_cast<uint64_t>(s.algorithm) << 16,
+                      std::memory_order_relaxed);
+  c.status_bytes.store(s.bytes, std::memory_order_relaxed);
+  c.status_time_ns.store(s.time_ns, std::memory_order_relaxed);
+  c.status_version.store(v + 2, std::memory_order_release);
+}
+
+std::optional<ShmChannel::Status> ShmChannel::read_status(int r) const {
+  const Control& c = control(r);
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const uint64_t v1 = c.status_version.load(std::memory_order_acquire);
+    if (v1 & 1) {
+      std::this_thread::yield();
+      continue;
+    }
+    Status s;
+    s.seq = c.status_seq.load(std::memory_order_relaxed);
+    const uint64_t w = c.status_word.load(std::memory_order_relaxed);
+    s.bytes = c.status_bytes.load(std::memory_order_relaxed);
+    s.time_ns = c.status_time_ns.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (c.status_version.load(std::memory_order_relaxed) != v1) continue;
+    s.kind = static_cast<Collective>(w & 0xff);
+    s.state = static_cast<State>((w >> 8) & 0xff);
+    s.algorithm = static_cast<CommAlgorithm>((w >> 16) & 0xff);
+    return s;
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+using Counter = ShmChannel::Counter;
+using Control = ShmChannel::Control;
+
+inline std::byte* at(void* p, size_t offset) {
+  return static_cast<std::byte*>(p) + offset;
+}
+inline const std::byte* at(const void* p, size_t offset) {
+  return static_cast<const std::byte*>(p) + offset;
+}
+inline size_t clamp_len(size_t total, size_t lo, size_t chunk) {
+  return lo >= total ? 0 : std::min(chunk, total - lo);
+}
+inline uint64_t ceil_div(uint64_t a, uint64_t b) {
+  return b == 0 ? 0 : (a + b - 1) / b;
+}
+
+void raise(ShmChannel& ch, Counter Control::*flag, uint64_t value) {
+  (ch.control(ch.rank()).*flag).value.store(value, std::memory_order_release);
+}
+
+const char* flag_name(Counter Control::*flag) {
+  if (flag == &Control::published) return "published";
+  if (flag == &Control::reduced) return "reduced";
+  if (flag == &Control::done) return "done";
+  return "agreed";
+}
+
+// Waits until every rank in `peers` has raised `flag` to at least `target`.
+void wait_flags(CollectiveContext& ctx, ShmChannel& ch, Counter Control::*flag, uint64_t target,
+                const std::vector<int>& peers) {
+  auto ready = [&] {
+    for (int q : peers) {
+      if ((ch.control(q).*flag).value.load(std::memory_order_acquire) < target) return false;
+    }
+    return true;
+  };
+  ctx.wait_until(ready, peers, [&] {
+    std::string late;
+    for (int q : peers) {
+      const uint64_t v = (ch.control(q).*flag).value.load(std::memory_order_acquire);
+      if (v < target) late += fmt::format("{}rank {} (at {})", late.empty() ? "" : ", ", q, v);
+    }
+    return fmt::format("shared-memory flag '{}' to reach {} from {}", flag_name(flag), target,
+                       late);
+  });
+}
+
+// Before writing slot (g % kDepth) in round g: every peer must have finished
+// reading what this rank wrote there in round g - kDepth.
+void wait_slot_free(CollectiveContext& ctx, ShmChannel& ch, uint64_t g) {
+  if (g + 1 > ShmChannel::kDepth)
+    wait_flags(ctx, ch, &Control::done, g + 1 - ShmChannel::kDepth, ch.peers());
+}
+
+// Element alignment that keeps shard boundaries on cache lines.
+size_t shard_align(size_t elem) {
+  return std::max<size_t>(1, 64 / elem);
+}
+
+// Elements per shard per round: one slot holds one chunk per rank.
+size_t shard_chunk(size_t slot_bytes, int n, size_t elem) {
+  const size_t align = shard_align(elem);
+  const size_t chunk = slot_bytes / static_cast<size_t>(n) / elem / align * align;
+  return std::max(chunk, align);
+}
+
+}  // namespace
+
+// ---- all-reduce ---------------------------------------------------------------
+
+// Rank r owns shard r (1/n of the buffer, cache-line aligned). Round k: every
+// rank copies chunk k of the other shards into its slot (published); rank r
+// reduces chunk k of shard r from its own input and the peers' slots into its
+// slot and its output (reduced); then copies the peers' reduced chunks into
+// its output (done).
+void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                    size_t count, DType dtype, ReduceOp op) {
+  const int n = ch.size();
+  const int me = ch.rank();
+  const size_t elem = dtype_size(dtype);
+  if (n == 1 || count == 0) {
+    if (send != recv) std::memcpy(recv, send, count * elem);
+    return;
+  }
+  const std::vector<size_t> shards = balanced_counts(count, n, shard_align(elem));
+  const std::vector<size_t> offs = prefix_offsets(shards);
+  const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
+  const uint64_t rounds = ceil_div(*std::max_element(shards.begin(), shards.end()), chunk);
+  const int divisor = op == ReduceOp::avg ? n : 1;
+  const size_t mine = static_cast<size_t>(me);
+  std::vector<const void*> srcs(static_cast<size_t>(n));
+  // In place (send == recv) works too: each chunk of the input is read (into
+  // the slot or the reduction) before the same round overwrites it.
+  for (uint64_t k = 0; k < rounds; ++k) {
+    const uint64_t g = ch.round + k;
+    const size_t lo = k * chunk;
+    ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
+    wait_slot_free(ctx, ch, g);
+    std::byte* my_slot = ch.slot(me, g);
+    for (int s = 0; s < n; ++s) {
+      const size_t ss = static_cast<size_t>(s);
+      const size_t len = clamp_len(shards[ss], lo, chunk);
+      if (s == me || len == 0) continue;
+      std::memcpy(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
+    }
+    raise(ch, &Control::published, g + 1);
+    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
+
+    const size_t my_len = clamp_len(shards[mine], lo, chunk);
+    if (my_len > 0) {
+      std::byte* out = my_slot + mine * chunk * elem;
+      std::byte* dst = at(recv, (offs[mine] + lo) * elem);
+      srcs[0] = at(send, (offs[mine] + lo) * elem);
+      for (int q = 0, i = 1; q < n; ++q) {
+        if (q != me) srcs[static_cast<size_t>(i++)] = ch.slot(q, g) + mine * chunk * elem;
+      }
+      reduce_sources(out, srcs.data(), n, my_len, dtype, op, divisor);
+      std::memcpy(dst, out, my_len * elem);
+    }
+    raise(ch, &Control::reduced, g + 1);
+    wait_flags(ctx, ch, &Control::reduced, g + 1, ch.peers());
+
+    for (int q : ch.peers()) {
+      const size_t qq = static_cast<size_t>(q);
+      const size_t len = clamp_len(shards[qq], lo, chunk);
+      if (len > 0) {
+        std::memcpy(at(recv, (offs[qq] + lo) * elem), ch.slot(q, g) + qq * chunk * elem,
+                    len * elem);
+      }
+      // q read this rank's chunk of shard q and its reduced chunk; this rank
+      // read q's chunk of shard `me` and q's reduced chunk.
+      ctx.count_received(q, (my_len + len) * elem);
+      ctx.count_sent(q, (my_len + len) * elem);
+    }
+    raise(ch, &Control::done, g + 1);
+  }
+  ch.round += rounds;
+}
+
+// Per peer q: this rank's shard plus q's shard, each way; 2 synchronisations
+// per round of at most slot/n bytes per shard.
+CollectiveCost shm_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes,
+                                   size_t slot_bytes) {
+  if (n == 1 || count == 0) return {};
+  const std::vector<size_t> shards = balanced_counts(count, n, shard_align(elem_bytes));
+  const size_t mine = shards[static_cast<size_t>(rank)];
+  const uint64_t bytes = (static_cast<uint64_t>(n - 1) * mine + (count - mine)) * elem_bytes;
+  const uint64_t rounds = ceil_div(*std::max_element(shards.begin(), shards.end()),
+                                   shard_chunk(slot_bytes, n, elem_bytes));
+  return {static_cast<int64_t>(2 * rounds), bytes, bytes};
+}
+
+// ---- reduce-scatter -----------------------------------------------------------
+
+void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                         std::span<const size_t> counts, DType dtype, ReduceOp op) {
+  const int n = ch.size();
+  const int me = ch.rank();
+  const size_t mine = static_cast<size_t>(me);
+  const size_t elem = dtype_size(dtype);
+  const std::vector<size_t> offs = prefix_offsets(counts);
+  if (n == 1) {
+    std::memcpy(recv, send, counts[0] * elem);
+    return;
+  }
+  const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
+  const uint64_t rounds = ceil_div(*std::max_element(counts.begin(), counts.end()), chunk);
+  const int divisor = op == ReduceOp::avg ? n : 1;
+  std::vector<const void*> srcs(static_cast<size_t>(n));
+  for (uint64_t k = 0; k < rounds; ++k) {
+    const uint64_t g = ch.round + k;
+    const size_t lo = k * chunk;
+    ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
+    wait_slot_free(ctx, ch, g);
+    std::byte* my_slot = ch.slot(me, g);
+    for (int s = 0; s < n; ++s) {
+      const size_t ss = static_cast<size_t>(s);
+      const size_t len = clamp_len(counts[ss], lo, chunk);
+      if (s == me || len == 0) continue;
+      std::memcpy(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
+    }
+    raise(ch, &Control::published, g + 1);
+    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
+    const size_t my_len = clamp_len(counts[mine], lo, chunk);
+    if (my_len > 0) {
+      srcs[0] = at(send, (offs[mine] + lo) * elem);
+      for (int q = 0, i = 1; q < n; ++q) {
+        if (q != me) srcs[static_cast<size_t>(i++)] = ch.slot(q, g) + mine * chunk * elem;
+      }
+      reduce_sources(at(recv, lo * elem), srcs.data(), n, my_len, dtype, op, divisor);
+    }
+    for (int q : ch.peers()) {
+      ctx.count_received(q, my_len * elem);
+      ctx.count_sent(q, clamp_len(counts[static_cast<size_t>(q)], lo, chunk) * elem);
+    }
+    raise(ch, &Control::done, g + 1);
+  }
+  ch.round += rounds;
+}
+
+// Sends each peer its block of this rank's input; receives its own block
+// from every peer.
+CollectiveCost shm_reduce_scatterv_cost(int n, int rank, std::span<const size_t> counts,
+                                        size_t elem_bytes, size_t slot_bytes) {
+  if (n == 1) return {};
+  const uint64_t total = std::accumulate(counts.begin(), counts.end(), uint64_t{0});
+  const uint64_t mine = counts[static_cast<size_t>(rank)];
+  const uint64_t rounds = ceil_div(*std::max_element(counts.begin(), counts.end()),
+                                   shard_chunk(slot_bytes, n, elem_bytes));
+  return {static_cast<int64_t>(rounds), (total - mine) * elem_bytes,
+          static_cast<uint64_t>(n - 1) * mine * elem_bytes};
+}
+
+// ---- all-gather ---------------------------------------------------------------
+
+void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                     std::span<const size_t> counts, size_t elem_bytes) {
+  const int n = ch.size();
+  const int me = ch.rank();
+  const std::vector<size_t> offs = prefix_offsets(counts);
+  std::byte* own = at(recv, offs[static_cast<size_t>(me)] * elem_bytes);
+  const size_t my_bytes = counts[static_cast<size_t>(me)] * elem_bytes;
+  if (send != own) std::memcpy(own, send, my_bytes);
+  if (n == 1) return;
+  const size_t chunk = ch.slot_bytes();
+  const uint64_t rounds =
+      ceil_div(*std::max_element(counts.begin(), counts.end()) * elem_bytes, chunk);
+  for (uint64_t k = 0; k < rounds; ++k) {
+    const uint64_t g = ch.round + k;
+    const size_t lo = k * chunk;
+    ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
+    wait_slot_free(ctx, ch, g);
+    const size_t my_len = clamp_len(my_bytes, lo, chunk);
+    std::memcpy(ch.slot(me, g), own + lo, my_len);
+    raise(ch, &Control::published, g + 1);
+    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
+    for (int q : ch.peers()) {
+      const size_t qq = static_cast<size_t>(q);
+      const size_t len = clamp_len(counts[qq] * elem_bytes, lo, chunk);
+      std::memcpy(at(recv, offs[qq] * elem_bytes + lo), ch.slot(q, g), len);
+      ctx.count_received(q, len);
+      ctx.count_sent(q, my_len);
+    }
+    raise(ch, &Control::done, g + 1);
+  }
+  ch.round += rounds;
+}
+
+CollectiveCost shm_all_gatherv_cost(int n, int rank, std::span<const size_t> counts,
+                                    size_t elem_bytes, size_t slot_bytes) {
+  if (n == 1) return {};
+  const uint64_t total = std::accumulate(counts.begin(), counts.end(), uint64_t{0});
+  const uint64_t mine = counts[static_cast<size_t>(rank)];
+  const uint64_t rounds =
+      ceil_div(*std::max_element(counts.begin(), counts.end()) * elem_bytes, slot_bytes);
+  return {static_cast<int64_t>(rounds), static_cast<uint64_t>(n - 1) * mine * elem_bytes,
+          (total - mine) * elem_bytes};
+}
+
+// ---- broadcast ----------------------------------------------------------------
+
+void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t bytes, int root) {
+  const int n = ch.size();
+  const int me = ch.rank();
+  if (n == 1) return;
+  const size_t chunk = ch.slot_bytes();
+  const uint64_t rounds = ceil_div(bytes, chunk);
+  const std::vector<int> from_root = {root};
+  for (uint64_t k = 0; k < rounds; ++k) {
+    const uint64_t g = ch.round + k;
+    const size_t lo = k * chunk;
+    const size_t len = clamp_len(bytes, lo, chunk);
+    ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
+    if (me == root) {
+      wait_slot_free(ctx, ch, g);
+      std::memcpy(ch.slot(me, g), at(buf, lo), len);
+      raise(ch, &Control::published, g + 1);
+      for (int q : ch.peers()) ctx.count_sent(q, len);
+    } else {
+      wait_flags(ctx, ch, &Control::published, g + 1, from_root);
+      std::memcpy(at(buf, lo), ch.slot(root, g), len);
+      ctx.count_received(root, len);
+    }
+    raise(ch, &Control::done, g + 1);
+  }
+  ch.round += rounds;
+}
+
+CollectiveCost shm_broadcast_cost(int n, int rank, size_t bytes, int root, size_t slot_bytes) {
+  if (n == 1) return {};
+  const int64_t rounds = static_cast<int64_t>(ceil_div(bytes, slot_bytes));
+  if (rank == root) return {rounds, static_cast<uint64_t>(n - 1) * bytes, 0};
+  return {rounds, 0, bytes};
+}
+
+// ---- barrier and handshake ------------------------------------------------------
+
+void shm_barrier(CollectiveContext& ctx, ShmChannel& ch) {
+  if (ch.size() == 1) return;
+  const uint64_t g = ch.round;
+  ctx.set_step(0, 1);
+  raise(ch, &Control::published, g + 1);
+  wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
+  raise(ch, &Control::done, g + 1);
+  ch.round += 1;
+}
+
+CollectiveCost shm_barrier_cost(int n, int /*rank*/) {
+  return {n > 1 ? 1 : 0, 0, 0};
+}
+
+// Records alternate between two slots: agreement a+2 reuses a's slot only
+// after every rank published a+1, which each does after reading a.
+void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, void* all,
+                  size_t record_bytes) {
+  MT_CHECK_LE(record_bytes, ShmChannel::kRecordBytes);
+  const int me = ch.rank();
+  const uint64_t a = ch.agreements;
+  const size_t slot = a % 2;
+  std::memcpy(ch.control(me).records[slot], record, record_bytes);
+  raise(ch, &Control::agreed, a + 1);
+  wait_flags(ctx, ch, &Control::agreed, a + 1, ch.peers());
+  for (int q = 0; q < ch.size(); ++q) {
+    std::memcpy(at(all, static_cast<size_t>(q) * record_bytes), ch.control(q).records[slot],
+                record_bytes);
+    if (q == me) continue;
+    ctx.count_received(q, record_bytes);
+    ctx.count_sent(q, record_bytes);
+  }
+  ch.agreements += 1;
+}
+
+CollectiveCost shm_exchange_cost(int n, int /*rank*/, size_t record_bytes) {
+  const uint64_t b = static_cast<uint64_t>(n - 1) * record_bytes;
+  return {n > 1 ? 1 : 0, b, b};
+}
+
+}  // namespace mt::comm
