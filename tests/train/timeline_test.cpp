@@ -229,6 +229,8 @@ TEST(Timeline, SpansMoveAndEndOnceAndArgsMustBeObjects) {
   EXPECT_GE(e.duration_ns, 0);
   EXPECT_THROW(tl.add("bad", "op", 10, 5), InternalError);
   EXPECT_THROW(tl.add("bad", "op", 0, 5, 0, nlohmann::json::array({1})), InternalError);
+  EXPECT_THROW((void)tl.span("bad", "op", 0, nlohmann::json::array({1})), InternalError);
+  EXPECT_EQ(tl.size(), 1u);
 }
 
 TEST(Timeline, ConcurrentRecordingLosesNothingAndTheCapCountsDrops) {

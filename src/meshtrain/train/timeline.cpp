@@ -165,6 +165,9 @@ void Timeline::Span::end() {
 Timeline::Span Timeline::span(std::string_view name, std::string_view category, int lane,
                               nlohmann::json args) {
   if (!enabled()) return Span();
+  // Checked here, not when the span ends: ending runs in a destructor.
+  MT_CHECK(args.is_null() || args.is_object(), "timeline args must be a JSON object, got {}",
+           args.dump());
   return Span(this, name, category, lane, std::move(args));
 }
 

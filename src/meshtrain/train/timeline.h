@@ -24,7 +24,8 @@
 //
 // Ownership: one Timeline per rank, owned by the trainer. Thread-safe:
 // add() and spans may be recorded from any thread (the comm progress thread
-// records too); when disabled they cost one relaxed atomic load. Events are
+// records too); when disabled they cost one relaxed atomic load (build args
+// only when enabled(), or add them with Span::set_arg, a no-op then). Events are
 // kept in memory until written; after max_events further ones are dropped
 // and counted. align() and merge_and_write() are collective and block.
 #pragma once
