@@ -40,6 +40,15 @@ TEST(PlanArena, MergesNeighbouringHoles) {
   EXPECT_EQ(plan_arena({{0, 0, 3}}).peak, 0);
 }
 
+TEST(PlanArena, LargestFirstAvoidsFragmentation) {
+  // In schedule order, A's hole (64 B) is too small for C, which then goes on
+  // top (256 B). Placing C first fits A below it and B above: 192 B, which
+  // is what B and C alive together need.
+  ArenaLayout l = plan_arena({{64, 0, 0}, {64, 0, 2}, {128, 1, 2}});
+  EXPECT_EQ(l.peak, 192);
+  EXPECT_FALSE(overlap(l.offset[1], 64, l.offset[2], 128));
+}
+
 TEST(PlanArena, RandomLifetimesNeverShareLiveMemory) {
   std::mt19937 rng(7);
   for (int round = 0; round < 50; ++round) {

@@ -72,7 +72,11 @@ class FreeList {
 
 }  // namespace
 
-ArenaLayout plan_arena(const std::vector<BufferLife>& buffers) {
+namespace {
+
+// Schedule-order best fit: walks the steps, placing what each writes and
+// releasing what it read last.
+ArenaLayout plan_in_order(const std::vector<BufferLife>& buffers) {
   ArenaLayout out;
   out.offset.assign(buffers.size(), 0);
   std::vector<size_t> by_first(buffers.size());
@@ -93,7 +97,6 @@ ArenaLayout plan_arena(const std::vector<BufferLife>& buffers) {
     const int step = alloc_next ? buffers[by_first[ai]].first : buffers[by_last[fi]].last;
     for (; ai < by_first.size() && buffers[by_first[ai]].first == step; ++ai) {
       const BufferLife& b = buffers[by_first[ai]];
-      MT_CHECK(b.last >= b.first, "buffer alive from step {} to {}", b.first, b.last);
       const int64_t bytes = align_up(b.bytes);
       if (bytes > 0) out.offset[by_first[ai]] = fl.allocate(bytes);
     }
@@ -104,6 +107,56 @@ ArenaLayout plan_arena(const std::vector<BufferLife>& buffers) {
   }
   out.peak = fl.peak();
   return out;
+}
+
+// Largest first: each buffer goes to the lowest offset where it overlaps no
+// already placed buffer that is alive at the same time. Big buffers placed
+// first leave holes small ones fill, which in-order placement can fragment.
+ArenaLayout plan_by_size(const std::vector<BufferLife>& buffers) {
+  ArenaLayout out;
+  out.offset.assign(buffers.size(), 0);
+  std::vector<size_t> order(buffers.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return align_up(buffers[a].bytes) > align_up(buffers[b].bytes);
+  });
+  std::vector<size_t> placed;
+  std::vector<std::pair<int64_t, int64_t>> busy;  // [offset, end) of conflicting buffers
+  for (size_t i : order) {
+    const BufferLife& b = buffers[i];
+    const int64_t bytes = align_up(b.bytes);
+    if (bytes == 0) continue;
+    busy.clear();
+    for (size_t j : placed) {
+      const BufferLife& o = buffers[j];
+      if (o.first <= b.last && b.first <= o.last) {
+        busy.emplace_back(out.offset[j], out.offset[j] + align_up(o.bytes));
+      }
+    }
+    std::sort(busy.begin(), busy.end());
+    int64_t at = 0;
+    for (const auto& [lo, hi] : busy) {
+      if (lo - at >= bytes) break;
+      at = std::max(at, hi);
+    }
+    out.offset[i] = at;
+    out.peak = std::max(out.peak, at + bytes);
+    placed.push_back(i);
+  }
+  return out;
+}
+
+}  // namespace
+
+ArenaLayout plan_arena(const std::vector<BufferLife>& buffers) {
+  for (const BufferLife& b : buffers) {
+    MT_CHECK(b.last >= b.first && b.bytes >= 0, "buffer of {} bytes alive from step {} to {}",
+             b.bytes, b.first, b.last);
+  }
+  // Neither heuristic wins on every graph; both are cheap next to a step.
+  ArenaLayout in_order = plan_in_order(buffers);
+  ArenaLayout by_size = plan_by_size(buffers);
+  return by_size.peak < in_order.peak ? by_size : in_order;
 }
 
 }  // namespace mt

@@ -1,11 +1,11 @@
 // Offset assignment for buffers with known lifetimes inside one arena.
 //
-// Each buffer is alive over an inclusive range of schedule steps. Buffers are
-// placed greedily in the order they start (the order the executor creates
-// them): best fit among the holes left by buffers already dead, otherwise at
-// the top of the arena (growing a hole that touches the top). The result is
-// the peak arena size before anything runs. Pure function; no allocation of
-// the memory itself.
+// Each buffer is alive over an inclusive range of schedule steps; buffers
+// alive at the same step never share bytes. Two greedy placements are tried
+// and the smaller arena kept: in schedule order with best fit among the holes
+// of dead buffers, and largest buffer first at the lowest free offset. The
+// result is the peak arena size before anything runs. Pure function; no
+// allocation of the memory itself.
 #pragma once
 
 #include <cstdint>
