@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "meshtrain/cli/config.h"
+#include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
@@ -21,9 +22,20 @@ RunConfig load(const CommandOptions& opts) {
 }  // namespace
 
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
-  (void)argc;
-  (void)argv;
   RunConfig rc = load(opts);
+  const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
+  if (nproc > 1 && !launched_by_mpi()) {
+    std::vector<std::string> args;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--nproc") {
+        ++i;  // skip its value
+      } else if (a.rfind("--nproc=", 0) != 0) {
+        args.push_back(a);
+      }
+    }
+    relaunch_under_mpirun(nproc, args);
+  }
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
   rc.train.progress = !opts.quiet;
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);

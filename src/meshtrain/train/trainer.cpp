@@ -260,7 +260,7 @@ struct Trainer::Impl {
     double mm_flops = 0, mm_ns = 0;
     for (const OpProfile& p : exec->profile()) {
       if (p.op == OpKind::matmul) {
-        mm_flops += p.flops;
+        mm_flops += p.flops * static_cast<double>(p.calls);
         mm_ns += static_cast<double>(p.total_ns);
       }
     }
