@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
@@ -655,6 +656,40 @@ TEST(FastKernelsThreads, RejectsZeroThreadsAndGivesTheSameResultsAtTwo) {
   one->softmax(x, y1, false);
   two->softmax(x, y2, false);
   EXPECT_EQ(std::memcmp(y1.raw(), y2.raw(), y1.nbytes()), 0);
+}
+
+TEST(FastKernelsThreads, ConcurrentCallersShareOneBackendSafely) {
+  // Ranks run as threads share kernels("fast"): each caller has its own
+  // primitives and blocked buffers, so concurrent convolutions and matmuls of
+  // the same shapes stay correct.
+  KernelBackend& ref = kernels("reference");
+  auto fast = make_fast_backend(ref);
+  const Conv2dParams cp{1, 1, 1, 1};
+  const Tensor x = random_tensor({4, 8, 10, 10}, 91), w = random_tensor({16, 8, 3, 3}, 92);
+  const Tensor a = random_tensor({33, 70}, 93), b = random_tensor({70, 21}, 94);
+  Tensor y_want = Tensor::empty({4, 16, 10, 10}, DType::f32),
+         c_want = Tensor::empty({33, 21}, DType::f32);
+  ref.conv2d(x, w, Tensor(), y_want, cp);
+  ref.matmul(a, b, c_want, {});
+  std::vector<int> bad(3, 0);
+  std::vector<std::thread> callers;
+  for (size_t t = 0; t < bad.size(); ++t) {
+    callers.emplace_back([&, t] {
+      for (int i = 0; i < 20; ++i) {
+        Tensor y = nan_like(y_want.shape()), c = nan_like(c_want.shape());
+        fast->conv2d(x, w, Tensor(), y, cp);
+        fast->matmul(a, b, c, {});
+        for (int64_t j = 0; j < y.numel(); ++j) {
+          if (!(std::fabs(y.item(j) - y_want.item(j)) <= 1e-4)) ++bad[t];
+        }
+        for (int64_t j = 0; j < c.numel(); ++j) {
+          if (!(std::fabs(c.item(j) - c_want.item(j)) <= 1e-4)) ++bad[t];
+        }
+      }
+    });
+  }
+  for (std::thread& th : callers) th.join();
+  for (size_t t = 0; t < bad.size(); ++t) EXPECT_EQ(bad[t], 0) << "caller " << t;
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, FastKernels, ::testing::Values(1, 2),

@@ -14,7 +14,7 @@
 // Primitives, reorders and the blocked buffers are cached per signature.
 //
 // Callers pass validated, non-empty f32 tensors. Owned by the fast backend;
-// blocks until the outputs are written; not thread-safe.
+// blocks until the outputs are written; one calling thread per instance.
 #pragma once
 
 #include <array>

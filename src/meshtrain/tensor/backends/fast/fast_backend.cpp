@@ -6,7 +6,9 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <atomic>
 #include <initializer_list>
+#include <unordered_map>
 
 #include "meshtrain/tensor/backends/fast/conv_engine.h"
 #include "meshtrain/tensor/backends/fast/fast_common.h"
@@ -35,13 +37,27 @@ bool any_empty(std::initializer_list<const Tensor*> ts) {
   return false;
 }
 
-// The fast backend (see fast_backend.h). Owns the oneDNN context and the
-// matmul / convolution engines with their primitive caches; `fallback_` is
-// borrowed. Calls block; one caller thread at a time.
+// What one calling thread needs for oneDNN and the measured engine choices:
+// its own stream, primitive caches, trial timings and blocked-layout
+// buffers, so threads calling one backend at once (ranks run as threads)
+// never share mutable state.
+struct ThreadEngines {
+  explicit ThreadEngines(const FastBackendOptions& o)
+      : matmul(ctx, o.f32_matmul), conv(ctx, o.conv_layout) {}
+  fast::OneDnnContext ctx;
+  fast::MatmulEngine matmul;
+  fast::ConvEngine conv;
+};
+
+std::atomic<uint64_t> next_backend_id{1};
+
+// The fast backend (see fast_backend.h). `fallback_` is borrowed. The oneDNN
+// engines live per calling thread (engines()); the rest is immutable but for
+// the thread count. Calls block.
 class FastBackend final : public KernelBackend {
  public:
   FastBackend(KernelBackend& fallback, const FastBackendOptions& options)
-      : fallback_(fallback), matmul_(ctx_, options.f32_matmul), conv_(ctx_, options.conv_layout) {
+      : fallback_(fallback), options_(options) {
     set_num_threads(1);
   }
 
@@ -51,7 +67,7 @@ class FastBackend final : public KernelBackend {
     if (n < 1) {
       throw ConfigError(fmt::format("fast backend: set_num_threads({}): need at least 1", n));
     }
-    threads_ = n;
+    threads_.store(n, std::memory_order_relaxed);
     omp_set_num_threads(n);
     openblas_set_num_threads(n);
     fallback_.set_num_threads(n);
@@ -60,59 +76,59 @@ class FastBackend final : public KernelBackend {
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) override {
     if (!fast::MatmulEngine::supports(a, b, c)) return fallback_.matmul(a, b, c, p);
     apply_threads();
-    matmul_.run(a, b, c, p, threads_);
+    engines().matmul.run(a, b, c, p, threads());
   }
 
   void unary(UnaryOp op, const Tensor& x, Tensor& y) override {
     if (!f32_inputs({&x, &y})) return fallback_.unary(op, x, y);
-    fast::unary(op, x, y, threads_);
+    fast::unary(op, x, y, threads());
   }
   void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& dy,
                       Tensor& dx) override {
     if (!f32_inputs({&x, &y, &dy, &dx})) return fallback_.unary_backward(op, x, y, dy, dx);
-    fast::unary_backward(op, x, y, dy, dx, threads_);
+    fast::unary_backward(op, x, y, dy, dx, threads());
   }
   void binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c) override {
     if (!f32_inputs({&a, &b, &c})) return fallback_.binary(op, a, b, c);
-    fast::binary(op, a, b, c, threads_);
+    fast::binary(op, a, b, c, threads());
   }
   void scale(const Tensor& x, Tensor& y, double alpha, double beta) override {
     if (!f32_inputs({&x, &y})) return fallback_.scale(x, y, alpha, beta);
-    fast::scale(x, y, alpha, beta, threads_);
+    fast::scale(x, y, alpha, beta, threads());
   }
   void sum_to(const Tensor& x, Tensor& y) override {
     if (!f32_inputs({&x, &y})) return fallback_.sum_to(x, y);
-    fast::sum_to(x, y, threads_);
+    fast::sum_to(x, y, threads());
   }
   void cast(const Tensor& x, Tensor& y) override {
-    if (!fast::cast(x, y, threads_)) fallback_.cast(x, y);
+    if (!fast::cast(x, y, threads())) fallback_.cast(x, y);
   }
   void permute(const Tensor& x, Tensor& y, const std::vector<int>& perm) override {
-    fast::permute(x, y, perm, threads_);
+    fast::permute(x, y, perm, threads());
   }
 
   void softmax(const Tensor& x, Tensor& y, bool causal) override {
     if (!f32_inputs({&x, &y})) return fallback_.softmax(x, y, causal);
-    fast::softmax(x, y, causal, threads_);
+    fast::softmax(x, y, causal, threads());
   }
   void softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
     if (!f32_inputs({&y, &dy, &dx})) return fallback_.softmax_backward(y, dy, dx);
-    fast::softmax_backward(y, dy, dx, threads_);
+    fast::softmax_backward(y, dy, dx, threads());
   }
   void log_softmax(const Tensor& x, Tensor& y) override {
     if (!f32_inputs({&x, &y})) return fallback_.log_softmax(x, y);
-    fast::log_softmax(x, y, threads_);
+    fast::log_softmax(x, y, threads());
   }
   void log_softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override {
     if (!f32_inputs({&y, &dy, &dx})) return fallback_.log_softmax_backward(y, dy, dx);
-    fast::log_softmax_backward(y, dy, dx, threads_);
+    fast::log_softmax_backward(y, dy, dx, threads());
   }
   void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
                   Tensor& mean, Tensor& rstd) override {
     if (!f32_inputs({&x, &gamma, &beta, &y, &mean, &rstd})) {
       return fallback_.layer_norm(x, gamma, beta, eps, y, mean, rstd);
     }
-    fast::layer_norm(x, gamma, beta, eps, y, mean, rstd, threads_);
+    fast::layer_norm(x, gamma, beta, eps, y, mean, rstd, threads());
   }
   void layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                            const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dgamma,
@@ -120,27 +136,27 @@ class FastBackend final : public KernelBackend {
     if (!f32_inputs({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta})) {
       return fallback_.layer_norm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
     }
-    fast::layer_norm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, threads_);
+    fast::layer_norm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, threads());
   }
   void cross_entropy(const Tensor& logits, const Tensor& labels, Tensor& loss) override {
     // loss may be f32 or f64 whatever the logits' dtype.
     if (!f32_inputs({&logits})) return fallback_.cross_entropy(logits, labels, loss);
-    fast::cross_entropy(logits, labels, loss, threads_);
+    fast::cross_entropy(logits, labels, loss, threads());
   }
   void cross_entropy_backward(const Tensor& logits, const Tensor& labels, const Tensor& dloss,
                               Tensor& dlogits) override {
     if (!f32_inputs({&logits, &dlogits})) {
       return fallback_.cross_entropy_backward(logits, labels, dloss, dlogits);
     }
-    fast::cross_entropy_backward(logits, labels, dloss, dlogits, threads_);
+    fast::cross_entropy_backward(logits, labels, dloss, dlogits, threads());
   }
 
   void embedding(const Tensor& table, const Tensor& ids, Tensor& y) override {
-    fast::embedding(table, ids, y, threads_);  // a row copy: every dtype
+    fast::embedding(table, ids, y, threads());  // a row copy: every dtype
   }
   void embedding_backward(const Tensor& dy, const Tensor& ids, Tensor& dtable) override {
     if (!f32_inputs({&dtable, &dy})) return fallback_.embedding_backward(dy, ids, dtable);
-    fast::embedding_backward(dy, ids, dtable, threads_);
+    fast::embedding_backward(dy, ids, dtable, threads());
   }
 
   void conv2d(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y,
@@ -155,7 +171,7 @@ class FastBackend final : public KernelBackend {
     if (bias.defined()) fast::require_shape(K, "bias", bias, Shape{g.co});
     fast::require_shape(K, "y", y, Shape{g.n, g.co, g.oh, g.ow});
     apply_threads();
-    conv_.forward(g, p, x, w, bias, y, threads_);
+    engines().conv.forward(g, p, x, w, bias, y, threads());
   }
   void conv2d_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx,
                             const Conv2dParams& p) override {
@@ -167,7 +183,7 @@ class FastBackend final : public KernelBackend {
     const fast::ConvGeom g = fast::conv_geom(K, dx, "dx", w, "w", p);
     fast::require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
     apply_threads();
-    conv_.backward_data(g, p, dy, w, dx, threads_);
+    engines().conv.backward_data(g, p, dy, w, dx, threads());
   }
   void conv2d_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, Tensor& dbias,
                               const Conv2dParams& p) override {
@@ -179,15 +195,15 @@ class FastBackend final : public KernelBackend {
     if (dbias.defined()) fast::require_shape(K, "dbias", dbias, Shape{g.co});
     fast::require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
     apply_threads();
-    conv_.backward_weight(g, p, dy, x, dw, dbias, threads_);
+    engines().conv.backward_weight(g, p, dy, x, dw, dbias, threads());
   }
   void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& p) override {
     if (!f32_inputs({&x, &y})) return fallback_.max_pool2d(x, y, argmax, p);
-    fast::max_pool2d(x, y, argmax, p, threads_);
+    fast::max_pool2d(x, y, argmax, p, threads());
   }
   void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override {
     if (!f32_inputs({&dy, &dx})) return fallback_.max_pool2d_backward(dy, argmax, dx);
-    fast::max_pool2d_backward(dy, argmax, dx, threads_);
+    fast::max_pool2d_backward(dy, argmax, dx, threads());
   }
 
  private:
@@ -195,15 +211,27 @@ class FastBackend final : public KernelBackend {
   // either may have been changed since set_num_threads: oneDNN and OpenBLAS
   // read them at call time, so they are re-applied before each library call.
   void apply_threads() {
-    if (omp_get_max_threads() != threads_) omp_set_num_threads(threads_);
-    if (openblas_get_num_threads() != threads_) openblas_set_num_threads(threads_);
+    const int n = threads();
+    if (omp_get_max_threads() != n) omp_set_num_threads(n);
+    if (openblas_get_num_threads() != n) openblas_set_num_threads(n);
+  }
+
+  int threads() const { return threads_.load(std::memory_order_relaxed); }
+
+  // This thread's engines for this backend, made on first use and freed when
+  // the thread exits. Keyed by a never-reused id, not the address, so a
+  // later backend at the same address cannot pick up stale engines.
+  ThreadEngines& engines() {
+    thread_local std::unordered_map<uint64_t, std::unique_ptr<ThreadEngines>> per_thread;
+    std::unique_ptr<ThreadEngines>& e = per_thread[id_];
+    if (!e) e = std::make_unique<ThreadEngines>(options_);
+    return *e;
   }
 
   KernelBackend& fallback_;
-  int threads_ = 1;
-  fast::OneDnnContext ctx_;
-  fast::MatmulEngine matmul_;
-  fast::ConvEngine conv_;
+  const FastBackendOptions options_;
+  const uint64_t id_ = next_backend_id.fetch_add(1);
+  std::atomic<int> threads_{1};
 };
 
 }  // namespace

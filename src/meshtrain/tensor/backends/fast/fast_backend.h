@@ -10,8 +10,10 @@
 // Threads: set_num_threads(n) sets the threads used inside one kernel call for
 // OpenMP, oneDNN (which runs on OpenMP here) and OpenBLAS; the default is 1.
 // These runtimes keep process-wide (OpenBLAS) or per-calling-thread (OpenMP)
-// settings, so the backend re-applies its count on entry to each kernel. Like
-// every backend, one instance is called from one thread at a time.
+// settings, so the backend re-applies its count on entry to each kernel.
+// Several threads may call one instance at once (e.g. ranks run as threads
+// sharing kernels("fast")): each calling thread gets its own oneDNN
+// primitives, engine choices and scratch buffers, freed when it exits.
 #pragma once
 
 #include <memory>

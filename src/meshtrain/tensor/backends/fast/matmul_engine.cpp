@@ -170,7 +170,8 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   double& best = use_onednn ? plan.best_onednn : plan.best_openblas;
   best = std::min(best, t);
   if (++plan.trials == 2 * kTrials) {
-    plan.engine = plan.best_onednn <= plan.best_openblas ? Engine::onednn : Engine::openblas;
+    plan.engine =
+        plan.best_openblas < kOpenBlasMargin * plan.best_onednn ? Engine::openblas : Engine::onednn;
   }
 }
 

@@ -7,13 +7,18 @@
 // signature -- dtype, batch, M, N, K, transposes, shared b, alpha, beta and
 // thread count -- starts undecided. Its first 2 * kTrials calls alternate
 // between oneDNN and OpenBLAS and time each (every trial is a real call that
-// produces the caller's result, so measuring wastes no work); the engine with
-// the lower minimum time then serves that signature for the engine's
-// lifetime. Times are the calling thread's CPU time at one thread (robust to
-// other processes on a shared machine) and wall time otherwise
-// (trial_clock in fast_common.h). oneDNN primitives are created once per signature and cached.
+// produces the caller's result, so measuring wastes no work); then OpenBLAS
+// serves that signature for the engine's lifetime if its minimum time beats
+// oneDNN's by kOpenBlasMargin, else oneDNN does. The margin keeps near-ties
+// on oneDNN: it runs on the same OpenMP threads as every other kernel here,
+// while OpenBLAS's own thread pool spins after each call and competes with
+// them for cores. Times are the calling thread's CPU time at one thread
+// (robust to other processes on a shared machine) and wall time otherwise
+// (trial_clock in fast_common.h). oneDNN primitives are created once per
+// signature and cached.
 //
-// Owned by the fast backend; blocks until c is written; not thread-safe.
+// Owned by the fast backend; blocks until c is written; one calling thread
+// per instance.
 #pragma once
 
 #include <compare>
@@ -32,6 +37,8 @@ class MatmulEngine {
  public:
   // Timed calls per engine while a signature is undecided.
   static constexpr int kTrials = 3;
+  // OpenBLAS must take less than this fraction of oneDNN's time to be chosen.
+  static constexpr double kOpenBlasMargin = 0.9;
 
   MatmulEngine(OneDnnContext& ctx, MatmulEngineChoice f32_choice);
   ~MatmulEngine();
