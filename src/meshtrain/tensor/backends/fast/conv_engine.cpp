@@ -137,8 +137,21 @@ ConvEngine::Plan& ConvEngine::plan_for(const Key& key) {
   if (plans_.size() >= 1024) plans_.clear();  // bounds a pathological caller only
   auto plan = std::make_unique<Plan>();
   bool same = true;
-  plan->variants[0] = make_variant(key, false, same);
-  if (layout_ != ConvLayoutChoice::plain) plan->variants[1] = make_variant(key, true, same);
+  try {
+    plan->variants[0] = make_variant(key, false, same);
+  } catch (const dnnl::error& e) {
+    throw InternalError(fmt::format(
+        "conv: oneDNN cannot build a convolution for x [{}, {}, {}, {}], "
+        "w [{}, {}, {}, {}]: {}",
+        key.g.n, key.g.ci, key.g.h, key.g.w, key.g.co, key.g.ci, key.g.kh, key.g.kw, e.what()));
+  }
+  if (layout_ != ConvLayoutChoice::plain) {
+    try {
+      plan->variants[1] = make_variant(key, true, same);
+    } catch (const dnnl::error&) {
+      same = true;  // no blocked implementation: plain it is
+    }
+  }
   // When oneDNN's preferred layouts are the caller's, there is nothing to choose.
   plan->count = same ? 1 : 2;
   if (plan->count == 1 || layout_ == ConvLayoutChoice::plain) plan->chosen = 0;
