@@ -60,6 +60,7 @@ TrainerOptions read_train(const Config& c) {
   t.checkpoint_path = c.get_string("train.checkpoint", "");
   t.checkpoint_every = c.get_int("train.checkpoint_every", 0, Bounds<int64_t>::non_negative());
   t.resume_path = c.get_string("train.resume", "");
+  t.halt_after = c.get_int("train.halt_after", 0, Bounds<int64_t>::non_negative());
 
   t.optimizer = c.get_string("optim.name", "sgd", {"sgd", "adamw", "lars", "lamb"});
   const double wd = c.get_double("optim.weight_decay", t.optimizer == "sgd" ? 0.0 : 0.01,

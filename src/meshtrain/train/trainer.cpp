@@ -91,7 +91,9 @@ struct Trainer::Impl {
       loss_scale = Tensor::full({}, DType::f32, scaler.scale());
     }
     build_backward(model.graph, objective);
-    exec = std::make_unique<Executor>(model.graph, o.exec);
+    ExecOptions eo = o.exec;
+    eo.outputs.push_back(model.loss);  // the unscaled loss, for metrics
+    exec = std::make_unique<Executor>(model.graph, eo);
     store = std::make_unique<ParamStore>(model.graph, o.seed);
     store->bind(*exec, model.graph, /*with_grads=*/true);
     for (auto& [id, t] : model.constants) exec->bind(id, t);
@@ -197,7 +199,9 @@ struct Trainer::Impl {
     const int64_t spe = loader->steps_per_epoch();
     const int64_t first = step;
     bool evaluated_last = false;
-    for (; step < total_steps;) {
+    const int64_t stop =
+        o.halt_after > 0 ? std::min(total_steps, first + o.halt_after) : total_steps;
+    for (; step < stop;) {
       const int64_t epoch = step / spe, s = step % spe;
       Batch b = loader->batch(epoch, s);
       Stopwatch sw;
@@ -227,7 +231,7 @@ struct Trainer::Impl {
       r.final_loss = loss;
       ++step;
       evaluated_last = false;
-      if (step % o.log_every == 0 || step == total_steps) {
+      if (step % o.log_every == 0 || step == stop) {
         metrics.write({{"step", step}, {"loss", loss}, {"samples_per_s", rate}, {"lr", lr}});
       }
       progress.update(step - 1, loss, rate, lr);
@@ -245,7 +249,7 @@ struct Trainer::Impl {
       }
     }
     progress.finish();
-    if (o.eval && !evaluated_last) {
+    if (o.eval && !evaluated_last && step == total_steps) {
       auto [tl, ta] = evaluate();
       metrics.write({{"epoch", static_cast<double>(step) / static_cast<double>(spe)},
                      {"test_loss", tl},

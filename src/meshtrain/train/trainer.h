@@ -28,7 +28,11 @@ namespace mt {
 
 struct TrainerOptions {
   int64_t epochs = 1;
-  int64_t max_steps = 0;  // > 0: stop after this many optimizer steps in total
+  int64_t max_steps = 0;  // > 0: the run is this many optimizer steps in total
+  // > 0: stop this invocation after this many steps without changing the
+  // run's length (and so its LR schedule); resume later from the checkpoint.
+  // For time-limited jobs.
+  int64_t halt_after = 0;
   int64_t batch_size = 128;
   int64_t eval_batch_size = 1000;
   uint64_t seed = 1;

@@ -1,0 +1,176 @@
+// Whole-model training tests: loss goes down on real data, runs are bitwise
+// deterministic, resuming from a checkpoint continues exactly, and the first
+// steps match a stored expectation.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "meshtrain/data/fashion_mnist.h"
+#include "meshtrain/train/param_store.h"
+#include "meshtrain/train/trainer.h"
+
+namespace mt {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Fixture {
+  ModelSpec spec;
+  std::shared_ptr<const Dataset> train, test;
+  TrainerOptions opts;
+};
+
+Fixture small_mlp(const std::string& backend = "fast") {
+  Fixture f;
+  f.spec.kind = "mlp";
+  f.spec.hidden = {64};
+  FashionMnistOptions d;
+  d.flatten = true;
+  d.limit = 2048;
+  f.train = std::make_shared<FashionMnist>(d);
+  d.split = DataSplit::test;
+  d.limit = 500;
+  f.test = std::make_shared<FashionMnist>(d);
+  f.opts.batch_size = 64;
+  f.opts.epochs = 2;
+  f.opts.progress = false;
+  f.opts.eval = false;
+  f.opts.optimizer = "sgd";
+  f.opts.optim.sgd.momentum = 0.9;
+  f.opts.schedule.kind = LrScheduleKind::cosine;
+  f.opts.schedule.lr = 0.05;
+  f.opts.schedule.warmup_steps = 5;
+  f.opts.exec.backend = backend;
+  return f;
+}
+
+std::vector<float> params_of(Trainer& t) {
+  Tensor& flat = t.params().flat_values();
+  return std::vector<float>(flat.data<float>(), flat.data<float>() + flat.numel());
+}
+
+fs::path temp_dir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / ("meshtrain_trainer_test_" + name);
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+TEST(Trainer, LossDecreasesAndAccuracyRisesOnFashionMnist) {
+  Fixture f = small_mlp();
+  f.opts.eval = true;
+  Trainer t(f.spec, f.train, f.test, f.opts);
+  TrainResult r = t.run();
+  ASSERT_EQ(r.steps, 64);  // 2 epochs of 2048 / 64
+  double first = 0, last = 0;
+  for (int i = 0; i < 8; ++i) {
+    first += r.losses[static_cast<size_t>(i)];
+    last += r.losses[r.losses.size() - 1 - static_cast<size_t>(i)];
+  }
+  EXPECT_LT(last, 0.6 * first) << "mean of the first 8 losses " << first / 8 << ", last 8 "
+                               << last / 8;
+  EXPECT_GT(r.test_accuracy, 0.70);
+}
+
+TEST(Trainer, SameSeedGivesBitwiseIdenticalRuns) {
+  Fixture f = small_mlp();
+  f.opts.max_steps = 20;
+  Trainer a(f.spec, f.train, f.test, f.opts);
+  Trainer b(f.spec, f.train, f.test, f.opts);
+  TrainResult ra = a.run(), rb = b.run();
+  ASSERT_EQ(ra.losses.size(), rb.losses.size());
+  for (size_t i = 0; i < ra.losses.size(); ++i) EXPECT_EQ(ra.losses[i], rb.losses[i]) << i;
+  std::vector<float> pa = params_of(a), pb = params_of(b);
+  EXPECT_EQ(0, std::memcmp(pa.data(), pb.data(), pa.size() * sizeof(float)));
+
+  f.opts.seed = 2;
+  Trainer c(f.spec, f.train, f.test, f.opts);
+  EXPECT_NE(c.run().losses[0], ra.losses[0]);
+}
+
+TEST(Trainer, ResumeFromCheckpointContinuesExactly) {
+  fs::path dir = temp_dir("resume");
+  for (const std::string optimizer : {"sgd", "adamw"}) {
+    Fixture f = small_mlp();
+    f.opts.optimizer = optimizer;
+    f.opts.max_steps = 24;
+    Trainer whole(f.spec, f.train, f.test, f.opts);
+    TrainResult rw = whole.run();
+
+    TrainerOptions first = f.opts;
+    first.halt_after = 10;  // interrupted after step 10 (of 24)
+    first.checkpoint_path = (dir / (optimizer + ".safetensors")).string();
+    Trainer a(f.spec, f.train, f.test, first);
+    TrainResult ra = a.run();
+    ASSERT_EQ(ra.steps, 10);
+
+    TrainerOptions second = f.opts;
+    second.resume_path = first.checkpoint_path;
+    Trainer b(f.spec, f.train, f.test, second);
+    TrainResult rb = b.run();
+    ASSERT_EQ(rb.steps, 24);
+    ASSERT_EQ(rb.losses.size(), 14u);
+    for (size_t i = 0; i < rb.losses.size(); ++i) {
+      EXPECT_EQ(rb.losses[i], rw.losses[10 + i]) << optimizer << " step " << 10 + i;
+    }
+    std::vector<float> pw = params_of(whole), pb = params_of(b);
+    EXPECT_EQ(0, std::memcmp(pw.data(), pb.data(), pw.size() * sizeof(float))) << optimizer;
+  }
+}
+
+TEST(Trainer, TamperedCheckpointIsRejectedOnResume) {
+  fs::path dir = temp_dir("tamper");
+  Fixture f = small_mlp();
+  f.opts.max_steps = 4;
+  f.opts.checkpoint_path = (dir / "ck.safetensors").string();
+  Trainer(f.spec, f.train, f.test, f.opts).run();
+  {
+    std::fstream io(f.opts.checkpoint_path, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(-16, std::ios::end);
+    char c = 0;
+    io.read(&c, 1);
+    io.seekp(-16, std::ios::end);
+    c = static_cast<char>(c ^ 0x5a);
+    io.write(&c, 1);
+  }
+  TrainerOptions again = f.opts;
+  again.resume_path = f.opts.checkpoint_path;
+  again.checkpoint_path.clear();
+  try {
+    Trainer t(f.spec, f.train, f.test, again);
+    FAIL() << "a tampered checkpoint was accepted";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("ck.safetensors"), std::string::npos) << e.what();
+  }
+}
+
+// The first losses of a fixed run on the reference backend. A change here
+// means the model, initialisation, data order or a kernel's numerics changed:
+// update the numbers only after understanding why.
+TEST(Trainer, FirstStepsMatchStoredExpectation) {
+  Fixture f = small_mlp("reference");
+  f.opts.max_steps = 4;
+  Trainer t(f.spec, f.train, f.test, f.opts);
+  TrainResult r = t.run();
+  const std::vector<double> expected = {2.3046999, 2.30731773, 2.15758204, 2.01368737};
+  ASSERT_EQ(r.losses.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_NEAR(r.losses[i], expected[i], 1e-5) << i << ": " << fmt::format("{:.9g}", r.losses[i]);
+  }
+}
+
+TEST(Trainer, MixedPrecisionTrains) {
+  for (DType p : {DType::bf16, DType::f16}) {
+    Fixture f = small_mlp();
+    f.opts.precision = p;
+    f.opts.max_steps = 40;
+    Trainer t(f.spec, f.train, f.test, f.opts);
+    TrainResult r = t.run();
+    EXPECT_LT(r.losses.back(), 0.75 * r.losses.front()) << dtype_name(p);
+  }
+}
+
+}  // namespace
+}  // namespace mt
