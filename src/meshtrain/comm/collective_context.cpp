@@ -78,14 +78,14 @@ void CollectiveContext::wait_all() {
         all = false;
       }
     }
-    return all;
-  };
-  if (!ready()) {
+    // Liveness is checked only for the peers of unfinished messages.
+    peers.clear();
     for (const Pending& p : pending_) {
       if (!p.done) peers.push_back(p.peer);
     }
-    wait_until(ready, peers, [&] { return pending_description(); });
-  }
+    return all;
+  };
+  wait_until(ready, peers, [&] { return pending_description(); });
   pending_.clear();
 }
 

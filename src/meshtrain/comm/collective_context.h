@@ -91,11 +91,12 @@ class CollectiveContext {
     scratch_[1] = pool1;
   }
 
-  // Spins until ready() is true. `peers` are the ranks being waited for (checked
-  // for liveness); `what` describes the wait for errors ("published flag of
-  // round 3 from ranks 1, 2"), evaluated only on failure.
+  // Spins until ready() is true. `peers` are the ranks still being waited for
+  // (checked for liveness; ready() may shrink the list as peers deliver);
+  // `what` describes the wait for errors ("flag 'published' to reach 3 from
+  // rank 1 (at 2)"), evaluated only on failure.
   template <class Ready, class What>
-  void wait_until(Ready&& ready, std::span<const int> peers, What&& what) {
+  void wait_until(Ready&& ready, const std::vector<int>& peers, What&& what) {
     if (ready()) return;
     WaitState w = begin_wait();
     while (!ready()) {

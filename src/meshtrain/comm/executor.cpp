@@ -28,8 +28,12 @@ Communicator::Impl::Impl(std::shared_ptr<Transport> t, CommOptions o)
       rank(transport->rank()),
       size(transport->size()),
       counters(transport->size()) {
-  MT_CHECK(transport->max_tag() >= (kCollectiveTagBit | kHandshakeTagBit | kSeqTagMask),
-           "transport '{}' allows tags up to {} only", transport->backend(), transport->max_tag());
+  if (transport->max_tag() < (kCollectiveTagBit | kHandshakeTagBit | kSeqTagMask)) {
+    throw CommError(
+        fmt::format("comm '{}': the {} transport allows message tags up to {}, but "
+                    "meshtrain needs tags up to 2^30 - 1",
+                    options.name, transport->backend(), transport->max_tag()));
+  }
   if (SharedArena* arena = transport->arena()) {
     shm = std::make_unique<ShmChannel>(*arena, rank);
   }

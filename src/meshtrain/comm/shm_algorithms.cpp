@@ -109,20 +109,23 @@ const char* flag_name(Counter Control::*flag) {
 // Waits until every rank in `peers` has raised `flag` to at least `target`.
 void wait_flags(CollectiveContext& ctx, ShmChannel& ch, Counter Control::*flag, uint64_t target,
                 const std::vector<int>& peers) {
-  auto ready = [&] {
-    for (int q : peers) {
-      if ((ch.control(q).*flag).value.load(std::memory_order_acquire) < target) return false;
-    }
-    return true;
+  auto behind = [&](int q) {
+    return (ch.control(q).*flag).value.load(std::memory_order_acquire) < target;
   };
-  ctx.wait_until(ready, peers, [&] {
-    std::string late;
-    for (int q : peers) {
-      const uint64_t v = (ch.control(q).*flag).value.load(std::memory_order_acquire);
-      if (v < target) late += fmt::format("{}rank {} (at {})", late.empty() ? "" : ", ", q, v);
+  if (std::none_of(peers.begin(), peers.end(), behind)) return;  // no allocation when ready
+  std::vector<int> late = peers;  // liveness is checked for these only
+  auto ready = [&] {
+    std::erase_if(late, [&](int q) { return !behind(q); });
+    return late.empty();
+  };
+  ctx.wait_until(ready, late, [&] {
+    std::string list;
+    for (int q : late) {
+      list += fmt::format("{}rank {} (at {})", list.empty() ? "" : ", ", q,
+                          (ch.control(q).*flag).value.load(std::memory_order_acquire));
     }
     return fmt::format("shared-memory flag '{}' to reach {} from {}", flag_name(flag), target,
-                       late);
+                       list);
   });
 }
 
