@@ -4,7 +4,6 @@
 // offending tensors as dtype[shape], as the reference backend's do.
 #pragma once
 
-#include <omp.h>
 #include <time.h>
 
 #include <algorithm>

@@ -223,7 +223,7 @@ void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx, int
   const bool halves = oh == h / 2 && ow == w / 2 && oh > 0 && ow > 0;
   // Planes are disjoint in dx, so threads split them without races.
   parallel_for(planes, row_grain(in_size), threads, [&](int64_t lo, int64_t hi) {
-    bool try_2x2 = halves;
+    [[maybe_unused]] bool try_2x2 = halves;
     for (int64_t plane = lo; plane < hi; ++plane) {
       float* d = pdx + plane * in_size;
       const float* g = pdy + plane * out_size;
