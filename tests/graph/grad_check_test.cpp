@@ -4,10 +4,12 @@
 // below `high`) and attributes. The harness builds
 //   loss = sum_to(op(inputs...) * W, [])        (W a fixed random input)
 // differentiates it, runs the executor, and compares every input's gradient
-// with (loss(x + eps) - loss(x - eps)) / (2 eps), element by element.
+// with (loss(x + eps) - loss(x - eps)) / (2 eps), element by element. The same
+// table also checks the fast backend against the reference one in f32.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <random>
 #include <string>
 
@@ -138,60 +140,79 @@ Tensor random_tensor(const In& in, std::mt19937_64& rng) {
   return t;
 }
 
+// One case's graph: float inputs as parameters of dtype `dt`, the loss
+// sum(op(...) * W) in the same dtype, differentiated; data drawn from the
+// case's label so every run of a case sees the same numbers.
+struct CaseGraph {
+  Graph g;
+  std::vector<ValueId> ins;
+  std::vector<Tensor> data;
+  ValueId w = kNoValue;
+  Tensor w_data;
+  ValueId loss = kNoValue;
+
+  CaseGraph(const GradCase& c, DType dt) {
+    std::mt19937_64 rng(std::hash<std::string>{}(c.label));
+    Builder b(g);
+    for (size_t i = 0; i < c.inputs.size(); ++i) {
+      In in = c.inputs[i];
+      if (in.dtype != DType::i32) in.dtype = dt;
+      const std::string name = "in" + std::to_string(i);
+      ins.push_back(in.dtype == DType::i32 ? b.input(name, in.shape, in.dtype)
+                                           : b.param(name, in.shape, ParamInit{}, in.dtype));
+      data.push_back(random_tensor(in, rng));
+    }
+    ValueId y = g.add_node(c.op, "op", ins, c.attrs).front();
+    ValueId yd = g.value(y).dtype == dt ? y : b.cast(y, dt);
+    In w_spec{g.value(y).shape, dt};
+    w = b.input("w", w_spec.shape, dt);
+    w_data = random_tensor(w_spec, rng);
+    loss = b.name(b.sum_to(b.mul(yd, w), {}), "loss");
+    build_backward(g, loss);
+  }
+
+  // An executor with every input bound, after one run().
+  std::unique_ptr<Executor> run(const std::string& backend) {
+    ExecOptions opts;
+    opts.backend = backend;
+    opts.profile = false;
+    auto ex = std::make_unique<Executor>(g, opts);
+    for (size_t i = 0; i < ins.size(); ++i) ex->bind(ins[i], data[i]);
+    ex->bind(w, w_data);
+    ex->run();
+    return ex;
+  }
+};
+
 class GradCheck : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(GradCheck, MatchesCentralDifferences) {
   const GradCase& c = GetParam();
-  std::mt19937_64 rng(std::hash<std::string>{}(c.label));
-  Graph g;
-  Builder b(g);
-  std::vector<ValueId> ins;
-  std::vector<Tensor> data;
-  for (size_t i = 0; i < c.inputs.size(); ++i) {
-    const In& in = c.inputs[i];
-    const std::string name = "in" + std::to_string(i);
-    ins.push_back(in.dtype == DType::i32 ? b.input(name, in.shape, in.dtype)
-                                         : b.param(name, in.shape, ParamInit{}, in.dtype));
-    data.push_back(random_tensor(in, rng));
-  }
-  ValueId y = g.add_node(c.op, "op", ins, c.attrs).front();
-  ValueId yd = g.value(y).dtype == DType::f64 ? y : b.cast(y, DType::f64);
-  In w_spec{g.value(y).shape};
-  ValueId w = b.input("w", w_spec.shape, DType::f64);
-  Tensor w_data = random_tensor(w_spec, rng);
-  ValueId loss = b.name(b.sum_to(b.mul(yd, w), {}), "loss");
-  build_backward(g, loss);
-
-  ExecOptions opts;
-  opts.backend = "reference";
-  opts.profile = false;
-  Executor ex(g, opts);
-  for (size_t i = 0; i < ins.size(); ++i) ex.bind(ins[i], data[i]);
-  ex.bind(w, w_data);
-  ex.run();
+  CaseGraph cg(c, DType::f64);
+  std::unique_ptr<Executor> ex = cg.run("reference");
 
   // Copied out now: run_forward() reuses the arena memory of unbound gradients.
-  std::vector<Tensor> analytic_of(ins.size());
-  for (size_t i = 0; i < ins.size(); ++i) {
+  std::vector<Tensor> analytic_of(cg.ins.size());
+  for (size_t i = 0; i < cg.ins.size(); ++i) {
     if (c.inputs[i].dtype == DType::i32) continue;
-    ValueId gv = g.grad_of(ins[i]);
+    ValueId gv = cg.g.grad_of(cg.ins[i]);
     ASSERT_NE(gv, kNoValue) << c.label << ": input " << i << " got no gradient";
-    analytic_of[i] = ex.get(gv).clone();
+    analytic_of[i] = ex->get(gv).clone();
   }
-  for (size_t i = 0; i < ins.size(); ++i) {
+  for (size_t i = 0; i < cg.ins.size(); ++i) {
     if (c.inputs[i].dtype == DType::i32) continue;
     const Tensor& analytic = analytic_of[i];
-    Tensor& x = data[i];
+    Tensor& x = cg.data[i];
     double worst = 0, worst_a = 0, worst_n = 0;
     int64_t worst_at = -1;
     for (int64_t e = 0; e < x.numel(); ++e) {
       const double orig = x.item(e);
       x.set_item(e, orig + c.eps);
-      ex.run_forward();
-      const double lp = ex.get(loss).item();
+      ex->run_forward();
+      const double lp = ex->get(cg.loss).item();
       x.set_item(e, orig - c.eps);
-      ex.run_forward();
-      const double lm = ex.get(loss).item();
+      ex->run_forward();
+      const double lm = ex->get(cg.loss).item();
       x.set_item(e, orig);
       const double numeric = (lp - lm) / (2 * c.eps);
       const double a = analytic.item(e);
@@ -206,6 +227,36 @@ TEST_P(GradCheck, MatchesCentralDifferences) {
     EXPECT_LE(worst, c.tol) << c.label << ": d loss / d input " << i << " " << x.desc()
                             << ": max relative difference " << worst << " at element " << worst_at
                             << " (analytic " << worst_a << ", numeric " << worst_n << ")";
+  }
+}
+
+// The same graphs in f32: the fast backend's forward and backward kernels
+// agree with the reference backend's.
+TEST_P(GradCheck, FastBackendAgreesWithReferenceInF32) {
+  const GradCase& c = GetParam();
+  CaseGraph cg(c, DType::f32);
+  std::unique_ptr<Executor> ref = cg.run("reference");
+  std::unique_ptr<Executor> fast = cg.run("fast");
+  auto compare = [&](ValueId v, const std::string& what) {
+    Tensor a = fast->get(v), b = ref->get(v);
+    double worst = 0;
+    int64_t at = -1;
+    for (int64_t e = 0; e < a.numel(); ++e) {
+      const double d = std::fabs(a.item(e) - b.item(e)) / std::max(1.0, std::fabs(b.item(e)));
+      if (d > worst) {
+        worst = d;
+        at = e;
+      }
+    }
+    EXPECT_LE(worst, 1e-5) << c.label << ": " << what << " " << b.desc()
+                           << ": fast differs from reference by " << worst << " at element " << at
+                           << " (fast " << (at >= 0 ? a.item(at) : 0) << ", reference "
+                           << (at >= 0 ? b.item(at) : 0) << ")";
+  };
+  compare(cg.loss, "loss");
+  for (size_t i = 0; i < cg.ins.size(); ++i) {
+    if (c.inputs[i].dtype != DType::i32)
+      compare(cg.g.grad_of(cg.ins[i]), "d loss / d input " + std::to_string(i));
   }
 }
 
