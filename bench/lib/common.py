@@ -116,6 +116,14 @@ def median(values):
     return statistics.median(values) if values else None
 
 
+def fast_rate(rates):
+    """The 90th percentile of per-step rates: the speed of the steps that the
+    machine's other users left alone. None for no rates."""
+    if not rates:
+        return None
+    return sorted(rates)[int(0.9 * (len(rates) - 1))]
+
+
 def ratio(num, den):
     if num is None or den is None or den == 0:
         return None

@@ -49,7 +49,7 @@ def main(argv):
     parser = argparse.ArgumentParser(prog=f"bench/run {name}", description=describe(name))
     parser.add_argument("--quick", action="store_true",
                         help="fewer steps, for a smoke test (figures are noisier)")
-    parser.add_argument("--idle-wait", type=float, default=30.0, metavar="S",
+    parser.add_argument("--idle-wait", type=float, default=20.0, metavar="S",
                         help="before each run, wait up to S seconds (4*S per suite) for the "
                              "rest of the machine to use under 25%% of its CPUs; 0: never wait")
     if hasattr(suite, "add_args"):

@@ -12,7 +12,7 @@ sequence of seq_len tokens). A run with --nproc N > 1 must also carry
 import json
 import tomllib
 
-from common import BenchError, REPO, mpi_env, thread_env
+from common import BenchError, REPO, fast_rate, mpi_env, thread_env
 
 CONFIGS = {"mlp": "mlp_fashion", "cnn": "cnn_fashion", "gpt": "gpt_text"}
 
@@ -33,6 +33,13 @@ class MeshtrainRun:
     @property
     def samples_per_s(self):
         return self.summary.get("samples_per_s") if self.summary else None
+
+    def fast_samples_per_s(self, warmup):
+        """90th percentile of the per-step rates after `warmup` steps."""
+        if not self.summary:
+            return None
+        return fast_rate([s["samples_per_s"] for s in self.steps
+                          if s.get("step", 0) > warmup and "samples_per_s" in s])
 
     def get(self, key):
         return self.summary.get(key) if self.summary else None
@@ -60,6 +67,7 @@ def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None):
     if nproc:
         cmd += ["--nproc", str(nproc)]
     for kv in (f"train.steps={steps}", "train.eval=false", f"train.threads={threads}",
+               "train.log_every=1",
                f"train.precision={precision}", 'train.checkpoint=""'):
         cmd += ["--set", kv]
     cmd += ["--metrics", metrics]

@@ -48,8 +48,8 @@ def run_meshtrain(ctx, model, threads, steps, warmup, precision="f32"):
 
 
 def torch_mm_gflops(ctx):
-    """GFLOP/s of torch.mm on 2048x2048 f32 at 1 thread (median of 7), or
-    (None, error)."""
+    """torch.mm on 2048x2048 f32 at 1 thread, median of 7: returns
+    (GFLOP/s, None), or (None, error)."""
     code = ("import torch,time,statistics;torch.set_num_threads(1);n=2048;"
             "a=torch.rand(n,n);b=torch.rand(n,n);c=a@b;ts=[]\n"
             "for _ in range(7):\n t=time.perf_counter();torch.mm(a,b,out=c);"
@@ -118,9 +118,12 @@ def compare(ctx, model, threads, steps, warmup, batch, mt, peers):
     plan = PLAN[model]
     seq = plan["seq"]
     mt_rate = mt.samples_per_s * seq if mt.samples_per_s else None
+    mt_fast = mt.fast_samples_per_s(warmup)
+    mt_fast = mt_fast * seq if mt_fast else None
     for mode, (res, err, child) in peers.items():
         rss = child.maxrss_kib if res else None
         peer_rate = res["samples_per_s"] * seq if res else None
+        peer_fast = res["batch"] / res["step_ms_p10"] * 1e3 * seq if res else None
         version = res["torch_version"] if res else "?"
         ctx_fields = {
             "model": model, "threads": threads,
@@ -134,7 +137,9 @@ def compare(ctx, model, threads, steps, warmup, batch, mt, peers):
         error = "; ".join(e for e in (mt.error, f"peer: {err}" if err else None) if e) or None
         line = {"name": f"{model}_train_throughput", "unit": plan["unit"],
                 "meshtrain": mt_rate, "peer": peer_rate, "ratio": ratio(mt_rate, peer_rate),
-                "peer_name": f"pytorch-{version} {mode}", **ctx_fields}
+                "peer_name": f"pytorch-{version} {mode}", **ctx_fields,
+                "meshtrain_fast": mt_fast, "peer_fast": peer_fast,
+                "ratio_fast": ratio(mt_fast, peer_fast)}
         if res:
             line["peer_warmup_s"] = res["warmup_s"]
             line["peer_optimizer"] = res["optimizer"]
@@ -167,8 +172,12 @@ def bf16_lines(ctx, model, steps, warmup, batch, f32):
               "meshtrain_others_cpu": bf.others_cpu, "peer_others_cpu": f32.others_cpu}
     b_rate = bf.samples_per_s * seq if bf.samples_per_s else None
     f_rate = f32.samples_per_s * seq if f32.samples_per_s else None
+    b_fast, f_fast = bf.fast_samples_per_s(warmup), f32.fast_samples_per_s(warmup)
+    b_fast = b_fast * seq if b_fast else None
+    f_fast = f_fast * seq if f_fast else None
     line = {"name": f"{model}_bf16_vs_f32_throughput", "unit": plan["unit"],
-            "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common}
+            "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common,
+            "meshtrain_fast": b_fast, "peer_fast": f_fast, "ratio_fast": ratio(b_fast, f_fast)}
     if error:
         line["error"] = error
     ctx.emit(line)

@@ -79,6 +79,15 @@ def run(ctx):
         for label, res in (("1 process", p1), (f"DDP {WORLD} processes", p2)):
             if res:
                 ctx.log(f"peer {model} {label}: {res['samples_per_s']:.1f} samples/s")
+        def scaled(x):
+            return x * seq if x else None
+
+        def peer_fast(res):
+            return res["batch"] / res["step_ms_p10"] * 1e3 * seq if res else None
+
+        mt1_fast, mt2_fast = scaled(mt1.fast_samples_per_s(warmup)), scaled(
+            mt2.fast_samples_per_s(warmup))
+        p1_fast, p2_fast = peer_fast(p1), peer_fast(p2)
         mt1_rate = mt1.samples_per_s * seq if mt1.samples_per_s else None
         mt2_rate = mt2.samples_per_s * seq if mt2.samples_per_s else None
         p1_rate = p1["samples_per_s"] * seq if p1 else None
@@ -90,7 +99,8 @@ def run(ctx):
             ctx_fields["seq"] = seq
         line = {"name": f"{model}_dp2_throughput", "unit": plan["unit"], "meshtrain": mt2_rate,
                 "peer": p2_rate, "ratio": ratio(mt2_rate, p2_rate), "peer_name": peer_name,
-                **ctx_fields}
+                **ctx_fields, "meshtrain_fast": mt2_fast, "peer_fast": p2_fast,
+                "ratio_fast": ratio(mt2_fast, p2_fast)}
         line["meshtrain_others_cpu"] = mt2.others_cpu
         line["peer_others_cpu"] = c2.others_cpu
         if p2:
@@ -101,12 +111,15 @@ def run(ctx):
         if err:
             line["error"] = err
         ctx.emit(line)
-        for system, two, one, errs, busy in (
-                ("meshtrain", mt2_rate, mt1_rate, (mt1.error, mt2.error),
+        for system, two, one, fast, errs, busy in (
+                ("meshtrain", mt2_rate, mt1_rate, (mt2_fast, mt1_fast), (mt1.error, mt2.error),
                  (mt1.others_cpu, mt2.others_cpu)),
-                (peer_name, p2_rate, p1_rate, (err1, err2), (c1.others_cpu, c2.others_cpu))):
+                (peer_name, p2_rate, p1_rate, (p2_fast, p1_fast), (err1, err2),
+                 (c1.others_cpu, c2.others_cpu))):
             line = {"name": f"{model}_dp2_scaling_efficiency", "unit": "fraction",
-                    "value": ratio(two, None if one is None else WORLD * one), "system": system,
+                    "value": ratio(two, None if one is None else WORLD * one),
+                    "value_fast": ratio(fast[0], None if fast[1] is None else WORLD * fast[1]),
+                    "system": system,
                     "rate_1proc": one, "rate_2proc": two, "rate_unit": plan["unit"],
                     "others_cpu_1proc": busy[0], "others_cpu_2proc": busy[1], **ctx_fields}
             err = "; ".join(e for e in errs if e)
