@@ -15,11 +15,15 @@ NPROC = 2
 
 def add_args(p):
     p.add_argument("--np", type=int, default=NPROC, help="MPI ranks (default 2)")
+    p.add_argument("--algorithms", action="store_true",
+                   help="passed to comm_bench: also value lines for each explicit algorithm")
 
 
 def run(ctx):
     exe = ctx.ensure_built("bench/comm/comm_bench")
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ctx.args.np), exe]
+    if ctx.args.algorithms:
+        cmd.append("--algorithms")
     env = mpi_env()
     if ctx.quick:
         env["MT_BENCH_QUICK"] = "1"
