@@ -43,6 +43,8 @@ class CheckpointReader {
   // The caller's metadata, without the reserved entries.
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const SafetensorsHeader& header() const { return reader_.header(); }
+  // The underlying file, for range reads (bytes are not verified there).
+  const SafetensorsReader& file() const { return reader_; }
 
   // Reads one tensor and verifies its checksum (CheckpointError naming the
   // tensor on mismatch or if absent).

@@ -333,6 +333,18 @@ void SafetensorsReader::read_into(std::string_view name, Tensor& dst) const {
               fmt::format("tensor '{}'", name));
 }
 
+void SafetensorsReader::read_bytes(std::string_view name, uint64_t offset, uint64_t n,
+                                   void* dst) const {
+  const SafetensorsEntry& e = entry(name);
+  const uint64_t size = e.end - e.begin;
+  if (offset > size || n > size - offset) {
+    bad(path_, "tensor '{}': byte range [{}, {}) runs past its {} bytes", name, offset, offset + n,
+        size);
+  }
+  pread_exact(fd_, path_, dst, n, header_.data_start + e.begin + offset,
+              fmt::format("bytes [{}, {}) of tensor '{}'", offset, offset + n, name));
+}
+
 std::map<std::string, Tensor> SafetensorsReader::read_all() const {
   std::map<std::string, Tensor> out;
   for (const SafetensorsEntry& e : header_.entries) out.emplace(e.name, read(e.name));

@@ -88,6 +88,10 @@ class SafetensorsReader {
   // (CheckpointError otherwise).
   void read_into(std::string_view name, Tensor& dst) const;
   std::map<std::string, Tensor> read_all() const;
+  // Reads bytes [offset, offset + n) of the tensor's data into `dst`: a range
+  // read, so a sharded load reads only what it needs. CheckpointError if
+  // there is no such tensor or the range runs past the tensor's end.
+  void read_bytes(std::string_view name, uint64_t offset, uint64_t n, void* dst) const;
 
  private:
   const SafetensorsEntry& entry(std::string_view name) const;
