@@ -62,6 +62,61 @@ struct Executor::Impl {
   std::function<void(ValueId)> grad_cb;
   std::vector<OpProfile> prof;
 
+  // Parameter residency (set_param_hooks) and transient gradients.
+  ParamHooks hooks;
+  bool transient_grads = false;
+  bool running = false;
+  ValueId announcing = kNoValue;  // the gradient whose on_grad_ready callback runs now
+  std::vector<std::vector<ValueId>> acquire_at, release_at;  // per step
+  // Per slot of an input or parameter: the view slots rooted at it, and the
+  // (step, input position) of every step argument that reads it or a view,
+  // so that re-binding it patches those handles instead of rebuilding all.
+  std::vector<std::vector<int>> views_of;
+  std::vector<std::vector<std::pair<int, int>>> reads_of;
+
+  bool step_backward(const PlanStep& st) const { return st.recompute || g.node(st.node).backward; }
+
+  // First and last step of each phase that reads each parameter (through
+  // views too); parameters are acquired and released there.
+  void plan_param_uses() {
+    const size_t ns = plan.steps.size();
+    acquire_at.assign(ns, {});
+    release_at.assign(ns, {});
+    const size_t nv = idx(g.num_values());
+    std::vector<int> first(2 * nv, -1), last(2 * nv, -1);
+    for (size_t s = 0; s < ns; ++s) {
+      const PlanStep& st = plan.steps[s];
+      const size_t phase = step_backward(st) ? 1 : 0;
+      for (int in : st.in) {
+        const ValueId v = plan.slots[idx(plan.root(in))].value;
+        if (g.value(v).role != ValueRole::param) continue;
+        const size_t k = 2 * idx(v) + phase;
+        if (first[k] < 0) first[k] = static_cast<int>(s);
+        last[k] = static_cast<int>(s);
+      }
+    }
+    for (size_t phase = 0; phase < 2; ++phase) {
+      for (ValueId p : g.params()) {
+        const size_t k = 2 * idx(p) + phase;
+        if (first[k] < 0) continue;
+        acquire_at[idx(first[k])].push_back(p);
+        release_at[idx(last[k])].push_back(p);
+      }
+    }
+  }
+
+  // Re-points every handle of a re-bound input or parameter (and of its views).
+  void refresh_bound(ValueId v) {
+    const Tensor& t = bound[idx(v)];
+    slot_tensor[idx(v)] = t;
+    for (int w : views_of[idx(v)]) {
+      slot_tensor[idx(w)] = t.reshape(g.value(plan.slots[idx(w)].value).shape);
+    }
+    for (const auto& [s, pos] : reads_of[idx(v)]) {
+      step_in[idx(s)][idx(pos)] = slot_tensor[idx(plan.steps[idx(s)].in[idx(pos)])];
+    }
+  }
+
   // Bound values are outside the arena; which gradients are bound changes
   // the plan, so the plan is rebuilt lazily after such a bind.
   void ensure_plan() {
@@ -86,7 +141,7 @@ struct Executor::Impl {
     }
     for (ValueId v : opts.outputs) req.kept.push_back(v);
     for (const auto& [param, grad] : g.grads()) {
-      if (!req.bound[idx(grad)]) req.kept.push_back(grad);
+      if (!req.bound[idx(grad)] && !transient_grads) req.kept.push_back(grad);
     }
     kept_value.assign(idx(g.num_values()), false);
     for (ValueId v : req.kept) kept_value[idx(v)] = true;
@@ -98,6 +153,7 @@ struct Executor::Impl {
     ran = false;  // the new layout holds nothing computed yet
     backward_ran = false;
 
+    plan_param_uses();
     ready_params.assign(plan.steps.size(), {});
     for (size_t s = 0; s < plan.steps.size(); ++s) {
       const PlanStep& st = plan.steps[s];
@@ -157,8 +213,31 @@ struct Executor::Impl {
       for (int in : plan.steps[s].in) step_in[s].push_back(slot_tensor[idx(in)]);
       for (int out : plan.steps[s].out) step_out[s].push_back(slot_tensor[idx(out)]);
     }
+    views_of.assign(plan.slots.size(), {});
+    reads_of.assign(plan.slots.size(), {});
+    auto rebindable = [&](int slot) {
+      const ValueRole r = g.value(plan.slots[idx(slot)].value).role;
+      return plan.slots[idx(slot)].bound && (r == ValueRole::input || r == ValueRole::param);
+    };
+    for (size_t s = 0; s < plan.slots.size(); ++s) {
+      const int root = plan.root(static_cast<int>(s));
+      if (plan.slots[s].view_of >= 0 && rebindable(root)) {
+        views_of[idx(root)].push_back(static_cast<int>(s));
+      }
+    }
+    for (size_t s = 0; s < plan.steps.size(); ++s) {
+      const std::vector<int>& in = plan.steps[s].in;
+      for (size_t pos = 0; pos < in.size(); ++pos) {
+        const int root = plan.root(in[pos]);
+        if (rebindable(root)) {
+          reads_of[idx(root)].emplace_back(static_cast<int>(s), static_cast<int>(pos));
+        }
+      }
+    }
     tensors_dirty = false;
   }
+
+  bool hooks_on() const { return hooks.acquire || hooks.release; }
 
   void check_bound(bool forward_only) const {
     std::vector<bool> needed(idx(g.num_values()), false);
@@ -167,6 +246,8 @@ struct Executor::Impl {
       for (int in : st.in) {
         const ValueId v = plan.slots[idx(in)].value;
         const ValueRole r = g.value(v).role;
+        // With residency hooks, acquire binds parameters as they are needed.
+        if (r == ValueRole::param && hooks_on()) continue;
         if (r == ValueRole::input || r == ValueRole::param) needed[idx(v)] = true;
       }
     }
@@ -192,10 +273,31 @@ struct Executor::Impl {
     // Set first so that on_grad_ready callbacks may get() finished gradients.
     ran = true;
     backward_ran = !forward_only;
+    struct Running {
+      Impl& m;
+      explicit Running(Impl& impl) : m(impl) { m.running = true; }
+      ~Running() {
+        m.running = false;
+        m.announcing = kNoValue;
+      }
+    } running_scope(*this);
+    const bool residency = hooks_on();
     for (size_t s = 0; s < plan.steps.size(); ++s) {
       const PlanStep& st = plan.steps[s];
       const Node& n = g.node(st.node);
-      if (forward_only && (st.recompute || n.backward)) continue;
+      const bool bw = step_backward(st);
+      if (forward_only && bw) continue;
+      if (residency) {
+        for (ValueId p : acquire_at[s]) {
+          if (hooks.acquire) hooks.acquire(p, bw);
+          if (!is_bound[idx(p)]) {
+            throw ConfigError(fmt::format(
+                "executor: parameter '{}' ({}) is unbound after its acquire hook, before node "
+                "'{}'",
+                g.value(p).name, type_of(g.value(p)), n.name));
+          }
+        }
+      }
       const int64_t t0 = opts.profile ? now_ns() : 0;
       if (!st.view) {
         try {
@@ -211,7 +313,14 @@ struct Executor::Impl {
         ++prof[s].calls;
       }
       if (!forward_only && grad_cb) {
-        for (ValueId p : ready_params[s]) grad_cb(p);
+        for (ValueId p : ready_params[s]) {
+          announcing = g.grad_of(p);
+          grad_cb(p);
+          announcing = kNoValue;
+        }
+      }
+      if (residency && hooks.release) {
+        for (ValueId p : release_at[s]) hooks.release(p, bw);
       }
     }
   }
@@ -246,6 +355,12 @@ void Executor::bind(ValueId v, Tensor t) {
   }
   const Value& val = m.g.value(v);
   const bool grad = m.grad_value[idx(v)];
+  if (m.running && val.role != ValueRole::input && val.role != ValueRole::param) {
+    throw ConfigError(fmt::format(
+        "executor: bind '{}' during run(): only parameters and inputs can be re-bound while "
+        "the graph runs",
+        val.name));
+  }
   if (val.role != ValueRole::input && val.role != ValueRole::param && !grad) {
     throw ConfigError(
         fmt::format("executor: bind: '{}' is an {}; only inputs, parameters and "
@@ -262,7 +377,38 @@ void Executor::bind(ValueId v, Tensor t) {
   if (grad && !m.is_bound[idx(v)]) m.plan_dirty = true;
   m.is_bound[idx(v)] = true;
   m.bound[idx(v)] = std::move(t);
-  m.tensors_dirty = true;
+  if (!grad && !m.plan_dirty && !m.tensors_dirty) {
+    m.refresh_bound(v);
+  } else {
+    m.tensors_dirty = true;
+  }
+}
+
+void Executor::set_param_hooks(ParamHooks hooks) {
+  impl_->hooks = std::move(hooks);
+}
+
+std::vector<ParamUse> Executor::param_uses(bool forward_only) const {
+  Impl& m = *impl_;
+  m.ensure_plan();
+  std::vector<ParamUse> out;
+  for (size_t s = 0; s < m.plan.steps.size(); ++s) {
+    const bool bw = m.step_backward(m.plan.steps[s]);
+    if (forward_only && bw) continue;
+    for (ValueId p : m.acquire_at[s]) out.push_back({p, true, bw});
+    for (ValueId p : m.release_at[s]) out.push_back({p, false, bw});
+  }
+  return out;
+}
+
+void Executor::set_transient_grads(bool transient) {
+  Impl& m = *impl_;
+  if (m.running) {
+    throw ConfigError("executor: set_transient_grads() during run()");
+  }
+  if (m.transient_grads == transient) return;
+  m.transient_grads = transient;
+  m.plan_dirty = true;
 }
 
 void Executor::on_grad_ready(std::function<void(ValueId param)> cb) {
@@ -288,7 +434,7 @@ Tensor Executor::get(ValueId v) const {
         fmt::format("executor: get: {} '{}' is not bound", role_name(val.role), val.name));
   }
   m.ensure_plan();
-  if (!m.kept_value[idx(v)]) {
+  if (!m.kept_value[idx(v)] && v != m.announcing) {
     throw ConfigError(fmt::format(
         "executor: get: '{}' is not kept alive after run() (its memory is reused); add it to "
         "ExecOptions::outputs",

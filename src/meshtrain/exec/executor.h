@@ -52,6 +52,23 @@ struct MemoryPlan {
   double recompute_flops = 0;
 };
 
+// One event of the parameter-residency protocol (Executor::set_param_hooks):
+// `param` is about to be read (acquire) or was read for the last time
+// (release) in the forward phase (forward nodes) or the backward phase
+// (backward nodes and recomputation steps).
+struct ParamUse {
+  ValueId param = kNoValue;
+  bool acquire = true;
+  bool backward = false;
+};
+
+// Callbacks for parameters that are not resident all the time (sharded
+// parameters under ZeRO-3, offloading). Either may be empty.
+struct ParamHooks {
+  std::function<void(ValueId param, bool backward)> acquire;
+  std::function<void(ValueId param, bool backward)> release;
+};
+
 struct OpProfile {
   std::string name;
   OpKind op;
@@ -69,12 +86,36 @@ class Executor {
 
   // Binds caller-owned memory to a graph input, parameter or gradient value.
   // Shape and dtype must match (ShapeError naming the value otherwise).
+  // During run() (from a callback) only parameters and inputs may be bound.
   void bind(ValueId v, Tensor t);
   // Called after the node producing a parameter's gradient has run, with the
   // parameter id (data-parallel sync starts buckets from here).
   // Replaces any earlier callback; an empty function removes it. Fires in
   // run() only (not run_forward()), not for recomputation steps.
   void on_grad_ready(std::function<void(ValueId param)> cb);
+
+  // Parameter residency. With hooks set, run() and run_forward() bracket the
+  // reads of each parameter per phase: acquire(p, backward) runs before the
+  // first step of the phase that reads p, release(p, backward) after the last
+  // one (after that step's on_grad_ready callbacks). acquire may bind() p:
+  // parameters may be re-bound between steps during a run. After release the
+  // executor does not touch p's memory until the next acquire, so the caller
+  // may free it; bind borrowed memory (Tensor::wrap) for that, since the
+  // executor keeps the handle it was given. While hooks are set a parameter
+  // may be unbound when run() starts; acquire must bind it (ConfigError
+  // otherwise). Empty hooks switch the protocol off.
+  void set_param_hooks(ParamHooks hooks);
+  // The events run() (forward_only: run_forward()) issues, in order; every
+  // parameter a phase reads is acquired and released exactly once in it.
+  std::vector<ParamUse> param_uses(bool forward_only) const;
+
+  // Transient gradients: a parameter gradient the caller does not bind then
+  // lives in the arena only until its on_grad_ready callback returns; the
+  // callback must consume it (get() works inside the callback), and the
+  // memory is reused by later steps, so no full gradient buffer exists
+  // (ZeRO-2/3). get() of such a gradient after run() throws ConfigError.
+  // Off by default: unbound gradients stay alive until the end of run().
+  void set_transient_grads(bool transient);
 
   // Runs all nodes. Throws ConfigError naming every input or parameter that a
   // node reads but that is unbound.

@@ -19,8 +19,8 @@ BucketPlan::BucketPlan(const ParamLayout& layout, int64_t flat_numel, int64_t bu
                        int world_size, int rank)
     : layout_(layout), flat_numel_(flat_numel), world_size_(world_size), rank_(rank) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
-    throw ConfigError(fmt::format("data-parallel buckets: rank {} outside a group of {} ranks", rank,
-                                  world_size));
+    throw ConfigError(fmt::format("data-parallel buckets: rank {} outside a group of {} ranks",
+                                  rank, world_size));
   }
   if (bucket_bytes <= 0) {
     throw ConfigError(
@@ -46,9 +46,9 @@ BucketPlan::BucketPlan(const ParamLayout& layout, int64_t flat_numel, int64_t bu
     param_numel_ += e.shape.numel();
   }
   if (prev_end > flat_numel_) {
-    throw ConfigError(fmt::format(
-        "data-parallel layout: parameters end at element {} but the flat buffer has {}", prev_end,
-        flat_numel_));
+    throw ConfigError(
+        fmt::format("data-parallel layout: parameters end at element {} but the flat buffer has {}",
+                    prev_end, flat_numel_));
   }
 
   // Reverse order: bucket 0 holds the last parameters, whose gradients are
