@@ -109,13 +109,13 @@ TEST(Checksum, LengthSeedAndSwappedWordsChangeIt) {
 TEST(Checksum, TensorChecksumCoversTheRawBytes) {
   Tensor a = Tensor::full(Shape({3, 4}), DType::f32, 1.5);
   Tensor b = a.clone();
-  EXPECT_EQ(tensor_checksum(a), tensor_checksum(b));
+  EXPECT_EQ(tensor_fingerprint(a), tensor_fingerprint(b));
   b.set_item(11, 1.5000001);
-  EXPECT_NE(tensor_checksum(a), tensor_checksum(b));
+  EXPECT_NE(tensor_fingerprint(a), tensor_fingerprint(b));
   Tensor pos = Tensor::full(Shape({2}), DType::f32, 0.0);
   Tensor neg = Tensor::full(Shape({2}), DType::f32, -0.0);
-  EXPECT_NE(tensor_checksum(pos), tensor_checksum(neg)) << "comparison must be bitwise";
-  EXPECT_EQ(tensor_checksum(Tensor::empty(Shape({0}), DType::f32)), checksum_bytes(nullptr, 0));
+  EXPECT_NE(tensor_fingerprint(pos), tensor_fingerprint(neg)) << "comparison must be bitwise";
+  EXPECT_EQ(tensor_fingerprint(Tensor::empty(Shape({0}), DType::f32)), checksum_bytes(nullptr, 0));
 }
 
 TEST(FormatRankList, CollapsesRunsOfThree) {

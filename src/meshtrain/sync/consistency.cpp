@@ -127,7 +127,7 @@ uint64_t checksum_bytes(const void* data, size_t n, uint64_t seed) {
   return avalanche(h ^ n);
 }
 
-uint64_t tensor_checksum(const Tensor& t) {
+uint64_t tensor_fingerprint(const Tensor& t) {
   if (t.nbytes() == 0) return checksum_bytes(nullptr, 0);
   return checksum_bytes(t.raw(), t.nbytes());
 }
@@ -211,7 +211,7 @@ void ConsistencyChecker::check(int64_t step) {
 
   const size_t count = params_.size();
   last_checksums_.resize(count);
-  for (size_t i = 0; i < count; ++i) last_checksums_[i] = tensor_checksum(params_[i].second);
+  for (size_t i = 0; i < count; ++i) last_checksums_[i] = tensor_fingerprint(params_[i].second);
 
   const auto n = static_cast<size_t>(comm_.size());
   std::vector<uint64_t> all(count * n);

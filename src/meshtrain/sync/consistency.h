@@ -41,7 +41,7 @@ namespace mt {
 // collide with probability about 2^-64. Runs at several GB/s per core.
 uint64_t checksum_bytes(const void* data, size_t n, uint64_t seed = 0);
 // checksum_bytes over the tensor's contents (dtype and shape not included).
-uint64_t tensor_checksum(const Tensor& t);
+uint64_t tensor_fingerprint(const Tensor& t);
 
 struct ConsistencyOptions {
   // maybe_check(step) checks when step % every_steps == 0; 0 never checks.
