@@ -147,6 +147,7 @@ class Context:
         self.venv = Path(os.environ.get("MT_BENCH_VENV", self.build_dir / "bench-venv")).resolve()
         self.workdir = Path(tempfile.mkdtemp(prefix=f"mt-bench-{suite}-"))
         self.errors = 0
+        self.lines = []
         self.started = time.monotonic()
         self.ncpu = os.cpu_count() or 1
         self.idle_wait_s = getattr(args, "idle_wait", 0.0)
@@ -169,7 +170,29 @@ class Context:
         out["loadavg_1m"] = round(os.getloadavg()[0], 2)
         if out.get("error"):
             self.errors += 1
+        self.lines.append(out)
         print(json.dumps(out), flush=True)
+
+    def summary_table(self):
+        """The comparison lines as a table for a person (stderr), one row each."""
+        rows = [ln for ln in self.lines if "ratio" in ln]
+        if not rows:
+            return
+        def fmt(v):
+            if v is None:
+                return "-"
+            return f"{v:.3g}" if isinstance(v, float) and abs(v) < 100 else f"{v:.0f}"
+        print(f"\n{'name':30s} {'thr':>3s} {'peer':34s} {'meshtrain':>10s} {'peer':>10s} "
+              f"{'ratio':>6s} {'fast':>6s} {'busy':>9s}", file=sys.stderr)
+        for ln in rows:
+            thr = ln.get("threads", ln.get("processes", ""))
+            busy = "/".join(fmt(ln.get(k)) for k in ("meshtrain_others_cpu", "peer_others_cpu"))
+            print(f"{ln['name'][:30]:30s} {str(thr):>3s} {str(ln.get('peer_name'))[:34]:34s} "
+                  f"{fmt(ln.get('meshtrain')):>10s} {fmt(ln.get('peer')):>10s} "
+                  f"{fmt(ln.get('ratio')):>6s} {fmt(ln.get('ratio_fast')):>6s} {busy:>9s}"
+                  + ("  ERROR" if ln.get("error") else ""), file=sys.stderr)
+        print("(ratio > 1: meshtrain better; fast: p90 step rates; busy: others' CPU share "
+              "during meshtrain/peer)", file=sys.stderr)
 
     def log(self, msg):
         t = time.monotonic() - self.started

@@ -64,6 +64,7 @@ def main(argv):
         return 1
     finally:
         ctx.cleanup()
+    ctx.summary_table()
     ctx.log(f"done in {time.monotonic() - t0:.0f} s, {ctx.errors} line(s) with errors")
     return 1 if ctx.errors else 0
 
