@@ -70,20 +70,38 @@ void direct_exchange(CollectiveContext& ctx, const void* record, void* all, size
 CollectiveCost direct_exchange_cost(int n, int rank, size_t record_bytes);
 
 // ---- shared memory (shm_algorithms.cpp, arena layout in shm_channel.h) ------
+// `staged`: a single-round call whose data the matching shm_stage_* wrote
+// before the handshake, whose flag then also published it (one round trip
+// fewer). Each shm_stage_* returns false, staging nothing, when the call needs
+// several rounds.
 void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                    size_t count, DType dtype, ReduceOp op);
+                    size_t count, DType dtype, ReduceOp op, bool staged = false);
 CollectiveCost shm_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes,
                                    size_t slot_bytes);
+// Small buffers (at most one slot): every rank reduces all of it.
+void shm_direct_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                           size_t count, DType dtype, ReduceOp op, bool staged = false);
+CollectiveCost shm_direct_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes);
+bool shm_stage_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, size_t count,
+                          DType dtype, bool direct);
 void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                         std::span<const size_t> counts, DType dtype, ReduceOp op);
+                         std::span<const size_t> counts, DType dtype, ReduceOp op,
+                         bool staged = false);
 CollectiveCost shm_reduce_scatterv_cost(int n, int rank, std::span<const size_t> counts,
                                         size_t elem_bytes, size_t slot_bytes);
+bool shm_stage_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* send,
+                               std::span<const size_t> counts, DType dtype);
 void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                     std::span<const size_t> counts, size_t elem_bytes);
+                     std::span<const size_t> counts, size_t elem_bytes, bool staged = false);
 CollectiveCost shm_all_gatherv_cost(int n, int rank, std::span<const size_t> counts,
                                     size_t elem_bytes, size_t slot_bytes);
-void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t bytes, int root);
+bool shm_stage_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send,
+                           std::span<const size_t> counts, size_t elem_bytes);
+void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t bytes, int root,
+                   bool staged = false);
 CollectiveCost shm_broadcast_cost(int n, int rank, size_t bytes, int root, size_t slot_bytes);
+bool shm_stage_broadcast(CollectiveContext& ctx, ShmChannel& ch, const void* buf, size_t bytes,
+                         int root);
 void shm_barrier(CollectiveContext& ctx, ShmChannel& ch);
 CollectiveCost shm_barrier_cost(int n, int rank);
 // The handshake over the arena: like direct_exchange, for records of at most

@@ -186,9 +186,14 @@ bool CollectiveContext::slow_idle(WaitState& w, std::span<const int> peers,
                           what()));
     }
   }
-  // Yield first (the peer may be waiting for this core); sleep once a wait is
-  // clearly long so that idle ranks stop burning a shared machine.
-  if (now - w.start < std::chrono::milliseconds(10)) {
+  // Spin while the peer is probably running on its own core: yielding hands
+  // the core to any other runnable process, and getting it back can take a
+  // whole scheduler slice. Then yield (the peer may need this core); sleep
+  // once a wait is clearly long so that idle ranks stop burning the machine.
+  const auto waited = now - w.start;
+  if (waited < spin_) {
+    for (int i = 0; i < 16; ++i) cpu_relax();
+  } else if (waited < std::chrono::milliseconds(10)) {
     sched_yield();
   } else {
     std::this_thread::sleep_for(std::chrono::microseconds(100));

@@ -9,11 +9,13 @@
 // communicator's watchdog report (who has not entered the call).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "meshtrain/comm/counters.h"
@@ -24,7 +26,7 @@ namespace mt::comm {
 
 // One call, as it appears in messages, handshakes and the status board.
 struct CallInfo {
-  std::string comm_name;
+  std::string_view comm_name;  // the communicator's name (outlives the call)
   int rank = 0;
   int size = 1;
   Collective kind = Collective::barrier;
@@ -77,6 +79,9 @@ class CollectiveContext {
   void count_received(int peer, uint64_t bytes);
   uint64_t bytes_sent() const { return sent_; }
   uint64_t bytes_received() const { return received_; }
+
+  // How long a wait spins (pause loop) before it starts yielding its core.
+  void set_spin(std::chrono::nanoseconds spin) { spin_ = spin; }
 
   // For messages: "step 3 of 6".
   void set_step(int64_t step, int64_t total) {
@@ -157,6 +162,7 @@ class CollectiveContext {
   std::string lost_;
   uint64_t sent_ = 0;
   uint64_t received_ = 0;
+  std::chrono::nanoseconds spin_{0};
   int64_t step_ = -1;
   int64_t steps_total_ = 0;
   std::vector<std::byte>* scratch_[2] = {nullptr, nullptr};

@@ -45,6 +45,12 @@ std::string CommHandle::describe() const {
 // ---- queueing ---------------------------------------------------------------------
 
 void Communicator::Impl::run(Call call) {
+  if (!worker_started.load(std::memory_order_acquire)) {
+    if (!comm::is_p2p(call.kind)) ++next_seq;
+    call.seq = comm::is_p2p(call.kind) ? 0 : next_seq;
+    execute(call);
+    return;
+  }
   {
     std::unique_lock<std::mutex> lock(q_mu);
     if (!comm::is_p2p(call.kind)) call.seq = ++next_seq;
@@ -55,7 +61,6 @@ void Communicator::Impl::run(Call call) {
       CommHandle h(call.state);
       queue.push_back(std::move(call));
       ++outstanding;
-      if (!worker.joinable()) worker = std::thread([this] { worker_loop(); });
       q_cv.notify_all();
       lock.unlock();
       h.wait();
@@ -74,7 +79,10 @@ CommHandle Communicator::Impl::submit(Call call) {
   CommHandle h(call.state);
   queue.push_back(std::move(call));
   ++outstanding;
-  if (!worker.joinable()) worker = std::thread([this] { worker_loop(); });
+  if (!worker.joinable()) {
+    worker = std::thread([this] { worker_loop(); });
+    worker_started.store(true, std::memory_order_release);
+  }
   q_cv.notify_all();
   return h;
 }

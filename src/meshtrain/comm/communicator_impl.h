@@ -4,6 +4,7 @@
 // dispatch.cpp (algorithm choice and dispatch, costs).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -39,10 +40,15 @@ struct Communicator::Impl {
 
   comm::CallInfo info_of(const comm::Call& call) const;
   CommAlgorithm resolve(const comm::Call& call, const comm::CallInfo& info) const;
-  void dispatch(comm::CollectiveContext& ctx, comm::Call& call, CommAlgorithm algorithm);
+  // Writes a single-round shared-memory call's data before the handshake
+  // (whose flag then publishes it too); true when it did.
+  bool stage(comm::CollectiveContext& ctx, const comm::Call& call);
+  void dispatch(comm::CollectiveContext& ctx, comm::Call& call, CommAlgorithm algorithm,
+                bool staged);
+  bool direct_all_reduce(size_t bytes) const;
   void handshake(const comm::CallInfo& info, const comm::Call& call, Deadline deadline);
   std::string watchdog_report(const comm::CallInfo& info) const;
-  void publish(const comm::CallInfo& info, comm::ShmChannel::State state);
+  void publish(const comm::CallInfo& info, comm::ShmChannel::State state, int64_t time_ns);
   uint32_t wire_tag(const comm::Call& call) const;
 
   std::shared_ptr<Transport> transport;
@@ -51,8 +57,10 @@ struct Communicator::Impl {
   int size;
   CounterBook counters;
   std::unique_ptr<comm::ShmChannel> shm;
+  std::chrono::nanoseconds spin;  // options.spin, or short when ranks outnumber cores
   std::vector<std::byte> scratch0, scratch1;
-  uint64_t agreements = 0;  // handshakes without shared memory
+  uint64_t agreements = 0;                // handshakes without shared memory
+  std::vector<comm::CallRecord> records;  // handshake scratch
 
   std::mutex exec_mu;  // held while a call executes
 
@@ -63,9 +71,13 @@ struct Communicator::Impl {
   uint64_t next_seq = 0;   // collective sequence numbers handed out
   bool stopping = false;
   std::thread worker;
+  // Set (under q_mu) when the worker starts; until then the issuing thread is
+  // the only one executing, so run() takes no locks.
+  std::atomic<bool> worker_started{false};
 
   mutable std::mutex broken_mu;
   std::optional<std::string> broken;
+  std::atomic<bool> is_broken{false};
 };
 
 }  // namespace mt

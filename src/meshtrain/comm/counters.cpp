@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "meshtrain/comm/options.h"
+
 namespace mt {
 
 uint64_t CommCounters::total_sent() const {
@@ -35,22 +37,31 @@ std::string CommCounters::to_json() const {
 CounterBook::CounterBook(int size)
     : peers_(new PeerBytes[static_cast<size_t>(size)]), size_(static_cast<size_t>(size)) {}
 
-void CounterBook::close_call(const std::string& key, uint64_t payload_bytes, uint64_t sent,
-                             uint64_t received, double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
-  CollectiveCounter& c = calls_[key];
-  c.calls += 1;
-  c.payload_bytes += payload_bytes;
-  c.bytes_sent += sent;
-  c.bytes_received += received;
-  c.seconds += seconds;
+void CounterBook::close_call(int key, uint64_t payload_bytes, uint64_t sent, uint64_t received,
+                             int64_t nanoseconds) {
+  CallTotals& c = calls_[key];
+  c.calls.fetch_add(1, std::memory_order_relaxed);
+  c.payload.fetch_add(payload_bytes, std::memory_order_relaxed);
+  c.sent.fetch_add(sent, std::memory_order_relaxed);
+  c.received.fetch_add(received, std::memory_order_relaxed);
+  c.nanoseconds.fetch_add(nanoseconds, std::memory_order_relaxed);
 }
 
 CommCounters CounterBook::snapshot() const {
   CommCounters out;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    out.by_collective = calls_;
+  for (int k = 0; k < kKeys; ++k) {
+    const CallTotals& c = calls_[k];
+    const uint64_t calls = c.calls.load(std::memory_order_relaxed);
+    if (calls == 0) continue;
+    CollectiveCounter& o =
+        out.by_collective[k == kHandshake
+                              ? std::string("handshake")
+                              : std::string(collective_name(static_cast<Collective>(k)))];
+    o.calls = calls;
+    o.payload_bytes = c.payload.load(std::memory_order_relaxed);
+    o.bytes_sent = c.sent.load(std::memory_order_relaxed);
+    o.bytes_received = c.received.load(std::memory_order_relaxed);
+    o.seconds = static_cast<double>(c.nanoseconds.load(std::memory_order_relaxed)) * 1e-9;
   }
   out.by_peer.resize(size_);
   for (size_t i = 0; i < size_; ++i) {
@@ -61,8 +72,13 @@ CommCounters CounterBook::snapshot() const {
 }
 
 void CounterBook::reset() {
-  std::lock_guard<std::mutex> lock(mu_);
-  calls_.clear();
+  for (CallTotals& c : calls_) {
+    c.calls.store(0, std::memory_order_relaxed);
+    c.payload.store(0, std::memory_order_relaxed);
+    c.sent.store(0, std::memory_order_relaxed);
+    c.received.store(0, std::memory_order_relaxed);
+    c.nanoseconds.store(0, std::memory_order_relaxed);
+  }
   for (size_t i = 0; i < size_; ++i) {
     peers_[i].sent.store(0, std::memory_order_relaxed);
     peers_[i].received.store(0, std::memory_order_relaxed);

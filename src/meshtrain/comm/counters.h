@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -45,6 +44,10 @@ struct CommCounters {
 
 class CounterBook {
  public:
+  // Keys of close_call(): one per Collective, plus the handshake.
+  static constexpr int kHandshake = 12;
+  static constexpr int kKeys = 13;
+
   explicit CounterBook(int size);
 
   void add_sent(int peer, uint64_t bytes) {
@@ -53,8 +56,9 @@ class CounterBook {
   void add_received(int peer, uint64_t bytes) {
     peers_[static_cast<size_t>(peer)].received.fetch_add(bytes, std::memory_order_relaxed);
   }
-  void close_call(const std::string& key, uint64_t payload_bytes, uint64_t sent, uint64_t received,
-                  double seconds);
+  // key: static_cast<int>(Collective) or kHandshake.
+  void close_call(int key, uint64_t payload_bytes, uint64_t sent, uint64_t received,
+                  int64_t nanoseconds);
 
   CommCounters snapshot() const;
   void reset();
@@ -64,10 +68,16 @@ class CounterBook {
     std::atomic<uint64_t> sent{0};
     std::atomic<uint64_t> received{0};
   };
+  struct CallTotals {
+    std::atomic<uint64_t> calls{0};
+    std::atomic<uint64_t> payload{0};
+    std::atomic<uint64_t> sent{0};
+    std::atomic<uint64_t> received{0};
+    std::atomic<int64_t> nanoseconds{0};
+  };
   std::unique_ptr<PeerBytes[]> peers_;
   size_t size_;
-  mutable std::mutex mu_;
-  std::map<std::string, CollectiveCounter> calls_;
+  CallTotals calls_[kKeys];
 };
 
 }  // namespace mt

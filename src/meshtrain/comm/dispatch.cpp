@@ -80,8 +80,39 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
   return a;
 }
 
-void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call,
-                                  CommAlgorithm algorithm) {
+bool Communicator::Impl::direct_all_reduce(size_t bytes) const {
+  return bytes <= options.policy.shm_direct_max_bytes && shm && bytes <= shm->slot_bytes();
+}
+
+bool Communicator::Impl::stage(comm::CollectiveContext& ctx, const Call& call) {
+  const size_t elem = dtype_size(call.dtype);
+  const size_t n = static_cast<size_t>(size);
+  switch (call.kind) {
+    case Collective::all_reduce:
+      return comm::shm_stage_all_reduce(ctx, *shm, call.send, call.count, call.dtype,
+                                        direct_all_reduce(call.count * elem));
+    case Collective::all_gather:
+    case Collective::split:
+      return comm::shm_stage_all_gatherv(ctx, *shm, call.send, std::vector<size_t>(n, call.count),
+                                         elem);
+    case Collective::all_gatherv:
+      return comm::shm_stage_all_gatherv(ctx, *shm, call.send, call.counts, elem);
+    case Collective::reduce_scatter:
+      return comm::shm_stage_reduce_scatterv(ctx, *shm, call.send,
+                                             std::vector<size_t>(n, call.count), call.dtype);
+    case Collective::reduce_scatterv:
+      return comm::shm_stage_reduce_scatterv(ctx, *shm, call.send, call.counts, call.dtype);
+    case Collective::broadcast:
+      return comm::shm_stage_broadcast(ctx, *shm, call.recv, call.count * elem, call.root);
+    case Collective::barrier:
+      return true;  // the handshake is the barrier
+    default:
+      return false;
+  }
+}
+
+void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, CommAlgorithm algorithm,
+                                  bool staged) {
   using A = CommAlgorithm;
   const size_t elem = dtype_size(call.dtype);
   const size_t n = static_cast<size_t>(size);
@@ -98,7 +129,13 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call,
       } else if (algorithm == A::halving_doubling) {
         comm::hd_all_reduce(ctx, call.send, call.recv, call.count, call.dtype, call.op);
       } else if (algorithm == A::shared_memory) {
-        comm::shm_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype, call.op);
+        if (direct_all_reduce(call.count * elem)) {
+          comm::shm_direct_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype,
+                                      call.op, staged);
+        } else {
+          comm::shm_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype, call.op,
+                               staged);
+        }
       } else {
         run_native(native->all_reduce(call.send, call.recv, call.count, call.dtype, native_op));
         if (call.op == ReduceOp::avg) comm::divide(call.recv, call.count, call.dtype, size);
@@ -114,7 +151,7 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call,
       } else if (algorithm == A::halving_doubling) {
         comm::hd_all_gatherv(ctx, call.send, call.recv, counts, elem);
       } else if (algorithm == A::shared_memory) {
-        comm::shm_all_gatherv(ctx, *shm, call.send, call.recv, counts, elem);
+        comm::shm_all_gatherv(ctx, *shm, call.send, call.recv, counts, elem, staged);
       } else if (even) {
         run_native(native->all_gather(call.send, call.recv, call.count, call.dtype));
       } else {
@@ -131,7 +168,8 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call,
       } else if (algorithm == A::halving_doubling) {
         comm::hd_reduce_scatterv(ctx, call.send, call.recv, counts, call.dtype, call.op);
       } else if (algorithm == A::shared_memory) {
-        comm::shm_reduce_scatterv(ctx, *shm, call.send, call.recv, counts, call.dtype, call.op);
+        comm::shm_reduce_scatterv(ctx, *shm, call.send, call.recv, counts, call.dtype, call.op,
+                                  staged);
       } else {
         run_native(
             even ? native->reduce_scatter(call.send, call.recv, call.count, call.dtype, native_op)
@@ -146,7 +184,7 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call,
       if (algorithm == A::tree) {
         comm::tree_broadcast(ctx, call.recv, call.count * elem, call.root);
       } else if (algorithm == A::shared_memory) {
-        comm::shm_broadcast(ctx, *shm, call.recv, call.count * elem, call.root);
+        comm::shm_broadcast(ctx, *shm, call.recv, call.count * elem, call.root, staged);
       } else {
         run_native(native->broadcast(call.recv, call.count, call.dtype, call.root));
       }
@@ -167,7 +205,7 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call,
       if (algorithm == A::dissemination) {
         comm::dissemination_barrier(ctx);
       } else if (algorithm == A::shared_memory) {
-        comm::shm_barrier(ctx, *shm);
+        if (!staged) comm::shm_barrier(ctx, *shm);
       } else {
         run_native(native->barrier());
       }
@@ -200,7 +238,9 @@ CollectiveCost Communicator::cost(Collective c, CommAlgorithm algorithm, size_t 
       if (algorithm == A::ring) return comm::ring_all_reduce_cost(n, r, count, elem);
       if (algorithm == A::halving_doubling) return comm::hd_all_reduce_cost(n, r, count, elem);
       if (algorithm == A::shared_memory) {
-        return comm::shm_all_reduce_cost(n, r, count, elem, slot);
+        return impl_->direct_all_reduce(count * elem)
+                   ? comm::shm_direct_all_reduce_cost(n, r, count, elem)
+                   : comm::shm_all_reduce_cost(n, r, count, elem, slot);
       }
       break;
     case Collective::all_gather:

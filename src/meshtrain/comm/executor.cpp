@@ -1,6 +1,8 @@
 // Running one call of a Communicator: deadline, status board, handshake,
 // algorithm, counters, and what a failure does to the communicator.
+#include <algorithm>
 #include <numeric>
+#include <thread>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/base/timer.h"
@@ -34,6 +36,10 @@ Communicator::Impl::Impl(std::shared_ptr<Transport> t, CommOptions o)
                     "meshtrain needs tags up to 2^30 - 1",
                     options.name, transport->backend(), transport->max_tag()));
   }
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  spin = static_cast<unsigned>(transport->ranks_on_node()) <= cores
+             ? std::chrono::nanoseconds(options.spin)
+             : std::chrono::nanoseconds(std::chrono::microseconds(2));
   if (SharedArena* arena = transport->arena()) {
     shm = std::make_unique<ShmChannel>(*arena, rank);
   }
@@ -80,7 +86,7 @@ CallInfo Communicator::Impl::info_of(const Call& call) const {
   return info;
 }
 
-void Communicator::Impl::publish(const CallInfo& info, ShmChannel::State state) {
+void Communicator::Impl::publish(const CallInfo& info, ShmChannel::State state, int64_t time_ns) {
   if (!shm) return;
   ShmChannel::Status s;
   s.seq = info.seq;
@@ -88,7 +94,7 @@ void Communicator::Impl::publish(const CallInfo& info, ShmChannel::State state) 
   s.state = state;
   s.algorithm = info.algorithm;
   s.bytes = info.bytes;
-  s.time_ns = now_ns();
+  s.time_ns = time_ns;
   shm->publish_status(s);
 }
 
@@ -131,10 +137,9 @@ std::string Communicator::Impl::watchdog_report(const CallInfo& info) const {
 
 void Communicator::Impl::handshake(const CallInfo& info, const Call& call, Deadline deadline) {
   const CallRecord mine = comm::make_record(info, call.counts_hash, call.opts.algorithm);
-  std::vector<CallRecord> all(static_cast<size_t>(size));
+  records.resize(static_cast<size_t>(size));
   CallInfo hinfo = info;
   hinfo.phase = "handshake";
-  Stopwatch sw;
   const uint32_t tag = kCollectiveTagBit | kHandshakeTagBit |
                        static_cast<uint32_t>((shm ? shm->agreements : agreements) & kSeqTagMask);
   // Without a status board, the records that did not arrive say who is missing.
@@ -144,21 +149,23 @@ void Communicator::Impl::handshake(const CallInfo& info, const Call& call, Deadl
         "watchdog: the ranks whose handshake records did not arrive have not entered the call");
   };
   comm::CollectiveContext hctx(*transport, hinfo, deadline, tag, counters, options, diagnose);
+  hctx.set_spin(spin);
   if (shm) {
-    comm::shm_exchange(hctx, *shm, &mine, all.data(), sizeof(CallRecord));
+    comm::shm_exchange(hctx, *shm, &mine, records.data(), sizeof(CallRecord));
   } else {
-    comm::direct_exchange(hctx, &mine, all.data(), sizeof(CallRecord));
+    comm::direct_exchange(hctx, &mine, records.data(), sizeof(CallRecord));
     ++agreements;
   }
-  counters.close_call("handshake", 0, hctx.bytes_sent(), hctx.bytes_received(), sw.seconds());
-  if (auto msg = comm::find_mismatch(options.name, all)) {
+  // Its time is part of the collective's seconds.
+  counters.close_call(CounterBook::kHandshake, 0, hctx.bytes_sent(), hctx.bytes_received(), 0);
+  if (auto msg = comm::find_mismatch(options.name, records)) {
     throw MismatchError(*msg);
   }
 }
 
 void Communicator::Impl::execute(Call& call) {
   CallInfo info = info_of(call);
-  {
+  if (is_broken.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(broken_mu);
     if (broken) {
       throw CommError(
@@ -168,48 +175,66 @@ void Communicator::Impl::execute(Call& call) {
     }
   }
   const auto timeout = call.opts.timeout.value_or(options.timeout);
-  const Deadline deadline = CommClock::now() + timeout;
-  Stopwatch sw;
+  const Deadline start = CommClock::now();
+  const Deadline deadline = start + timeout;
+  const int64_t start_ns = start.time_since_epoch().count();
+  auto fail = [&](ShmChannel::State state) {
+    if (!comm::is_p2p(call.kind)) publish(info, state, now_ns());
+  };
   const bool p2p = comm::is_p2p(call.kind);
   try {
-    if (!p2p) {
-      publish(info, ShmChannel::State::entered);
-      if (call.opts.handshake.value_or(options.handshake) && size > 1) {
-        handshake(info, call, deadline);
-      }
+    std::exception_ptr resolve_error;
+    try {
+      info.algorithm = resolve(call, info);
+    } catch (const ConfigError&) {
+      // Thrown after the handshake, so that every rank agrees on the call first.
+      resolve_error = std::current_exception();
     }
-    info.algorithm = resolve(call, info);
     comm::CollectiveContext ctx(*transport, info, deadline, wire_tag(call), counters, options,
                                 [&] { return watchdog_report(info); });
     ctx.set_scratch(&scratch0, &scratch1);
-    dispatch(ctx, call, info.algorithm);
-    if (!p2p) publish(info, ShmChannel::State::completed);
-    counters.close_call(std::string(collective_name(call.kind)), info.bytes, ctx.bytes_sent(),
-                        ctx.bytes_received(), sw.seconds());
+    ctx.set_spin(spin);
+    bool staged = false;
+    if (!p2p) {
+      publish(info, ShmChannel::State::entered, start_ns);
+      if (call.opts.handshake.value_or(options.handshake) && size > 1) {
+        staged =
+            !resolve_error && info.algorithm == CommAlgorithm::shared_memory && stage(ctx, call);
+        handshake(info, call, deadline);
+      }
+    }
+    if (resolve_error) std::rethrow_exception(resolve_error);
+    dispatch(ctx, call, info.algorithm, staged);
+    const int64_t end_ns = now_ns();
+    if (!p2p) publish(info, ShmChannel::State::completed, end_ns);
+    counters.close_call(static_cast<int>(call.kind), info.bytes, ctx.bytes_sent(),
+                        ctx.bytes_received(), end_ns - start_ns);
   } catch (const TimeoutError& e) {
     // Messages of this call may still be in flight: nothing later could trust
     // the transport's matching, so the communicator refuses further calls.
     {
       std::lock_guard<std::mutex> lock(broken_mu);
       if (!broken) broken = e.what();
+      is_broken.store(true, std::memory_order_release);
     }
     transport->mark_broken(e.what());
-    if (!p2p) publish(info, ShmChannel::State::failed);
+    fail(ShmChannel::State::failed);
     throw;
   } catch (const MismatchError&) {
     // Every rank saw the same records and stops before moving data: usable.
-    if (!p2p) publish(info, ShmChannel::State::failed);
+    fail(ShmChannel::State::failed);
     throw;
   } catch (const CommError& e) {
     {
       std::lock_guard<std::mutex> lock(broken_mu);
       if (!broken) broken = e.what();
+      is_broken.store(true, std::memory_order_release);
     }
     transport->mark_broken(e.what());
-    if (!p2p) publish(info, ShmChannel::State::failed);
+    fail(ShmChannel::State::failed);
     throw;
   } catch (...) {
-    if (!p2p) publish(info, ShmChannel::State::failed);
+    fail(ShmChannel::State::failed);
     throw;
   }
 }

@@ -78,6 +78,9 @@ struct AlgorithmPolicy {
   // Use the shared-memory algorithms whenever the backend offers a node-shared
   // window (all ranks on one node).
   bool prefer_shared_memory = true;
+  // Shared-memory all-reduce of at most this many bytes: every rank reduces
+  // the whole buffer (one synchronisation) instead of its shard (two).
+  size_t shm_direct_max_bytes = 16 * 1024;
   // Without shared memory: messages up to this many bytes use halving-doubling
   // (fewer steps), larger ones ring (less per-step overhead, balanced links).
   size_t halving_doubling_max_bytes = 256 * 1024;
@@ -100,6 +103,9 @@ struct CommOptions {
   // wait with the watchdog report (who has not entered which collective).
   std::chrono::milliseconds stall_warning{60'000};
   std::function<void(const std::string&)> on_stall;
+  // How long a wait spins before it yields its core, when each rank on this
+  // node can have a core of its own (with more ranks than cores: 2 us).
+  std::chrono::microseconds spin{200};
   AlgorithmPolicy policy;
 };
 

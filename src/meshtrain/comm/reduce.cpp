@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "meshtrain/base/error.h"
@@ -97,24 +98,35 @@ inline A apply(A x, A y) {
 }
 
 template <DType D, ReduceOp Op>
-void reduce_typed(void* dst_v, const void* const* srcs_v, int nsrc, size_t count, int divisor) {
+void reduce_typed(void* dst_v, const void* const* srcs_v, int nsrc, size_t count, int divisor,
+                  void* dst2_v) {
   using T = Traits<D>;
   using S = typename T::S;
   using A = typename T::A;
   S* dst = static_cast<S*>(dst_v);
+  S* __restrict dst2 = static_cast<S*>(dst2_v);
   const A div = static_cast<A>(divisor);
   const bool divide_result = divisor > 1;
   if (nsrc == 2) {
-    // The hot case of every point-to-point algorithm: one fused pass.
+    // The hot case of every algorithm: one fused pass. With a second
+    // destination (the shared-memory all-reduce's copy for its peers), copy
+    // each block while it is still in L1: a loop storing to both vectorises
+    // poorly because the first destination may alias the first source.
     const S* a = static_cast<const S*>(srcs_v[0]);
     const S* __restrict b = static_cast<const S*>(srcs_v[1]);
-    if (divide_result) {
-      for (size_t i = 0; i < count; ++i) {
-        dst[i] = T::store(apply<A, Op>(T::load(a[i]), T::load(b[i])) / div);
+    constexpr size_t kCopyBlock = 2048;
+    for (size_t base = 0; base < count; base += kCopyBlock) {
+      const size_t m = std::min(kCopyBlock, count - base);
+      S* d = dst + base;
+      const S* x = a + base;
+      const S* __restrict y = b + base;
+      if (divide_result) {
+        for (size_t i = 0; i < m; ++i)
+          d[i] = T::store(apply<A, Op>(T::load(x[i]), T::load(y[i])) / div);
+      } else {
+        for (size_t i = 0; i < m; ++i) d[i] = T::store(apply<A, Op>(T::load(x[i]), T::load(y[i])));
       }
-    } else {
-      for (size_t i = 0; i < count; ++i)
-        dst[i] = T::store(apply<A, Op>(T::load(a[i]), T::load(b[i])));
+      if (dst2 != nullptr) std::memcpy(dst2 + base, d, m * sizeof(S));
     }
     return;
   }
@@ -134,20 +146,21 @@ void reduce_typed(void* dst_v, const void* const* srcs_v, int nsrc, size_t count
     }
     S* d = dst + base;
     for (size_t i = 0; i < m; ++i) d[i] = T::store(acc[i]);
+    if (dst2 != nullptr) std::memcpy(dst2 + base, d, m * sizeof(S));
   }
 }
 
 template <DType D>
 void reduce_dtype(void* dst, const void* const* srcs, int nsrc, size_t count, ReduceOp op,
-                  int divisor) {
+                  int divisor, void* dst2) {
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg:
-      return reduce_typed<D, ReduceOp::sum>(dst, srcs, nsrc, count, divisor);
+      return reduce_typed<D, ReduceOp::sum>(dst, srcs, nsrc, count, divisor, dst2);
     case ReduceOp::max:
-      return reduce_typed<D, ReduceOp::max>(dst, srcs, nsrc, count, divisor);
+      return reduce_typed<D, ReduceOp::max>(dst, srcs, nsrc, count, divisor, dst2);
     case ReduceOp::min:
-      return reduce_typed<D, ReduceOp::min>(dst, srcs, nsrc, count, divisor);
+      return reduce_typed<D, ReduceOp::min>(dst, srcs, nsrc, count, divisor, dst2);
   }
 }
 
@@ -164,24 +177,24 @@ void divide_typed(void* buf, size_t count, int divisor) {
 }  // namespace
 
 void reduce_sources(void* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
-                    ReduceOp op, int divisor) {
+                    ReduceOp op, int divisor, void* dst2) {
   MT_CHECK(nsrc >= 1, "reduce_sources needs at least one source, got {}", nsrc);
   if (count == 0) return;
   switch (dtype) {
     case DType::f32:
-      return reduce_dtype<DType::f32>(dst, srcs, nsrc, count, op, divisor);
+      return reduce_dtype<DType::f32>(dst, srcs, nsrc, count, op, divisor, dst2);
     case DType::f64:
-      return reduce_dtype<DType::f64>(dst, srcs, nsrc, count, op, divisor);
+      return reduce_dtype<DType::f64>(dst, srcs, nsrc, count, op, divisor, dst2);
     case DType::bf16:
-      return reduce_dtype<DType::bf16>(dst, srcs, nsrc, count, op, divisor);
+      return reduce_dtype<DType::bf16>(dst, srcs, nsrc, count, op, divisor, dst2);
     case DType::f16:
-      return reduce_dtype<DType::f16>(dst, srcs, nsrc, count, op, divisor);
+      return reduce_dtype<DType::f16>(dst, srcs, nsrc, count, op, divisor, dst2);
     case DType::i32:
-      return reduce_dtype<DType::i32>(dst, srcs, nsrc, count, op, divisor);
+      return reduce_dtype<DType::i32>(dst, srcs, nsrc, count, op, divisor, dst2);
     case DType::i64:
-      return reduce_dtype<DType::i64>(dst, srcs, nsrc, count, op, divisor);
+      return reduce_dtype<DType::i64>(dst, srcs, nsrc, count, op, divisor, dst2);
     case DType::u8:
-      return reduce_dtype<DType::u8>(dst, srcs, nsrc, count, op, divisor);
+      return reduce_dtype<DType::u8>(dst, srcs, nsrc, count, op, divisor, dst2);
   }
 }
 

@@ -150,15 +150,31 @@ size_t shard_chunk(size_t slot_bytes, int n, size_t elem) {
 
 }  // namespace
 
+// Copies chunk k of every block but this rank's own into this rank's slot for
+// round g (block s at offset s * chunk): the peers' inputs for the blocks
+// they reduce.
+static void copy_blocks_in(ShmChannel& ch, uint64_t g, const void* send,
+                           std::span<const size_t> blocks, std::span<const size_t> offs,
+                           size_t chunk, size_t elem, uint64_t k) {
+  std::byte* my_slot = ch.slot(ch.rank(), g);
+  const size_t lo = k * chunk;
+  for (int s = 0; s < ch.size(); ++s) {
+    const size_t ss = static_cast<size_t>(s);
+    const size_t len = clamp_len(blocks[ss], lo, chunk);
+    if (s == ch.rank() || len == 0) continue;
+    std::memcpy(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
+  }
+}
+
 // ---- all-reduce ---------------------------------------------------------------
 
 // Rank r owns shard r (1/n of the buffer, cache-line aligned). Round k: every
 // rank copies chunk k of the other shards into its slot (published); rank r
-// reduces chunk k of shard r from its own input and the peers' slots into its
-// slot and its output (reduced); then copies the peers' reduced chunks into
-// its output (done).
+// reduces chunk k of shard r from its own input and the peers' slots, in one
+// pass into its output and its slot (reduced); then copies the peers' reduced
+// chunks into its output (done).
 void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                    size_t count, DType dtype, ReduceOp op) {
+                    size_t count, DType dtype, ReduceOp op, bool staged) {
   const int n = ch.size();
   const int me = ch.rank();
   const size_t elem = dtype_size(dtype);
@@ -170,6 +186,8 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
   const std::vector<size_t> offs = prefix_offsets(shards);
   const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
   const uint64_t rounds = ceil_div(*std::max_element(shards.begin(), shards.end()), chunk);
+  MT_CHECK(!staged || rounds == 1, "staged shared-memory all-reduce needs one round, has {}",
+           rounds);
   const int divisor = op == ReduceOp::avg ? n : 1;
   const size_t mine = static_cast<size_t>(me);
   std::vector<const void*> srcs(static_cast<size_t>(n));
@@ -179,27 +197,21 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
     const uint64_t g = ch.round + k;
     const size_t lo = k * chunk;
     ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
-    wait_slot_free(ctx, ch, g);
-    std::byte* my_slot = ch.slot(me, g);
-    for (int s = 0; s < n; ++s) {
-      const size_t ss = static_cast<size_t>(s);
-      const size_t len = clamp_len(shards[ss], lo, chunk);
-      if (s == me || len == 0) continue;
-      std::memcpy(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
+    if (!staged) {  // else the handshake published round 0
+      wait_slot_free(ctx, ch, g);
+      copy_blocks_in(ch, g, send, shards, offs, chunk, elem, k);
+      raise(ch, &Control::published, g + 1);
+      wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
-    raise(ch, &Control::published, g + 1);
-    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
-
     const size_t my_len = clamp_len(shards[mine], lo, chunk);
     if (my_len > 0) {
-      std::byte* out = my_slot + mine * chunk * elem;
+      std::byte* out = ch.slot(me, g) + mine * chunk * elem;
       std::byte* dst = at(recv, (offs[mine] + lo) * elem);
       srcs[0] = at(send, (offs[mine] + lo) * elem);
       for (int q = 0, i = 1; q < n; ++q) {
         if (q != me) srcs[static_cast<size_t>(i++)] = ch.slot(q, g) + mine * chunk * elem;
       }
-      reduce_sources(out, srcs.data(), n, my_len, dtype, op, divisor);
-      std::memcpy(dst, out, my_len * elem);
+      reduce_sources(dst, srcs.data(), n, my_len, dtype, op, divisor, out);
     }
     raise(ch, &Control::reduced, g + 1);
     wait_flags(ctx, ch, &Control::reduced, g + 1, ch.peers());
@@ -234,10 +246,69 @@ CollectiveCost shm_all_reduce_cost(int n, int rank, size_t count, size_t elem_by
   return {static_cast<int64_t>(2 * rounds), bytes, bytes};
 }
 
+bool shm_stage_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, size_t count,
+                          DType dtype, bool direct) {
+  const int n = ch.size();
+  const size_t elem = dtype_size(dtype);
+  if (n == 1 || count == 0) return false;
+  const uint64_t g = ch.round;
+  if (direct) {
+    if (count * elem > ch.slot_bytes()) return false;
+    wait_slot_free(ctx, ch, g);
+    std::memcpy(ch.slot(ch.rank(), g), send, count * elem);
+    return true;
+  }
+  const std::vector<size_t> shards = balanced_counts(count, n, shard_align(elem));
+  const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
+  if (*std::max_element(shards.begin(), shards.end()) > chunk) return false;
+  wait_slot_free(ctx, ch, g);
+  copy_blocks_in(ch, g, send, shards, prefix_offsets(shards), chunk, elem, 0);
+  return true;
+}
+
+// Small buffers: every rank reduces the whole buffer from all slots, in rank
+// order (so the bits are the same everywhere): one synchronisation instead of
+// two, for (n-1) B read per rank instead of ~2(n-1)/n B.
+void shm_direct_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
+                           size_t count, DType dtype, ReduceOp op, bool staged) {
+  const int n = ch.size();
+  const int me = ch.rank();
+  const size_t elem = dtype_size(dtype);
+  if (n == 1 || count == 0) {
+    if (send != recv) std::memcpy(recv, send, count * elem);
+    return;
+  }
+  MT_CHECK_LE(count * elem, ch.slot_bytes());
+  const uint64_t g = ch.round;
+  ctx.set_step(0, 1);
+  if (!staged) {
+    wait_slot_free(ctx, ch, g);
+    std::memcpy(ch.slot(me, g), send, count * elem);
+    raise(ch, &Control::published, g + 1);
+    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
+  }
+  // Own data from the slot too: recv may alias send, never a slot.
+  std::vector<const void*> srcs(static_cast<size_t>(n));
+  for (int q = 0; q < n; ++q) srcs[static_cast<size_t>(q)] = ch.slot(q, g);
+  reduce_sources(recv, srcs.data(), n, count, dtype, op, op == ReduceOp::avg ? n : 1);
+  for (int q : ch.peers()) {
+    ctx.count_received(q, count * elem);
+    ctx.count_sent(q, count * elem);
+  }
+  raise(ch, &Control::done, g + 1);
+  ch.round += 1;
+}
+
+CollectiveCost shm_direct_all_reduce_cost(int n, int /*rank*/, size_t count, size_t elem_bytes) {
+  if (n == 1 || count == 0) return {};
+  const uint64_t bytes = static_cast<uint64_t>(n - 1) * count * elem_bytes;
+  return {1, bytes, bytes};
+}
+
 // ---- reduce-scatter -----------------------------------------------------------
 
 void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                         std::span<const size_t> counts, DType dtype, ReduceOp op) {
+                         std::span<const size_t> counts, DType dtype, ReduceOp op, bool staged) {
   const int n = ch.size();
   const int me = ch.rank();
   const size_t mine = static_cast<size_t>(me);
@@ -249,22 +320,19 @@ void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* sen
   }
   const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
   const uint64_t rounds = ceil_div(*std::max_element(counts.begin(), counts.end()), chunk);
+  MT_CHECK(!staged || rounds == 1, "staged reduce-scatter needs one round, has {}", rounds);
   const int divisor = op == ReduceOp::avg ? n : 1;
   std::vector<const void*> srcs(static_cast<size_t>(n));
   for (uint64_t k = 0; k < rounds; ++k) {
     const uint64_t g = ch.round + k;
     const size_t lo = k * chunk;
     ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
-    wait_slot_free(ctx, ch, g);
-    std::byte* my_slot = ch.slot(me, g);
-    for (int s = 0; s < n; ++s) {
-      const size_t ss = static_cast<size_t>(s);
-      const size_t len = clamp_len(counts[ss], lo, chunk);
-      if (s == me || len == 0) continue;
-      std::memcpy(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
+    if (!staged) {
+      wait_slot_free(ctx, ch, g);
+      copy_blocks_in(ch, g, send, counts, offs, chunk, elem, k);
+      raise(ch, &Control::published, g + 1);
+      wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
-    raise(ch, &Control::published, g + 1);
-    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     const size_t my_len = clamp_len(counts[mine], lo, chunk);
     if (my_len > 0) {
       srcs[0] = at(send, (offs[mine] + lo) * elem);
@@ -295,10 +363,21 @@ CollectiveCost shm_reduce_scatterv_cost(int n, int rank, std::span<const size_t>
           static_cast<uint64_t>(n - 1) * mine * elem_bytes};
 }
 
+bool shm_stage_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* send,
+                               std::span<const size_t> counts, DType dtype) {
+  const size_t elem = dtype_size(dtype);
+  const size_t chunk = shard_chunk(ch.slot_bytes(), ch.size(), elem);
+  const size_t most = *std::max_element(counts.begin(), counts.end());
+  if (ch.size() == 1 || most == 0 || most > chunk) return false;
+  wait_slot_free(ctx, ch, ch.round);
+  copy_blocks_in(ch, ch.round, send, counts, prefix_offsets(counts), chunk, elem, 0);
+  return true;
+}
+
 // ---- all-gather ---------------------------------------------------------------
 
 void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                     std::span<const size_t> counts, size_t elem_bytes) {
+                     std::span<const size_t> counts, size_t elem_bytes, bool staged) {
   const int n = ch.size();
   const int me = ch.rank();
   const std::vector<size_t> offs = prefix_offsets(counts);
@@ -309,15 +388,18 @@ void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, v
   const size_t chunk = ch.slot_bytes();
   const uint64_t rounds =
       ceil_div(*std::max_element(counts.begin(), counts.end()) * elem_bytes, chunk);
+  MT_CHECK(!staged || rounds == 1, "staged all-gather needs one round, has {}", rounds);
   for (uint64_t k = 0; k < rounds; ++k) {
     const uint64_t g = ch.round + k;
     const size_t lo = k * chunk;
     ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
-    wait_slot_free(ctx, ch, g);
     const size_t my_len = clamp_len(my_bytes, lo, chunk);
-    std::memcpy(ch.slot(me, g), own + lo, my_len);
-    raise(ch, &Control::published, g + 1);
-    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
+    if (!staged) {
+      wait_slot_free(ctx, ch, g);
+      std::memcpy(ch.slot(me, g), own + lo, my_len);
+      raise(ch, &Control::published, g + 1);
+      wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
+    }
     for (int q : ch.peers()) {
       const size_t qq = static_cast<size_t>(q);
       const size_t len = clamp_len(counts[qq] * elem_bytes, lo, chunk);
@@ -341,14 +423,26 @@ CollectiveCost shm_all_gatherv_cost(int n, int rank, std::span<const size_t> cou
           (total - mine) * elem_bytes};
 }
 
+bool shm_stage_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send,
+                           std::span<const size_t> counts, size_t elem_bytes) {
+  const size_t most = *std::max_element(counts.begin(), counts.end()) * elem_bytes;
+  if (ch.size() == 1 || most == 0 || most > ch.slot_bytes()) return false;
+  wait_slot_free(ctx, ch, ch.round);
+  std::memcpy(ch.slot(ch.rank(), ch.round), send,
+              counts[static_cast<size_t>(ch.rank())] * elem_bytes);
+  return true;
+}
+
 // ---- broadcast ----------------------------------------------------------------
 
-void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t bytes, int root) {
+void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t bytes, int root,
+                   bool staged) {
   const int n = ch.size();
   const int me = ch.rank();
   if (n == 1) return;
   const size_t chunk = ch.slot_bytes();
   const uint64_t rounds = ceil_div(bytes, chunk);
+  MT_CHECK(!staged || rounds == 1, "staged broadcast needs one round, has {}", rounds);
   const std::vector<int> from_root = {root};
   for (uint64_t k = 0; k < rounds; ++k) {
     const uint64_t g = ch.round + k;
@@ -356,12 +450,14 @@ void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t byt
     const size_t len = clamp_len(bytes, lo, chunk);
     ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
     if (me == root) {
-      wait_slot_free(ctx, ch, g);
-      std::memcpy(ch.slot(me, g), at(buf, lo), len);
-      raise(ch, &Control::published, g + 1);
+      if (!staged) {
+        wait_slot_free(ctx, ch, g);
+        std::memcpy(ch.slot(me, g), at(buf, lo), len);
+        raise(ch, &Control::published, g + 1);
+      }
       for (int q : ch.peers()) ctx.count_sent(q, len);
     } else {
-      wait_flags(ctx, ch, &Control::published, g + 1, from_root);
+      if (!staged) wait_flags(ctx, ch, &Control::published, g + 1, from_root);
       std::memcpy(at(buf, lo), ch.slot(root, g), len);
       ctx.count_received(root, len);
     }
@@ -375,6 +471,16 @@ CollectiveCost shm_broadcast_cost(int n, int rank, size_t bytes, int root, size_
   const int64_t rounds = static_cast<int64_t>(ceil_div(bytes, slot_bytes));
   if (rank == root) return {rounds, static_cast<uint64_t>(n - 1) * bytes, 0};
   return {rounds, 0, bytes};
+}
+
+bool shm_stage_broadcast(CollectiveContext& ctx, ShmChannel& ch, const void* buf, size_t bytes,
+                         int root) {
+  if (ch.size() == 1 || bytes == 0 || bytes > ch.slot_bytes()) return false;
+  if (ch.rank() == root) {
+    wait_slot_free(ctx, ch, ch.round);
+    std::memcpy(ch.slot(root, ch.round), buf, bytes);
+  }
+  return true;
 }
 
 // ---- barrier and handshake ------------------------------------------------------

@@ -97,6 +97,9 @@ class Transport {
   virtual int size() const = 0;
   virtual std::string backend() const = 0;  // "self", "local", "mpi"
 
+  // Ranks of this transport on this rank's node (sets how waits spin).
+  virtual int ranks_on_node() const { return size(); }
+
   // Largest tag isend/irecv accept (at least 2^30 - 1).
   virtual uint32_t max_tag() const { return (1u << 30) - 1; }
   // Starts a message of `bytes` bytes to / from `peer` (a rank of this

@@ -277,6 +277,11 @@ SharedArena* MpiTransport::arena() {
   return arena_.get();
 }
 
+int MpiTransport::ranks_on_node() const {
+  return static_cast<int>(
+      std::count_if(peers_.begin(), peers_.end(), [](const Peer& p) { return p.same_host; }));
+}
+
 void MpiTransport::mark_broken(const std::string& /*why*/) {
   broken_ = true;
 }

@@ -38,6 +38,7 @@ class MpiTransport : public Transport {
   int size() const override { return size_; }
   std::string backend() const override { return "mpi"; }
   uint32_t max_tag() const override { return max_tag_; }
+  int ranks_on_node() const override;
   std::unique_ptr<TransportRequest> isend(int peer, uint32_t tag, const void* buf,
                                           size_t bytes) override;
   std::unique_ptr<TransportRequest> irecv(int peer, uint32_t tag, void* buf, size_t bytes) override;
