@@ -5,6 +5,7 @@
 #include "meshtrain/cli/config.h"
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
+#include "meshtrain/comm/backends/mpi/mpi_communicator.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
@@ -37,15 +38,33 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     relaunch_under_mpirun(nproc, args);
   }
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
+  if (!opts.trace_path.empty()) rc.train.dist.trace_path = opts.trace_path;
   rc.train.progress = !opts.quiet;
+
+  // Under an MPI launcher every process is one data-parallel rank.
+  std::unique_ptr<Communicator> comm;
+  if (launched_by_mpi()) {
+    CommOptions co;
+    co.timeout = std::chrono::milliseconds(rc.timeout_s * 1000);
+    co.on_stall = [](const std::string& report) {
+      fmt::print(stderr, "meshtrain: stall: {}\n", report);
+    };
+    comm = make_mpi_communicator(co);
+  }
+  const bool leader = comm == nullptr || comm->rank() == 0;
+  if (!leader) rc.train.progress = false;
+
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
   auto test_data = open_dataset(rc.data, rc.model, DataSplit::test);
-  if (!opts.quiet) {
-    fmt::print(stderr, "meshtrain: training {} on {} ({} threads, {})\n", rc.model.kind,
-               train_data->describe(), rc.train.threads, dtype_name(rc.train.precision));
+  if (!opts.quiet && leader) {
+    fmt::print(stderr, "meshtrain: training {} on {} ({} rank{}, ZeRO stage {}, {} threads, {})\n",
+               rc.model.kind, train_data->describe(), comm ? comm->size() : 1,
+               comm && comm->size() > 1 ? "s" : "", rc.train.dist.dp.stage, rc.train.threads,
+               dtype_name(rc.train.precision));
   }
-  Trainer trainer(rc.model, train_data, test_data, rc.train);
+  Trainer trainer(rc.model, train_data, test_data, rc.train, comm.get());
   TrainResult r = trainer.run();
+  if (!leader) return 0;
   fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,
              r.samples_per_s);
   if (rc.train.eval) {

@@ -11,7 +11,8 @@ struct CommandOptions {
   std::string config_path;
   std::vector<std::string> overrides;  // "section.key=value"
   std::string metrics_path;
-  int nproc = 0;  // 0: from the config (dist.nproc)
+  std::string trace_path;  // Chrome-trace JSON of every rank (merged)
+  int nproc = 0;           // 0: from the config (dist.nproc)
   bool quiet = false;
 };
 

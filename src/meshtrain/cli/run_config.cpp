@@ -1,5 +1,7 @@
 #include "meshtrain/cli/run_config.h"
 
+#include <chrono>
+
 #include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
 
@@ -106,6 +108,21 @@ RunConfig read_run_config(const Config& c) {
   r.data = read_data(c, r.model);
   r.train = read_train(c);
   r.nproc = static_cast<int>(c.get_int("dist.nproc", 1, Bounds<int64_t>::in(1, 1024)));
+  DistOptions& d = r.train.dist;
+  d.dp.stage = static_cast<int>(c.get_int("dist.zero_stage", 0, Bounds<int64_t>::in(0, 3)));
+  d.dp.bucket_bytes = static_cast<int64_t>(
+      c.get_double("dist.bucket_mb", 25.0, Bounds<double>::positive()) * 1024 * 1024);
+  d.dp.overlap = c.get_bool("dist.overlap", true);
+  d.dp.accumulation_steps =
+      static_cast<int>(c.get_int("dist.accumulation_steps", 1, Bounds<int64_t>::in(1, 4096)));
+  d.batch_shares = c.get_int_list("dist.batch_shares", {}, Bounds<int64_t>::positive());
+  d.consistency_every = c.get_int("dist.consistency_every", 100, Bounds<int64_t>::non_negative());
+  d.straggler_report = c.get_bool("dist.straggler_report", true);
+  d.straggler_threshold =
+      c.get_double("dist.straggler_threshold", 1.2, Bounds<double>::at_least(1.0));
+  d.trace_path = c.get_string("dist.trace", "");
+  r.timeout_s = c.get_int("dist.timeout_s", 300, Bounds<int64_t>::positive());
+  d.dp.collective.timeout = std::chrono::milliseconds(r.timeout_s * 1000);
   c.check_all_used();
   return r;
 }

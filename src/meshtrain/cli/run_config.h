@@ -27,6 +27,7 @@ struct RunConfig {
   DataSpec data;
   TrainerOptions train;
   int nproc = 1;
+  int64_t timeout_s = 300;  // every collective's deadline
 };
 
 // Reads every known key; throws ConfigError for wrong values and, at the end,

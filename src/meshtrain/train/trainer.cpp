@@ -7,14 +7,18 @@
 #include <map>
 
 #include "meshtrain/base/timer.h"
+#include "meshtrain/comm/backends/self/self_transport.h"
 #include "meshtrain/data/loader.h"
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/builder.h"
+#include "meshtrain/sync/consistency.h"
+#include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/progress.h"
+#include "meshtrain/train/timeline.h"
 #include "meshtrain/train/train_state.h"
 
 namespace mt {
@@ -38,6 +42,21 @@ int64_t peak_rss_bytes() {
   return static_cast<int64_t>(ru.ru_maxrss) * 1024;
 }
 
+// Rows [begin, begin + n) of a batch tensor, as a view (the batch outlives it).
+Tensor rows(const Tensor& t, int64_t begin, int64_t n) {
+  std::vector<int64_t> dims = t.shape().dims();
+  const int64_t row = t.shape().prod(1, t.rank()) * static_cast<int64_t>(dtype_size(t.dtype()));
+  dims[0] = n;
+  auto* base = static_cast<char*>(const_cast<void*>(t.raw()));
+  return Tensor::wrap(base + begin * row, Shape(dims), t.dtype());
+}
+
+ParamLayout layout_of(const ParamStore& store) {
+  ParamLayout l;
+  for (const auto& e : store.entries()) l.push_back(ParamLayoutEntry{e.name, e.shape, e.offset});
+  return l;
+}
+
 // A forward-only copy of the model at one batch size, sharing the trainer's
 // parameters, for evaluation.
 struct EvalModel {
@@ -51,38 +70,74 @@ struct Trainer::Impl {
   ModelSpec spec;
   TrainerOptions o;
   std::shared_ptr<const Dataset> train_data, test_data;
+  std::unique_ptr<Communicator> own_comm;  // world size 1 when no group is given
+  Communicator* comm = nullptr;
+  int rank = 0, world = 1;
 
   ModelGraph model;
   ValueId loss_scale_in = kNoValue;  // f16 only: the scalar the loss is multiplied by
   Tensor loss_scale;
   std::unique_ptr<Executor> exec;
   std::unique_ptr<ParamStore> store;
-  std::vector<ParamRef> refs;
+  std::unique_ptr<DataParallel> dp;
   std::unique_ptr<DataLoader> loader;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<LrSchedule> schedule;
   DynamicLossScaler scaler;
   std::map<int64_t, EvalModel> eval_models;
+  Timeline timeline;
+  std::unique_ptr<ConsistencyChecker> consistency;
+  std::unique_ptr<StragglerDetector> straggler;
+  int64_t local_batch = 0;  // this rank's share of each global batch
+  int64_t micro_batch = 0;  // local_batch / accumulation steps
   int64_t total_steps = 0;
   int64_t step = 0;  // optimizer steps completed
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
-       TrainerOptions opts)
+       TrainerOptions opts, Communicator* group)
       : spec(s),
         o(std::move(opts)),
         train_data(std::move(tr)),
         test_data(std::move(te)),
-        scaler(o.loss_scaler) {
+        scaler(o.loss_scaler),
+        timeline(TimelineOptions{!o.dist.trace_path.empty()}) {
     if (o.precision != DType::f32 && o.precision != DType::bf16 && o.precision != DType::f16) {
       throw ConfigError(fmt::format("train.precision: expected f32, bf16 or f16, got {}",
                                     dtype_name(o.precision)));
     }
-    if (o.threads < 1)
+    if (o.threads < 1) {
       throw ConfigError(fmt::format("train.threads: must be >= 1, got {}", o.threads));
+    }
+    if (group == nullptr) {
+      own_comm = make_self_communicator();
+      group = own_comm.get();
+    }
+    comm = group;
+    rank = comm->rank();
+    world = comm->size();
     kernels(o.exec.backend).set_num_threads(o.threads);
     spec.compute = o.precision;
 
-    model = build_model(spec, o.batch_size);
+    // This rank's slice of every global batch, split into micro-batches.
+    LoaderOptions lo;
+    lo.batch_size = o.batch_size;
+    lo.seed = o.seed;
+    lo.rank = rank;
+    lo.world_size = world;
+    lo.shares = o.dist.batch_shares;
+    loader = std::make_unique<DataLoader>(*train_data, lo);
+    auto [lb, le] = loader->local_range(o.batch_size);
+    local_batch = le - lb;
+    const int k = o.dist.dp.accumulation_steps;
+    if (k < 1 || local_batch % k != 0) {
+      throw ConfigError(fmt::format(
+          "dist.accumulation_steps: rank {} gets {} of each global batch of {} (train.batch_size, "
+          "dist.batch_shares), which {} micro-steps cannot split evenly",
+          rank, local_batch, o.batch_size, k));
+    }
+    micro_batch = local_batch / k;
+
+    model = build_model(spec, micro_batch);
     ValueId objective = model.loss;
     if (o.precision == DType::f16) {
       Builder b(model.graph);
@@ -95,15 +150,9 @@ struct Trainer::Impl {
     eo.outputs.push_back(model.loss);  // the unscaled loss, for metrics
     exec = std::make_unique<Executor>(model.graph, eo);
     store = std::make_unique<ParamStore>(model.graph, o.seed);
-    store->bind(*exec, model.graph, /*with_grads=*/true);
     for (auto& [id, t] : model.constants) exec->bind(id, t);
     if (loss_scale_in != kNoValue) exec->bind(loss_scale_in, loss_scale);
-    for (auto& e : store->entries()) refs.push_back(ParamRef{e.name, e.value, e.grad});
 
-    LoaderOptions lo;
-    lo.batch_size = o.batch_size;
-    lo.seed = o.seed;
-    loader = std::make_unique<DataLoader>(*train_data, lo);
     total_steps = o.epochs * loader->steps_per_epoch();
     if (o.max_steps > 0) total_steps = std::min(total_steps, o.max_steps);
     if (total_steps <= 0) {
@@ -116,7 +165,35 @@ struct Trainer::Impl {
     so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
     schedule = std::make_unique<LrSchedule>(so);
     optimizer = make_optimizer(o.optimizer, o.optim);
+    // Parameters (and optimizer state) must be final before DataParallel
+    // copies its shard out of them (ZeRO-3).
     if (!o.resume_path.empty()) resume(o.resume_path);
+
+    dp = std::make_unique<DataParallel>(*comm, layout_of(*store), store->flat_values(), o.dist.dp);
+    dp->attach(*exec, model.graph);
+    optimizer->set_norm_reducer(dp->norm_reducer());
+
+    if (timeline.enabled()) timeline.align(*comm);
+    if (world > 1 && o.dist.consistency_every > 0 && o.dist.dp.stage < 3) {
+      ConsistencyChecker::NamedTensors named;
+      for (auto& e : store->entries()) named.emplace_back(e.name, e.value);
+      ConsistencyOptions co;
+      co.every_steps = o.dist.consistency_every;
+      consistency = std::make_unique<ConsistencyChecker>(*comm, std::move(named), co);
+    }
+    if (world > 1 && o.dist.straggler_report) {
+      StragglerOptions so2;
+      so2.threshold = o.dist.straggler_threshold;
+      straggler = std::make_unique<StragglerDetector>(*comm, so2);
+    }
+  }
+
+  bool leader() const { return rank == 0; }
+
+  // Whole parameters into the store's flat buffer (a no-op but for ZeRO-3,
+  // where the store's copy is stale after construction).
+  void sync_store() {
+    if (o.dist.dp.stage == 3) dp->gather_params(store->flat_values());
   }
 
   TrainState make_state() {
@@ -133,7 +210,14 @@ struct Trainer::Impl {
     return st;
   }
 
-  void save(const std::string& path) { save_train_state(path, make_state()); }
+  void save(const std::string& path) {
+    sync_store();
+    if (world > 1) {
+      throw ConfigError(fmt::format(
+          "train.checkpoint: {} ranks cannot write the single-file checkpoint format", world));
+    }
+    save_train_state(path, make_state());
+  }
 
   void resume(const std::string& path) {
     TrainState st;
@@ -151,49 +235,101 @@ struct Trainer::Impl {
     EvalModel em;
     em.model = build_model(spec, batch);
     ExecOptions eo = o.exec;
-    eo.outputs = {em.model.logits};
+    eo.outputs = {em.model.logits, em.model.loss};
     eo.recompute = false;
     em.exec = std::make_unique<Executor>(em.model.graph, eo);
-    store->bind(*em.exec, em.model.graph, /*with_grads=*/false);
+    dp->attach(*em.exec, em.model.graph);
     for (auto& [id, t] : em.model.constants) em.exec->bind(id, t);
     return eval_models.emplace(batch, std::move(em)).first->second;
   }
 
+  // Each rank evaluates a contiguous slice of every test batch; sums are
+  // combined across ranks.
   std::pair<double, double> evaluate() {
     LoaderOptions lo;
     lo.batch_size = std::min<int64_t>(o.eval_batch_size, test_data->size());
     lo.shuffle = false;
     lo.drop_last = false;
+    lo.rank = rank;
+    lo.world_size = world;
     DataLoader tl(*test_data, lo);
-    double loss_sum = 0;
-    int64_t correct = 0, count = 0;
+    double sums[3] = {0, 0, 0};  // loss * rows, correct, rows
     for (int64_t s = 0; s < tl.steps_per_epoch(); ++s) {
       Batch b = tl.batch(0, s);
       const int64_t n = b.size();
+      if (n == 0) continue;
       EvalModel& em = eval_model(n);
       const Graph& g = em.model.graph;
       em.exec->bind(em.model.x, b.x.reshape(g.value(em.model.x).shape));
       em.exec->bind(em.model.y, b.y);
       em.exec->run_forward();
       Tensor logits = em.exec->get(em.model.logits);
-      const int64_t rows = logits.shape()[0], classes = logits.shape()[1];
-      loss_sum += em.exec->get(em.model.loss).item() * static_cast<double>(rows);
+      const int64_t rws = logits.shape()[0], classes = logits.shape()[1];
+      sums[0] += em.exec->get(em.model.loss).item() * static_cast<double>(rws);
       const float* l = logits.data<float>();
       const int32_t* y = b.y.data<int32_t>();
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < rws; ++r) {
         const float* row = l + r * classes;
         const int64_t arg = std::max_element(row, row + classes) - row;
-        correct += arg == y[r] ? 1 : 0;
+        sums[1] += arg == y[r] ? 1 : 0;
       }
-      count += rows;
+      sums[2] += static_cast<double>(rws);
     }
-    return {loss_sum / static_cast<double>(count),
-            static_cast<double>(correct) / static_cast<double>(count)};
+    comm->all_reduce(sums, sums, 3, DType::f64);
+    return {sums[0] / sums[2], sums[1] / sums[2]};
+  }
+
+  // One optimizer step over K micro-batches; returns the mean loss over the
+  // global batch (the same number on every rank).
+  double train_step(int64_t epoch, int64_t s) {
+    Batch b = loader->batch(epoch, s);
+    const int k = o.dist.dp.accumulation_steps;
+    // Each micro-batch's share of the global batch: the gradients of the
+    // per-micro-batch mean losses, weighted by it and summed over ranks and
+    // micro-steps, are the gradient of the global mean loss.
+    const double weight = static_cast<double>(micro_batch) / static_cast<double>(o.batch_size);
+    const int64_t y_per_example = b.y.numel() / local_batch;  // 1, or T for text
+    double loss = 0;
+    for (int m = 0; m < k; ++m) {
+      auto span = timeline.span("forward+backward", "step");
+      exec->bind(model.x,
+                 rows(b.x, m * micro_batch, micro_batch).reshape(model.graph.value(model.x).shape));
+      exec->bind(model.y, rows(b.y, m * micro_batch * y_per_example, micro_batch * y_per_example));
+      if (loss_scale_in != kNoValue) loss_scale.fill(scaler.scale());
+      dp->begin_micro_step(weight);
+      exec->run();
+      loss += weight * exec->get(model.loss).item();
+      span.end();
+      auto wait = timeline.span("gradient sync", "wait", Timeline::kWait);
+      dp->end_micro_step();
+    }
+    comm->all_reduce(&loss, &loss, 1, DType::f64);
+    if (!std::isfinite(loss) && o.precision != DType::f16) {
+      throw Error(
+          fmt::format("training diverged: loss is {} at step {} (epoch {}); lower "
+                      "optim.lr or enable optim.clip_grad_norm",
+                      loss, step, epoch));
+    }
+    const double lr = schedule->lr_at(step);
+    auto span = timeline.span("optimizer", "optimizer");
+    dp->step([&](std::span<ParamSlice> slices) {
+      std::vector<ParamRef> refs;
+      refs.reserve(slices.size());
+      for (ParamSlice& p : slices) refs.push_back(ParamRef{p.name, p.param, p.grad, p.full_rank()});
+      bool apply = true;
+      if (o.precision == DType::f16) {
+        apply = scaler.update(scaler.unscale_and_check(refs, dp->norm_reducer()));
+      }
+      if (!apply) return;
+      if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, dp->norm_reducer());
+      optimizer->step(refs, lr);
+    });
+    return loss;
   }
 
   TrainResult run() {
-    MetricsWriter metrics(o.metrics_path);
-    Progress progress(total_steps, o.log_every, o.progress);
+    MetricsWriter metrics(leader() ? o.metrics_path : std::string());
+    Progress progress(total_steps, o.log_every, o.progress && leader());
     TrainResult r;
     std::vector<double> rates;
     const int64_t spe = loader->steps_per_epoch();
@@ -203,37 +339,33 @@ struct Trainer::Impl {
         o.halt_after > 0 ? std::min(total_steps, first + o.halt_after) : total_steps;
     for (; step < stop;) {
       const int64_t epoch = step / spe, s = step % spe;
-      Batch b = loader->batch(epoch, s);
-      Stopwatch sw;
-      exec->bind(model.x, b.x.reshape(model.graph.value(model.x).shape));
-      exec->bind(model.y, b.y);
-      if (loss_scale_in != kNoValue) loss_scale.fill(scaler.scale());
-      exec->run();
-      const double loss = exec->get(model.loss).item();
-      if (!std::isfinite(loss) && o.precision != DType::f16) {
-        throw Error(
-            fmt::format("training diverged: loss is {} at step {} (epoch {}); lower "
-                        "optim.lr or enable optim.clip_grad_norm",
-                        loss, step, epoch));
-      }
-      bool apply = true;
-      if (o.precision == DType::f16) apply = scaler.update(scaler.unscale_and_check(refs));
       const double lr = schedule->lr_at(step);
-      if (apply) {
-        if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm);
-        optimizer->step(refs, lr);
-      }
+      const double wait_before = dp->stats().wait_seconds;
+      Stopwatch sw;
+      const double loss = train_step(epoch, s);
       const double dt = sw.seconds();
-      const double rate = static_cast<double>(b.size()) / dt;
+      const double rate = static_cast<double>(o.batch_size) / dt;
       if (step - first >= kWarmupSteps) rates.push_back(rate);
-      if (step - first == kWarmupSteps) exec->reset_profile();
+      if (step - first == kWarmupSteps) {
+        exec->reset_profile();
+        dp->reset_stats();
+      }
       r.losses.push_back(loss);
       r.final_loss = loss;
       ++step;
       evaluated_last = false;
-      if (step % o.log_every == 0 || step == stop) {
-        metrics.write({{"step", step}, {"loss", loss}, {"samples_per_s", rate}, {"lr", lr}});
+      nlohmann::json line = {{"step", step}, {"loss", loss}, {"samples_per_s", rate}, {"lr", lr}};
+      if (straggler) {
+        const double compute = dt - (dp->stats().wait_seconds - wait_before);
+        StragglerReport rep = straggler->report(step, compute);
+        if (rep.exchanged && !rep.seconds.empty()) line["rank_step_s"] = rep.seconds.back();
+        for (const std::string& msg : rep.messages) {
+          progress.message("meshtrain: " + msg);
+          metrics.write({{"step", step}, {"straggler", msg}});
+        }
       }
+      if (consistency) consistency->maybe_check(step);
+      if (step % o.log_every == 0 || step == stop) metrics.write(line);
       progress.update(step - 1, loss, rate, lr);
       if (o.eval && (step % spe == 0)) {
         auto [tl, ta] = evaluate();
@@ -258,6 +390,8 @@ struct Trainer::Impl {
       r.test_accuracy = ta;
     }
     if (!o.checkpoint_path.empty()) save(o.checkpoint_path);
+    sync_store();
+    if (timeline.enabled()) timeline.merge_and_write(*comm, o.dist.trace_path);
 
     r.steps = step;
     r.samples_per_s = median(rates);
@@ -270,16 +404,28 @@ struct Trainer::Impl {
     }
     r.matmul_gflops = mm_ns > 0 ? mm_flops / mm_ns : 0.0;
     r.planned_arena_bytes = exec->memory_plan().arena_bytes;
-    nlohmann::json summary = {{"summary", true},
-                              {"steps", r.steps},
-                              {"final_loss", r.final_loss},
-                              {"samples_per_s", r.samples_per_s},
-                              {"matmul_gflops", r.matmul_gflops},
-                              {"planned_arena_bytes", r.planned_arena_bytes},
-                              {"param_bytes", store->numel() * 4},
-                              {"peak_rss_bytes", peak_rss_bytes()},
-                              {"threads", o.threads},
-                              {"precision", std::string(dtype_name(o.precision))}};
+    r.memory = dp->memory(static_cast<int>(optimizer->state_kinds().size()));
+    const DataParallelStats st = dp->stats();
+    nlohmann::json summary = {
+        {"summary", true},
+        {"steps", r.steps},
+        {"final_loss", r.final_loss},
+        {"samples_per_s", r.samples_per_s},
+        {"matmul_gflops", r.matmul_gflops},
+        {"planned_arena_bytes", r.planned_arena_bytes},
+        {"allocated_arena_bytes", exec->allocated_arena_bytes()},
+        {"param_bytes", store->numel() * 4},
+        {"peak_rss_bytes", peak_rss_bytes()},
+        {"threads", o.threads},
+        {"world_size", world},
+        {"zero_stage", o.dist.dp.stage},
+        {"comm_wait_s_per_step",
+         st.steps > 0 ? st.wait_seconds / static_cast<double>(st.steps) : 0.0},
+        {"dp_param_bytes", r.memory.param_bytes},
+        {"dp_grad_bytes", r.memory.grad_bytes},
+        {"dp_optimizer_bytes", r.memory.optimizer_bytes},
+        {"dp_buffer_bytes", r.memory.buffer_bytes()},
+        {"precision", std::string(dtype_name(o.precision))}};
     if (o.eval) {
       summary["test_loss"] = r.test_loss;
       summary["test_accuracy"] = r.test_accuracy;
@@ -290,9 +436,10 @@ struct Trainer::Impl {
 };
 
 Trainer::Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
-                 std::shared_ptr<const Dataset> test_data, TrainerOptions options)
+                 std::shared_ptr<const Dataset> test_data, TrainerOptions options,
+                 Communicator* comm)
     : impl_(std::make_unique<Impl>(model, std::move(train_data), std::move(test_data),
-                                   std::move(options))) {}
+                                   std::move(options), comm)) {}
 Trainer::~Trainer() = default;
 TrainResult Trainer::run() {
   return impl_->run();
@@ -307,7 +454,15 @@ const MemoryPlan& Trainer::memory_plan() const {
   return impl_->exec->memory_plan();
 }
 ParamStore& Trainer::params() {
+  impl_->sync_store();
   return *impl_->store;
+}
+Tensor Trainer::gather_params() {
+  impl_->sync_store();
+  return impl_->store->flat_values();
+}
+DataParallel& Trainer::data_parallel() {
+  return *impl_->dp;
 }
 
 }  // namespace mt

@@ -17,14 +17,36 @@
 #include <string>
 #include <vector>
 
+#include "meshtrain/comm/communicator.h"
 #include "meshtrain/data/dataset.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/models/model.h"
+#include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/train/loss_scaler.h"
 #include "meshtrain/train/lr_schedule.h"
 #include "meshtrain/train/optimizer.h"
 
 namespace mt {
+
+// How data-parallel ranks cooperate (ignored at world size 1 except for
+// accumulation and bucket settings, which then still apply).
+struct DistOptions {
+  DataParallelOptions dp;  // ZeRO stage, bucket size, overlap, accumulation steps
+  // Per-rank integer shares of each global batch (e.g. {2, 1} for a device
+  // twice as fast as the other); empty = equal. Gradients are weighted so the
+  // result equals the even global batch.
+  std::vector<int64_t> batch_shares;
+  // Every K steps, replicas compare checksums of their parameters and stop
+  // with an error naming the first tensor that differs (0 = never).
+  int64_t consistency_every = 100;
+  // Report ranks persistently slower than the others (median step time over
+  // a window of steps, threshold x the others' median).
+  bool straggler_report = true;
+  double straggler_threshold = 1.2;
+  // Chrome-trace JSON of every rank's operators, collectives and waits,
+  // merged into one file by rank 0 (empty = no trace).
+  std::string trace_path;
+};
 
 struct TrainerOptions {
   int64_t epochs = 1;
@@ -52,6 +74,7 @@ struct TrainerOptions {
   double clip_grad_norm = 0.0;  // 0: no clipping
   LossScalerOptions loss_scaler;
   ExecOptions exec;
+  DistOptions dist;
 };
 
 struct TrainResult {
@@ -62,28 +85,36 @@ struct TrainResult {
   double samples_per_s = 0;  // median over steps after warm-up
   double matmul_gflops = 0;  // matmul FLOPs / matmul time inside training steps
   int64_t planned_arena_bytes = 0;
-  std::vector<double> losses;  // per step
+  std::vector<double> losses;  // per step: mean loss over the global batch
+  DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
 };
 
 class Trainer {
  public:
   // Builds the graphs and loaders; throws ConfigError / ShapeError /
   // FileError / CheckpointError for bad options, models or files.
+  // comm: the data-parallel group (every rank constructs a Trainer with the
+  // same options); nullptr trains in this process alone.
   Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
-          std::shared_ptr<const Dataset> test_data, TrainerOptions options);
+          std::shared_ptr<const Dataset> test_data, TrainerOptions options,
+          Communicator* comm = nullptr);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
   TrainResult run();
 
-  // Evaluates on the whole test split: {loss, accuracy}.
+  // Evaluates on the whole test split (each rank a slice, results
+  // combined; collective): {loss, accuracy}.
   std::pair<double, double> evaluate();
 
   // The training graph (forward + backward) and its executor's memory plan.
   const Graph& train_graph() const;
   const MemoryPlan& memory_plan() const;
   class ParamStore& params();
+  // The current whole parameters, flat (collective under ZeRO-3).
+  Tensor gather_params();
+  DataParallel& data_parallel();
 
  private:
   struct Impl;
