@@ -6,6 +6,8 @@
 // bitwise.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <fmt/format.h>
 
 #include "dp_harness.h"
@@ -56,6 +58,8 @@ void check_cases(const std::string& optimizer, const std::vector<Case>& cases) {
     run.local.comm.timeout = std::chrono::milliseconds(20'000);
     const DpResult got = run_data_parallel(s, run);
     const Divergence d = compare(s, got.params, want);
+    std::printf("%s, %s: max relative difference %.3g\n", optimizer.c_str(), name(c).c_str(),
+                d.worst);
     if (c.world == 1) {
       EXPECT_EQ(d.worst, 0.0) << optimizer << ", " << name(c) << ": world size 1 differs at "
                               << d.where;

@@ -26,8 +26,9 @@ int64_t image_numel(const ModelSpec& s) {
   return s.image_channels * s.image_size * s.image_size;
 }
 
-ExecOptions exec_options() {
+ExecOptions exec_options(bool recompute) {
   ExecOptions o;
+  o.recompute = recompute;
   o.backend = "reference";  // the fast backend is process-wide, not for rank threads
   o.profile = false;
   return o;
@@ -38,9 +39,9 @@ struct Model {
   ModelGraph m;
   std::unique_ptr<Executor> exec;
 
-  Model(const ModelSpec& spec, int64_t batch) : m(build_model(spec, batch)) {
+  Model(const ModelSpec& spec, int64_t batch, bool recompute) : m(build_model(spec, batch)) {
     build_backward(m.graph, m.loss);
-    exec = std::make_unique<Executor>(m.graph, exec_options());
+    exec = std::make_unique<Executor>(m.graph, exec_options(recompute));
     for (auto& [id, t] : m.constants) exec->bind(id, t);
   }
   void feed(const Batch& b) {
@@ -158,7 +159,7 @@ Trajectory run_reference(const TrainSetup& s) {
   lo.batch_size = s.global_batch;
   lo.seed = s.seed;
   DataLoader loader(data, lo);
-  Model model(s.spec, s.global_batch);
+  Model model(s.spec, s.global_batch, s.recompute);
   ParamStore store(model.m.graph, s.seed);
   store.bind(*model.exec, model.m.graph, /*with_grads=*/true);
   std::unique_ptr<Optimizer> opt = make_optimizer(s.optimizer, s.optim);
@@ -201,7 +202,7 @@ DpResult run_data_parallel(const TrainSetup& s, const DpRun& run) {
     lo.shares = run.shares;
     DataLoader loader(data, lo);
     const int64_t local = loader.batch(0, 0).size();
-    Model model(s.spec, local);
+    Model model(s.spec, local, s.recompute);
     ParamStore store(model.m.graph, s.seed);
     DataParallel dp(comm, layout_of(store), store.flat_values(), run.dp);
     dp.attach(*model.exec, model.m.graph);
@@ -214,7 +215,10 @@ DpResult run_data_parallel(const TrainSetup& s, const DpRun& run) {
       for (int k = 0; k < K; ++k) {
         const Batch b = loader.batch(0, step * K + k);
         model.feed(b);
-        dp.begin_micro_step(static_cast<double>(b.size()) / static_cast<double>(s.global_batch));
+        const double w = s.equal_weights
+                             ? 1.0 / static_cast<double>(comm.size() * K)
+                             : static_cast<double>(b.size()) / static_cast<double>(s.global_batch);
+        dp.begin_micro_step(w);
         model.exec->run();
         dp.end_micro_step();
       }

@@ -43,7 +43,11 @@ struct TrainSetup {
   OptimizerOptions optim;
   double lr = 0.05;
   uint64_t seed = 7;
-  double clip = 0;  // > 0: clip_grad_norm through the data-parallel norm reducer
+  double clip = 0;         // > 0: clip_grad_norm through the data-parallel norm reducer
+  bool recompute = false;  // ExecOptions::recompute (backward re-reads norm parameters)
+  // Test of the test: every rank weighs its gradient 1 / (world * K)
+  // instead of by its share of the global batch (wrong for uneven shares).
+  bool equal_weights = false;
 };
 
 // Flat parameters (ParamStore layout) after each step.

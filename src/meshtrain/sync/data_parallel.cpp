@@ -271,6 +271,10 @@ void DataParallel::end_micro_step() {
         "run() on the attached training executor?)",
         m.step, missing));
   }
+  for (size_t b = 0; b < m.gathered.size(); ++b) {
+    MT_CHECK(m.gathered[b].buffer < 0, "bucket {} ({}) is still gathered after backward", b,
+             p.bucket_params(static_cast<int>(b)));
+  }
   ++m.micro;
   ++m.stats.micro_steps;
   if (m.micro < m.opt.accumulation_steps) return;

@@ -142,6 +142,7 @@ void DataParallel::Impl::start_gather(DpAttachment& a, int bucket, int phase) {
   gs.buffer = gather_pool.acquire(b.numel());
   gs.users_left = a.users[phase][idx(bucket)];
   gs.pending = true;
+  gs.used = false;
   with_comm_context(context(bucket, "all_gatherv of parameters"), [&] {
     gs.handle =
         comm.all_gatherv_async(shard_params.data<float>() + b.shard_offset,
@@ -173,6 +174,12 @@ void DataParallel::Impl::acquire(DpAttachment& a, ValueId param, bool backward) 
   const BucketInfo& b = plan.buckets()[idx(bucket)];
   a.exec->bind(
       param, Tensor::wrap(gather_pool.data(gs.buffer) + (e.offset - b.begin), e.shape, DType::f32));
+  // Prefetch only at a bucket's first use in the phase: the next bucket in
+  // first-use order has not been used yet then. Later uses of a long-lived
+  // bucket (a tied embedding read at both ends of forward) must not gather
+  // again a successor that was already used and freed: nobody would read it.
+  if (gs.used) return;
+  gs.used = true;
   if (opt.prefetch) {
     const int nb = a.next[phase][idx(bucket)];
     if (nb >= 0 && gathered[idx(nb)].buffer < 0) start_gather(a, nb, phase);

@@ -77,6 +77,7 @@ struct DataParallel::Impl {
     bool pending = false;
     CommHandle handle;
     int users_left = 0;
+    bool used = false;  // acquired since this gather started (else: prefetched, not read yet)
   };
   std::vector<Gathered> gathered;
   BufferPool gather_pool;
