@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 
 #include "meshtrain/base/timer.h"
@@ -18,6 +19,7 @@
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/progress.h"
+#include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/timeline.h"
 #include "meshtrain/train/train_state.h"
 
@@ -91,7 +93,9 @@ struct Trainer::Impl {
   int64_t local_batch = 0;  // this rank's share of each global batch
   int64_t micro_batch = 0;  // local_batch / accumulation steps
   int64_t total_steps = 0;
-  int64_t step = 0;  // optimizer steps completed
+  int64_t step = 0;              // optimizer steps completed
+  OptimizerState pending_state;  // single-file resume: whole tensors until sliced
+  int64_t pending_updates = 0;   // sharded resume: optimizer updates so far
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
        TrainerOptions opts, Communicator* group)
@@ -167,11 +171,12 @@ struct Trainer::Impl {
     optimizer = make_optimizer(o.optimizer, o.optim);
     // Parameters (and optimizer state) must be final before DataParallel
     // copies its shard out of them (ZeRO-3).
-    if (!o.resume_path.empty()) resume(o.resume_path);
+    if (!o.resume_path.empty()) resume_params(o.resume_path);
 
     dp = std::make_unique<DataParallel>(*comm, layout_of(*store), store->flat_values(), o.dist.dp);
     dp->attach(*exec, model.graph);
     optimizer->set_norm_reducer(dp->norm_reducer());
+    if (!o.resume_path.empty()) resume_optimizer(o.resume_path);
 
     if (timeline.enabled()) timeline.align(*comm);
     if (world > 1 && o.dist.consistency_every > 0 && o.dist.dp.stage < 3) {
@@ -196,37 +201,141 @@ struct Trainer::Impl {
     if (o.dist.dp.stage == 3) dp->gather_params(store->flat_values());
   }
 
-  TrainState make_state() {
-    TrainState st;
-    for (auto& e : store->entries()) st.params[e.name] = e.value;
-    st.optimizer = std::string(optimizer->name());
-    st.optimizer_state = optimizer->state();
-    st.step = step;
-    st.epoch = step / loader->steps_per_epoch();
-    st.lr_step = step;
-    st.loss_scaler = scaler.state();
-    st.extra["model"] = spec.kind;
-    st.extra["seed"] = std::to_string(o.seed);
-    return st;
+  // Checkpoints. A path ending in ".safetensors" written by one process is a
+  // single checksummed safetensors file; anything else is a sharded
+  // checkpoint directory (every rank writes its part, an index ties them
+  // together) that loads at any world size under any ZeRO stage.
+  bool single_file(const std::string& path) const {
+    return world == 1 && path.size() > 12 && path.ends_with(".safetensors");
+  }
+
+  std::map<std::string, std::string> state_metadata() const {
+    std::map<std::string, std::string> m;
+    m["optimizer"] = std::string(optimizer->name());
+    m["step"] = std::to_string(step);
+    m["epoch"] = std::to_string(step / loader->steps_per_epoch());
+    m["lr_step"] = std::to_string(step);
+    m["loss_scale"] = fmt::format("{}", scaler.state().scale);
+    m["loss_scale_good_steps"] = std::to_string(scaler.state().good_steps);
+    int64_t updates = 0;  // every parameter has been updated equally often
+    for (const auto& [name, n] : optimizer->state().steps) updates = std::max(updates, n);
+    m["optimizer_updates"] = std::to_string(updates);
+    m["model"] = spec.kind;
+    m["seed"] = std::to_string(o.seed);
+    return m;
   }
 
   void save(const std::string& path) {
-    sync_store();
-    if (world > 1) {
-      throw ConfigError(fmt::format(
-          "train.checkpoint: {} ranks cannot write the single-file checkpoint format", world));
+    if (single_file(path)) {
+      sync_store();
+      TrainState st;
+      for (auto& e : store->entries()) st.params[e.name] = e.value;
+      st.optimizer = std::string(optimizer->name());
+      st.optimizer_state = optimizer->state();
+      st.step = step;
+      st.epoch = step / loader->steps_per_epoch();
+      st.lr_step = step;
+      st.loss_scaler = scaler.state();
+      st.extra["model"] = spec.kind;
+      st.extra["seed"] = std::to_string(o.seed);
+      save_train_state(path, st);
+      return;
     }
-    save_train_state(path, make_state());
+    std::vector<ShardPiece> pieces;
+    for (ShardPiece p : dp->param_pieces(PieceUse::save)) {
+      p.name = "param/" + p.name;
+      pieces.push_back(std::move(p));
+    }
+    for (ShardPiece p : dp->state_pieces(optimizer->state().tensors, PieceUse::save)) {
+      p.name = "optim/" + p.name;
+      pieces.push_back(std::move(p));
+    }
+    SaveShardedOptions so;
+    so.mode = o.dist.dp.stage == 0 ? "dp" : fmt::format("zero{}", o.dist.dp.stage);
+    so.collective = o.dist.dp.collective;
+    save_sharded(comm, path, pieces, state_metadata(), so);
   }
 
-  void resume(const std::string& path) {
-    TrainState st;
-    for (auto& e : store->entries()) st.params[e.name] = e.value;
-    st.optimizer = std::string(optimizer->name());
-    load_train_state(path, st);
-    optimizer->load_state(st.optimizer_state);
-    scaler.load_state(st.loss_scaler);
-    step = st.step;
+  static int64_t meta_int(const std::map<std::string, std::string>& m, const std::string& key,
+                          const std::string& path) {
+    auto it = m.find(key);
+    try {
+      if (it != m.end()) return std::stoll(it->second);
+    } catch (const std::exception&) {
+    }
+    throw CheckpointError(
+        fmt::format("checkpoint {}: metadata '{}' is missing or not a number", path, key));
+  }
+
+  // Whole parameters into the store (every rank), before DataParallel takes
+  // its shard; scalars of the run. The optimizer state follows once the
+  // slices are known (resume_optimizer).
+  void resume_params(const std::string& path) {
+    if (!is_sharded_checkpoint(path)) {
+      TrainState st;
+      for (auto& e : store->entries()) st.params[e.name] = e.value;
+      st.optimizer = std::string(optimizer->name());
+      load_train_state(path, st);
+      pending_state = st.optimizer_state;
+      scaler.load_state(st.loss_scaler);
+      step = st.step;
+      return;
+    }
+    std::vector<ShardPiece> wanted;
+    for (auto& e : store->entries()) wanted.push_back(full_piece("param/" + e.name, e.value));
+    LoadShardedOptions lo;
+    lo.collective = o.dist.dp.collective;
+    ShardedIndex idx = load_sharded(comm, path, wanted, lo);
+    const auto& m = idx.metadata;
+    auto opt = m.find("optimizer");
+    if (opt == m.end() || opt->second != optimizer->name()) {
+      throw CheckpointError(
+          fmt::format("checkpoint {}: written with optimizer '{}' but this run uses '{}'", path,
+                      opt == m.end() ? "?" : opt->second, optimizer->name()));
+    }
+    step = meta_int(m, "step", path);
+    LossScalerState ls;
+    ls.scale = std::stod(m.count("loss_scale") ? m.at("loss_scale") : "65536");
+    ls.good_steps = meta_int(m, "loss_scale_good_steps", path);
+    scaler.load_state(ls);
+    pending_updates = meta_int(m, "optimizer_updates", path);
+  }
+
+  // This rank's slices of the optimizer state.
+  void resume_optimizer(const std::string& path) {
+    const std::vector<std::string> kinds = optimizer->state_kinds();
+    OptimizerState st;
+    if (!is_sharded_checkpoint(path)) {
+      // A single file holds whole tensors: cut out this rank's slices.
+      for (const ParamSlice& sl : dp->slices()) {
+        if (sl.end == sl.begin) continue;
+        for (const std::string& kind : kinds) {
+          const std::string key = sl.name + "." + kind;
+          auto it = pending_state.tensors.find(key);
+          if (it == pending_state.tensors.end()) continue;
+          Tensor part = Tensor::empty(sl.param.shape(), DType::f32);
+          std::memcpy(part.raw(), it->second.data<float>() + sl.begin,
+                      static_cast<size_t>(sl.end - sl.begin) * sizeof(float));
+          st.tensors[key] = part;
+        }
+        auto n = pending_state.steps.find(sl.name);
+        if (n != pending_state.steps.end()) st.steps[sl.name] = n->second;
+      }
+    } else {
+      std::vector<ShardPiece> wanted = dp->new_state_pieces(kinds);
+      for (ShardPiece& p : wanted) p.name = "optim/" + p.name;
+      LoadShardedOptions lo;
+      lo.collective = o.dist.dp.collective;
+      load_sharded(comm, path, wanted, lo);
+      for (ShardPiece& p : wanted) st.tensors[p.name.substr(6)] = p.data;
+      if (pending_updates > 0) {
+        for (const ParamSlice& sl : dp->slices()) {
+          if (sl.end > sl.begin) st.steps[sl.name] = pending_updates;
+        }
+      }
+    }
+    optimizer->load_state(st);
+    pending_state = {};
   }
 
   EvalModel& eval_model(int64_t batch) {
