@@ -9,6 +9,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,7 @@
 
 #include "meshtrain/comm/backends/local/local_world.h"
 #include "meshtrain/sync/buckets.h"
+#include "meshtrain/train/optimizer.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/train_state.h"
 
@@ -565,6 +567,155 @@ TEST_F(ShardedCheckpoint, FailedOverwriteKeepsThePreviousCheckpoint) {
   std::vector<std::string> want = {"index.json", index.shards[0].file, index.shards[1].file};
   std::sort(want.begin(), want.end());
   EXPECT_EQ(files(), want) << "old and orphaned shards deleted";
+}
+
+// Resume across modes: AdamW for 2 steps on 4 ranks holding 1/4 of every
+// parameter and its state (ZeRO-3), saved; 2 steps on 2 plain data-parallel
+// replicas loaded from it, saved as halves; 2 steps in one process loaded
+// from that. Parameters and optimizer state equal the uninterrupted run's
+// bitwise (AdamW is element-wise, so slices step exactly like wholes).
+struct AdamRun {
+  std::map<std::string, Shape> shapes = {{"w", Shape({6, 5})}, {"b", Shape({7})}};
+
+  static float init(int64_t i) { return 0.05f * static_cast<float>(i % 11) - 0.2f; }
+  static float grad(const std::string& name, int64_t i, int step) {
+    return std::sin(0.37f * static_cast<float>(i) + 1.3f * static_cast<float>(step)) +
+           (name == "b" ? 0.5f : 0.0f);
+  }
+  // Steps [from, to) on elements [begin, end) of each parameter.
+  static void steps(Optimizer& opt, std::map<std::string, Tensor>& slices,
+                    const std::map<std::string, std::pair<int64_t, int64_t>>& ranges,
+                    const std::map<std::string, Shape>& shapes, int from, int to) {
+    for (int s = from; s < to; ++s) {
+      std::vector<ParamRef> refs;
+      for (auto& [name, t] : slices) {
+        const auto [b, e] = ranges.at(name);
+        Tensor g = Tensor::empty(Shape{e - b}, DType::f32);
+        for (int64_t i = b; i < e; ++i) g.data<float>()[i - b] = grad(name, i, s);
+        refs.push_back({name, t, g, shapes.at(name).rank()});
+      }
+      opt.step(refs, 0.01);
+    }
+  }
+  // The parameters' and state's pieces for the given ranges.
+  static std::vector<ShardPiece> pieces(
+      const std::map<std::string, Tensor>& slices, const OptimizerState& state,
+      const std::map<std::string, std::pair<int64_t, int64_t>>& ranges,
+      const std::map<std::string, Shape>& shapes) {
+    std::vector<ShardPiece> params, optim;
+    for (const auto& [name, t] : slices) {
+      const auto [b, e] = ranges.at(name);
+      params.push_back({name, shapes.at(name), b, e, t});
+    }
+    for (const auto& [key, t] : state.tensors) {
+      const std::string param = key.substr(0, key.find('.'));
+      const auto [b, e] = ranges.at(param);
+      optim.push_back({key, shapes.at(param), b, e, t});
+    }
+    auto out = with_prefix(std::move(params), "param/");
+    for (ShardPiece& p : with_prefix(std::move(optim), "optim/")) out.push_back(std::move(p));
+    return out;
+  }
+  std::map<std::string, std::string> meta(const OptimizerState& state, int step) const {
+    std::map<std::string, std::string> m = {{"optimizer", "adamw"}, {"step", std::to_string(step)}};
+    for (const auto& [name, n] : state.steps) m["optim_step/" + name] = std::to_string(n);
+    return m;
+  }
+  // Whole parameters and zeroed whole state, as a replica allocates them.
+  std::pair<std::map<std::string, Tensor>, OptimizerState> fresh() const {
+    std::map<std::string, Tensor> params;
+    OptimizerState state;
+    for (const auto& [name, shape] : shapes) {
+      params.emplace(name, Tensor::zeros(Shape{shape.numel()}, DType::f32));
+      for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
+        state.tensors.emplace(name + "." + kind, Tensor::zeros(Shape{shape.numel()}, DType::f32));
+      }
+    }
+    return {params, state};
+  }
+  std::map<std::string, std::pair<int64_t, int64_t>> ranges(int rank, int size) const {
+    std::map<std::string, std::pair<int64_t, int64_t>> r;
+    for (const auto& [name, shape] : shapes) r[name] = even_range(shape.numel(), rank, size);
+    return r;
+  }
+};
+
+TEST_F(ShardedCheckpoint, ResumeAcrossModesContinuesExactly) {
+  AdamRun run;
+  AdamWOptions ao;
+  ao.weight_decay = 0.1;
+
+  // The uninterrupted reference: one process, 6 steps.
+  auto [ref_params, unused] = run.fresh();
+  for (auto& [name, t] : ref_params) {
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = AdamRun::init(i);
+  }
+  auto ref_opt = make_adamw(ao);
+  AdamRun::steps(*ref_opt, ref_params, run.ranges(0, 1), run.shapes, 0, 6);
+
+  // 4 ranks, ZeRO-3: steps 0-1.
+  LocalWorld::run(world(4), [&](Communicator& c) {
+    const auto ranges = run.ranges(c.rank(), c.size());
+    std::map<std::string, Tensor> slices;
+    for (const auto& [name, r] : ranges) {
+      Tensor t = Tensor::empty(Shape{r.second - r.first}, DType::f32);
+      for (int64_t i = r.first; i < r.second; ++i) t.data<float>()[i - r.first] = AdamRun::init(i);
+      slices.emplace(name, t);
+    }
+    auto opt = make_adamw(ao);
+    AdamRun::steps(*opt, slices, ranges, run.shapes, 0, 2);
+    save_sharded(&c, dir("a"), AdamRun::pieces(slices, opt->state(), ranges, run.shapes),
+                 run.meta(opt->state(), 2), opts("zero3"));
+  });
+
+  // 2 replicas, plain DP: load everything, steps 2-3, each saves half.
+  LocalWorld::run(world(2), [&](Communicator& c) {
+    auto [params, state] = run.fresh();
+    const auto whole = run.ranges(0, 1);
+    const ShardedIndex index =
+        load_sharded(&c, dir("a"), AdamRun::pieces(params, state, whole, run.shapes));
+    for (const auto& [name, shape] : run.shapes) {
+      state.steps[name] = std::stoll(index.metadata.at("optim_step/" + name));
+    }
+    auto opt = make_adamw(ao);
+    opt->load_state(state);
+    AdamRun::steps(*opt, params, whole, run.shapes, 2, 4);
+    // Each replica writes its half: views of its whole tensors.
+    std::vector<ShardPiece> half;
+    for (ShardPiece& p : AdamRun::pieces(params, opt->state(), whole, run.shapes)) {
+      const auto [b, e] = even_range(p.end, c.rank(), c.size());
+      half.push_back(slice_piece(p.name, p.data, b, e));
+      half.back().full_shape = p.full_shape;
+    }
+    save_sharded(&c, dir("b"), half, run.meta(opt->state(), 4), opts("dp"));
+  });
+
+  // One process: steps 4-5.
+  const CheckpointContents c = load_sharded_full(dir("b"));
+  EXPECT_EQ(c.metadata.at("step"), "4");
+  std::map<std::string, Tensor> params;
+  OptimizerState state;
+  for (const auto& [name, t] : c.tensors) {
+    if (name.starts_with("param/")) params.emplace(name.substr(6), t.reshape(Shape{t.numel()}));
+    if (name.starts_with("optim/")) {
+      state.tensors.emplace(name.substr(6), t.reshape(Shape{t.numel()}));
+    }
+  }
+  for (const auto& [name, shape] : run.shapes) {
+    state.steps[name] = std::stoll(c.metadata.at("optim_step/" + name));
+  }
+  auto opt = make_adamw(ao);
+  opt->load_state(state);
+  AdamRun::steps(*opt, params, run.ranges(0, 1), run.shapes, 4, 6);
+
+  for (const auto& [name, t] : ref_params) {
+    EXPECT_EQ(std::memcmp(params.at(name).raw(), t.raw(), t.nbytes()), 0) << name;
+  }
+  const OptimizerState ref_state = ref_opt->state();
+  EXPECT_EQ(opt->state().steps, ref_state.steps);
+  for (const auto& [key, t] : ref_state.tensors) {
+    EXPECT_EQ(std::memcmp(opt->state().tensors.at(key).raw(), t.raw(), t.nbytes()), 0) << key;
+  }
 }
 
 TEST_F(ShardedCheckpoint, ConvertsToASingleFileTrainState) {

@@ -527,6 +527,11 @@ std::vector<ShardPiece> even_pieces(const std::map<std::string, Tensor>& tensors
   return out;
 }
 
+std::vector<ShardPiece> with_prefix(std::vector<ShardPiece> pieces, std::string_view prefix) {
+  for (ShardPiece& p : pieces) p.name.insert(0, prefix);
+  return pieces;
+}
+
 std::string sharded_index_path(const std::string& dir) {
   return (fs::path(dir) / kIndexFile).string();
 }

@@ -80,6 +80,10 @@ std::pair<int64_t, int64_t> even_range(int64_t numel, int rank, int size);
 std::vector<ShardPiece> even_pieces(const std::map<std::string, Tensor>& tensors, int rank,
                                     int size);
 
+// The same pieces with `prefix` before each name (e.g. "param/" or "optim/"
+// on DataParallel's param_pieces / state_pieces, for train_state.h's names).
+std::vector<ShardPiece> with_prefix(std::vector<ShardPiece> pieces, std::string_view prefix);
+
 struct SaveShardedOptions {
   // How the writer held its state, recorded in the index for people and
   // tools (e.g. "dp", "zero1", "zero3"); loading does not depend on it.
