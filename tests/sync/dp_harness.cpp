@@ -55,18 +55,6 @@ std::vector<float> copy_flat(const Tensor& t) {
   return std::vector<float>(p, p + t.numel());
 }
 
-ParamLayout layout_of(const ParamStore& store) {
-  ParamLayout l;
-  for (const ParamStore::Entry& e : store.entries()) l.push_back({e.name, e.shape, e.offset});
-  return l;
-}
-
-std::vector<ParamRef> refs_of(std::span<ParamSlice> slices) {
-  std::vector<ParamRef> refs;
-  for (ParamSlice& s : slices) refs.push_back(ParamRef{s.name, s.param, s.grad, s.full_rank()});
-  return refs;
-}
-
 }  // namespace
 
 SyntheticData::SyntheticData(const ModelSpec& spec, int64_t n, uint64_t seed) : spec_(spec), n_(n) {
@@ -127,6 +115,18 @@ Batch SyntheticData::gather(std::span<const int64_t> indices) const {
 
 namespace mt::test {
 
+ParamLayout layout_of(const ParamStore& store) {
+  ParamLayout l;
+  for (const ParamStore::Entry& e : store.entries()) l.push_back({e.name, e.shape, e.offset});
+  return l;
+}
+
+std::vector<ParamRef> refs_of(std::span<ParamSlice> slices) {
+  std::vector<ParamRef> refs;
+  for (ParamSlice& s : slices) refs.push_back(ParamRef{s.name, s.param, s.grad, s.full_rank()});
+  return refs;
+}
+
 ModelSpec small_mlp() {
   ModelSpec s;
   s.kind = "mlp";
@@ -176,10 +176,63 @@ Trajectory run_reference(const TrainSetup& s) {
   return out;
 }
 
-DpResult run_data_parallel(const TrainSetup& s, const DpRun& run) {
-  SyntheticData data(s.spec, kExamples, kDataSeed);
-  const int K = run.dp.accumulation_steps;
+RankTrainer::RankTrainer(Communicator& comm, const TrainSetup& setup, const DpRun& run)
+    : s(setup),
+      K(run.dp.accumulation_steps),
+      data(std::make_unique<SyntheticData>(setup.spec, kExamples, kDataSeed)) {
   if (s.global_batch % K != 0) throw ConfigError("test: global batch not divisible by K");
+  // Each micro-step's global batch is B/K examples; micro-step k of step t
+  // is loader step t*K + k, so the K micro-batches of all ranks together
+  // are exactly the reference's batch of step t.
+  LoaderOptions lo;
+  lo.batch_size = s.global_batch / K;
+  lo.seed = s.seed;
+  lo.rank = comm.rank();
+  lo.world_size = comm.size();
+  lo.shares = run.shares;
+  loader = std::make_unique<DataLoader>(*data, lo);
+  local_batch = loader->batch(0, 0).size();
+  model = std::make_unique<ModelGraph>(build_model(s.spec, local_batch));
+  build_backward(model->graph, model->loss);
+  exec = std::make_unique<Executor>(model->graph, exec_options(s.recompute));
+  for (auto& [id, t] : model->constants) exec->bind(id, t);
+  store = std::make_unique<ParamStore>(model->graph, s.seed);
+  dp = std::make_unique<DataParallel>(comm, layout_of(*store), store->flat_values(), run.dp);
+  dp->attach(*exec, model->graph);
+  opt = make_optimizer(s.optimizer, s.optim);
+  opt->set_norm_reducer(dp->norm_reducer());
+  world = comm.size();
+}
+
+RankTrainer::~RankTrainer() = default;
+
+void RankTrainer::step() {
+  for (int k = 0; k < K; ++k) {
+    const Batch b = loader->batch(0, next_step * K + k);
+    exec->bind(model->x, b.x.reshape(model->graph.value(model->x).shape));
+    exec->bind(model->y, b.y);
+    const double w = s.equal_weights
+                         ? 1.0 / static_cast<double>(world * K)
+                         : static_cast<double>(b.size()) / static_cast<double>(s.global_batch);
+    dp->begin_micro_step(w);
+    exec->run();
+    dp->end_micro_step();
+  }
+  dp->step([&](std::span<ParamSlice> slices) {
+    std::vector<ParamRef> refs = refs_of(slices);
+    if (s.clip > 0) clip_grad_norm(refs, s.clip, dp->norm_reducer());
+    opt->step(refs, s.lr);
+  });
+  ++next_step;
+}
+
+std::vector<float> RankTrainer::full_params() {
+  Tensor full = Tensor::zeros({store->flat_values().numel()}, DType::f32);
+  dp->gather_params(full);
+  return copy_flat(full);
+}
+
+DpResult run_data_parallel(const TrainSetup& s, const DpRun& run) {
   DpResult result;
   result.memory.resize(static_cast<size_t>(run.world));
   result.stats.resize(static_cast<size_t>(run.world));
@@ -191,51 +244,20 @@ DpResult run_data_parallel(const TrainSetup& s, const DpRun& run) {
   lw.size = run.world;
   LocalWorld::run(lw, [&](Communicator& comm) {
     const auto r = static_cast<size_t>(comm.rank());
-    // Each micro-step's global batch is B/K examples; micro-step k of step t
-    // is loader step t*K + k, so the K micro-batches of all ranks together
-    // are exactly the reference's batch of step t.
-    LoaderOptions lo;
-    lo.batch_size = s.global_batch / K;
-    lo.seed = s.seed;
-    lo.rank = comm.rank();
-    lo.world_size = comm.size();
-    lo.shares = run.shares;
-    DataLoader loader(data, lo);
-    const int64_t local = loader.batch(0, 0).size();
-    Model model(s.spec, local, s.recompute);
-    ParamStore store(model.m.graph, s.seed);
-    DataParallel dp(comm, layout_of(store), store.flat_values(), run.dp);
-    dp.attach(*model.exec, model.m.graph);
-    std::unique_ptr<Optimizer> opt = make_optimizer(s.optimizer, s.optim);
-    opt->set_norm_reducer(dp.norm_reducer());
-    Tensor full = Tensor::zeros({store.flat_values().numel()}, DType::f32);
+    RankTrainer t(comm, s, run);
     Trajectory mine;
     for (int step = 0; step < s.steps; ++step) {
       if (step + 1 == s.steps) comm.reset_counters();
-      for (int k = 0; k < K; ++k) {
-        const Batch b = loader.batch(0, step * K + k);
-        model.feed(b);
-        const double w = s.equal_weights
-                             ? 1.0 / static_cast<double>(comm.size() * K)
-                             : static_cast<double>(b.size()) / static_cast<double>(s.global_batch);
-        dp.begin_micro_step(w);
-        model.exec->run();
-        dp.end_micro_step();
-      }
-      dp.step([&](std::span<ParamSlice> slices) {
-        std::vector<ParamRef> refs = refs_of(slices);
-        if (s.clip > 0) clip_grad_norm(refs, s.clip, dp.norm_reducer());
-        opt->step(refs, s.lr);
-      });
+      t.step();
       if (step + 1 == s.steps) result.counters[r] = comm.counters();
-      dp.gather_params(full);
-      if (r == 0) mine.push_back(copy_flat(full));
+      std::vector<float> full = t.full_params();
+      if (r == 0) mine.push_back(std::move(full));
     }
     std::lock_guard<std::mutex> lock(mu);
-    result.memory[r] = dp.memory(static_cast<int>(opt->state_kinds().size()));
-    result.stats[r] = dp.stats();
-    result.step_cost[r] = dp.step_cost();
-    result.buckets[r] = static_cast<int64_t>(dp.plan().buckets().size());
+    result.memory[r] = t.dp->memory(static_cast<int>(t.opt->state_kinds().size()));
+    result.stats[r] = t.dp->stats();
+    result.step_cost[r] = t.dp->step_cost();
+    result.buckets[r] = static_cast<int64_t>(t.dp->plan().buckets().size());
     if (r == 0) result.params = std::move(mine);
   });
   return result;

@@ -13,9 +13,12 @@
 
 #include "meshtrain/comm/backends/local/local_world.h"
 #include "meshtrain/data/dataset.h"
+#include "meshtrain/data/loader.h"
+#include "meshtrain/exec/executor.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/train/optimizer.h"
+#include "meshtrain/train/param_store.h"
 
 namespace mt::test {
 
@@ -72,6 +75,34 @@ struct DpResult {
 };
 
 DpResult run_data_parallel(const TrainSetup& s, const DpRun& run);
+
+// One rank's side of run_data_parallel, for tests that need to look inside
+// between steps: its loader, model, executor, parameters, DataParallel and
+// optimizer.
+struct RankTrainer {
+  RankTrainer(Communicator& comm, const TrainSetup& s, const DpRun& run);
+  ~RankTrainer();
+  // One optimizer step (K micro-steps) on the next global batch.
+  void step();
+  // Whole current parameters (collective).
+  std::vector<float> full_params();
+
+  TrainSetup s;
+  int K = 1;
+  int world = 1;
+  int next_step = 0;
+  int64_t local_batch = 0;
+  std::unique_ptr<Dataset> data;
+  std::unique_ptr<DataLoader> loader;
+  std::unique_ptr<ModelGraph> model;
+  std::unique_ptr<Executor> exec;
+  std::unique_ptr<ParamStore> store;
+  std::unique_ptr<DataParallel> dp;
+  std::unique_ptr<Optimizer> opt;
+};
+
+ParamLayout layout_of(const ParamStore& store);
+std::vector<ParamRef> refs_of(std::span<ParamSlice> slices);
 
 // Largest elementwise |a - b| / max(|b|, floor_fraction * the largest |b|
 // of the same tensor) over every step, i.e. relative error, with elements

@@ -185,7 +185,11 @@ void DataParallel::Impl::on_grad(DpAttachment& a, ValueId param) {
   MT_CHECK(r.pending > 0, "gradient of '{}' ready twice in one micro-step", e.name);
   --r.pending;
   const bool last_micro = micro + 1 == opt.accumulation_steps;
-  if (last_micro && opt.overlap && r.pending == 0) launch_ready();
+  if (last_micro && opt.overlap && r.pending == 0) {
+    const int64_t before = stats.collectives;
+    launch_ready();
+    stats.overlapped += stats.collectives - before;
+  }
 }
 
 // Buckets start strictly in index order, so that every rank issues the same

@@ -167,6 +167,7 @@ struct DataParallelStats {
   int64_t micro_steps = 0;
   int64_t collectives = 0;  // collectives issued on the group
   int64_t gathers = 0;      // stage 3 bucket gathers (prefetched ones included)
+  int64_t overlapped = 0;   // gradient collectives started during backward
   double wait_seconds = 0;  // blocked waiting for collectives (exposed communication)
   double copy_seconds = 0;  // scaling / copying gradients into buckets
 };
