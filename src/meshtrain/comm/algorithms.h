@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <span>
 #include <vector>
 
@@ -21,6 +22,11 @@
 namespace mt::comm {
 
 class ShmChannel;
+
+// memcpy that accepts null pointers with n == 0 (empty buffers may be null).
+inline void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
 
 // Splits `count` elements into `parts` contiguous blocks whose sizes are
 // multiples of `align` (except the last) and differ by at most `align`.

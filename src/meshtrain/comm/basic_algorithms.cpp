@@ -87,8 +87,8 @@ void pairwise_all_to_allv(CollectiveContext& ctx, const void* send,
   const std::vector<size_t> soff = prefix_offsets(send_counts);
   const std::vector<size_t> roff = prefix_offsets(recv_counts);
   const size_t me = static_cast<size_t>(r);
-  std::memcpy(at(recv, roff[me] * elem_bytes), at(send, soff[me] * elem_bytes),
-              std::min(send_counts[me], recv_counts[me]) * elem_bytes);
+  copy_bytes(at(recv, roff[me] * elem_bytes), at(send, soff[me] * elem_bytes),
+             std::min(send_counts[me], recv_counts[me]) * elem_bytes);
   for (int s = 1; s < n; ++s) {
     const size_t to = static_cast<size_t>((r + s) % n);
     const size_t from = static_cast<size_t>((r - s + n) % n);
@@ -129,7 +129,7 @@ CollectiveCost dissemination_barrier_cost(int n, int /*rank*/) {
 void direct_exchange(CollectiveContext& ctx, const void* record, void* all, size_t record_bytes) {
   const int n = ctx.size();
   const int r = ctx.rank();
-  std::memcpy(at(all, static_cast<size_t>(r) * record_bytes), record, record_bytes);
+  copy_bytes(at(all, static_cast<size_t>(r) * record_bytes), record, record_bytes);
   for (int q = 0; q < n; ++q) {
     if (q == r) continue;
     ctx.post_recv(q, at(all, static_cast<size_t>(q) * record_bytes), record_bytes);

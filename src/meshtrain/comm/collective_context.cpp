@@ -124,7 +124,7 @@ void CollectiveContext::count_received(int peer, uint64_t bytes) {
 std::byte* CollectiveContext::scratch(size_t bytes, int which) {
   std::vector<std::byte>* pool = scratch_[which];
   MT_CHECK(pool != nullptr, "no scratch pool {} set for {}", which, call_.describe());
-  if (pool->size() < bytes) pool->resize(bytes);
+  if (pool->size() < std::max<size_t>(bytes, 64)) pool->resize(std::max<size_t>(bytes, 64));
   return pool->data();
 }
 

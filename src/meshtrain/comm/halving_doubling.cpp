@@ -120,7 +120,7 @@ void hd_all_reduce(CollectiveContext& ctx, const void* send, void* recv, size_t 
   const int n = ctx.size();
   const int r = ctx.rank();
   const size_t elem = dtype_size(dtype);
-  if (send != recv) std::memcpy(recv, send, count * elem);
+  if (send != recv) copy_bytes(recv, send, count * elem);
   if (n == 1) return;
   const Fold f(n);
   const int64_t total_steps = 2 * f.log2p() + (r < 2 * f.rem ? 2 : 0);
@@ -179,7 +179,7 @@ void hd_reduce_scatterv(CollectiveContext& ctx, const void* send, void* recv,
   const size_t total = offsets.back();
   const size_t mine = counts[static_cast<size_t>(r)];
   if (n == 1) {
-    std::memcpy(recv, send, mine * elem);
+    copy_bytes(recv, send, mine * elem);
     return;
   }
   const Fold f(n);
@@ -196,7 +196,7 @@ void hd_reduce_scatterv(CollectiveContext& ctx, const void* send, void* recv,
   }
   std::byte* work = ctx.scratch(total * elem, 0);
   std::byte* tmp = ctx.scratch(total * elem, 1);
-  std::memcpy(work, send, total * elem);
+  copy_bytes(work, send, total * elem);
   if (f.folds_in(r)) {
     ctx.set_step(step++, total_steps);
     ctx.post_recv(r - 1, tmp, total * elem);
@@ -212,7 +212,7 @@ void hd_reduce_scatterv(CollectiveContext& ctx, const void* send, void* recv,
     ctx.post_send(r - 1, work + offsets[left] * elem, counts[left] * elem);
     ctx.wait_all();
   }
-  std::memcpy(recv, work + offsets[static_cast<size_t>(r)] * elem, mine * elem);
+  copy_bytes(recv, work + offsets[static_cast<size_t>(r)] * elem, mine * elem);
 }
 
 CollectiveCost hd_reduce_scatterv_cost(int n, int rank, std::span<const size_t> counts,
@@ -241,7 +241,7 @@ void hd_all_gatherv(CollectiveContext& ctx, const void* send, void* recv,
   const size_t total = offsets.back();
   std::byte* own = at(recv, offsets[static_cast<size_t>(r)] * elem_bytes);
   const size_t mine = counts[static_cast<size_t>(r)] * elem_bytes;
-  if (send != own) std::memcpy(own, send, mine);
+  if (send != own) copy_bytes(own, send, mine);
   if (n == 1) return;
   const Fold f(n);
   const int64_t total_steps = f.log2p() + (r < 2 * f.rem ? 2 : 0);

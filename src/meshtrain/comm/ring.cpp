@@ -51,7 +51,7 @@ void ring_all_reduce(CollectiveContext& ctx, const void* send, void* recv, size_
   const int n = ctx.size();
   const int r = ctx.rank();
   const size_t elem = dtype_size(dtype);
-  if (send != recv) std::memcpy(recv, send, count * elem);
+  if (send != recv) copy_bytes(recv, send, count * elem);
   if (n == 1) return;
   const std::vector<size_t> blocks = balanced_counts(count, n);
   const std::vector<size_t> offsets = prefix_offsets(blocks);
@@ -94,7 +94,7 @@ void ring_reduce_scatterv(CollectiveContext& ctx, const void* send, void* recv,
   const size_t elem = dtype_size(dtype);
   const std::vector<size_t> offsets = prefix_offsets(counts);
   if (n == 1) {
-    std::memcpy(recv, send, counts[0] * elem);
+    copy_bytes(recv, send, counts[0] * elem);
     return;
   }
   const int right = static_cast<int>(wrap(r + 1, n));
@@ -130,7 +130,7 @@ void ring_all_gatherv(CollectiveContext& ctx, const void* send, void* recv,
   const int r = ctx.rank();
   const std::vector<size_t> offsets = prefix_offsets(counts);
   std::byte* own = at(recv, offsets[static_cast<size_t>(r)] * elem_bytes);
-  if (send != own) std::memcpy(own, send, counts[static_cast<size_t>(r)] * elem_bytes);
+  if (send != own) copy_bytes(own, send, counts[static_cast<size_t>(r)] * elem_bytes);
   if (ctx.size() == 1) return;
   all_gather_in_place(ctx, recv, counts, offsets, elem_bytes, 0, ctx.size() - 1);
 }

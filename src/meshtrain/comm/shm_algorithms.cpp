@@ -162,7 +162,7 @@ static void copy_blocks_in(ShmChannel& ch, uint64_t g, const void* send,
     const size_t ss = static_cast<size_t>(s);
     const size_t len = clamp_len(blocks[ss], lo, chunk);
     if (s == ch.rank() || len == 0) continue;
-    std::memcpy(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
+    copy_bytes(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
   }
 }
 
@@ -179,7 +179,7 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
   const int me = ch.rank();
   const size_t elem = dtype_size(dtype);
   if (n == 1 || count == 0) {
-    if (send != recv) std::memcpy(recv, send, count * elem);
+    if (send != recv) copy_bytes(recv, send, count * elem);
     return;
   }
   const std::vector<size_t> shards = balanced_counts(count, n, shard_align(elem));
@@ -220,8 +220,7 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
       const size_t qq = static_cast<size_t>(q);
       const size_t len = clamp_len(shards[qq], lo, chunk);
       if (len > 0) {
-        std::memcpy(at(recv, (offs[qq] + lo) * elem), ch.slot(q, g) + qq * chunk * elem,
-                    len * elem);
+        copy_bytes(at(recv, (offs[qq] + lo) * elem), ch.slot(q, g) + qq * chunk * elem, len * elem);
       }
       // q read this rank's chunk of shard q and its reduced chunk; this rank
       // read q's chunk of shard `me` and q's reduced chunk.
@@ -255,7 +254,7 @@ bool shm_stage_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* se
   if (direct) {
     if (count * elem > ch.slot_bytes()) return false;
     wait_slot_free(ctx, ch, g);
-    std::memcpy(ch.slot(ch.rank(), g), send, count * elem);
+    copy_bytes(ch.slot(ch.rank(), g), send, count * elem);
     return true;
   }
   const std::vector<size_t> shards = balanced_counts(count, n, shard_align(elem));
@@ -275,7 +274,7 @@ void shm_direct_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* s
   const int me = ch.rank();
   const size_t elem = dtype_size(dtype);
   if (n == 1 || count == 0) {
-    if (send != recv) std::memcpy(recv, send, count * elem);
+    if (send != recv) copy_bytes(recv, send, count * elem);
     return;
   }
   MT_CHECK_LE(count * elem, ch.slot_bytes());
@@ -283,7 +282,7 @@ void shm_direct_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* s
   ctx.set_step(0, 1);
   if (!staged) {
     wait_slot_free(ctx, ch, g);
-    std::memcpy(ch.slot(me, g), send, count * elem);
+    copy_bytes(ch.slot(me, g), send, count * elem);
     raise(ch, &Control::published, g + 1);
     wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
   }
@@ -315,7 +314,7 @@ void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* sen
   const size_t elem = dtype_size(dtype);
   const std::vector<size_t> offs = prefix_offsets(counts);
   if (n == 1) {
-    std::memcpy(recv, send, counts[0] * elem);
+    copy_bytes(recv, send, counts[0] * elem);
     return;
   }
   const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
@@ -383,7 +382,7 @@ void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, v
   const std::vector<size_t> offs = prefix_offsets(counts);
   std::byte* own = at(recv, offs[static_cast<size_t>(me)] * elem_bytes);
   const size_t my_bytes = counts[static_cast<size_t>(me)] * elem_bytes;
-  if (send != own) std::memcpy(own, send, my_bytes);
+  if (send != own) copy_bytes(own, send, my_bytes);
   if (n == 1) return;
   const size_t chunk = ch.slot_bytes();
   const uint64_t rounds =
@@ -396,14 +395,14 @@ void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, v
     const size_t my_len = clamp_len(my_bytes, lo, chunk);
     if (!staged) {
       wait_slot_free(ctx, ch, g);
-      std::memcpy(ch.slot(me, g), own + lo, my_len);
+      copy_bytes(ch.slot(me, g), own + lo, my_len);
       raise(ch, &Control::published, g + 1);
       wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
     for (int q : ch.peers()) {
       const size_t qq = static_cast<size_t>(q);
       const size_t len = clamp_len(counts[qq] * elem_bytes, lo, chunk);
-      std::memcpy(at(recv, offs[qq] * elem_bytes + lo), ch.slot(q, g), len);
+      copy_bytes(at(recv, offs[qq] * elem_bytes + lo), ch.slot(q, g), len);
       ctx.count_received(q, len);
       ctx.count_sent(q, my_len);
     }
@@ -428,8 +427,8 @@ bool shm_stage_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* s
   const size_t most = *std::max_element(counts.begin(), counts.end()) * elem_bytes;
   if (ch.size() == 1 || most == 0 || most > ch.slot_bytes()) return false;
   wait_slot_free(ctx, ch, ch.round);
-  std::memcpy(ch.slot(ch.rank(), ch.round), send,
-              counts[static_cast<size_t>(ch.rank())] * elem_bytes);
+  copy_bytes(ch.slot(ch.rank(), ch.round), send,
+             counts[static_cast<size_t>(ch.rank())] * elem_bytes);
   return true;
 }
 
@@ -452,13 +451,13 @@ void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t byt
     if (me == root) {
       if (!staged) {
         wait_slot_free(ctx, ch, g);
-        std::memcpy(ch.slot(me, g), at(buf, lo), len);
+        copy_bytes(ch.slot(me, g), at(buf, lo), len);
         raise(ch, &Control::published, g + 1);
       }
       for (int q : ch.peers()) ctx.count_sent(q, len);
     } else {
       if (!staged) wait_flags(ctx, ch, &Control::published, g + 1, from_root);
-      std::memcpy(at(buf, lo), ch.slot(root, g), len);
+      copy_bytes(at(buf, lo), ch.slot(root, g), len);
       ctx.count_received(root, len);
     }
     raise(ch, &Control::done, g + 1);
@@ -478,7 +477,7 @@ bool shm_stage_broadcast(CollectiveContext& ctx, ShmChannel& ch, const void* buf
   if (ch.size() == 1 || bytes == 0 || bytes > ch.slot_bytes()) return false;
   if (ch.rank() == root) {
     wait_slot_free(ctx, ch, ch.round);
-    std::memcpy(ch.slot(root, ch.round), buf, bytes);
+    copy_bytes(ch.slot(root, ch.round), buf, bytes);
   }
   return true;
 }
@@ -507,12 +506,12 @@ void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, vo
   const int me = ch.rank();
   const uint64_t a = ch.agreements;
   const size_t slot = a % 2;
-  std::memcpy(ch.control(me).records[slot], record, record_bytes);
+  copy_bytes(ch.control(me).records[slot], record, record_bytes);
   raise(ch, &Control::agreed, a + 1);
   wait_flags(ctx, ch, &Control::agreed, a + 1, ch.peers());
   for (int q = 0; q < ch.size(); ++q) {
-    std::memcpy(at(all, static_cast<size_t>(q) * record_bytes), ch.control(q).records[slot],
-                record_bytes);
+    copy_bytes(at(all, static_cast<size_t>(q) * record_bytes), ch.control(q).records[slot],
+               record_bytes);
     if (q == me) continue;
     ctx.count_received(q, record_bytes);
     ctx.count_sent(q, record_bytes);
