@@ -54,13 +54,22 @@
 //
 // Memory: stages 0-2 use the caller's flat parameter buffer in place
 // (replicated); stage 3 copies this rank's shard out of it at construction,
-// after which the caller may drop the full buffer. Gradients live in buffers
-// DataParallel owns: full (stages 0-1) or shard-sized (2-3). Parameter
-// gradients the executor computes are not kept in full by stages 2-3: the
-// executor is switched to transient gradients (exec/executor.h) and each is
-// copied into a bucket staging buffer as it becomes ready. With K > 1 stages
+// after which the caller may drop the full buffer (gather_params() gives
+// whole parameters back, e.g. for a single-file checkpoint). Gradients live
+// in buffers DataParallel owns: full (stages 0-1) or shard-sized (2-3); the
+// caller binds no parameter gradients itself, attach() does. Stages 0-1 with
+// K = 1 let the executor write gradients straight into the full buffer
+// (scaled in place). Otherwise the executor is switched to transient
+// gradients (exec/executor.h) and each is scaled into its bucket as soon as
+// it is ready, so stages 2-3 never hold a full gradient: bucket staging
+// buffers are reused, at most about two busy at a time. With K > 1 stages
 // 2-3 keep one full-size accumulation buffer, since nothing may be sent
 // before the last micro-step.
+//
+// ZeRO-3 gathers inside every run() and run_forward() of an attached
+// executor, evaluation included: all ranks must run the same passes on
+// executors attached to the same DataParallel (a rank without evaluation
+// examples still runs the forward, e.g. on a dummy batch).
 //
 // Ownership and threading: keeps a reference to the communicator (which must
 // outlive it) and to the executors it is attached to (it must outlive their
@@ -225,7 +234,8 @@ class DataParallel {
   void step(const std::function<void(std::span<ParamSlice>)>& update);
 
   // Collective: writes the whole current parameters into `flat_out` (f32,
-  // the layout's flat size; padding left untouched).
+  // at least the layout's flat size; elements between parameters are
+  // unspecified).
   void gather_params(Tensor& flat_out);
 
   // Checkpoints. Parameter pieces: save gives this rank's chunks (every rank
