@@ -19,64 +19,6 @@
 
 namespace mt::comm {
 
-// ---- ShmChannel -------------------------------------------------------------
-
-void ShmChannel::construct(std::byte* region, size_t data_bytes, int64_t pid) {
-  auto* c = new (region) Control();
-  c->pid.store(pid, std::memory_order_relaxed);
-  c->data_bytes.store(data_bytes, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-}
-
-ShmChannel::ShmChannel(SharedArena& arena, int rank)
-    : arena_(arena), rank_(rank), size_(arena.size()) {
-  // Slots are 64-byte multiples so every chunk starts on its own cache line.
-  slot_bytes_ = arena.data_bytes() / kDepth / 64 * 64;
-  MT_CHECK(slot_bytes_ >= 64 * static_cast<size_t>(size_),
-           "shared arena data area of {} bytes is too small for {} ranks", arena.data_bytes(),
-           size_);
-  for (int r = 0; r < size_; ++r) {
-    if (r != rank_) peers_.push_back(r);
-  }
-}
-
-void ShmChannel::publish_status(const Status& s) {
-  Control& c = control(rank_);
-  const uint64_t v = c.status_version.load(std::memory_order_relaxed);
-  c.status_version.store(v + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  c.status_seq.store(s.seq, std::memory_order_relaxed);
-  c.status_word.store(static_cast<uint64_t>(s.kind) | static_cast<uint64_t>(s.state) << 8 |
-                          static_cast<uint64_t>(s.algorithm) << 16,
-                      std::memory_order_relaxed);
-  c.status_bytes.store(s.bytes, std::memory_order_relaxed);
-  c.status_time_ns.store(s.time_ns, std::memory_order_relaxed);
-  c.status_version.store(v + 2, std::memory_order_release);
-}
-
-std::optional<ShmChannel::Status> ShmChannel::read_status(int r) const {
-  const Control& c = control(r);
-  for (int attempt = 0; attempt < 1000; ++attempt) {
-    const uint64_t v1 = c.status_version.load(std::memory_order_acquire);
-    if (v1 & 1) {
-      std::this_thread::yield();
-      continue;
-    }
-    Status s;
-    s.seq = c.status_seq.load(std::memory_order_relaxed);
-    const uint64_t w = c.status_word.load(std::memory_order_relaxed);
-    s.bytes = c.status_bytes.load(std::memory_order_relaxed);
-    s.time_ns = c.status_time_ns.load(std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (c.status_version.load(std::memory_order_relaxed) != v1) continue;
-    s.kind = static_cast<Collective>(w & 0xff);
-    s.state = static_cast<State>((w >> 8) & 0xff);
-    s.algorithm = static_cast<CommAlgorithm>((w >> 16) & 0xff);
-    return s;
-  }
-  return std::nullopt;
-}
-
 namespace {
 
 using Counter = ShmChannel::Counter;
@@ -102,8 +44,7 @@ void raise(ShmChannel& ch, Counter Control::*flag, uint64_t value) {
 const char* flag_name(Counter Control::*flag) {
   if (flag == &Control::published) return "published";
   if (flag == &Control::reduced) return "reduced";
-  if (flag == &Control::done) return "done";
-  return "agreed";
+  return "done";
 }
 
 // Waits until every rank in `peers` has raised `flag` to at least `target`.
@@ -130,10 +71,21 @@ void wait_flags(CollectiveContext& ctx, ShmChannel& ch, Counter Control::*flag, 
 }
 
 // Before writing slot (g % kDepth) in round g: every peer must have finished
-// reading what this rank wrote there in round g - kDepth.
+// reading what this rank wrote there in round g - kDepth. The lowest `done`
+// seen is remembered, which spares most rounds a read of the peers' lines.
 void wait_slot_free(CollectiveContext& ctx, ShmChannel& ch, uint64_t g) {
-  if (g + 1 > ShmChannel::kDepth)
-    wait_flags(ctx, ch, &Control::done, g + 1 - ShmChannel::kDepth, ch.peers());
+  if (g + 1 <= ShmChannel::kDepth) return;
+  const uint64_t need = g + 1 - ShmChannel::kDepth;
+  if (ch.done_floor >= need) return;
+  uint64_t lowest = UINT64_MAX;
+  for (int q : ch.peers()) {
+    lowest = std::min(lowest, ch.control(q).done.value.load(std::memory_order_acquire));
+  }
+  if (lowest < need) {
+    wait_flags(ctx, ch, &Control::done, need, ch.peers());
+    lowest = need;
+  }
+  ch.done_floor = lowest;
 }
 
 // Element alignment that keeps shard boundaries on cache lines.
@@ -498,19 +450,34 @@ CollectiveCost shm_barrier_cost(int n, int /*rank*/) {
   return {n > 1 ? 1 : 0, 0, 0};
 }
 
-// Records alternate between two slots: agreement a+2 reuses a's slot only
+// Records alternate between two lines: agreement a+2 reuses a's line only
 // after every rank published a+1, which each does after reading a.
 void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, void* all,
                   size_t record_bytes) {
   MT_CHECK_LE(record_bytes, ShmChannel::kRecordBytes);
   const int me = ch.rank();
   const uint64_t a = ch.agreements;
-  const size_t slot = a % 2;
-  copy_bytes(ch.control(me).records[slot], record, record_bytes);
-  raise(ch, &Control::agreed, a + 1);
-  wait_flags(ctx, ch, &Control::agreed, a + 1, ch.peers());
+  const size_t p = a % 2;
+  Control::AgreeLine& mine = ch.control(me).agree[p];
+  copy_bytes(mine.record, record, record_bytes);
+  mine.count.store(a + 1, std::memory_order_release);
+  auto arrived = [&](int q) {
+    return ch.control(q).agree[p].count.load(std::memory_order_acquire) >= a + 1;
+  };
+  if (!std::all_of(ch.peers().begin(), ch.peers().end(), arrived)) {
+    std::vector<int> late = ch.peers();
+    auto ready = [&] {
+      std::erase_if(late, arrived);
+      return late.empty();
+    };
+    ctx.wait_until(ready, late, [&] {
+      std::string list;
+      for (int q : late) list += fmt::format("{}rank {}", list.empty() ? "" : ", ", q);
+      return fmt::format("the handshake records of agreement {} from {}", a + 1, list);
+    });
+  }
   for (int q = 0; q < ch.size(); ++q) {
-    copy_bytes(at(all, static_cast<size_t>(q) * record_bytes), ch.control(q).records[slot],
+    copy_bytes(at(all, static_cast<size_t>(q) * record_bytes), ch.control(q).agree[p].record,
                record_bytes);
     if (q == me) continue;
     ctx.count_received(q, record_bytes);

@@ -27,7 +27,7 @@ namespace mt::comm {
 class ShmChannel {
  public:
   static constexpr uint64_t kDepth = 2;
-  static constexpr size_t kRecordBytes = 64;
+  static constexpr size_t kRecordBytes = 48;
 
   struct alignas(64) Counter {
     std::atomic<uint64_t> value{0};
@@ -36,8 +36,13 @@ class ShmChannel {
     Counter published;  // rounds whose inputs this rank has written
     Counter reduced;    // rounds whose reduced output this rank has written
     Counter done;       // rounds this rank has finished reading
-    Counter agreed;     // handshake records this rank has published
-    alignas(64) std::byte records[2][kRecordBytes];
+    // Handshake records by agreement parity, each in one cache line with the
+    // count that publishes it, so a peer's wait fetches both at once.
+    struct alignas(64) AgreeLine {
+      std::atomic<uint64_t> count{0};  // a + 1 once record a is here
+      std::byte record[kRecordBytes];
+    };
+    AgreeLine agree[2];
     // Status board (a seqlock): the last collective this rank entered.
     alignas(64) std::atomic<uint64_t> status_version{0};
     std::atomic<uint64_t> status_seq{0};
@@ -81,6 +86,7 @@ class ShmChannel {
 
   uint64_t round = 0;       // next round number, identical on all ranks
   uint64_t agreements = 0;  // handshakes done, identical on all ranks
+  uint64_t done_floor = 0;  // every peer's `done` was seen at least this high
 
  private:
   SharedArena& arena_;
