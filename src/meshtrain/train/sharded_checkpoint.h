@@ -22,7 +22,8 @@
 // set of files: a save that fails anywhere (on any rank, before or after its
 // shard is written) leaves the previous checkpoint loadable. Ranks agree on
 // the outcome: a failure on one rank throws the same error, naming that
-// rank, on every rank.
+// rank, on every rank. (A reader that opened the old index while a new save
+// deletes the old shards gets a missing-shard FileError, never wrong data.)
 //
 // Loading: each rank passes the pieces it wants; they are filled from
 // whichever shard files overlap them, reading only the blocks needed and
