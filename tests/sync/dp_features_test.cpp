@@ -98,6 +98,42 @@ TEST(DataParallelMemory, ShardedStateFollowsTheZeroFormulas) {
   }
 }
 
+// ZeRO-2/3 never hold a full gradient with overlap on: staging buffers are
+// reused, a few buckets at a time; with overlap off every bucket waits.
+TEST(DataParallelMemory, StagingStaysAFewBucketsWithOverlap) {
+  TrainSetup s = wide_mlp("sgd");
+  s.spec.hidden = {32, 32, 32, 32, 32, 32, 32, 32};
+  for (int stage : {2, 3}) {
+    int64_t with_overlap = 0;
+    for (bool overlap : {true, false}) {
+      DpRun run;
+      run.world = 2;
+      run.dp.stage = stage;
+      run.dp.overlap = overlap;
+      run.dp.bucket_bytes = 2 << 10;  // many buckets
+      run.local = local(2);
+      const DpResult got = run_data_parallel(s, run);
+      ModelGraph mg = build_model(s.spec, 1);
+      ParamStore store(mg.graph, s.seed);
+      const BucketPlan plan(layout_of(store), store.flat_values().numel(), run.dp.bucket_bytes, 2,
+                            0);
+      ASSERT_GT(plan.buckets().size(), 6u);
+      const int64_t bucket = plan.max_bucket_numel() * 4;
+      const int64_t staging = got.memory[0].staging_bytes;
+      std::printf(
+          "stage %d, overlap %d: %zu buckets (largest %lld bytes), staging peak %lld bytes\n",
+          stage, overlap, plan.buckets().size(), static_cast<long long>(bucket),
+          static_cast<long long>(staging));
+      if (overlap) {
+        EXPECT_LE(staging, 3 * bucket);
+        with_overlap = staging;
+      } else {
+        EXPECT_GT(staging, 2 * with_overlap);
+      }
+    }
+  }
+}
+
 uint64_t collective_bytes(const CommCounters& c, bool sent) {
   uint64_t n = 0;
   for (const auto& [name, cc] : c.by_collective) {

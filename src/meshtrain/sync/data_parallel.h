@@ -62,9 +62,10 @@
 // (scaled in place). Otherwise the executor is switched to transient
 // gradients (exec/executor.h) and each is scaled into its bucket as soon as
 // it is ready, so stages 2-3 never hold a full gradient: bucket staging
-// buffers are reused, at most about two busy at a time. With K > 1 stages
-// 2-3 keep one full-size accumulation buffer, since nothing may be sent
-// before the last micro-step.
+// buffers are reused, at most about two busy at a time with overlap on
+// (with overlap off every bucket waits in staging until backward ends: a
+// full gradient's worth). With K > 1 stages 2-3 keep one full-size
+// accumulation buffer, since nothing may be sent before the last micro-step.
 //
 // ZeRO-3 gathers inside every run() and run_forward() of an attached
 // executor, evaluation included: all ranks must run the same passes on
@@ -160,7 +161,9 @@ struct DataParallelMemory {
   int64_t expected_param_bytes = 0;
   int64_t expected_grad_bytes = 0;
   int64_t expected_optimizer_bytes = 0;
-  int64_t expected_buffer_bytes = 0;  // two buckets of staging (2-3), two gathered (3)
+  // Two buckets of staging (2-3; the flat size with overlap off or K > 1),
+  // two gathered buckets (3).
+  int64_t expected_buffer_bytes = 0;
 
   int64_t buffer_bytes() const { return staging_bytes + gathered_bytes; }
   int64_t model_state_bytes() const { return param_bytes + grad_bytes + optimizer_bytes; }

@@ -132,7 +132,8 @@ DataParallelMemory DataParallel::memory(int state_kinds) const {
   r.expected_optimizer_bytes = m.stage() >= 1 ? O / N : O;
   const int64_t bucket = p.max_bucket_numel() * 4;
   if (N > 1 && m.stage() >= 2) {
-    r.expected_buffer_bytes = m.opt.accumulation_steps > 1 ? p.flat_numel() * 4 : 2 * bucket;
+    const bool all_staged = m.opt.accumulation_steps > 1 || !m.opt.overlap;
+    r.expected_buffer_bytes = all_staged ? p.flat_numel() * 4 : 2 * bucket;
   }
   if (N > 1 && m.stage() == 3) r.expected_buffer_bytes += 2 * bucket;
   return r;
