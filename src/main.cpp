@@ -13,6 +13,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/cli/commands.h"
+#include "meshtrain/cli/launch.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"meshtrain: train deep neural networks on one machine or many"};
@@ -47,12 +48,15 @@ int main(int argc, char** argv) {
     if (inspect->parsed()) return mt::cmd_inspect(opts);
   } catch (const mt::InternalError& e) {
     std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
+    mt::abort_distributed_job(3);
     return 3;
   } catch (const mt::Error& e) {
     std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+    mt::abort_distributed_job(1);
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
+    mt::abort_distributed_job(3);
     return 3;
   }
   return 2;

@@ -2,6 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <functional>
+#include <thread>
+
 #include "meshtrain/cli/config.h"
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
@@ -15,6 +21,35 @@
 namespace mt {
 
 namespace {
+
+// Parses "kill:RANK@STEP" / "stall:RANK@STEP" into an after-step callback
+// that makes that rank die (SIGKILL, as a crashed node would) or hang.
+std::function<void(int64_t, int)> fault_drill(const std::string& spec) {
+  const auto colon = spec.find(':'), at = spec.find('@');
+  std::string kind = spec.substr(0, colon);
+  int victim = -1;
+  int64_t when = -1;
+  try {
+    if (colon != std::string::npos && at != std::string::npos && at > colon) {
+      victim = std::stoi(spec.substr(colon + 1, at - colon - 1));
+      when = std::stoll(spec.substr(at + 1));
+    }
+  } catch (const std::exception&) {
+  }
+  if ((kind != "kill" && kind != "stall") || victim < 0 || when < 0) {
+    throw ConfigError(fmt::format(
+        "dist.fault: expected \"kill:RANK@STEP\" or \"stall:RANK@STEP\", got \"{}\"", spec));
+  }
+  return [kind, victim, when](int64_t step, int rank) {
+    if (rank != victim || step != when) return;
+    fmt::print(stderr, "meshtrain: fault drill: rank {} {} after step {}\n", rank,
+               kind == "kill" ? "dies" : "stalls", step);
+    std::fflush(stderr);
+    if (kind == "kill") raise(SIGKILL);
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  };
+}
+
 RunConfig load(const CommandOptions& opts) {
   Config c = Config::load(opts.config_path);
   c.set_all(opts.overrides);
@@ -52,6 +87,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     comm = make_mpi_communicator(co);
   }
   const bool leader = comm == nullptr || comm->rank() == 0;
+  if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
 
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);

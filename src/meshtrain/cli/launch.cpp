@@ -1,5 +1,6 @@
 #include "meshtrain/cli/launch.h"
 
+#include <mpi.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,6 +16,15 @@ bool launched_by_mpi() {
     if (std::getenv(v) != nullptr) return true;
   }
   return false;
+}
+
+void abort_distributed_job(int exit_code) {
+  int initialized = 0, finalized = 0, size = 1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size > 1) MPI_Abort(MPI_COMM_WORLD, exit_code);
 }
 
 void relaunch_under_mpirun(int nproc, const std::vector<std::string>& args) {

@@ -121,6 +121,8 @@ RunConfig read_run_config(const Config& c) {
   d.straggler_threshold =
       c.get_double("dist.straggler_threshold", 1.2, Bounds<double>::at_least(1.0));
   d.trace_path = c.get_string("dist.trace", "");
+  d.slowdown = c.get_double_list("dist.slowdown", {}, Bounds<double>::at_least(1.0));
+  r.fault = c.get_string("dist.fault", "");
   r.timeout_s = c.get_int("dist.timeout_s", 300, Bounds<int64_t>::positive());
   d.dp.collective.timeout = std::chrono::milliseconds(r.timeout_s * 1000);
   c.check_all_used();

@@ -28,6 +28,9 @@ struct RunConfig {
   TrainerOptions train;
   int nproc = 1;
   int64_t timeout_s = 300;  // every collective's deadline
+  // Fault drill: "kill:RANK@STEP" (the rank dies abruptly after that step)
+  // or "stall:RANK@STEP" (it stops responding); empty = none.
+  std::string fault;
 };
 
 // Reads every known key; throws ConfigError for wrong values and, at the end,

@@ -67,6 +67,7 @@ struct Executor::Impl {
   bool transient_grads = false;
   bool running = false;
   ValueId announcing = kNoValue;  // the gradient whose on_grad_ready callback runs now
+  NodeCallback node_cb;           // timeline observer, may be empty
   std::vector<std::vector<ValueId>> acquire_at, release_at;  // per step
   // Per slot of an input or parameter: the view slots rooted at it, and the
   // (step, input position) of every step argument that reads it or a view,
@@ -298,7 +299,8 @@ struct Executor::Impl {
           }
         }
       }
-      const int64_t t0 = opts.profile ? now_ns() : 0;
+      const bool timed = opts.profile || static_cast<bool>(node_cb);
+      const int64_t t0 = timed ? now_ns() : 0;
       if (!st.view) {
         try {
           kernel[idx(st.node)](*backend, n, step_in[s], step_out[s]);
@@ -308,9 +310,13 @@ struct Executor::Impl {
           throw InternalError(fmt::format("node '{}' ({}): {}", n.name, op_name(n.op), e.what()));
         }
       }
-      if (opts.profile) {
-        prof[s].total_ns += now_ns() - t0;
-        ++prof[s].calls;
+      if (timed) {
+        const int64_t t1 = now_ns();
+        if (opts.profile) {
+          prof[s].total_ns += t1 - t0;
+          ++prof[s].calls;
+        }
+        if (node_cb && !st.view) node_cb(prof[s].name, n.op, bw, t0, t1);
       }
       if (!forward_only && grad_cb) {
         for (ValueId p : ready_params[s]) {
@@ -409,6 +415,10 @@ void Executor::set_transient_grads(bool transient) {
   if (m.transient_grads == transient) return;
   m.transient_grads = transient;
   m.plan_dirty = true;
+}
+
+void Executor::on_node_done(NodeCallback cb) {
+  impl_->node_cb = std::move(cb);
 }
 
 void Executor::on_grad_ready(std::function<void(ValueId param)> cb) {

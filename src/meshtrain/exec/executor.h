@@ -93,6 +93,12 @@ class Executor {
   // Replaces any earlier callback; an empty function removes it. Fires in
   // run() only (not run_forward()), not for recomputation steps.
   void on_grad_ready(std::function<void(ValueId param)> cb);
+  // Called after every executed (non-view) step with its name (as in
+  // profile()), operator, whether it is a backward step, and its start and
+  // end (now_ns()). For timelines; an empty function removes it.
+  using NodeCallback = std::function<void(const std::string& name, OpKind op, bool backward,
+                                          int64_t start_ns, int64_t end_ns)>;
+  void on_node_done(NodeCallback cb);
 
   // Parameter residency. With hooks set, run() and run_forward() bracket the
   // reads of each parameter per phase: acquire(p, backward) runs before the

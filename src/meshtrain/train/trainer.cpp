@@ -3,9 +3,11 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "meshtrain/base/timer.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
@@ -178,7 +180,14 @@ struct Trainer::Impl {
     optimizer->set_norm_reducer(dp->norm_reducer());
     if (!o.resume_path.empty()) resume_optimizer(o.resume_path);
 
-    if (timeline.enabled()) timeline.align(*comm);
+    if (timeline.enabled()) {
+      timeline.align(*comm);
+      exec->on_node_done(
+          [this](const std::string& name, OpKind op, bool backward, int64_t t0, int64_t t1) {
+            timeline.add(name, backward ? "backward" : "forward", t0, t1, Timeline::kCompute,
+                         {{"op", std::string(op_name(op))}});
+          });
+    }
     if (world > 1 && o.dist.consistency_every > 0 && o.dist.dp.stage < 3) {
       ConsistencyChecker::NamedTensors named;
       for (auto& e : store->entries()) named.emplace_back(e.name, e.value);
@@ -452,6 +461,12 @@ struct Trainer::Impl {
       const double wait_before = dp->stats().wait_seconds;
       Stopwatch sw;
       const double loss = train_step(epoch, s);
+      if (rank < static_cast<int>(o.dist.slowdown.size()) && o.dist.slowdown[rank] > 1.0) {
+        // Stand in for a slower device: stretch this step's compute.
+        const double compute = sw.seconds() - (dp->stats().wait_seconds - wait_before);
+        std::this_thread::sleep_for(
+            std::chrono::duration<double>(std::max(0.0, compute) * (o.dist.slowdown[rank] - 1.0)));
+      }
       const double dt = sw.seconds();
       const double rate = static_cast<double>(o.batch_size) / dt;
       if (step - first >= kWarmupSteps) rates.push_back(rate);
@@ -474,6 +489,7 @@ struct Trainer::Impl {
         }
       }
       if (consistency) consistency->maybe_check(step);
+      if (o.dist.after_step) o.dist.after_step(step, rank);
       if (step % o.log_every == 0 || step == stop) metrics.write(line);
       progress.update(step - 1, loss, rate, lr);
       if (o.eval && (step % spe == 0)) {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,6 +44,13 @@ struct DistOptions {
   // a window of steps, threshold x the others' median).
   bool straggler_report = true;
   double straggler_threshold = 1.2;
+  // Emulated device speed: rank r's compute is stretched by slowdown[r]
+  // (e.g. {1, 2}: rank 1 behaves like a device half as fast). Empty = none.
+  std::vector<double> slowdown;
+  // Fault injection for tests and drills: called on every rank after each
+  // optimizer step with the step count (the CLI uses it to kill or stall a
+  // rank on purpose).
+  std::function<void(int64_t step, int rank)> after_step;
   // Chrome-trace JSON of every rank's operators, collectives and waits,
   // merged into one file by rank 0 (empty = no trace).
   std::string trace_path;
