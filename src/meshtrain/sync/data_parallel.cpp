@@ -204,17 +204,18 @@ void DataParallel::Impl::launch(int bucket) {
   r.launched = true;
   if (world() == 1) return;  // the sum over one rank is what we hold
   const BucketInfo& b = plan.buckets()[idx(bucket)];
-  with_comm_context(context(bucket, grad_collective(stage())), [&] {
-    if (stage() <= 1) {
-      float* g = full_grads.data<float>() + b.begin;
-      r.handle =
-          comm.all_reduce_async(g, g, idx(b.numel()), DType::f32, ReduceOp::sum, opt.collective);
-    } else {
-      r.handle = comm.reduce_scatterv_async(grad_target(bucket),
-                                            shard_grads.data<float>() + b.shard_offset, b.counts,
-                                            DType::f32, ReduceOp::sum, opt.collective);
-    }
-  });
+  with_comm_context([&] { return context(bucket, grad_collective(stage())); },
+                    [&] {
+                      if (stage() <= 1) {
+                        float* g = full_grads.data<float>() + b.begin;
+                        r.handle = comm.all_reduce_async(g, g, idx(b.numel()), DType::f32,
+                                                         ReduceOp::sum, opt.collective);
+                      } else {
+                        r.handle = comm.reduce_scatterv_async(
+                            grad_target(bucket), shard_grads.data<float>() + b.shard_offset,
+                            b.counts, DType::f32, ReduceOp::sum, opt.collective);
+                      }
+                    });
   ++stats.collectives;
   if (r.staging >= 0) in_flight.push_back(bucket);
 }
@@ -223,7 +224,7 @@ void DataParallel::Impl::wait_bucket(int bucket, const char* what) {
   BucketRun& r = runs[idx(bucket)];
   if (!r.handle.valid()) return;
   const int64_t t0 = now_ns();
-  with_comm_context(context(bucket, what), [&] { r.handle.wait(); });
+  with_comm_context([&] { return context(bucket, what); }, [&] { r.handle.wait(); });
   r.handle = CommHandle();
   stats.wait_seconds += static_cast<double>(now_ns() - t0) * 1e-9;
 }
@@ -311,13 +312,16 @@ std::function<void(std::span<double>)> DataParallel::norm_reducer() {
   return [&m](std::span<double> values) {
     if (values.empty()) return;
     const int64_t t0 = now_ns();
-    with_comm_context(fmt::format("data-parallel (ZeRO stage {}) step {}: norm reduction of {} "
-                                  "values",
-                                  m.opt.stage, m.step, values.size()),
-                      [&] {
-                        m.comm.all_reduce(values.data(), values.data(), values.size(), DType::f64,
-                                          ReduceOp::sum, m.opt.collective);
-                      });
+    auto where = [&] {
+      return fmt::format(
+          "data-parallel (ZeRO stage {}, rank {} of {}) step {}: norm reduction "
+          "of {} values",
+          m.opt.stage, m.plan.rank(), m.plan.world_size(), m.step, values.size());
+    };
+    with_comm_context(where, [&] {
+      m.comm.all_reduce(values.data(), values.data(), values.size(), DType::f64, ReduceOp::sum,
+                        m.opt.collective);
+    });
     ++m.stats.collectives;
     m.stats.wait_seconds += static_cast<double>(now_ns() - t0) * 1e-9;
   };
@@ -338,11 +342,12 @@ void DataParallel::finish_step() {
     float* flat = m.flat_params.data<float>();
     for (size_t b = 0; b < p.buckets().size(); ++b) {
       const BucketInfo& info = p.buckets()[b];
-      with_comm_context(m.context(static_cast<int>(b), "all_gatherv of parameters"), [&] {
-        m.runs[b].handle =
-            m.comm.all_gatherv_async(flat + info.chunk_begin[idx(p.rank())], flat + info.begin,
-                                     info.counts, DType::f32, m.opt.collective);
-      });
+      with_comm_context([&] { return m.context(static_cast<int>(b), "all_gatherv of parameters"); },
+                        [&] {
+                          m.runs[b].handle = m.comm.all_gatherv_async(
+                              flat + info.chunk_begin[idx(p.rank())], flat + info.begin,
+                              info.counts, DType::f32, m.opt.collective);
+                        });
       ++m.stats.collectives;
     }
     for (size_t b = 0; b < p.buckets().size(); ++b) {
@@ -384,10 +389,11 @@ void DataParallel::gather_params(Tensor& flat_out) {
       std::memcpy(out + info.begin, shard + info.shard_offset, idx(info.numel()) * 4);
       continue;
     }
-    with_comm_context(m.context(static_cast<int>(b), "all_gatherv of parameters"), [&] {
-      m.comm.all_gatherv(shard + info.shard_offset, out + info.begin, info.counts, DType::f32,
-                         m.opt.collective);
-    });
+    with_comm_context([&] { return m.context(static_cast<int>(b), "all_gatherv of parameters"); },
+                      [&] {
+                        m.comm.all_gatherv(shard + info.shard_offset, out + info.begin, info.counts,
+                                           DType::f32, m.opt.collective);
+                      });
     ++m.stats.collectives;
   }
 }

@@ -143,11 +143,12 @@ void DataParallel::Impl::start_gather(DpAttachment& a, int bucket, int phase) {
   gs.users_left = a.users[phase][idx(bucket)];
   gs.pending = true;
   gs.used = false;
-  with_comm_context(context(bucket, "all_gatherv of parameters"), [&] {
-    gs.handle =
-        comm.all_gatherv_async(shard_params.data<float>() + b.shard_offset,
-                               gather_pool.data(gs.buffer), b.counts, DType::f32, opt.collective);
-  });
+  with_comm_context([&] { return context(bucket, "all_gatherv of parameters"); },
+                    [&] {
+                      gs.handle = comm.all_gatherv_async(
+                          shard_params.data<float>() + b.shard_offset, gather_pool.data(gs.buffer),
+                          b.counts, DType::f32, opt.collective);
+                    });
   ++stats.gathers;
   ++stats.collectives;
 }
@@ -156,7 +157,8 @@ void DataParallel::Impl::wait_gather(int bucket) {
   Gathered& gs = gathered[idx(bucket)];
   if (!gs.pending) return;
   const int64_t t0 = now_ns();
-  with_comm_context(context(bucket, "all_gatherv of parameters"), [&] { gs.handle.wait(); });
+  with_comm_context([&] { return context(bucket, "all_gatherv of parameters"); },
+                    [&] { gs.handle.wait(); });
   gs.handle = CommHandle();
   gs.pending = false;
   stats.wait_seconds += static_cast<double>(now_ns() - t0) * 1e-9;

@@ -104,17 +104,18 @@ struct DataParallel::Impl {
 };
 
 // Runs f and rethrows a CommError (or its TimeoutError / MismatchError
-// subclass) with `where` in front of its message, keeping the type.
-template <class F>
-void with_comm_context(const std::string& where, F&& f) {
+// subclass) with where() in front of its message, keeping the type. where()
+// is called only on failure, so the message costs nothing on the fast path.
+template <class Where, class F>
+void with_comm_context(Where&& where, F&& f) {
   try {
     f();
   } catch (const TimeoutError& e) {
-    throw TimeoutError(where + ": " + e.what());
+    throw TimeoutError(where() + ": " + e.what());
   } catch (const MismatchError& e) {
-    throw MismatchError(where + ": " + e.what());
+    throw MismatchError(where() + ": " + e.what());
   } catch (const CommError& e) {
-    throw CommError(where + ": " + e.what());
+    throw CommError(where() + ": " + e.what());
   }
 }
 
