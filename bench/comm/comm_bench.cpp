@@ -3,7 +3,7 @@
 // on the same f32 buffers, sizes 4 KiB .. 64 MiB (powers of 4).
 //
 //   mpirun -np 2 build/bench/comm/comm_bench [--algorithms] [--only allreduce]
-//       [--shm-bytes N] [--shm-direct-max N]
+//       [--shm-bytes N]
 //
 // Rank 0 prints one JSON line per collective and size, e.g.
 //   {"suite": "comm", "name": "allreduce_bus_bw_1MiB", "unit": "GB/s",
@@ -120,7 +120,6 @@ int main(int argc, char** argv) {
     bool algorithms = false;
     std::string only;
     mt::MpiOptions mpi_options;
-    size_t direct_max = mt::AlgorithmPolicy().shm_direct_max_bytes;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--algorithms") {
@@ -129,19 +128,17 @@ int main(int argc, char** argv) {
         only = argv[++i];
       } else if (a == "--shm-bytes" && i + 1 < argc) {
         mpi_options.shm_bytes_per_rank = std::stoull(argv[++i]);
-      } else if (a == "--shm-direct-max" && i + 1 < argc) {
-        direct_max = std::stoull(argv[++i]);
+
       } else {
         throw mt::ConfigError(
             fmt::format("unknown argument '{}' (expected --algorithms, --only allreduce|allgather|"
-                        "reducescatter, --shm-bytes N, --shm-direct-max N)",
+                        "reducescatter, --shm-bytes N)",
                         a));
       }
     }
     auto wanted = [&](const char* name) { return only.empty() || only == name; };
     mt::CommOptions options;
     options.name = "bench";
-    options.policy.shm_direct_max_bytes = direct_max;
     auto comm = mt::make_mpi_communicator(options, mpi_options);
     MPI_Comm mpi;
     MPI_Comm_dup(MPI_COMM_WORLD, &mpi);

@@ -84,12 +84,8 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
                     size_t count, DType dtype, ReduceOp op, bool staged = false);
 CollectiveCost shm_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes,
                                    size_t slot_bytes);
-// Small buffers (at most one slot): every rank reduces all of it.
-void shm_direct_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                           size_t count, DType dtype, ReduceOp op, bool staged = false);
-CollectiveCost shm_direct_all_reduce_cost(int n, int rank, size_t count, size_t elem_bytes);
 bool shm_stage_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, size_t count,
-                          DType dtype, bool direct);
+                          DType dtype);
 void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
                          std::span<const size_t> counts, DType dtype, ReduceOp op,
                          bool staged = false);

@@ -45,7 +45,6 @@ struct Communicator::Impl {
   bool stage(comm::CollectiveContext& ctx, const comm::Call& call);
   void dispatch(comm::CollectiveContext& ctx, comm::Call& call, CommAlgorithm algorithm,
                 bool staged);
-  bool direct_all_reduce(size_t bytes) const;
   void handshake(const comm::CallInfo& info, const comm::Call& call, Deadline deadline);
   std::string watchdog_report(const comm::CallInfo& info) const;
   void publish(const comm::CallInfo& info, comm::ShmChannel::State state, int64_t time_ns);

@@ -80,17 +80,12 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
   return a;
 }
 
-bool Communicator::Impl::direct_all_reduce(size_t bytes) const {
-  return bytes <= options.policy.shm_direct_max_bytes && shm && bytes <= shm->slot_bytes();
-}
-
 bool Communicator::Impl::stage(comm::CollectiveContext& ctx, const Call& call) {
   const size_t elem = dtype_size(call.dtype);
   const size_t n = static_cast<size_t>(size);
   switch (call.kind) {
     case Collective::all_reduce:
-      return comm::shm_stage_all_reduce(ctx, *shm, call.send, call.count, call.dtype,
-                                        direct_all_reduce(call.count * elem));
+      return comm::shm_stage_all_reduce(ctx, *shm, call.send, call.count, call.dtype);
     case Collective::all_gather:
     case Collective::split:
       return comm::shm_stage_all_gatherv(ctx, *shm, call.send, std::vector<size_t>(n, call.count),
@@ -129,13 +124,8 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, Comm
       } else if (algorithm == A::halving_doubling) {
         comm::hd_all_reduce(ctx, call.send, call.recv, call.count, call.dtype, call.op);
       } else if (algorithm == A::shared_memory) {
-        if (direct_all_reduce(call.count * elem)) {
-          comm::shm_direct_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype,
-                                      call.op, staged);
-        } else {
-          comm::shm_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype, call.op,
-                               staged);
-        }
+        comm::shm_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype, call.op,
+                             staged);
       } else {
         run_native(native->all_reduce(call.send, call.recv, call.count, call.dtype, native_op));
         if (call.op == ReduceOp::avg) comm::divide(call.recv, call.count, call.dtype, size);
@@ -238,9 +228,7 @@ CollectiveCost Communicator::cost(Collective c, CommAlgorithm algorithm, size_t 
       if (algorithm == A::ring) return comm::ring_all_reduce_cost(n, r, count, elem);
       if (algorithm == A::halving_doubling) return comm::hd_all_reduce_cost(n, r, count, elem);
       if (algorithm == A::shared_memory) {
-        return impl_->direct_all_reduce(count * elem)
-                   ? comm::shm_direct_all_reduce_cost(n, r, count, elem)
-                   : comm::shm_all_reduce_cost(n, r, count, elem, slot);
+        return comm::shm_all_reduce_cost(n, r, count, elem, slot);
       }
       break;
     case Collective::all_gather:

@@ -78,9 +78,6 @@ struct AlgorithmPolicy {
   // Use the shared-memory algorithms whenever the backend offers a node-shared
   // window (all ranks on one node).
   bool prefer_shared_memory = true;
-  // Shared-memory all-reduce of at most this many bytes: every rank reduces
-  // the whole buffer (one synchronisation) instead of its shard (two).
-  size_t shm_direct_max_bytes = 16 * 1024;
   // Without shared memory: messages up to this many bytes use halving-doubling
   // (fewer steps), larger ones ring (less per-step overhead, balanced links).
   size_t halving_doubling_max_bytes = 256 * 1024;

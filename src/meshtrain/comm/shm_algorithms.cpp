@@ -198,62 +198,16 @@ CollectiveCost shm_all_reduce_cost(int n, int rank, size_t count, size_t elem_by
 }
 
 bool shm_stage_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, size_t count,
-                          DType dtype, bool direct) {
+                          DType dtype) {
   const int n = ch.size();
   const size_t elem = dtype_size(dtype);
   if (n == 1 || count == 0) return false;
-  const uint64_t g = ch.round;
-  if (direct) {
-    if (count * elem > ch.slot_bytes()) return false;
-    wait_slot_free(ctx, ch, g);
-    copy_bytes(ch.slot(ch.rank(), g), send, count * elem);
-    return true;
-  }
   const std::vector<size_t> shards = balanced_counts(count, n, shard_align(elem));
   const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
   if (*std::max_element(shards.begin(), shards.end()) > chunk) return false;
-  wait_slot_free(ctx, ch, g);
-  copy_blocks_in(ch, g, send, shards, prefix_offsets(shards), chunk, elem, 0);
+  wait_slot_free(ctx, ch, ch.round);
+  copy_blocks_in(ch, ch.round, send, shards, prefix_offsets(shards), chunk, elem, 0);
   return true;
-}
-
-// Small buffers: every rank reduces the whole buffer from all slots, in rank
-// order (so the bits are the same everywhere): one synchronisation instead of
-// two, for (n-1) B read per rank instead of ~2(n-1)/n B.
-void shm_direct_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, void* recv,
-                           size_t count, DType dtype, ReduceOp op, bool staged) {
-  const int n = ch.size();
-  const int me = ch.rank();
-  const size_t elem = dtype_size(dtype);
-  if (n == 1 || count == 0) {
-    if (send != recv) copy_bytes(recv, send, count * elem);
-    return;
-  }
-  MT_CHECK_LE(count * elem, ch.slot_bytes());
-  const uint64_t g = ch.round;
-  ctx.set_step(0, 1);
-  if (!staged) {
-    wait_slot_free(ctx, ch, g);
-    copy_bytes(ch.slot(me, g), send, count * elem);
-    raise(ch, &Control::published, g + 1);
-    wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
-  }
-  // Own data from the slot too: recv may alias send, never a slot.
-  std::vector<const void*> srcs(static_cast<size_t>(n));
-  for (int q = 0; q < n; ++q) srcs[static_cast<size_t>(q)] = ch.slot(q, g);
-  reduce_sources(recv, srcs.data(), n, count, dtype, op, op == ReduceOp::avg ? n : 1);
-  for (int q : ch.peers()) {
-    ctx.count_received(q, count * elem);
-    ctx.count_sent(q, count * elem);
-  }
-  raise(ch, &Control::done, g + 1);
-  ch.round += 1;
-}
-
-CollectiveCost shm_direct_all_reduce_cost(int n, int /*rank*/, size_t count, size_t elem_bytes) {
-  if (n == 1 || count == 0) return {};
-  const uint64_t bytes = static_cast<uint64_t>(n - 1) * count * elem_bytes;
-  return {1, bytes, bytes};
 }
 
 // ---- reduce-scatter -----------------------------------------------------------

@@ -44,6 +44,9 @@ MpiRuntime::MpiRuntime() {
     if (rc != MPI_SUCCESS) throw CommError(fmt::format("MPI_Init_thread failed with code {}", rc));
     owns_init_ = true;
     std::atexit(finalize_at_exit);
+    // Errors become return codes the backend turns into CommError, instead of
+    // aborting the job (the default MPI_ERRORS_ARE_FATAL).
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   }
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
