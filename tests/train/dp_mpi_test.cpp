@@ -42,13 +42,13 @@ RunSetup setup(const std::string& optimizer) {
   d.limit = 1536;
   s.train = std::make_shared<FashionMnist>(d);
   d.split = DataSplit::test;
-  d.limit = 300;
+  d.limit = 301;
   s.test = std::make_shared<FashionMnist>(d);
   s.opts.batch_size = 48;
   s.opts.max_steps = 20;
   s.opts.epochs = 1;
   s.opts.progress = false;
-  s.opts.eval = false;
+  s.opts.eval = true;  // 300 test examples: uneven per-rank slices at 4 ranks
   s.opts.optimizer = optimizer;
   s.opts.optim.sgd.momentum = 0.9;
   s.opts.optim.sgd.weight_decay = 1e-4;
@@ -66,12 +66,15 @@ RunSetup setup(const std::string& optimizer) {
 struct Outcome {
   std::vector<double> losses;
   std::vector<float> params;
+  double test_loss = 0;  // with opts.eval
 };
 
 Outcome train(RunSetup s, Communicator* comm) {
   Trainer t(s.spec, s.train, s.test, s.opts, comm);
   Outcome o;
-  o.losses = t.run().losses;
+  TrainResult r = t.run();
+  o.losses = r.losses;
+  o.test_loss = r.test_loss;
   Tensor p = t.gather_params();
   o.params.assign(p.data<float>(), p.data<float>() + p.numel());
   return o;
@@ -94,6 +97,7 @@ void expect_equivalent(const Outcome& ref, const Outcome& got, const std::string
     }
     max_abs = std::max(max_abs, std::abs(static_cast<double>(ref.params[i])));
   }
+  EXPECT_NEAR(got.test_loss, ref.test_loss, 1e-5 * std::abs(ref.test_loss)) << what;
   EXPECT_LE(max_diff, 1e-5 * max_abs)
       << what << ": parameters differ by " << max_diff << " at flat index " << where
       << " (largest parameter " << max_abs << ", rank " << world().rank() << ")";
@@ -179,6 +183,7 @@ TEST_P(DataParallelMpi, CheckpointReshardsAcrossWorldSizesAndStages) {
     stitched.losses.insert(stitched.losses.end(), second.losses.begin(), second.losses.end());
     stitched.losses.insert(stitched.losses.end(), third.losses.begin(), third.losses.end());
     stitched.params = third.params;
+    stitched.test_loss = third.test_loss;
     expect_equivalent(
         ref, stitched,
         fmt::format("{}: {} ranks ZeRO-3 -> 2 ranks DP -> 1 rank", optimizer, w.size()));

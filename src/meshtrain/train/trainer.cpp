@@ -356,7 +356,9 @@ struct Trainer::Impl {
     eo.outputs = {em.model.logits, em.model.loss};
     eo.recompute = false;
     em.exec = std::make_unique<Executor>(em.model.graph, eo);
-    dp->attach(*em.exec, em.model.graph);
+    // Evaluation reads the store's whole parameters (gathered first under
+    // ZeRO-3 by evaluate()), so ranks may run different numbers of batches.
+    store->bind(*em.exec, em.model.graph, /*with_grads=*/false);
     for (auto& [id, t] : em.model.constants) em.exec->bind(id, t);
     return eval_models.emplace(batch, std::move(em)).first->second;
   }
@@ -364,6 +366,7 @@ struct Trainer::Impl {
   // Each rank evaluates a contiguous slice of every test batch; sums are
   // combined across ranks.
   std::pair<double, double> evaluate() {
+    sync_store();
     LoaderOptions lo;
     lo.batch_size = std::min<int64_t>(o.eval_batch_size, test_data->size());
     lo.shuffle = false;
