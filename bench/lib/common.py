@@ -30,12 +30,13 @@ class BenchError(Exception):
     venv that cannot be created, unknown suite."""
 
 
-# Global batch, timed steps and warm-up steps (normal, --quick) per model, and
-# the unit of its throughput lines (GPT's samples are sequences of seq tokens).
+# Per model: the global batch when its config does not say, timed steps and
+# warm-up steps (normal, --quick), and the unit of its throughput lines (GPT's
+# samples are sequences of model.seq_len tokens).
 MODEL_PLAN = {
-    "mlp": {"batch": 128, "steps": (60, 20), "warmup": (10, 3), "unit": "samples/s", "seq": 1},
-    "cnn": {"batch": 128, "steps": (30, 8), "warmup": (5, 2), "unit": "samples/s", "seq": 1},
-    "gpt": {"batch": 16, "steps": (20, 6), "warmup": (5, 2), "unit": "tokens/s", "seq": 128},
+    "mlp": {"batch": 128, "steps": (60, 20), "warmup": (10, 3), "unit": "samples/s"},
+    "cnn": {"batch": 128, "steps": (30, 8), "warmup": (5, 2), "unit": "samples/s"},
+    "gpt": {"batch": 16, "steps": (20, 6), "warmup": (5, 2), "unit": "tokens/s"},
 }
 
 

@@ -108,10 +108,11 @@ def config_path(model):
 
 
 def peer_setup(model, default_batch):
-    """Reads meshtrain's config for `model` and returns (global batch, the
+    """Reads meshtrain's config for `model` and returns {"batch": global
+    batch, "seq": tokens per sample (1 but for GPT), "args": the
     torch_train.py arguments that give the peer the same model dimensions,
-    optimizer and clipping). Defaults are meshtrain's own (cli/run_config.cpp).
-    Raises BenchError for a config that cannot be read."""
+    optimizer and clipping}. Defaults are meshtrain's own
+    (cli/run_config.cpp). Raises BenchError for a config that cannot be read."""
     path = config_path(model)
     try:
         cfg = tomllib.loads(path.read_text())
@@ -143,4 +144,5 @@ def peer_setup(model, default_batch):
     else:
         args += ["--beta1", str(o.get("beta1", 0.9)), "--beta2", str(o.get("beta2", 0.999)),
                  "--eps", str(o.get("eps", 1e-8))]
-    return batch, args
+    seq = int(m.get("seq_len", 128)) if model == "gpt" else 1
+    return {"batch": batch, "seq": seq, "args": args}

@@ -113,10 +113,10 @@ def pick_square_sgemm(stdout):
     return best[:2] if best else None
 
 
-def compare(ctx, model, threads, steps, warmup, batch, mt, peers):
+def compare(ctx, model, threads, steps, warmup, setup, mt, peers):
     """Prints throughput and RSS lines of meshtrain against each peer mode."""
     plan = PLAN[model]
-    seq = plan["seq"]
+    seq, batch = setup["seq"], setup["batch"]
     mt_rate = mt.samples_per_s * seq if mt.samples_per_s else None
     mt_fast = mt.fast_samples_per_s(warmup)
     mt_fast = mt_fast * seq if mt_fast else None
@@ -162,10 +162,10 @@ def compare(ctx, model, threads, steps, warmup, batch, mt, peers):
         ctx.emit(line)
 
 
-def bf16_lines(ctx, model, steps, warmup, batch, f32):
+def bf16_lines(ctx, model, steps, warmup, setup, f32):
     bf = run_meshtrain(ctx, model, 1, steps, warmup, precision="bf16")
     plan = PLAN[model]
-    seq = plan["seq"]
+    seq, batch = setup["seq"], setup["batch"]
     error = "; ".join(e for e in (f32.error, bf.error) if e) or None
     common = {"peer_name": "meshtrain f32", "model": model, "threads": 1,
               "batch": batch, "steps": steps, "warmup": warmup,
@@ -197,12 +197,12 @@ def run(ctx):
     ctx.torch_python()  # create the venv up front, not in the middle of timings
     for model in models:
         steps, warmup = steps_for(ctx, model)
-        batch, setup_args = meshtrain.peer_setup(model, PLAN[model]["batch"])
+        setup = meshtrain.peer_setup(model, PLAN[model]["batch"])
         for threads in threads_list:
             mt = run_meshtrain(ctx, model, threads, steps, warmup)
-            peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup, setup_args)
+            peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup, setup["args"])
                      for mode in ("eager", "compile")}
-            compare(ctx, model, threads, steps, warmup, batch, mt, peers)
+            compare(ctx, model, threads, steps, warmup, setup, mt, peers)
             if model == "mlp" and threads == 1:
                 peak = sgemm_peak(ctx)
                 line = {"name": "sgemm_peak", "unit": "GFLOP/s", "value": peak["value"],
@@ -216,7 +216,7 @@ def run(ctx):
                     continue
                 gf = mt.get("matmul_gflops")
                 line = {"name": "mlp_train_matmul_gflops", "unit": "GFLOP/s", "value": gf,
-                        "threads": 1, "model": "mlp", "batch": batch,
+                        "threads": 1, "model": "mlp", "batch": setup["batch"],
                         "fraction_of_sgemm_peak": ratio(gf, peak["value"]),
                         "note": "matmul FLOPs / matmul time inside meshtrain's training step "
                                 "(summary metrics line)"}
@@ -224,4 +224,4 @@ def run(ctx):
                     line["error"] = mt.error
                 ctx.emit(line)
             if model in ("mlp", "gpt") and threads == 1 and not ctx.args.peer_only:
-                bf16_lines(ctx, model, steps, warmup, batch, mt)
+                bf16_lines(ctx, model, steps, warmup, setup, mt)

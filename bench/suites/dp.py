@@ -65,8 +65,8 @@ def run(ctx):
     for model in models:
         plan = PLAN[model]
         steps, warmup = steps_for(ctx, model)
-        batch, setup_args = meshtrain.peer_setup(model, plan["batch"])
-        seq = plan["seq"]
+        setup = meshtrain.peer_setup(model, plan["batch"])
+        batch, seq, setup_args = setup["batch"], setup["seq"], setup["args"]
         if ctx.args.peer_only:
             mt1 = mt2 = meshtrain.MeshtrainRun(None, [], None, None, 0.0)
         else:
