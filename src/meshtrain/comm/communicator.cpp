@@ -150,6 +150,10 @@ const std::string& Communicator::name() const {
 const CommOptions& Communicator::options() const {
   return impl_->options;
 }
+void Communicator::set_call_observer(std::function<void(const CallEvent&)> observer) {
+  std::lock_guard<std::mutex> exec(impl_->exec_mu);  // not while a call runs
+  impl_->options.on_call_done = std::move(observer);
+}
 std::string Communicator::backend() const {
   return impl_->transport->backend();
 }

@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -79,6 +80,9 @@ class Communicator {
   int size() const;
   const std::string& name() const;
   const CommOptions& options() const;
+  // Replaces CommOptions::on_call_done (e.g. a timeline attaching to a
+  // communicator it did not create). Waits for a running call to finish.
+  void set_call_observer(std::function<void(const CallEvent&)> observer);
   std::string backend() const;  // "self", "local", "mpi"
   bool has_shared_memory() const;
   bool has_native() const;

@@ -165,6 +165,19 @@ void Communicator::Impl::handshake(const CallInfo& info, const Call& call, Deadl
 
 void Communicator::Impl::execute(Call& call) {
   CallInfo info = info_of(call);
+  // Reports the call to the observer however it ends.
+  struct Observe {
+    const CommOptions& o;
+    const CallInfo& info;
+    int64_t start = now_ns();
+    bool ok = false;
+    ~Observe() {
+      if (o.on_call_done) {
+        o.on_call_done(
+            CallEvent{info.kind, info.seq, info.bytes, info.algorithm, start, now_ns(), ok});
+      }
+    }
+  } observe{options, info};
   if (is_broken.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(broken_mu);
     if (broken) {
@@ -209,6 +222,7 @@ void Communicator::Impl::execute(Call& call) {
     if (!p2p) publish(info, ShmChannel::State::completed, end_ns);
     counters.close_call(static_cast<int>(call.kind), info.bytes, ctx.bytes_sent(),
                         ctx.bytes_received(), end_ns - start_ns);
+    observe.ok = true;
   } catch (const TimeoutError& e) {
     // Messages of this call may still be in flight: nothing later could trust
     // the transport's matching, so the communicator refuses further calls.

@@ -91,6 +91,18 @@ struct AlgorithmPolicy {
                        bool has_native) const;
 };
 
+// One finished call (collective or point to point), as the communicator's
+// observer sees it: for timelines. Times are base/timer.h now_ns().
+struct CallEvent {
+  Collective kind = Collective::barrier;
+  uint64_t seq = 0;  // collective sequence number (p2p: 0)
+  size_t bytes = 0;  // payload bytes
+  CommAlgorithm algorithm = CommAlgorithm::automatic;
+  int64_t start_ns = 0;
+  int64_t end_ns = 0;
+  bool ok = true;  // false: it threw
+};
+
 // Options of one communicator (and, by default, of communicators split from it).
 struct CommOptions {
   std::string name = "world";  // appears in every error message
@@ -104,6 +116,9 @@ struct CommOptions {
   // node can have a core of its own (with more ranks than cores: 2 us).
   std::chrono::microseconds spin{200};
   AlgorithmPolicy policy;
+  // Called after every call on the thread that ran it (the caller's, or the
+  // progress thread for async calls); must be cheap and thread-safe.
+  std::function<void(const CallEvent&)> on_call_done;
 };
 
 // Cost of one call of an algorithm on one rank: latency-bound steps (rounds of

@@ -182,6 +182,13 @@ struct Trainer::Impl {
 
     if (timeline.enabled()) {
       timeline.align(*comm);
+      comm->set_call_observer([this](const CallEvent& e) {
+        timeline.add(fmt::format("{} #{}", collective_name(e.kind), e.seq), "comm", e.start_ns,
+                     e.end_ns, Timeline::kComm,
+                     {{"bytes", e.bytes},
+                      {"algorithm", std::string(algorithm_name(e.algorithm))},
+                      {"ok", e.ok}});
+      });
       exec->on_node_done(
           [this](const std::string& name, OpKind op, bool backward, int64_t t0, int64_t t1) {
             timeline.add(name, backward ? "backward" : "forward", t0, t1, Timeline::kCompute,
@@ -519,7 +526,10 @@ struct Trainer::Impl {
     }
     if (!o.checkpoint_path.empty()) save(o.checkpoint_path);
     sync_store();
-    if (timeline.enabled()) timeline.merge_and_write(*comm, o.dist.trace_path);
+    if (timeline.enabled()) {
+      comm->set_call_observer({});  // the merge's own messages stay out of the trace
+      timeline.merge_and_write(*comm, o.dist.trace_path);
+    }
 
     r.steps = step;
     r.samples_per_s = median(rates);
