@@ -61,6 +61,33 @@ ParamLayout layout_of(const ParamStore& store) {
   return l;
 }
 
+// Of the time this rank spent in gradient collectives, the fraction that ran
+// while it was computing (hidden behind forward/backward): from the timeline.
+double hidden_comm_fraction(const std::vector<TimelineEvent>& events) {
+  std::vector<std::pair<int64_t, int64_t>> compute, comm;
+  for (const TimelineEvent& e : events) {
+    const std::pair<int64_t, int64_t> iv{e.start_ns, e.start_ns + e.duration_ns};
+    if (e.lane == Timeline::kCompute && (e.category == "forward" || e.category == "backward")) {
+      compute.push_back(iv);
+    } else if (e.lane == Timeline::kComm) {
+      comm.push_back(iv);
+    }
+  }
+  std::sort(compute.begin(), compute.end());
+  double total = 0, hidden = 0;
+  for (auto [b, e] : comm) {
+    total += static_cast<double>(e - b);
+    // Compute spans on one lane do not overlap each other.
+    auto it = std::lower_bound(compute.begin(), compute.end(), std::make_pair(b, int64_t{0}));
+    if (it != compute.begin()) --it;
+    for (; it != compute.end() && it->first < e; ++it) {
+      const int64_t lo = std::max(b, it->first), hi = std::min(e, it->second);
+      if (hi > lo) hidden += static_cast<double>(hi - lo);
+    }
+  }
+  return total > 0 ? hidden / total : 0.0;
+}
+
 // A forward-only copy of the model at one batch size, sharing the trainer's
 // parameters, for evaluation.
 struct EvalModel {
@@ -526,7 +553,9 @@ struct Trainer::Impl {
     }
     if (!o.checkpoint_path.empty()) save(o.checkpoint_path);
     sync_store();
+    double hidden = -1;
     if (timeline.enabled()) {
+      hidden = hidden_comm_fraction(timeline.events());
       comm->set_call_observer({});  // the merge's own messages stay out of the trace
       timeline.merge_and_write(*comm, o.dist.trace_path);
     }
@@ -564,6 +593,7 @@ struct Trainer::Impl {
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
         {"precision", std::string(dtype_name(o.precision))}};
+    if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
     if (o.eval) {
       summary["test_loss"] = r.test_loss;
       summary["test_accuracy"] = r.test_accuracy;
