@@ -1,4 +1,5 @@
 # Trains 4 steps on 2 ranks with --trace and checks the merged Chrome trace.
+cmake_minimum_required(VERSION 3.25)
 set(trace ${OUT}/cli_dp_trace.json)
 file(REMOVE ${trace})
 execute_process(

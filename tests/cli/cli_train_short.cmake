@@ -1,4 +1,5 @@
 # Runs a short MLP training through the binary and checks the metrics file.
+cmake_minimum_required(VERSION 3.25)
 set(metrics ${OUT}/cli_train_short.jsonl)
 file(REMOVE ${metrics})
 execute_process(
