@@ -79,16 +79,17 @@ template <class A, class B>
 
 }  // namespace mt
 
-#define MT_CHECK(cond, ...)                                                                  \
-  do {                                                                                       \
-    if (!(cond)) ::mt::detail::check_failed(__FILE__, __LINE__, #cond, fmt::format("" __VA_ARGS__)); \
+#define MT_CHECK(cond, ...)                                                               \
+  do {                                                                                    \
+    if (!(cond))                                                                          \
+      ::mt::detail::check_failed(__FILE__, __LINE__, #cond, fmt::format("" __VA_ARGS__)); \
   } while (0)
 
-#define MT_CHECK_OP_(a, b, op)                                                        \
-  do {                                                                                \
-    const auto& mt_a_ = (a);                                                          \
-    const auto& mt_b_ = (b);                                                          \
-    if (!(mt_a_ op mt_b_))                                                            \
+#define MT_CHECK_OP_(a, b, op)                                                            \
+  do {                                                                                    \
+    const auto& mt_a_ = (a);                                                              \
+    const auto& mt_b_ = (b);                                                              \
+    if (!(mt_a_ op mt_b_))                                                                \
       ::mt::detail::check_op_failed(__FILE__, __LINE__, #a " " #op " " #b, mt_a_, mt_b_); \
   } while (0)
 

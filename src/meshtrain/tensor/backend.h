@@ -113,8 +113,8 @@ class KernelBackend {
   virtual void conv2d_backward_data(const Tensor& dy, const Tensor& w, Tensor& dx,
                                     const Conv2dParams& p) = 0;
   // dbias may be undefined (no bias).
-  virtual void conv2d_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw,
-                                      Tensor& dbias, const Conv2dParams& p) = 0;
+  virtual void conv2d_backward_weight(const Tensor& dy, const Tensor& x, Tensor& dw, Tensor& dbias,
+                                      const Conv2dParams& p) = 0;
   // y [N,C,OH,OW]; argmax i32 [N,C,OH,OW] holds the flat index (h * W + w)
   // inside the input plane of the chosen element.
   virtual void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& p) = 0;

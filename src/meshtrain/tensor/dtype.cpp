@@ -9,38 +9,53 @@ namespace mt {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
-    case DType::i32: return 4;
-    case DType::i64: return 8;
-    case DType::u8: return 1;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
+    case DType::i32:
+      return 4;
+    case DType::i64:
+      return 8;
+    case DType::u8:
+      return 1;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
-    case DType::i32: return "i32";
-    case DType::i64: return "i64";
-    case DType::u8: return "u8";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+    case DType::i32:
+      return "i32";
+    case DType::i64:
+      return "i64";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }
 
 DType parse_dtype(std::string_view name) {
-  for (DType t : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64,
-                  DType::u8}) {
+  for (DType t :
+       {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8}) {
     if (dtype_name(t) == name) return t;
   }
-  throw ConfigError(fmt::format("unknown dtype '{}' (expected one of f32, f64, bf16, f16, i32, "
-                                "i64, u8)",
-                                name));
+  throw ConfigError(
+      fmt::format("unknown dtype '{}' (expected one of f32, f64, bf16, f16, i32, "
+                  "i64, u8)",
+                  name));
 }
 
 float bf16_to_f32(bf16 v) {
@@ -89,7 +104,7 @@ f16 f32_to_f16(float v) {
   std::memcpy(&u, &v, 4);
   uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   uint32_t absu = u & 0x7fffffffu;
-  if (absu > 0x7f800000u) return f16{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (absu > 0x7f800000u) return f16{static_cast<uint16_t>(sign | 0x7e00u)};   // NaN
   if (absu >= 0x477ff000u) return f16{static_cast<uint16_t>(sign | 0x7c00u)};  // overflow -> inf
   if (absu < 0x38800000u) {  // subnormal or zero in f16
     float a;

@@ -35,18 +35,32 @@ f16 f32_to_f16(float v);  // round to nearest even, overflow to inf
 template <class T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::f32; }
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
 template <>
-constexpr DType dtype_of<double>() { return DType::f64; }
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
 template <>
-constexpr DType dtype_of<bf16>() { return DType::bf16; }
+constexpr DType dtype_of<bf16>() {
+  return DType::bf16;
+}
 template <>
-constexpr DType dtype_of<f16>() { return DType::f16; }
+constexpr DType dtype_of<f16>() {
+  return DType::f16;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::i32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::i32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::i64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::i64;
+}
 template <>
-constexpr DType dtype_of<uint8_t>() { return DType::u8; }
+constexpr DType dtype_of<uint8_t>() {
+  return DType::u8;
+}
 
 }  // namespace mt

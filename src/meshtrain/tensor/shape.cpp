@@ -5,7 +5,9 @@
 
 namespace mt {
 
-int64_t Shape::numel() const { return prod(0, rank()); }
+int64_t Shape::numel() const {
+  return prod(0, rank());
+}
 
 int64_t Shape::prod(int begin, int end) const {
   int64_t n = 1;
@@ -13,6 +15,8 @@ int64_t Shape::prod(int begin, int end) const {
   return n;
 }
 
-std::string Shape::str() const { return fmt::format("[{}]", fmt::join(dims_, ", ")); }
+std::string Shape::str() const {
+  return fmt::format("[{}]", fmt::join(dims_, ", "));
+}
 
 }  // namespace mt

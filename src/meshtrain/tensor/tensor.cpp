@@ -11,30 +11,50 @@ constexpr size_t kAlign = 64;
 template <class F>
 void visit_dtype(DType t, F&& f) {
   switch (t) {
-    case DType::f32: f(float{}); return;
-    case DType::f64: f(double{}); return;
-    case DType::bf16: f(bf16{}); return;
-    case DType::f16: f(f16{}); return;
-    case DType::i32: f(int32_t{}); return;
-    case DType::i64: f(int64_t{}); return;
-    case DType::u8: f(uint8_t{}); return;
+    case DType::f32:
+      f(float{});
+      return;
+    case DType::f64:
+      f(double{});
+      return;
+    case DType::bf16:
+      f(bf16{});
+      return;
+    case DType::f16:
+      f(f16{});
+      return;
+    case DType::i32:
+      f(int32_t{});
+      return;
+    case DType::i64:
+      f(int64_t{});
+      return;
+    case DType::u8:
+      f(uint8_t{});
+      return;
   }
 }
 
 template <class T>
 double load(const void* p, int64_t i) {
   const T v = static_cast<const T*>(p)[i];
-  if constexpr (std::is_same_v<T, bf16>) return bf16_to_f32(v);
-  else if constexpr (std::is_same_v<T, f16>) return f16_to_f32(v);
-  else return static_cast<double>(v);
+  if constexpr (std::is_same_v<T, bf16>)
+    return bf16_to_f32(v);
+  else if constexpr (std::is_same_v<T, f16>)
+    return f16_to_f32(v);
+  else
+    return static_cast<double>(v);
 }
 
 template <class T>
 void store(void* p, int64_t i, double v) {
   T& dst = static_cast<T*>(p)[i];
-  if constexpr (std::is_same_v<T, bf16>) dst = f32_to_bf16(static_cast<float>(v));
-  else if constexpr (std::is_same_v<T, f16>) dst = f32_to_f16(static_cast<float>(v));
-  else dst = static_cast<T>(v);
+  if constexpr (std::is_same_v<T, bf16>)
+    dst = f32_to_bf16(static_cast<float>(v));
+  else if constexpr (std::is_same_v<T, f16>)
+    dst = f32_to_f16(static_cast<float>(v));
+  else
+    dst = static_cast<T>(v);
 }
 }  // namespace
 
@@ -49,8 +69,8 @@ Tensor Tensor::empty(const Shape& shape, DType dtype) {
   size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
   if (rounded == 0) rounded = kAlign;
   void* p = std::aligned_alloc(kAlign, rounded);
-  if (p == nullptr) throw Error(fmt::format("out of memory allocating {} bytes for {}", bytes,
-                                            t.desc()));
+  if (p == nullptr)
+    throw Error(fmt::format("out of memory allocating {} bytes for {}", bytes, t.desc()));
   t.owner_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   t.data_ = p;
   return t;
@@ -125,7 +145,9 @@ void Tensor::zero_() {
   if (nbytes() > 0) std::memset(data_, 0, nbytes());
 }
 
-std::string Tensor::desc() const { return fmt::format("{}{}", dtype_name(dtype_), shape_.str()); }
+std::string Tensor::desc() const {
+  return fmt::format("{}{}", dtype_name(dtype_), shape_.str());
+}
 
 void Tensor::check_dtype(DType want) const {
   if (want != dtype_) {
@@ -135,8 +157,8 @@ void Tensor::check_dtype(DType want) const {
 
 void convert(const Tensor& src, Tensor& dst) {
   if (src.numel() != dst.numel()) {
-    throw ShapeError(fmt::format("convert: {} and {} differ in element count", src.desc(),
-                                 dst.desc()));
+    throw ShapeError(
+        fmt::format("convert: {} and {} differ in element count", src.desc(), dst.desc()));
   }
   const int64_t n = src.numel();
   if (src.dtype() == dst.dtype()) {
