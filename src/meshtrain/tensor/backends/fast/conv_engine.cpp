@@ -15,44 +15,7 @@ using dnnl::memory;
 using tag = memory::format_tag;
 constexpr memory::data_type kF32 = memory::data_type::f32;
 
-std::string conv_params_str(const Conv2dParams& p) {
-  return fmt::format("stride {}x{}, pad {}x{}", p.stride_h, p.stride_w, p.pad_h, p.pad_w);
-}
-
-int64_t out_extent(int64_t in, int64_t k, int64_t stride, int64_t pad) {
-  return (in + 2 * pad - k) / stride + 1;
-}
-
 }  // namespace
-
-ConvGeom conv_geom(const char* kernel, const Tensor& x, const char* x_name, const Tensor& w,
-                   const char* w_name, const Conv2dParams& p) {
-  require_rank(kernel, x_name, x, 4);
-  require_rank(kernel, w_name, w, 4);
-  if (p.stride_h < 1 || p.stride_w < 1 || p.pad_h < 0 || p.pad_w < 0) {
-    fail(kernel, "invalid parameters ({}): strides must be >= 1 and pads >= 0 ({} {}, {} {})",
-         conv_params_str(p), x_name, x.desc(), w_name, w.desc());
-  }
-  ConvGeom g{};
-  g.n = x.shape()[0];
-  g.ci = x.shape()[1];
-  g.h = x.shape()[2];
-  g.w = x.shape()[3];
-  g.co = w.shape()[0];
-  g.kh = w.shape()[2];
-  g.kw = w.shape()[3];
-  if (w.shape()[1] != g.ci) {
-    fail(kernel, "channels differ: {} {} has {} input channels but {} {} expects {}", x_name,
-         x.desc(), g.ci, w_name, w.desc(), w.shape()[1]);
-  }
-  if (g.h + 2 * p.pad_h < g.kh || g.w + 2 * p.pad_w < g.kw) {
-    fail(kernel, "kernel of {} {} is larger than the padded input {} {} ({})", w_name, w.desc(),
-         x_name, x.desc(), conv_params_str(p));
-  }
-  g.oh = out_extent(g.h, g.kh, p.stride_h, p.pad_h);
-  g.ow = out_extent(g.w, g.kw, p.stride_w, p.pad_w);
-  return g;
-}
 
 ConvEngine::ConvEngine(OneDnnContext& ctx, ConvLayoutChoice layout) : ctx_(ctx), layout_(layout) {}
 ConvEngine::~ConvEngine() = default;
@@ -75,7 +38,7 @@ ConvEngine::Variant ConvEngine::make_variant(const Key& key, bool blocked, bool&
   const auto prop = dnnl::prop_kind::forward_training;
   // The forward primitive descriptor is also the hint backward ones need.
   // Right padding equals left padding: oneDNN's output-size rule then matches
-  // out_extent's integer division.
+  // window_out_extent's integer division.
   const dnnl::convolution_forward::primitive_desc fwd(
       key.bias && key.kind == Kind::forward
           ? dnnl::convolution_forward::desc(prop, algo, x_md, w_md, b_user, y_md, strides, pad, pad)

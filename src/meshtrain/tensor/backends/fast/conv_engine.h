@@ -28,20 +28,12 @@
 #include "meshtrain/tensor/backend.h"
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
 #include "meshtrain/tensor/backends/fast/onednn_context.h"
+#include "meshtrain/tensor/kernel_checks.h"
 
 namespace mt::fast {
 
-// Sizes of one convolution: x [n, ci, h, w], w [co, ci, kh, kw], y [n, co, oh, ow].
-struct ConvGeom {
-  int64_t n, ci, h, w, co, kh, kw, oh, ow;
-  auto operator<=>(const ConvGeom&) const = default;
-};
-
-// Validates a convolution's data and weight shapes and parameters (ShapeError
-// naming `kernel`); x_name/w_name are the caller's names for the tensors that
-// carry the data and weight shapes.
-ConvGeom conv_geom(const char* kernel, const Tensor& x, const char* x_name, const Tensor& w,
-                   const char* w_name, const Conv2dParams& p);
+// Sizes of one convolution (validated by check_conv2d in kernel_checks.h).
+using ConvGeom = Conv2dDims;
 
 class ConvEngine {
  public:

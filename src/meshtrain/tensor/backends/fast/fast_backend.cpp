@@ -167,9 +167,9 @@ class FastBackend final : public KernelBackend {
       return fallback_.conv2d(x, w, bias, y, p);
     }
     const char* K = "conv2d";
-    const fast::ConvGeom g = fast::conv_geom(K, x, "x", w, "w", p);
-    if (bias.defined()) fast::require_shape(K, "bias", bias, Shape{g.co});
-    fast::require_shape(K, "y", y, Shape{g.n, g.co, g.oh, g.ow});
+    const fast::ConvGeom g = check_conv2d(K, x, "x", w, "w", p);
+    if (bias.defined()) require_shape(K, "bias", bias, Shape{g.co});
+    require_shape(K, "y", y, Shape{g.n, g.co, g.oh, g.ow});
     apply_threads();
     engines().conv.forward(g, p, x, w, bias, y, threads());
   }
@@ -180,8 +180,8 @@ class FastBackend final : public KernelBackend {
     }
     const char* K = "conv2d_backward_data";
     // dx fixes H and W: with stride > 1 several input sizes give the same dy.
-    const fast::ConvGeom g = fast::conv_geom(K, dx, "dx", w, "w", p);
-    fast::require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
+    const fast::ConvGeom g = check_conv2d(K, dx, "dx", w, "w", p);
+    require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
     apply_threads();
     engines().conv.backward_data(g, p, dy, w, dx, threads());
   }
@@ -191,9 +191,9 @@ class FastBackend final : public KernelBackend {
       return fallback_.conv2d_backward_weight(dy, x, dw, dbias, p);
     }
     const char* K = "conv2d_backward_weight";
-    const fast::ConvGeom g = fast::conv_geom(K, x, "x", dw, "dw", p);
-    if (dbias.defined()) fast::require_shape(K, "dbias", dbias, Shape{g.co});
-    fast::require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
+    const fast::ConvGeom g = check_conv2d(K, x, "x", dw, "dw", p);
+    if (dbias.defined()) require_shape(K, "dbias", dbias, Shape{g.co});
+    require_shape(K, "dy", dy, Shape{g.n, g.co, g.oh, g.ow});
     apply_threads();
     engines().conv.backward_weight(g, p, dy, x, dw, dbias, threads());
   }

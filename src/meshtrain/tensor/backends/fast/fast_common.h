@@ -1,7 +1,7 @@
-// Argument checks and threading helpers shared by the fast backend's source
-// files (internal to src/meshtrain/tensor/backends/fast). Checks throw
-// mt::ShapeError whose message starts with the kernel's name and shows the
-// offending tensors as dtype[shape], as the reference backend's do.
+// Fast-backend-only argument checks (its f32 dtype rules) and threading
+// helpers shared by the fast backend's source files (internal to
+// src/meshtrain/tensor/backends/fast). The checks every backend shares live in
+// meshtrain/tensor/kernel_checks.h; these throw the same mt::ShapeError form.
 #pragma once
 
 #include <time.h>
@@ -13,40 +13,14 @@
 #include <utility>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/tensor/kernel_checks.h"
 #include "meshtrain/tensor/tensor.h"
 
 namespace mt::fast {
 
-template <class... Args>
-[[noreturn]] void fail(const char* kernel, fmt::format_string<Args...> f, Args&&... args) {
-  throw ShapeError(std::string(kernel) + ": " + fmt::format(f, std::forward<Args>(args)...));
-}
-
-inline void require_defined(const char* kernel, const char* name, const Tensor& t) {
-  if (!t.defined()) fail(kernel, "{} is undefined", name);
-}
-
 inline void require_dtype(const char* kernel, const char* name, const Tensor& t, DType want) {
   require_defined(kernel, name, t);
   if (t.dtype() != want) fail(kernel, "{} {} must be {}", name, t.desc(), dtype_name(want));
-}
-
-inline void require_same_shape(const char* kernel, const char* na, const Tensor& a, const char* nb,
-                               const Tensor& b) {
-  if (!(a.shape() == b.shape())) {
-    fail(kernel, "shapes differ: {} {} vs {} {}", na, a.desc(), nb, b.desc());
-  }
-}
-
-inline void require_shape(const char* kernel, const char* name, const Tensor& t,
-                          const Shape& want) {
-  if (!(t.shape() == want)) {
-    fail(kernel, "{} is {}, expected shape {}", name, t.desc(), want.str());
-  }
-}
-
-inline void require_rank(const char* kernel, const char* name, const Tensor& t, int rank) {
-  if (t.rank() != rank) fail(kernel, "{} {} must have rank {}", name, t.desc(), rank);
 }
 
 // t is defined, f32 and shaped like ref.
@@ -54,16 +28,6 @@ inline void require_f32_like(const char* kernel, const char* name, const Tensor&
                              const char* ref_name, const Tensor& ref) {
   require_dtype(kernel, name, t, DType::f32);
   require_same_shape(kernel, ref_name, ref, name, t);
-}
-
-// True when b's shape equals the trailing b.rank() dims of a's shape.
-inline bool is_suffix(const Shape& b, const Shape& a) {
-  if (b.rank() > a.rank()) return false;
-  const int off = a.rank() - b.rank();
-  for (int i = 0; i < b.rank(); ++i) {
-    if (b[i] != a[off + i]) return false;
-  }
-  return true;
 }
 
 // Work below this many elements per thread is not worth waking a thread for.

@@ -3,8 +3,6 @@
 #include <string>
 #include <vector>
 
-#include <fmt/ranges.h>
-
 #include "meshtrain/tensor/backends/fast/fast_common.h"
 #include "meshtrain/tensor/backends/fast/fast_kernels.h"
 
@@ -106,29 +104,9 @@ void dispatch_elem_size(size_t es, F&& f) {
 }  // namespace
 
 void permute(const Tensor& x, Tensor& y, const std::vector<int>& perm, int threads) {
-  const char* K = "permute";
-  require_defined(K, "x", x);
-  require_defined(K, "y", y);
-  if (x.dtype() != y.dtype()) fail(K, "dtypes differ: x {} vs y {}", x.desc(), y.desc());
+  check_permute(x, y, perm);
   const int rank = x.rank();
-  const std::string perm_str = fmt::format("[{}]", fmt::join(perm, ", "));
-  if (static_cast<int>(perm.size()) != rank) {
-    fail(K, "perm {} has {} entries for x {} of rank {}", perm_str, perm.size(), x.desc(), rank);
-  }
-  std::vector<bool> seen(static_cast<size_t>(rank), false);
-  for (int a : perm) {
-    if (a < 0 || a >= rank || seen[static_cast<size_t>(a)]) {
-      fail(K, "perm {} is not a permutation of the axes of x {}", perm_str, x.desc());
-    }
-    seen[static_cast<size_t>(a)] = true;
-  }
-  std::vector<int64_t> want(static_cast<size_t>(rank));
-  for (int i = 0; i < rank; ++i)
-    want[static_cast<size_t>(i)] = x.shape()[perm[static_cast<size_t>(i)]];
-  if (!(y.shape() == Shape(want))) {
-    fail(K, "y is {}, expected shape {} for x {} and perm {}", y.desc(), Shape(want).str(),
-         x.desc(), perm_str);
-  }
+  const std::vector<int64_t>& want = y.shape().dims();
   if (x.numel() == 0) return;
 
   std::vector<int64_t> x_stride(static_cast<size_t>(rank), 1);

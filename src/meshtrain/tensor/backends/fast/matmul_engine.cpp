@@ -57,38 +57,6 @@ bool MatmulEngine::supports(const Tensor& a, const Tensor& b, const Tensor& c) {
   return a.dtype() == DType::f32 || is_half(a.dtype());
 }
 
-MatmulEngine::Dims MatmulEngine::dims_of(const Tensor& a, const Tensor& b, const MatmulParams& p) {
-  const char* K = "matmul";
-  Dims d;
-  if (a.rank() == 2) {
-    if (b.rank() != 2) {
-      fail(K, "a {} is rank 2 but b {} is rank {} (expected 2)", a.desc(), b.desc(), b.rank());
-    }
-  } else if (a.rank() == 3) {
-    if (b.rank() != 2 && b.rank() != 3) {
-      fail(K, "a {} is rank 3 but b {} is rank {} (expected 2 or 3)", a.desc(), b.desc(), b.rank());
-    }
-    d.batch = a.shape()[0];
-    d.shared_b = b.rank() == 2;
-    if (!d.shared_b && b.shape()[0] != d.batch) {
-      fail(K, "batch sizes differ: a {} vs b {}", a.desc(), b.desc());
-    }
-  } else {
-    fail(K, "a {} must have rank 2 or 3", a.desc());
-  }
-  const Shape& as = a.shape();
-  const Shape& bs = b.shape();
-  d.m = p.trans_a ? as[-1] : as[-2];
-  d.k = p.trans_a ? as[-2] : as[-1];
-  const int64_t kb = p.trans_b ? bs[-1] : bs[-2];
-  d.n = p.trans_b ? bs[-2] : bs[-1];
-  if (d.k != kb) {
-    fail(K, "inner dimensions differ: a {} (trans_a={}) vs b {} (trans_b={})", a.desc(),
-         int{p.trans_a}, b.desc(), int{p.trans_b});
-  }
-  return d;
-}
-
 void MatmulEngine::fold_batch(Dims& d, const MatmulParams& p) {
   if (d.shared_b && !p.trans_a) {  // [B,M,K] @ [K,N] is one [B*M,K] @ [K,N]
     d.m *= d.batch;
@@ -120,12 +88,7 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   require_defined(K, "c", c);
   MT_CHECK(supports(a, b, c), "matmul: dtypes a {} b {} c {} reached the fast engine", a.desc(),
            b.desc(), c.desc());
-  Dims d = dims_of(a, b, p);
-  const Shape want = a.rank() == 3 ? Shape{d.batch, d.m, d.n} : Shape{d.m, d.n};
-  if (!(c.shape() == want)) {
-    fail(K, "c is {}, expected shape {} for a {} (trans_a={}) and b {} (trans_b={})", c.desc(),
-         want.str(), a.desc(), int{p.trans_a}, b.desc(), int{p.trans_b});
-  }
+  Dims d = check_matmul(a, b, c, p);
   if (c.numel() == 0) return;
   if (d.k == 0) {  // an empty sum: c = beta * c, and c is write-only when beta == 0
     float* pc = c.data<float>();
@@ -239,7 +202,7 @@ const char* MatmulEngine::chosen_engine(const Tensor& a, const Tensor& b, const 
   if (a.dtype() != DType::f32) return "onednn";
   if (f32_choice_ == MatmulEngineChoice::onednn) return "onednn";
   if (f32_choice_ == MatmulEngineChoice::openblas) return "openblas";
-  Dims d = dims_of(a, b, p);
+  Dims d = matmul_dims(a, b, p);
   fold_batch(d, p);
   auto it = plans_.find(key_of(a.dtype(), d, p, threads));
   if (it == plans_.end() || it->second->engine == Engine::undecided) return "undecided";

@@ -30,6 +30,7 @@
 #include "meshtrain/tensor/backend.h"
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
 #include "meshtrain/tensor/backends/fast/onednn_context.h"
+#include "meshtrain/tensor/kernel_checks.h"
 
 namespace mt::fast {
 
@@ -60,10 +61,7 @@ class MatmulEngine {
  private:
   // Problem sizes after validation; batch folded into m when b is shared and
   // a is not transposed (then one 2-D product covers the whole batch).
-  struct Dims {
-    int64_t batch = 1, m = 0, n = 0, k = 0;
-    bool shared_b = false;
-  };
+  using Dims = MatmulDims;
   // A call signature; alpha and beta are kept as bit patterns.
   struct Key {
     DType in;
@@ -82,7 +80,6 @@ class MatmulEngine {
     double best_onednn = 1e300, best_openblas = 1e300;  // seconds
   };
 
-  static Dims dims_of(const Tensor& a, const Tensor& b, const MatmulParams& p);
   static void fold_batch(Dims& d, const MatmulParams& p);
   static Key key_of(DType in, const Dims& d, const MatmulParams& p, int threads);
   Plan& plan_for(const Key& key, const Dims& d, DType in, const MatmulParams& p);

@@ -15,10 +15,6 @@ namespace mt::fast {
 
 namespace {
 
-int64_t out_extent(int64_t in, int64_t k, int64_t stride, int64_t pad) {
-  return (in + 2 * pad - k) / stride + 1;
-}
-
 // Output columns per inner block: the running maxima stay in registers /
 // L1 while the window's taps stream over the input row.
 constexpr int64_t kCols = 64;
@@ -161,8 +157,8 @@ void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& 
   if (h + 2 * p.pad_h < p.kernel_h || w + 2 * p.pad_w < p.kernel_w) {
     fail(K, "window ({}) is larger than the padded input x {}", params, x.desc());
   }
-  const int64_t oh = out_extent(h, p.kernel_h, p.stride_h, p.pad_h);
-  const int64_t ow = out_extent(w, p.kernel_w, p.stride_w, p.pad_w);
+  const int64_t oh = window_out_extent(h, p.kernel_h, p.stride_h, p.pad_h);
+  const int64_t ow = window_out_extent(w, p.kernel_w, p.stride_w, p.pad_w);
   const Shape want{n, c, oh, ow};
   require_dtype(K, "y", y, DType::f32);
   if (!(y.shape() == want)) {

@@ -7,8 +7,6 @@
 #include <numbers>
 #include <vector>
 
-#include <fmt/ranges.h>
-
 #include "meshtrain/tensor/backends/reference/reference_util.h"
 
 namespace mt {
@@ -25,12 +23,10 @@ void ReferenceBackend::set_num_threads(int n) {
 
 namespace {
 
-struct MatmulDims {
-  int64_t batch = 1, m = 0, k = 0, n = 0;
-  bool shared_b = false;
-};
-
-MatmulDims check_matmul(const Tensor& a, const Tensor& b, const Tensor& c, const MatmulParams& p) {
+// The reference's dtype rules (f32/f64 in -> same out, bf16/f16 in -> f32
+// out), then the shape checks every backend shares.
+MatmulDims check_matmul_args(const Tensor& a, const Tensor& b, const Tensor& c,
+                             const MatmulParams& p) {
   const char* K = "matmul";
   require_defined(K, "a", a);
   require_defined(K, "b", b);
@@ -43,39 +39,7 @@ MatmulDims check_matmul(const Tensor& a, const Tensor& b, const Tensor& c, const
     fail(K, "c {} must be {} for inputs a {} and b {}", c.desc(), dtype_name(want_c), a.desc(),
          b.desc());
   }
-  MatmulDims d;
-  if (a.rank() == 2) {
-    if (b.rank() != 2) {
-      fail(K, "a {} is rank 2 but b {} is rank {} (expected 2)", a.desc(), b.desc(), b.rank());
-    }
-  } else if (a.rank() == 3) {
-    if (b.rank() != 2 && b.rank() != 3) {
-      fail(K, "a {} is rank 3 but b {} is rank {} (expected 2 or 3)", a.desc(), b.desc(), b.rank());
-    }
-    d.batch = a.shape()[0];
-    d.shared_b = b.rank() == 2;
-    if (!d.shared_b && b.shape()[0] != d.batch) {
-      fail(K, "batch sizes differ: a {} vs b {}", a.desc(), b.desc());
-    }
-  } else {
-    fail(K, "a {} must have rank 2 or 3", a.desc());
-  }
-  const Shape& as = a.shape();
-  const Shape& bs = b.shape();
-  d.m = p.trans_a ? as[-1] : as[-2];
-  d.k = p.trans_a ? as[-2] : as[-1];
-  const int64_t kb = p.trans_b ? bs[-1] : bs[-2];
-  d.n = p.trans_b ? bs[-2] : bs[-1];
-  if (d.k != kb) {
-    fail(K, "inner dimensions differ: a {} (trans_a={}) vs b {} (trans_b={})", a.desc(),
-         int{p.trans_a}, b.desc(), int{p.trans_b});
-  }
-  const Shape want = a.rank() == 3 ? Shape{d.batch, d.m, d.n} : Shape{d.m, d.n};
-  if (!(c.shape() == want)) {
-    fail(K, "c is {}, expected shape {} for a {} (trans_a={}) and b {} (trans_b={})", c.desc(),
-         want.str(), a.desc(), int{p.trans_a}, b.desc(), int{p.trans_b});
-  }
-  return d;
+  return check_matmul(a, b, c, p);
 }
 
 // Copies op(src) of one batch entry into a row-major double matrix [rows, cols].
@@ -124,7 +88,7 @@ void matmul_typed(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParam
 }  // namespace
 
 void ReferenceBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) {
-  const MatmulDims d = check_matmul(a, b, c, p);
+  const MatmulDims d = check_matmul_args(a, b, c, p);
   switch (a.dtype()) {
     case DType::f32:
       matmul_typed<float, float>(a, b, c, p, d);
@@ -306,29 +270,9 @@ void ReferenceBackend::cast(const Tensor& x, Tensor& y) {
 }
 
 void ReferenceBackend::permute(const Tensor& x, Tensor& y, const std::vector<int>& perm) {
-  const char* K = "permute";
-  require_defined(K, "x", x);
-  require_defined(K, "y", y);
-  require_same_dtype(K, "x", x, "y", y);
+  check_permute(x, y, perm);
   const int rank = x.rank();
-  const std::string perm_str = fmt::format("[{}]", fmt::join(perm, ", "));
-  if (static_cast<int>(perm.size()) != rank) {
-    fail(K, "perm {} has {} entries for x {} of rank {}", perm_str, perm.size(), x.desc(), rank);
-  }
-  std::vector<bool> seen(static_cast<size_t>(rank), false);
-  for (int a : perm) {
-    if (a < 0 || a >= rank || seen[static_cast<size_t>(a)]) {
-      fail(K, "perm {} is not a permutation of the axes of x {}", perm_str, x.desc());
-    }
-    seen[static_cast<size_t>(a)] = true;
-  }
-  std::vector<int64_t> want(static_cast<size_t>(rank));
-  for (int i = 0; i < rank; ++i)
-    want[static_cast<size_t>(i)] = x.shape()[perm[static_cast<size_t>(i)]];
-  if (!(y.shape() == Shape(want))) {
-    fail(K, "y is {}, expected shape {} for x {} and perm {}", y.desc(), Shape(want).str(),
-         x.desc(), perm_str);
-  }
+  const std::vector<int64_t>& want = y.shape().dims();
   if (x.numel() == 0) return;
 
   // Walk y in row-major order with a multi-index; src_stride[i] is the step in

@@ -12,50 +12,7 @@ using namespace reference;
 
 namespace {
 
-// Sizes of one convolution: x [n, ci, h, w], w [co, ci, kh, kw], y [n, co, oh, ow].
-struct ConvGeom {
-  int64_t n, ci, h, w, co, kh, kw, oh, ow;
-};
-
-std::string conv_params_str(const Conv2dParams& p) {
-  return fmt::format("stride {}x{}, pad {}x{}", p.stride_h, p.stride_w, p.pad_h, p.pad_w);
-}
-
-// Output extent of a window of `k` sliding over `in` padded by `pad` on both sides.
-int64_t out_extent(int64_t in, int64_t k, int64_t stride, int64_t pad) {
-  return (in + 2 * pad - k) / stride + 1;
-}
-
-// x_shape and w_shape are the data and weight shapes ([N,Ci,H,W], [O,Ci,KH,KW]),
-// whichever tensors carry them in the calling kernel.
-ConvGeom conv_geom(const char* kernel, const Tensor& x, const char* x_name, const Tensor& w,
-                   const char* w_name, const Conv2dParams& p) {
-  require_rank(kernel, x_name, x, 4);
-  require_rank(kernel, w_name, w, 4);
-  if (p.stride_h < 1 || p.stride_w < 1 || p.pad_h < 0 || p.pad_w < 0) {
-    fail(kernel, "invalid parameters ({}): strides must be >= 1 and pads >= 0 ({} {}, {} {})",
-         conv_params_str(p), x_name, x.desc(), w_name, w.desc());
-  }
-  ConvGeom g{};
-  g.n = x.shape()[0];
-  g.ci = x.shape()[1];
-  g.h = x.shape()[2];
-  g.w = x.shape()[3];
-  g.co = w.shape()[0];
-  g.kh = w.shape()[2];
-  g.kw = w.shape()[3];
-  if (w.shape()[1] != g.ci) {
-    fail(kernel, "channels differ: {} {} has {} input channels but {} {} expects {}", x_name,
-         x.desc(), g.ci, w_name, w.desc(), w.shape()[1]);
-  }
-  if (g.h + 2 * p.pad_h < g.kh || g.w + 2 * p.pad_w < g.kw) {
-    fail(kernel, "kernel of {} {} is larger than the padded input {} {} ({})", w_name, w.desc(),
-         x_name, x.desc(), conv_params_str(p));
-  }
-  g.oh = out_extent(g.h, g.kh, p.stride_h, p.pad_h);
-  g.ow = out_extent(g.w, g.kw, p.stride_w, p.pad_w);
-  return g;
-}
+using ConvGeom = Conv2dDims;
 
 void check_conv_out(const char* kernel, const char* name, const Tensor& t, const ConvGeom& g,
                     const Conv2dParams& p) {
@@ -63,7 +20,7 @@ void check_conv_out(const char* kernel, const char* name, const Tensor& t, const
   const Shape want{g.n, g.co, g.oh, g.ow};
   if (!(t.shape() == want)) {
     fail(kernel, "{} is {}, expected shape {} ({})", name, t.desc(), want.str(),
-         conv_params_str(p));
+         conv2d_params_str(p));
   }
 }
 
@@ -83,7 +40,7 @@ void ReferenceBackend::conv2d(const Tensor& x, const Tensor& w, const Tensor& bi
   require_f32_f64(K, "x", x);
   require_defined(K, "w", w);
   require_same_dtype(K, "x", x, "w", w);
-  const ConvGeom g = conv_geom(K, x, "x", w, "w", p);
+  const ConvGeom g = check_conv2d(K, x, "x", w, "w", p);
   if (bias.defined()) check_bias(K, "bias", bias, w, g.co);
   check_conv_out(K, "y", y, g, p);
   require_same_dtype(K, "x", x, "y", y);
@@ -122,7 +79,7 @@ void ReferenceBackend::conv2d_backward_data(const Tensor& dy, const Tensor& w, T
   require_same_dtype(K, "dx", dx, "w", w);
   require_same_dtype(K, "dx", dx, "dy", dy);
   // dx fixes H and W: with stride > 1 several input sizes give the same dy.
-  const ConvGeom g = conv_geom(K, dx, "dx", w, "w", p);
+  const ConvGeom g = check_conv2d(K, dx, "dx", w, "w", p);
   check_conv_out(K, "dy", dy, g, p);
   dispatch_f32_f64(dx.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -161,7 +118,7 @@ void ReferenceBackend::conv2d_backward_weight(const Tensor& dy, const Tensor& x,
   require_defined(K, "dy", dy);
   require_same_dtype(K, "x", x, "dw", dw);
   require_same_dtype(K, "x", x, "dy", dy);
-  const ConvGeom g = conv_geom(K, x, "x", dw, "dw", p);
+  const ConvGeom g = check_conv2d(K, x, "x", dw, "dw", p);
   if (dbias.defined()) check_bias(K, "dbias", dbias, dw, g.co);
   check_conv_out(K, "dy", dy, g, p);
   dispatch_f32_f64(x.dtype(), [&](auto tag) {
@@ -216,8 +173,8 @@ void ReferenceBackend::max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax,
   if (h + 2 * p.pad_h < p.kernel_h || w + 2 * p.pad_w < p.kernel_w) {
     fail(K, "window ({}) is larger than the padded input x {}", params, x.desc());
   }
-  const int64_t oh = out_extent(h, p.kernel_h, p.stride_h, p.pad_h);
-  const int64_t ow = out_extent(w, p.kernel_w, p.stride_w, p.pad_w);
+  const int64_t oh = window_out_extent(h, p.kernel_h, p.stride_h, p.pad_h);
+  const int64_t ow = window_out_extent(w, p.kernel_w, p.stride_w, p.pad_w);
   const Shape want{n, c, oh, ow};
   require_defined(K, "y", y);
   require_same_dtype(K, "x", x, "y", y);
