@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,10 +110,6 @@ def busy_cpu_seconds():
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     # guest time is already counted in user; count it once.
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def median(values):
-    return statistics.median(values) if values else None
 
 
 def fast_rate(rates):

@@ -10,7 +10,6 @@ import argparse
 import importlib
 import sys
 import time
-from pathlib import Path
 
 from common import REPO, BenchError, Context
 
