@@ -12,18 +12,16 @@ namespace {
 ModelSpec read_model(const Config& c) {
   ModelSpec m;
   m.kind = c.get_string("model.kind", "mlp", {"mlp", "cnn", "gpt"});
-  if (m.kind == "mlp") {
-    m.hidden = c.get_int_list("model.hidden", m.hidden, Bounds<int64_t>::positive());
-  } else if (m.kind == "cnn") {
-    m.conv_channels =
-        c.get_int_list("model.conv_channels", m.conv_channels, Bounds<int64_t>::positive());
-    m.fc = c.get_int("model.fc", m.fc, Bounds<int64_t>::positive());
-  } else {
-    m.layers = c.get_int("model.layers", m.layers, Bounds<int64_t>::positive());
-    m.d_model = c.get_int("model.d_model", m.d_model, Bounds<int64_t>::positive());
-    m.heads = c.get_int("model.heads", m.heads, Bounds<int64_t>::positive());
-    m.seq_len = c.get_int("model.seq_len", m.seq_len, Bounds<int64_t>::positive());
-  }
+  // Every model's size keys are read (and validated) whatever model.kind
+  // says, so switching models with --set keeps a config valid.
+  m.hidden = c.get_int_list("model.hidden", m.hidden, Bounds<int64_t>::positive());
+  m.conv_channels =
+      c.get_int_list("model.conv_channels", m.conv_channels, Bounds<int64_t>::positive());
+  m.fc = c.get_int("model.fc", m.fc, Bounds<int64_t>::positive());
+  m.layers = c.get_int("model.layers", m.layers, Bounds<int64_t>::positive());
+  m.d_model = c.get_int("model.d_model", m.d_model, Bounds<int64_t>::positive());
+  m.heads = c.get_int("model.heads", m.heads, Bounds<int64_t>::positive());
+  m.seq_len = c.get_int("model.seq_len", m.seq_len, Bounds<int64_t>::positive());
   return m;
 }
 
@@ -68,26 +66,25 @@ TrainerOptions read_train(const Config& c) {
   const double wd = c.get_double("optim.weight_decay", t.optimizer == "sgd" ? 0.0 : 0.01,
                                  Bounds<double>::non_negative());
   OptimizerOptions& op = t.optim;
-  if (t.optimizer == "sgd") {
-    op.sgd.momentum = c.get_double("optim.momentum", 0.9, Bounds<double>::in(0.0, 1.0));
-    op.sgd.nesterov = c.get_bool("optim.nesterov", false);
-    op.sgd.weight_decay = wd;
-  } else if (t.optimizer == "adamw") {
-    op.adamw.beta1 = c.get_double("optim.beta1", 0.9, Bounds<double>::in(0.0, 1.0));
-    op.adamw.beta2 = c.get_double("optim.beta2", 0.999, Bounds<double>::in(0.0, 1.0));
-    op.adamw.eps = c.get_double("optim.eps", 1e-8, Bounds<double>::positive());
-    op.adamw.weight_decay = wd;
-  } else if (t.optimizer == "lars") {
-    op.lars.momentum = c.get_double("optim.momentum", 0.9, Bounds<double>::in(0.0, 1.0));
-    op.lars.trust_coefficient =
-        c.get_double("optim.trust_coefficient", 0.001, Bounds<double>::positive());
-    op.lars.weight_decay = wd;
-  } else {
-    op.lamb.beta1 = c.get_double("optim.beta1", 0.9, Bounds<double>::in(0.0, 1.0));
-    op.lamb.beta2 = c.get_double("optim.beta2", 0.999, Bounds<double>::in(0.0, 1.0));
-    op.lamb.eps = c.get_double("optim.eps", 1e-6, Bounds<double>::positive());
-    op.lamb.weight_decay = wd;
-  }
+  // Every optimizer's keys are read (and validated) whatever optim.name says,
+  // so switching optimizers with --set keeps a config valid.
+  const bool adam_like = t.optimizer == "adamw" || t.optimizer == "lamb";
+  const double momentum = c.get_double("optim.momentum", 0.9, Bounds<double>::in(0.0, 1.0));
+  const double beta1 = c.get_double("optim.beta1", 0.9, Bounds<double>::in(0.0, 1.0));
+  const double beta2 = c.get_double("optim.beta2", 0.999, Bounds<double>::in(0.0, 1.0));
+  const double eps =
+      c.get_double("optim.eps", t.optimizer == "lamb" ? 1e-6 : 1e-8, Bounds<double>::positive());
+  op.sgd.momentum = momentum;
+  op.sgd.nesterov = c.get_bool("optim.nesterov", false) && !adam_like;
+  op.sgd.weight_decay = wd;
+  op.adamw.beta1 = op.lamb.beta1 = beta1;
+  op.adamw.beta2 = op.lamb.beta2 = beta2;
+  op.adamw.eps = op.lamb.eps = eps;
+  op.adamw.weight_decay = op.lamb.weight_decay = wd;
+  op.lars.momentum = momentum;
+  op.lars.trust_coefficient =
+      c.get_double("optim.trust_coefficient", 0.001, Bounds<double>::positive());
+  op.lars.weight_decay = wd;
   t.schedule.lr = c.get_double("optim.lr", 0.01, Bounds<double>::positive());
   t.schedule.kind =
       parse_lr_schedule_kind(c.get_string("optim.schedule", "constant", {"constant", "cosine"}));
