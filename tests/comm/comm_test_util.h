@@ -31,32 +31,10 @@ inline std::vector<std::byte> make_buffer(DType t, size_t count) {
   return std::vector<std::byte>(count * dtype_size(t) + 1);  // +1: never a null data()
 }
 
-// Calls f(T{}) with the storage type of `t` (bf16 and f16 as mt::bf16 / mt::f16).
+// Calls f(T{}) with the storage type of `t` (tensor/dtype.h).
 template <class F>
 void visit_storage(DType t, F&& f) {
-  switch (t) {
-    case DType::f32:
-      f(float{});
-      return;
-    case DType::f64:
-      f(double{});
-      return;
-    case DType::bf16:
-      f(bf16{});
-      return;
-    case DType::f16:
-      f(f16{});
-      return;
-    case DType::i32:
-      f(int32_t{});
-      return;
-    case DType::i64:
-      f(int64_t{});
-      return;
-    case DType::u8:
-      f(uint8_t{});
-      return;
-  }
+  visit_dtype(t, std::forward<F>(f));
 }
 
 template <class T>

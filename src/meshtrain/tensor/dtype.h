@@ -63,4 +63,33 @@ constexpr DType dtype_of<uint8_t>() {
   return DType::u8;
 }
 
+// Calls f(T{}) with the storage type of `t` (bf16 and f16 as mt::bf16 /
+// mt::f16), for code that handles every dtype with one template.
+template <class F>
+void visit_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::f32:
+      f(float{});
+      return;
+    case DType::f64:
+      f(double{});
+      return;
+    case DType::bf16:
+      f(bf16{});
+      return;
+    case DType::f16:
+      f(f16{});
+      return;
+    case DType::i32:
+      f(int32_t{});
+      return;
+    case DType::i64:
+      f(int64_t{});
+      return;
+    case DType::u8:
+      f(uint8_t{});
+      return;
+  }
+}
+
 }  // namespace mt

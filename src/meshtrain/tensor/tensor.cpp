@@ -8,33 +8,6 @@ namespace mt {
 namespace {
 constexpr size_t kAlign = 64;
 
-template <class F>
-void visit_dtype(DType t, F&& f) {
-  switch (t) {
-    case DType::f32:
-      f(float{});
-      return;
-    case DType::f64:
-      f(double{});
-      return;
-    case DType::bf16:
-      f(bf16{});
-      return;
-    case DType::f16:
-      f(f16{});
-      return;
-    case DType::i32:
-      f(int32_t{});
-      return;
-    case DType::i64:
-      f(int64_t{});
-      return;
-    case DType::u8:
-      f(uint8_t{});
-      return;
-  }
-}
-
 template <class T>
 double load(const void* p, int64_t i) {
   const T v = static_cast<const T*>(p)[i];
