@@ -7,9 +7,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/temp_dir.h"
 #include "meshtrain/base/error.h"
 #include "meshtrain/data/byte_text.h"
-#include "temp_dir.h"
 
 namespace mt {
 namespace {

@@ -12,10 +12,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/temp_dir.h"
 #include "meshtrain/base/error.h"
 #include "meshtrain/data/fashion_mnist.h"
 #include "meshtrain/data/idx.h"
-#include "temp_dir.h"
 
 namespace mt {
 namespace {

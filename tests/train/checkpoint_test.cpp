@@ -14,6 +14,8 @@
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/train_state.h"
 
+#include "common/temp_dir.h"
+
 namespace mt {
 namespace {
 
@@ -21,14 +23,6 @@ namespace fs = std::filesystem;
 
 class Checkpoint : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           fmt::format("mt-checkpoint-{}-{}", ::getpid(),
-                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   std::vector<std::string> files() const {
     std::vector<std::string> out;
@@ -37,7 +31,8 @@ class Checkpoint : public ::testing::Test {
     return out;
   }
 
-  fs::path dir_;
+  mt::testing::TempDir tmp_;
+  fs::path dir_ = tmp_.str();
 };
 
 std::string slurp(const std::string& path) {

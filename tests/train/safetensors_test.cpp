@@ -12,6 +12,8 @@
 
 #include "meshtrain/train/safetensors.h"
 
+#include "common/temp_dir.h"
+
 namespace mt {
 namespace {
 
@@ -19,17 +21,10 @@ namespace fs = std::filesystem;
 
 class Safetensors : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           fmt::format("mt-safetensors-{}-{}", ::getpid(),
-                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
-  fs::path dir_;
+  mt::testing::TempDir tmp_;
+  fs::path dir_ = tmp_.str();
 };
 
 std::string slurp(const std::string& path) {
