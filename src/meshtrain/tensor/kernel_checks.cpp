@@ -107,4 +107,32 @@ void check_permute(const Tensor& x, const Tensor& y, const std::vector<int>& per
   }
 }
 
+std::string pool2d_params_str(const Pool2dParams& p) {
+  return fmt::format("kernel {}x{}, stride {}x{}, pad {}x{}", p.kernel_h, p.kernel_w, p.stride_h,
+                     p.stride_w, p.pad_h, p.pad_w);
+}
+
+Shape max_pool2d_out_shape(const Tensor& x, const Pool2dParams& p) {
+  const char* K = "max_pool2d";
+  if (p.kernel_h < 1 || p.kernel_w < 1 || p.stride_h < 1 || p.stride_w < 1 || p.pad_h < 0 ||
+      p.pad_w < 0 || p.pad_h >= p.kernel_h || p.pad_w >= p.kernel_w) {
+    fail(K, "invalid parameters ({}) for x {}: need kernel, stride >= 1 and 0 <= pad < kernel",
+         pool2d_params_str(p), x.desc());
+  }
+  const int64_t n = x.shape()[0], c = x.shape()[1], h = x.shape()[2], w = x.shape()[3];
+  if (h + 2 * p.pad_h < p.kernel_h || w + 2 * p.pad_w < p.kernel_w) {
+    fail(K, "window ({}) is larger than the padded input x {}", pool2d_params_str(p), x.desc());
+  }
+  return Shape{n, c, window_out_extent(h, p.kernel_h, p.stride_h, p.pad_h),
+               window_out_extent(w, p.kernel_w, p.stride_w, p.pad_w)};
+}
+
+void check_pool2d_output(const Tensor& x, const Tensor& y, const Shape& want,
+                         const Pool2dParams& p) {
+  if (!(y.shape() == want)) {
+    fail("max_pool2d", "y is {}, expected shape {} for x {} ({})", y.desc(), want.str(), x.desc(),
+         pool2d_params_str(p));
+  }
+}
+
 }  // namespace mt

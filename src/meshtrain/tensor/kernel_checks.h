@@ -99,4 +99,14 @@ Conv2dDims check_conv2d(const char* kernel, const Tensor& x, const char* x_name,
 // permutation of x's axes and y shaped as x's dims taken in perm's order.
 void check_permute(const Tensor& x, const Tensor& y, const std::vector<int>& perm);
 
+// "kernel 2x2, stride 2x2, pad 0x0"
+std::string pool2d_params_str(const Pool2dParams& p);
+// max_pool2d: validates the window parameters against x [N, C, H, W] (rank
+// already checked) and returns the output shape [N, C, OH, OW]. The caller
+// checks dtypes and compares y / argmax with the result (check_pool2d_output).
+Shape max_pool2d_out_shape(const Tensor& x, const Pool2dParams& p);
+// y must have shape `want` (ShapeError naming x and the window otherwise).
+void check_pool2d_output(const Tensor& x, const Tensor& y, const Shape& want,
+                         const Pool2dParams& p);
+
 }  // namespace mt

@@ -162,25 +162,12 @@ void ReferenceBackend::max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax,
   const char* K = "max_pool2d";
   require_f32_f64(K, "x", x);
   require_rank(K, "x", x, 4);
-  const std::string params = fmt::format("kernel {}x{}, stride {}x{}, pad {}x{}", p.kernel_h,
-                                         p.kernel_w, p.stride_h, p.stride_w, p.pad_h, p.pad_w);
-  if (p.kernel_h < 1 || p.kernel_w < 1 || p.stride_h < 1 || p.stride_w < 1 || p.pad_h < 0 ||
-      p.pad_w < 0 || p.pad_h >= p.kernel_h || p.pad_w >= p.kernel_w) {
-    fail(K, "invalid parameters ({}) for x {}: need kernel, stride >= 1 and 0 <= pad < kernel",
-         params, x.desc());
-  }
-  const int64_t n = x.shape()[0], c = x.shape()[1], h = x.shape()[2], w = x.shape()[3];
-  if (h + 2 * p.pad_h < p.kernel_h || w + 2 * p.pad_w < p.kernel_w) {
-    fail(K, "window ({}) is larger than the padded input x {}", params, x.desc());
-  }
-  const int64_t oh = window_out_extent(h, p.kernel_h, p.stride_h, p.pad_h);
-  const int64_t ow = window_out_extent(w, p.kernel_w, p.stride_w, p.pad_w);
-  const Shape want{n, c, oh, ow};
+  const Shape want = max_pool2d_out_shape(x, p);
+  const int64_t n = want[0], c = want[1], h = x.shape()[2], w = x.shape()[3];
+  const int64_t oh = want[2], ow = want[3];
   require_defined(K, "y", y);
   require_same_dtype(K, "x", x, "y", y);
-  if (!(y.shape() == want)) {
-    fail(K, "y is {}, expected shape {} for x {} ({})", y.desc(), want.str(), x.desc(), params);
-  }
+  check_pool2d_output(x, y, want, p);
   require_i32(K, "argmax", argmax);
   require_shape(K, "argmax", argmax, want);
   dispatch_f32_f64(x.dtype(), [&](auto tag) {
