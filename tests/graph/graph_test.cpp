@@ -351,7 +351,9 @@ TEST(Autodiff, PassThroughGradientOfParamIsCopied) {
   EXPECT_EQ(g.value(g.grad_of(p)).name, "grad/p");
 }
 
-TEST(Autodiff, MixedPrecisionCastsBack) {
+TEST(Autodiff, MixedPrecisionGradientsStayF32) {
+  // The bf16 copies' gradients are carried in f32: the weight's gradient is
+  // the matmul's f32 product itself, not rounded to bf16 and widened again.
   Graph g;
   Builder b(g);
   ValueId x = b.input("x", {4, 8});
@@ -362,9 +364,38 @@ TEST(Autodiff, MixedPrecisionCastsBack) {
   ValueId gw = g.grad_of(w);
   ASSERT_NE(gw, kNoValue);
   EXPECT_EQ(g.value(gw).dtype, DType::f32);
+  EXPECT_EQ(g.value(gw).name, "grad/w");
   const Node& back = g.node(g.value(gw).producer);
-  EXPECT_EQ(back.op, OpKind::cast);  // d cast(f32 -> bf16) = cast(bf16 -> f32)
+  EXPECT_EQ(back.op, OpKind::matmul);
   EXPECT_EQ(g.value(back.inputs[0]).dtype, DType::bf16);
+  // The only cast left in backward is dy's, to bf16 for the matmul.
+  int casts = 0;
+  for (const Node& n : g.nodes()) {
+    if (n.backward && n.op == OpKind::cast) {
+      ++casts;
+      EXPECT_EQ(g.value(n.outputs[0]).dtype, DType::bf16) << n.name;
+    }
+  }
+  EXPECT_EQ(casts, 1);
+}
+
+TEST(Autodiff, WideAndNarrowContributionsMeetInF32) {
+  // wb feeds a matmul (f32 gradient) and a bf16 sum (bf16 gradient): the
+  // narrow one is widened before they are added.
+  Graph g;
+  Builder b(g);
+  ValueId x = b.input("x", {4, 8});
+  ValueId w = b.param("w", {8, 2}, kInit);
+  ValueId wb = b.cast(w, DType::bf16);
+  ValueId y = b.sum_to(b.matmul(b.cast(x, DType::bf16), wb), {});
+  ValueId s = b.cast(b.sum_to(wb, {}), DType::f32);
+  build_backward(g, b.add(y, s));
+  ValueId gw = g.grad_of(w);
+  ASSERT_NE(gw, kNoValue);
+  const Node& sum = g.node(g.value(gw).producer);
+  ASSERT_EQ(sum.op, OpKind::add);
+  EXPECT_EQ(g.value(gw).dtype, DType::f32);
+  for (ValueId in : sum.inputs) EXPECT_EQ(g.value(in).dtype, DType::f32);
 }
 
 TEST(Autodiff, RejectsNonScalarLoss) {

@@ -1,5 +1,7 @@
 #include "meshtrain/graph/autodiff.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "meshtrain/base/error.h"
@@ -24,6 +26,8 @@ class BackwardBuilder {
         count_(static_cast<size_t>(g.num_values()), 0),
         contribs_(static_cast<size_t>(g.num_values())),
         grad_(static_cast<size_t>(g.num_values()), kNoValue),
+        owned_(static_cast<size_t>(g.num_values()), false),
+        shared_contrib_(static_cast<size_t>(g.num_values()), false),
         active_(static_cast<size_t>(g.num_nodes()), false) {}
 
   void run() {
@@ -37,7 +41,7 @@ class BackwardBuilder {
     ValueId seed =
         g_.add_node(OpKind::fill, g_.unique_name(contrib_name(loss_, 0)), {}, seed_attrs, true)
             .front();
-    add_contribution(loss_, seed);
+    add_contribution(loss_, seed, true);
     for (NodeId i = forward_nodes_ - 1; i >= 0; --i) {
       if (active_[idx(i)]) differentiate(i);
     }
@@ -122,8 +126,20 @@ class BackwardBuilder {
       for (size_t e = 0; e < j; ++e) k += (n.inputs[e] == v) ? 1 : 0;
       names[j] = contrib_name(v, k);
     }
-    GradContext ctx(g_, n, std::move(dys), wants, std::move(names));
+    const NodeId first_emitted = g_.num_nodes();
+    GradContext ctx(g_, n, dys, wants, std::move(names));
     def.grad(ctx);
+    // A contribution is exclusive when nothing else holds it: emitted by this
+    // rule, or an exclusive output gradient passed through (cast, add), and
+    // handed to one input only.
+    auto exclusive = [&](ValueId gv) {
+      if (std::count(ctx.given().begin(), ctx.given().end(), gv) != 1) return false;
+      if (g_.value(gv).producer >= first_emitted) return true;
+      for (size_t k = 0; k < dys.size(); ++k) {
+        if (dys[k] == gv && idx(gv) < owned_.size() && owned_[idx(gv)]) return true;
+      }
+      return false;
+    };
     for (size_t j = 0; j < n.inputs.size(); ++j) {
       if (!wants[j]) continue;
       ValueId gv = ctx.given()[j];
@@ -133,35 +149,58 @@ class BackwardBuilder {
                         "{} ('{}')",
                         def.name, n.name, j, g_.value(n.inputs[j]).name));
       }
-      add_contribution(n.inputs[j], gv);
+      add_contribution(n.inputs[j], gv, exclusive(gv));
     }
   }
 
-  void add_contribution(ValueId v, ValueId c) {
+  void add_contribution(ValueId v, ValueId c, bool exclusive) {
     auto& cs = contribs_[idx(v)];
     cs.push_back(c);
+    if (!exclusive) shared_contrib_[idx(v)] = true;
     if (static_cast<int>(cs.size()) == count_[idx(v)]) finalize(v);
   }
 
   void finalize(ValueId v) {
-    const auto& cs = contribs_[idx(v)];
+    std::vector<ValueId> cs = contribs_[idx(v)];
     const std::string name = "grad/" + g_.value(v).name;
     const bool is_param = g_.value(v).role == ValueRole::param;
+    // Contributions carried wide (GradContext::grad_dtype) and narrow ones
+    // meet in the wide dtype.
+    const DType wide = wide_grad_dtype(g_, v);
     ValueId r = cs.front();
+    bool owned = false;
     if (cs.size() == 1) {
+      owned = !shared_contrib_[idx(v)];
       // A pass-through gradient (e.g. add's dy) may be shared with other
       // values; a parameter gets its own copy so it can be bound separately.
+      // One nobody else holds is renamed instead.
       if (is_param && g_.value(r).name != name) {
-        r = g_.add_node(OpKind::scale, g_.unique_name(name), {r}, Attrs().set("alpha", 1.0), true)
-                .front();
+        if (owned) {
+          g_.rename_value(r, g_.unique_name(name));
+        } else {
+          r = g_.add_node(OpKind::scale, g_.unique_name(name), {r}, Attrs().set("alpha", 1.0), true)
+                  .front();
+          owned = true;
+        }
       }
     } else {
+      for (ValueId& c : cs) {
+        if (g_.value(c).dtype == wide) continue;
+        c = g_.add_node(OpKind::cast,
+                        g_.unique_name(fmt::format("{}.{}", g_.value(c).name, dtype_name(wide))),
+                        {c}, Attrs().set("dtype", std::string(dtype_name(wide))), true)
+                .front();
+      }
+      r = cs.front();
       for (size_t k = 1; k < cs.size(); ++k) {
         std::string nm = k + 1 == cs.size() ? name : fmt::format("{}.sum{}", name, k);
         r = g_.add_node(OpKind::add, g_.unique_name(nm), {r, cs[k]}, {}, true).front();
       }
+      owned = true;
     }
     grad_[idx(v)] = r;
+    if (idx(r) >= owned_.size()) owned_.resize(idx(g_.num_values()), false);
+    owned_[idx(r)] = owned;
     if (is_param) g_.set_grad(v, r);
   }
 
@@ -172,6 +211,10 @@ class BackwardBuilder {
   std::vector<int> count_;
   std::vector<std::vector<ValueId>> contribs_;
   std::vector<ValueId> grad_;
+  // owned_[g]: gradient value g is held by one value only (may be renamed).
+  // Indexed by value id; grows as backward values are emitted.
+  std::vector<bool> owned_;
+  std::vector<bool> shared_contrib_;  // per value: some contribution is shared
   std::vector<bool> active_;
 };
 

@@ -120,7 +120,11 @@ ValueId Builder::permute(ValueId x, const std::vector<int>& perm) {
 }
 
 ValueId Builder::cast(ValueId x, DType dtype) {
-  return append(OpKind::cast, {x}, Attrs().set("dtype", std::string(dtype_name(dtype))));
+  if (g_.value(x).dtype == dtype) return x;
+  auto [it, fresh] = casts_.try_emplace({x, dtype}, kNoValue);
+  if (fresh)
+    it->second = append(OpKind::cast, {x}, Attrs().set("dtype", std::string(dtype_name(dtype))));
+  return it->second;
 }
 
 ValueId Builder::sum_to(ValueId x, const Shape& shape) {

@@ -11,6 +11,7 @@
 //   ValueId h = b.relu(b.matmul(x, w));
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,9 @@ class Builder {
   ValueId max_pool2d(ValueId x, const Pool2dParams& p);
   ValueId reshape(ValueId x, const Shape& shape);
   ValueId permute(ValueId x, const std::vector<int>& perm);
+  // Casts are pure: casting the same value to the same dtype again returns the
+  // first cast's output (so e.g. q, k and v share one bf16 copy of their input).
+  // x itself when it already has that dtype.
   ValueId cast(ValueId x, DType dtype);
   // Sums x over leading dims down to `shape` (a suffix of x's shape; {} sums all).
   ValueId sum_to(ValueId x, const Shape& shape);
@@ -72,6 +76,7 @@ class Builder {
   Graph& g_;
   std::vector<std::string> scopes_;
   int counter_ = 0;
+  std::map<std::pair<ValueId, DType>, ValueId> casts_;
 };
 
 }  // namespace mt

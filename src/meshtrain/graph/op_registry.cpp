@@ -120,11 +120,24 @@ ValueId GradContext::emit(OpKind op, const std::string& name, std::vector<ValueI
   return emit_multi(op, name, std::move(inputs), std::move(attrs)).front();
 }
 
+DType wide_grad_dtype(const Graph& g, ValueId v) {
+  const Value& val = g.value(v);
+  if (val.producer == kNoNode) return val.dtype;
+  const Node& p = g.node(val.producer);
+  if (p.op != OpKind::cast || p.backward) return val.dtype;
+  const DType src = g.value(p.inputs.front()).dtype;
+  return dtype_size(src) > dtype_size(val.dtype) ? src : val.dtype;
+}
+
+DType GradContext::grad_dtype(int i) const {
+  return wide_grad_dtype(g_, x(i));
+}
+
 void GradContext::give(int i, ValueId grad) {
   if (!wants(i)) return;
   const Value& in = g_.value(x(i));
   const Value& gv = g_.value(grad);
-  MT_CHECK(gv.shape == in.shape && gv.dtype == in.dtype,
+  MT_CHECK(gv.shape == in.shape && (gv.dtype == in.dtype || gv.dtype == grad_dtype(i)),
            "gradient rule of {} ('{}') gave {}{} for input {} of type {}{}", op_name(n_.op),
            n_.name, dtype_name(gv.dtype), gv.shape.str(), i, dtype_name(in.dtype), in.shape.str());
   given_.at(static_cast<size_t>(i)) = grad;

@@ -52,7 +52,11 @@ class InferContext {
 // What a gradient rule sees while autodiff walks backward: the forward node,
 // the gradients of its differentiable outputs, and which inputs want a
 // gradient. A rule emits backward nodes with emit() and hands each wanted
-// input's gradient (same shape and dtype as the input) to give().
+// input's gradient to give(): the input's shape, and its dtype or
+// grad_dtype(i). The two differ for the output of a widening-source cast (a
+// bf16 copy of an f32 value, as mixed precision makes before a matmul): its
+// gradient may stay f32, so a matmul's f32 product is not rounded to bf16 only
+// for the cast's own gradient to widen it again.
 class GradContext {
  public:
   // wants/names: per input slot of n; names are what autodiff expects each
@@ -78,6 +82,10 @@ class GradContext {
   std::vector<ValueId> emit_multi(OpKind op, const std::string& name, std::vector<ValueId> inputs,
                                   Attrs attrs = {});
   ValueId emit(OpKind op, const std::string& name, std::vector<ValueId> inputs, Attrs attrs = {});
+  // The dtype input i's gradient is best given in: the source dtype of the
+  // forward cast that produced the input when that source is wider (f32 for a
+  // bf16 or f16 copy), else the input's own dtype. give() accepts either.
+  DType grad_dtype(int i) const;
   // Hands over input i's gradient; ignored unless wants(i).
   void give(int i, ValueId grad);
   const std::vector<ValueId>& given() const { return given_; }
@@ -126,6 +134,8 @@ void register_shape_ops(std::vector<OpDef>& table);
 
 // Shared helpers for rules.
 double numel_of(const Graph& g, ValueId v);
+// The dtype v's gradient may be carried in (see GradContext::grad_dtype).
+DType wide_grad_dtype(const Graph& g, ValueId v);
 // True if b broadcasts against a by the binary-op rule: equal shapes, b a
 // suffix of a's shape, or b a scalar (rank 0 or one element).
 bool broadcasts_to(const Shape& b, const Shape& a);

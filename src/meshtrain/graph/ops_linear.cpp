@@ -89,15 +89,18 @@ void grad_matmul(GradContext& c) {
                 Attrs().set("dtype", std::string(dtype_name(in))));
   }
   const bool shared_b = a_shape.rank() == 3 && b_shape.rank() == 2;
+  // Operands that are 16-bit copies of f32 values get f32 gradients (no
+  // rounding of the f32 product; see GradContext::grad_dtype).
+  const DType ga = c.grad_dtype(0), gb = c.grad_dtype(1);
 
   if (c.wants(0)) {
     if (!ta) {
-      c.give(0, mm(c, c.name(0), dy, b, false, !tb, in));
+      c.give(0, mm(c, c.name(0), dy, b, false, !tb, ga));
     } else if (!shared_b) {
-      c.give(0, mm(c, c.name(0), b, dy, tb, true, in));
+      c.give(0, mm(c, c.name(0), b, dy, tb, true, ga));
     } else {
       // dA^T per batch entry; a rank-2 left operand cannot be batched, so transpose after.
-      ValueId t = mm(c, c.name(0) + ".t", dy, b, false, !tb, in);
+      ValueId t = mm(c, c.name(0) + ".t", dy, b, false, !tb, ga);
       c.give(0, c.emit(OpKind::permute, c.name(0), {t},
                        Attrs().set("perm", std::vector<int64_t>{0, 2, 1})));
     }
@@ -105,9 +108,9 @@ void grad_matmul(GradContext& c) {
   if (c.wants(1)) {
     if (!shared_b) {
       if (!tb) {
-        c.give(1, mm(c, c.name(1), a, dy, !ta, false, in));
+        c.give(1, mm(c, c.name(1), a, dy, !ta, false, gb));
       } else {
-        c.give(1, mm(c, c.name(1), dy, a, true, ta, in));
+        c.give(1, mm(c, c.name(1), dy, a, true, ta, gb));
       }
     } else {
       // b is shared across the batch: its gradient sums over it, which is one
@@ -122,8 +125,8 @@ void grad_matmul(GradContext& c) {
       ValueId a2 = c.emit(OpKind::reshape, c.name(1) + ".a2", {ae}, shape_attrs(Shape{rows, kdim}));
       ValueId d2 =
           c.emit(OpKind::reshape, c.name(1) + ".dy2", {dy}, shape_attrs(Shape{rows, ys[2]}));
-      c.give(1, tb ? mm(c, c.name(1), d2, a2, true, false, in)
-                   : mm(c, c.name(1), a2, d2, true, false, in));
+      c.give(1, tb ? mm(c, c.name(1), d2, a2, true, false, gb)
+                   : mm(c, c.name(1), a2, d2, true, false, gb));
     }
   }
 }
