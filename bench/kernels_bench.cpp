@@ -263,6 +263,25 @@ void register_elementwise() {
             set_rate(st, "bytes/s", 3.0 * static_cast<double>(x.nbytes()));
           });
     }
+    // Mixed precision's casts: the MLP input [128, 784] and a GPT MLP hidden
+    // activation [2048, 1024], f32 -> bf16 (before a matmul) and back.
+    for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{128, 784}, {2048, 1024}}) {
+      for (const bool narrow : {true, false}) {
+        reg(fmt::format("cast_{}/{}/{}/{}", narrow ? "f32_bf16" : "bf16_f32", rows, cols, threads),
+            threads, benchmark::kMicrosecond, [=](benchmark::State& st) {
+              mt::KernelBackend& k = fast(threads);
+              Tensor x = random_tensor({rows, cols}, 1);
+              if (!narrow) {
+                Tensor b = Tensor::empty(x.shape(), DType::bf16);
+                k.cast(x, b);
+                x = b;
+              }
+              Tensor y = Tensor::empty(x.shape(), narrow ? DType::bf16 : DType::f32);
+              for (auto _ : st) k.cast(x, y);
+              set_rate(st, "bytes/s", static_cast<double>(x.nbytes() + y.nbytes()));
+            });
+      }
+    }
     reg(name("cross_entropy_fwd_bwd/2048/256"), threads, benchmark::kMicrosecond,
         [=](benchmark::State& st) {
           mt::KernelBackend& k = fast(threads);
