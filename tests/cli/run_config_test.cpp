@@ -42,6 +42,18 @@ TEST(RunConfig, WrongTypeAndRangeAreNamed) {
   EXPECT_NE(e.find("optim.name"), std::string::npos) << e;
 }
 
+TEST(RunConfig, KernelChoicesMapAndAreChecked) {
+  Config c = Config::parse("[exec]\nmatmul = \"onednn\"\nconv_layout = \"plain\"\n", "t.toml");
+  RunConfig rc = read_run_config(c);
+  EXPECT_EQ(rc.train.exec.fast.f32_matmul, MatmulEngineChoice::onednn);
+  EXPECT_EQ(rc.train.exec.fast.conv_layout, ConvLayoutChoice::plain);
+  std::string e = error_of("[exec]\nmatmul = \"cublas\"\n");
+  EXPECT_NE(e.find("exec.matmul"), std::string::npos) << e;
+  EXPECT_NE(e.find("openblas"), std::string::npos) << e;
+  e = error_of("[exec]\nconv_layout = \"nhwc\"\n");
+  EXPECT_NE(e.find("exec.conv_layout"), std::string::npos) << e;
+}
+
 TEST(RunConfig, ModelAndDataMustFit) {
   std::string e = error_of("[model]\nkind = \"mlp\"\n[data]\nkind = \"text\"\n");
   EXPECT_NE(e.find("data.kind"), std::string::npos) << e;

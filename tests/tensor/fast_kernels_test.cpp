@@ -645,6 +645,18 @@ TEST_P(FastKernels, OtherDtypesGoToTheFallback) {
   EXPECT_THROW(fast_->unary(UnaryOp::relu, random_tensor({6, 5}, 1), bad), ShapeError);
 }
 
+TEST(FastKernelsEngines, PinnedChoicesAreProcessWideInstancesPerOptions) {
+  const FastBackendOptions pinned{MatmulEngineChoice::openblas, ConvLayoutChoice::plain};
+  KernelBackend& a = kernels("fast", pinned);
+  EXPECT_EQ(&a, &kernels("fast", pinned));
+  EXPECT_NE(&a, &kernels("fast"));
+  EXPECT_EQ(&kernels("reference", pinned), &kernels("reference"));
+  EXPECT_EQ(parse_matmul_engine("onednn"), MatmulEngineChoice::onednn);
+  EXPECT_EQ(parse_conv_layout("blocked"), ConvLayoutChoice::blocked);
+  EXPECT_THROW(parse_matmul_engine("mkl"), ConfigError);
+  EXPECT_THROW(parse_conv_layout("nhwc"), ConfigError);
+}
+
 TEST(FastKernelsThreads, RejectsZeroThreadsAndGivesTheSameResultsAtTwo) {
   KernelBackend& ref = kernels("reference");
   auto one = make_fast_backend(ref);

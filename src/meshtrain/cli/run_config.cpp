@@ -94,6 +94,10 @@ TrainerOptions read_train(const Config& c) {
 
   t.exec.backend = c.get_string("exec.backend", "fast", {"fast", "reference"});
   t.exec.recompute = c.get_bool("exec.recompute", false);
+  t.exec.fast.f32_matmul = parse_matmul_engine(
+      c.get_string("exec.matmul", "measure", {"measure", "onednn", "openblas"}));
+  t.exec.fast.conv_layout = parse_conv_layout(
+      c.get_string("exec.conv_layout", "measure", {"measure", "plain", "blocked"}));
   return t;
 }
 

@@ -336,7 +336,7 @@ Executor::Executor(const Graph& g, ExecOptions opts) : impl_(std::make_unique<Im
   Impl& m = *impl_;
   m.g = g;
   m.opts = std::move(opts);
-  m.backend = &kernels(m.opts.backend);
+  m.backend = &kernels(m.opts.backend, m.opts.fast);
   if (m.opts.num_threads > 0) m.backend->set_num_threads(m.opts.num_threads);
   const auto nv = idx(g.num_values());
   m.is_bound.assign(nv, false);

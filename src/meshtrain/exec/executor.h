@@ -21,12 +21,14 @@
 #include <vector>
 
 #include "meshtrain/graph/graph.h"
+#include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/tensor.h"
 
 namespace mt {
 
 struct ExecOptions {
   std::string backend = "fast";  // see tensor/kernels.h
+  FastBackendOptions fast;       // engine and layout choices of the "fast" backend
   // Recompute cheap forward activations (element-wise, normalisation) during
   // backward instead of keeping them alive: trades FLOPs for memory.
   bool recompute = false;

@@ -1,7 +1,10 @@
 #include "meshtrain/tensor/kernels.h"
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include <fmt/ranges.h>
 
@@ -18,11 +21,16 @@ KernelBackend& reference_instance() {
   return instance;
 }
 
-// The fast backend hands the dtypes it does not implement to the reference one.
-KernelBackend& fast_instance() {
-  // Function-local statics are initialised once, thread-safely.
-  static const std::unique_ptr<KernelBackend> instance = make_fast_backend(reference_instance());
-  return *instance;
+// The fast backend hands the dtypes it does not implement to the reference
+// one. One instance per options, created on first use and kept for the process.
+KernelBackend& fast_instance(const FastBackendOptions& o) {
+  static std::mutex mu;
+  static std::map<std::pair<MatmulEngineChoice, ConvLayoutChoice>, std::unique_ptr<KernelBackend>>
+      instances;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = instances[{o.f32_matmul, o.conv_layout}];
+  if (!slot) slot = make_fast_backend(reference_instance(), o);
+  return *slot;
 }
 
 }  // namespace
@@ -31,11 +39,27 @@ std::vector<std::string_view> kernel_backend_names() {
   return {"reference", "fast"};
 }
 
-KernelBackend& kernels(std::string_view name) {
+KernelBackend& kernels(std::string_view name, const FastBackendOptions& fast) {
   if (name == "reference") return reference_instance();
-  if (name == "fast") return fast_instance();
+  if (name == "fast") return fast_instance(fast);
   throw ConfigError(fmt::format("unknown kernel backend '{}' (expected one of {})", name,
                                 fmt::join(kernel_backend_names(), ", ")));
+}
+
+MatmulEngineChoice parse_matmul_engine(std::string_view text) {
+  if (text == "measure") return MatmulEngineChoice::measure;
+  if (text == "onednn") return MatmulEngineChoice::onednn;
+  if (text == "openblas") return MatmulEngineChoice::openblas;
+  throw ConfigError(
+      fmt::format("unknown f32 matmul engine '{}' (expected measure, onednn or openblas)", text));
+}
+
+ConvLayoutChoice parse_conv_layout(std::string_view text) {
+  if (text == "measure") return ConvLayoutChoice::measure;
+  if (text == "plain") return ConvLayoutChoice::plain;
+  if (text == "blocked") return ConvLayoutChoice::blocked;
+  throw ConfigError(
+      fmt::format("unknown convolution layout '{}' (expected measure, plain or blocked)", text));
 }
 
 }  // namespace mt

@@ -2,6 +2,7 @@
 //
 //   KernelBackend& k = kernels("fast");
 //   k.matmul(a, b, c, {});
+//   KernelBackend& pinned = kernels("fast", {MatmulEngineChoice::onednn, ConvLayoutChoice::plain});
 //
 // "reference": naive loops in f32/f64, the oracle every fast kernel is tested
 //              against. Slow; single-threaded.
@@ -9,6 +10,7 @@
 //              matmul, chosen by measurement), vectorised element-wise code.
 #pragma once
 
+#include <cstdint>
 #include <string_view>
 #include <vector>
 
@@ -16,8 +18,37 @@
 
 namespace mt {
 
-// The process-wide instance of a backend; throws ConfigError for an unknown name.
-KernelBackend& kernels(std::string_view name);
+// Which library computes f32 matmuls.
+enum class MatmulEngineChoice : uint8_t {
+  measure,   // time both on the first calls of each shape, keep the faster
+  onednn,    // always oneDNN's matmul primitive
+  openblas,  // always OpenBLAS sgemm
+};
+
+// Which memory layout convolutions run in.
+enum class ConvLayoutChoice : uint8_t {
+  measure,  // time both on the first calls of each shape, keep the faster
+  plain,    // oneDNN works on the caller's NCHW / OIHW buffers directly
+  blocked,  // oneDNN's preferred (channel-blocked) layouts, reordered to and fro
+};
+
+// "measure" picks by timing, so on a machine where two choices run about
+// equally fast a run may pick differently from the last one, and its float
+// results differ in the last bits; pin both for bitwise-repeatable runs.
+struct FastBackendOptions {
+  MatmulEngineChoice f32_matmul = MatmulEngineChoice::measure;
+  ConvLayoutChoice conv_layout = ConvLayoutChoice::measure;
+};
+
+// The process-wide instance of a backend (one per distinct FastBackendOptions
+// for "fast"; the reference backend ignores them); throws ConfigError for an
+// unknown name.
+KernelBackend& kernels(std::string_view name, const FastBackendOptions& fast = {});
+
+// "measure", "onednn", "openblas" / "measure", "plain", "blocked"; ConfigError otherwise.
+MatmulEngineChoice parse_matmul_engine(std::string_view text);
+ConvLayoutChoice parse_conv_layout(std::string_view text);
+
 std::vector<std::string_view> kernel_backend_names();
 
 }  // namespace mt

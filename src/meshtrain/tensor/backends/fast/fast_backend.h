@@ -19,28 +19,11 @@
 #include <memory>
 
 #include "meshtrain/tensor/backend.h"
+#include "meshtrain/tensor/kernels.h"
 
 namespace mt {
 
-// Which library computes f32 matmuls.
-enum class MatmulEngineChoice : uint8_t {
-  measure,   // time both on the first calls of each shape, keep the faster
-  onednn,    // always oneDNN's matmul primitive
-  openblas,  // always OpenBLAS sgemm
-};
-
-// Which memory layout convolutions run in.
-enum class ConvLayoutChoice : uint8_t {
-  measure,  // time both on the first calls of each shape, keep the faster
-  plain,    // oneDNN works on the caller's NCHW / OIHW buffers directly
-  blocked,  // oneDNN's preferred (channel-blocked) layouts, reordered to and fro
-};
-
-struct FastBackendOptions {
-  MatmulEngineChoice f32_matmul = MatmulEngineChoice::measure;
-  ConvLayoutChoice conv_layout = ConvLayoutChoice::measure;
-};
-
+// MatmulEngineChoice, ConvLayoutChoice and FastBackendOptions: tensor/kernels.h.
 std::unique_ptr<KernelBackend> make_fast_backend(KernelBackend& fallback);
 std::unique_ptr<KernelBackend> make_fast_backend(KernelBackend& fallback,
                                                  const FastBackendOptions& options);
