@@ -117,6 +117,14 @@ void register_matmuls() {
           });
     }
   }
+  // The bf16 peak beside it: how much faster than f32 a bf16 matmul can be on
+  // this CPU, the ceiling of mixed precision's speed-up.
+  for (int64_t s : {1024, 2048}) {
+    reg(fmt::format("bf16gemm_onednn/{}/{}/{}", s, s, s), 1, benchmark::kMillisecond,
+        [=](benchmark::State& st) {
+          run_matmul(st, E::onednn, DType::bf16, 0, s, s, s, false, false, 1);
+        });
+  }
   // MLP 784-512-512-10, batch 128: forward, weight gradient (a^T), data gradient (b^T).
   const std::vector<std::tuple<int64_t, int64_t, int64_t, bool, bool>> mlp = {
       {128, 512, 784, false, false}, {128, 512, 512, false, false}, {128, 10, 512, false, false},

@@ -4,9 +4,11 @@ For each model and thread count it trains meshtrain, PyTorch eager and
 PyTorch torch.compile one after the other, then prints, per peer mode:
   <model>_train_throughput  samples/s (tokens/s for GPT), ratio = meshtrain/peer
   <model>_peak_rss          MiB of the child process, ratio = peer/meshtrain
-At 1 thread it also prints sgemm_peak (GFLOP/s of the big square SGEMM) and
+At 1 thread it also prints sgemm_peak (GFLOP/s of the big square SGEMM, with
+the bf16 GEMM peak beside it) and
 mlp_train_matmul_gflops (meshtrain's matmul rate inside the MLP step), and
-<model>_bf16_vs_f32_* lines for meshtrain's own bf16 against its f32 (MLP, GPT).
+<model>_bf16_vs_f32_* lines for meshtrain's own bf16 against its f32 (MLP, GPT),
+with the matmuls' own speed-up inside the step (the bound on the whole step's).
 """
 
 import meshtrain
@@ -70,12 +72,15 @@ def sgemm_peak(ctx):
     exe = ctx.binary("bench/kernels_bench")
     why = "build/bench/kernels_bench is missing"
     if exe.exists():
-        r = ctx.run([exe, "--benchmark_filter=sgemm", "--benchmark_format=json"],
+        r = ctx.run([exe, "--benchmark_filter=^(sgemm|bf16gemm)_", "--benchmark_format=json"],
                     thread_env(1), "kernels_bench")
         best = pick_square_sgemm(r.stdout) if r.ok else None
         if best:
+            bf16 = pick_square_sgemm(r.stdout, "bf16gemm")
             return {"value": best[1], "source": f"kernels_bench {best[0]}",
-                    "peer_torch_mm_2048_gflops": mm}
+                    "peer_torch_mm_2048_gflops": mm,
+                    "bf16_peak_gflops": bf16[1] if bf16 else None,
+                    "bf16_source": f"kernels_bench {bf16[0]}" if bf16 else None}
         why = r.failure() if not r.ok else "no square sgemm case with a GFLOP/s counter"
         ctx.log(f"kernels_bench: {why}; falling back to torch.mm")
     out = {"value": mm, "source": f"torch.mm 2048x2048x2048 (fallback: {why})"}
@@ -84,9 +89,10 @@ def sgemm_peak(ctx):
     return out
 
 
-def pick_square_sgemm(stdout):
+def pick_square_sgemm(stdout, kind="sgemm"):
     """From Google Benchmark JSON, the (name, GFLOP/s) of the fastest case
-    among the largest square sgemm ones (several engines may run that size).
+    among the largest square ones whose name starts with `kind` (sgemm: f32,
+    bf16gemm: bf16; several engines may run that size).
     Sizes come from the name's numeric arguments (x/2048 or x/M/N/K); the rate
     from a counter whose name mentions flop."""
     import json
@@ -98,7 +104,7 @@ def pick_square_sgemm(stdout):
         return None
     best = None
     for b in doc.get("benchmarks", []):
-        if b.get("run_type") == "aggregate" or "sgemm" not in b.get("name", "").lower():
+        if b.get("run_type") == "aggregate" or not b.get("name", "").lower().startswith(kind):
             continue
         dims = [int(x) for x in re.findall(r"/(\d+)", b["name"])]
         if not dims or len(set(dims[:3])) != 1:
@@ -162,6 +168,23 @@ def compare(ctx, model, threads, steps, warmup, setup, mt, peers):
         ctx.emit(line)
 
 
+def matmul_fields(bf, f32, batch):
+    """What bounds the bf16 speed-up: matmul time per step in each precision
+    (from the runs' summaries), their ratio, and the share of the f32 step
+    the matmuls take. The step cannot speed up by more than the matmuls do
+    unless everything else speeds up more."""
+    b_mm, f_mm = bf.get("matmul_s_per_step"), f32.get("matmul_s_per_step")
+
+    def ms(sec):
+        return round(sec * 1e3, 3) if sec else None
+
+    share = None
+    if f_mm and f32.samples_per_s:
+        share = round(f_mm * f32.samples_per_s / batch, 4)
+    return {"matmul_ms_per_step_bf16": ms(b_mm), "matmul_ms_per_step_f32": ms(f_mm),
+            "matmul_speedup": ratio(f_mm, b_mm), "f32_matmul_share": share}
+
+
 def bf16_lines(ctx, model, steps, warmup, setup, f32):
     bf = run_meshtrain(ctx, model, 1, steps, warmup, precision="bf16")
     plan = PLAN[model]
@@ -177,7 +200,8 @@ def bf16_lines(ctx, model, steps, warmup, setup, f32):
     f_fast = f_fast * seq if f_fast else None
     line = {"name": f"{model}_bf16_vs_f32_throughput", "unit": plan["unit"],
             "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common,
-            "meshtrain_fast": b_fast, "peer_fast": f_fast, "ratio_fast": ratio(b_fast, f_fast)}
+            "meshtrain_fast": b_fast, "peer_fast": f_fast, "ratio_fast": ratio(b_fast, f_fast),
+            **matmul_fields(bf, f32, batch)}
     if error:
         line["error"] = error
     ctx.emit(line)
@@ -207,8 +231,12 @@ def run(ctx):
                 peak = sgemm_peak(ctx)
                 line = {"name": "sgemm_peak", "unit": "GFLOP/s", "value": peak["value"],
                         "threads": 1, "source": peak["source"]}
-                if "peer_torch_mm_2048_gflops" in peak:
-                    line["peer_torch_mm_2048_gflops"] = peak["peer_torch_mm_2048_gflops"]
+                for key in ("peer_torch_mm_2048_gflops", "bf16_peak_gflops", "bf16_source"):
+                    if key in peak:
+                        line[key] = peak[key]
+                if peak.get("bf16_peak_gflops") and peak["value"]:
+                    # The most a bf16 matmul can gain over f32 on this CPU.
+                    line["bf16_over_f32_peak"] = round(peak["bf16_peak_gflops"] / peak["value"], 3)
                 if peak.get("error"):
                     line["error"] = peak["error"]
                 ctx.emit(line)

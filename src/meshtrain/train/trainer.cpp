@@ -148,7 +148,7 @@ struct Trainer::Impl {
     comm = group;
     rank = comm->rank();
     world = comm->size();
-    kernels(o.exec.backend).set_num_threads(o.threads);
+    kernels(o.exec.backend, o.exec.fast).set_num_threads(o.threads);
     spec.compute = o.precision;
 
     // This rank's slice of every global batch, split into micro-batches.
@@ -563,13 +563,17 @@ struct Trainer::Impl {
     r.steps = step;
     r.samples_per_s = median(rates);
     double mm_flops = 0, mm_ns = 0;
+    int64_t runs = 0;  // executor runs (micro-batches) in this process
     for (const OpProfile& p : exec->profile()) {
       if (p.op == OpKind::matmul) {
         mm_flops += p.flops * static_cast<double>(p.calls);
         mm_ns += static_cast<double>(p.total_ns);
+        runs = std::max(runs, p.calls);
       }
     }
     r.matmul_gflops = mm_ns > 0 ? mm_flops / mm_ns : 0.0;
+    r.matmul_s_per_step =
+        runs > 0 ? mm_ns * 1e-9 / static_cast<double>(runs) * o.dist.dp.accumulation_steps : 0.0;
     r.planned_arena_bytes = exec->memory_plan().arena_bytes;
     r.memory = dp->memory(static_cast<int>(optimizer->state_kinds().size()));
     const DataParallelStats st = dp->stats();
@@ -579,6 +583,7 @@ struct Trainer::Impl {
         {"final_loss", r.final_loss},
         {"samples_per_s", r.samples_per_s},
         {"matmul_gflops", r.matmul_gflops},
+        {"matmul_s_per_step", r.matmul_s_per_step},
         {"planned_arena_bytes", r.planned_arena_bytes},
         {"allocated_arena_bytes", exec->allocated_arena_bytes()},
         {"param_bytes", store->numel() * 4},

@@ -89,9 +89,10 @@ struct TrainResult {
   int64_t steps = 0;
   double final_loss = 0;  // training loss of the last step
   double test_loss = 0;
-  double test_accuracy = 0;  // fraction in [0, 1]; next-token accuracy for text
-  double samples_per_s = 0;  // median over steps after warm-up
-  double matmul_gflops = 0;  // matmul FLOPs / matmul time inside training steps
+  double test_accuracy = 0;      // fraction in [0, 1]; next-token accuracy for text
+  double samples_per_s = 0;      // median over steps after warm-up
+  double matmul_gflops = 0;      // matmul FLOPs / matmul time inside training steps
+  double matmul_s_per_step = 0;  // matmul time per training step (mean over the run)
   int64_t planned_arena_bytes = 0;
   std::vector<double> losses;  // per step: mean loss over the global batch
   DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
