@@ -254,22 +254,27 @@ void register_elementwise() {
         });
     for (const auto& [op, op_name] :
          {std::pair{mt::UnaryOp::gelu, "gelu"}, std::pair{mt::UnaryOp::relu, "relu"}}) {
-      reg(fmt::format("{}_fwd/2048/1024/{}", op_name, threads), threads, benchmark::kMicrosecond,
-          [=, o = op](benchmark::State& st) {
-            mt::KernelBackend& k = fast(threads);
-            const Tensor x = random_tensor({2048, 1024}, 1);
-            Tensor y = Tensor::empty(x.shape(), DType::f32);
-            for (auto _ : st) k.unary(o, x, y);
-            set_rate(st, "bytes/s", 2.0 * static_cast<double>(x.nbytes()));
-          });
-      reg(fmt::format("{}_bwd/2048/1024/{}", op_name, threads), threads, benchmark::kMicrosecond,
-          [=, o = op](benchmark::State& st) {
-            mt::KernelBackend& k = fast(threads);
-            const Tensor x = random_tensor({2048, 1024}, 1), dy = random_tensor({2048, 1024}, 2);
-            Tensor dx = Tensor::empty(x.shape(), DType::f32);
-            for (auto _ : st) k.unary_backward(o, x, Tensor(), dy, dx);
-            set_rate(st, "bytes/s", 3.0 * static_cast<double>(x.nbytes()));
-          });
+      // f32, and bf16 storage (mixed precision's activations).
+      for (const DType dt : {DType::f32, DType::bf16}) {
+        const char* suffix = dt == DType::f32 ? "" : "_bf16";
+        reg(fmt::format("{}_fwd{}/2048/1024/{}", op_name, suffix, threads), threads,
+            benchmark::kMicrosecond, [=, o = op](benchmark::State& st) {
+              mt::KernelBackend& k = fast(threads);
+              const Tensor x = random_tensor({2048, 1024}, 1).to(dt);
+              Tensor y = Tensor::empty(x.shape(), dt);
+              for (auto _ : st) k.unary(o, x, y);
+              set_rate(st, "bytes/s", 2.0 * static_cast<double>(x.nbytes()));
+            });
+        reg(fmt::format("{}_bwd{}/2048/1024/{}", op_name, suffix, threads), threads,
+            benchmark::kMicrosecond, [=, o = op](benchmark::State& st) {
+              mt::KernelBackend& k = fast(threads);
+              const Tensor x = random_tensor({2048, 1024}, 1).to(dt),
+                           dy = random_tensor({2048, 1024}, 2).to(dt);
+              Tensor dx = Tensor::empty(x.shape(), dt);
+              for (auto _ : st) k.unary_backward(o, x, Tensor(), dy, dx);
+              set_rate(st, "bytes/s", 3.0 * static_cast<double>(x.nbytes()));
+            });
+      }
     }
     // Mixed precision's casts: the MLP input [128, 784] and a GPT MLP hidden
     // activation [2048, 1024], f32 -> bf16 (before a matmul) and back.

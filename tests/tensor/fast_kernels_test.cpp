@@ -190,6 +190,99 @@ TEST_P(FastKernels, MatmulHalfPrecisionInputs) {
   expect_close(got, want, 1e-2, 1e-2 * max_abs(want), "bf16 vs f32 product");
 }
 
+// bf16 storage (activations kept in bf16 under mixed precision): fast and
+// reference both compute in f32 and round once, so they agree to about one
+// bf16 unit in the last place; the reference is exactly the rounded f32 result.
+constexpr double kBf16Rtol = 1.0 / 128;
+
+TEST_P(FastKernels, MatmulBf16Output) {
+  for (const MatmulCase& mc : {MatmulCase{0, 37, 29, 70, false, false, false, 1, 0},
+                               MatmulCase{0, 37, 29, 70, true, true, false, 1, 0},
+                               MatmulCase{2, 9, 7, 16, false, true, false, 1, 0},
+                               MatmulCase{3, 8, 5, 12, false, false, true, 1, 0},
+                               MatmulCase{0, 16, 16, 0, false, false, false, 1, 0}}) {
+    const Shape as = mc.batch == 0 ? (mc.ta ? Shape{mc.k, mc.m} : Shape{mc.m, mc.k})
+                                   : Shape{mc.batch, mc.m, mc.k};
+    const Shape bs2 = mc.tb ? Shape{mc.n, mc.k} : Shape{mc.k, mc.n};
+    const Shape bs = mc.batch == 0 || mc.shared_b ? bs2 : Shape{mc.batch, bs2[0], bs2[1]};
+    const Shape cs = mc.batch == 0 ? Shape{mc.m, mc.n} : Shape{mc.batch, mc.m, mc.n};
+    const Tensor a = random_tensor(as, 40, -1, 1, DType::bf16);
+    const Tensor b = random_tensor(bs, 41, -1, 1, DType::bf16);
+    const MatmulParams p{mc.ta, mc.tb, 1.0f, 0.0f};
+    Tensor wide = Tensor::empty(cs, DType::f32), want = nan_like(cs, DType::bf16),
+           got = nan_like(cs, DType::bf16);
+    ref_.matmul(a, b, wide, p);
+    ref_.matmul(a, b, want, p);
+    EXPECT_EQ(std::memcmp(want.raw(), wide.to(DType::bf16).raw(), want.nbytes()), 0)
+        << "reference bf16 product is not the rounded f32 one";
+    fast_->matmul(a, b, got, p);
+    expect_close(
+        got.to(DType::f32), wide, kBf16Rtol, 1e-6,
+        fmt::format("bf16-out matmul batch {} m {} n {} k {}", mc.batch, mc.m, mc.n, mc.k));
+  }
+}
+
+TEST_P(FastKernels, ElementwiseOnBf16Storage) {
+  const Shape shape{7, 45};  // not a multiple of the vector width
+  const Tensor x = random_tensor(shape, 50, -3, 3, DType::bf16);
+  const Tensor dy = random_tensor(shape, 51, -1, 1, DType::bf16);
+  // run(backend, output, widen) runs the kernel on the bf16 inputs, or on
+  // their exact f32 widenings when widen is true.
+  auto check = [&](const char* what, auto&& run) {
+    Tensor got = nan_like(shape, DType::bf16), want = nan_like(shape, DType::bf16);
+    run(*fast_, got, false);
+    run(ref_, want, false);
+    expect_close(got.to(DType::f32), want.to(DType::f32), kBf16Rtol, 1e-6, what);
+    // Exactly the f32 kernel on the widened inputs, rounded once.
+    Tensor wide = nan_like(shape, DType::f32);
+    run(*fast_, wide, true);
+    EXPECT_EQ(std::memcmp(got.raw(), wide.to(DType::bf16).raw(), got.nbytes()), 0) << what;
+  };
+  auto in = [](const Tensor& t, bool widen) { return widen ? t.to(DType::f32) : t; };
+  for (UnaryOp op : {UnaryOp::relu, UnaryOp::gelu, UnaryOp::tanh, UnaryOp::sigmoid}) {
+    check("unary", [&](KernelBackend& k, Tensor& y, bool w) { k.unary(op, in(x, w), y); });
+    check("unary_backward", [&](KernelBackend& k, Tensor& dx, bool w) {
+      k.unary_backward(op, in(x, w), Tensor(), in(dy, w), dx);
+    });
+  }
+  const Tensor bias = random_tensor({45}, 52, -1, 1, DType::bf16);
+  const Tensor scalar = random_tensor({}, 53, 0.5, 1, DType::bf16);
+  for (BinaryOp op : {BinaryOp::add, BinaryOp::sub, BinaryOp::mul, BinaryOp::div}) {
+    check("binary same shape",
+          [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(dy, w), c); });
+    check("binary bias",
+          [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(bias, w), c); });
+    check("binary scalar",
+          [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(scalar, w), c); });
+  }
+  // The reference rounds the f32 result once.
+  Tensor wide = Tensor::empty(shape, DType::f32), narrow = Tensor::empty(shape, DType::bf16);
+  ref_.unary(UnaryOp::gelu, x.to(DType::f32), wide);
+  ref_.unary(UnaryOp::gelu, x, narrow);
+  EXPECT_EQ(std::memcmp(narrow.raw(), wide.to(DType::bf16).raw(), narrow.nbytes()), 0);
+}
+
+TEST_P(FastKernels, SumToFromBf16IntoBf16OrF32) {
+  const Tensor x = random_tensor({300, 45}, 60, -1, 1, DType::bf16);
+  Tensor want = Tensor::empty({45}, DType::f32);
+  ref_.sum_to(x.to(DType::f32), want);
+  for (DType out : {DType::f32, DType::bf16}) {
+    Tensor got = nan_like({45}, out), ref_got = nan_like({45}, out);
+    fast_->sum_to(x, got);
+    ref_.sum_to(x, ref_got);
+    const double rtol = out == DType::f32 ? 1e-5 : kBf16Rtol;
+    expect_close(got.to(DType::f32), want, rtol, 1e-5,
+                 fmt::format("sum_to bf16 -> {}", dtype_name(out)));
+    expect_close(ref_got.to(DType::f32), want, rtol, 1e-5, "reference sum_to bf16");
+  }
+  Tensor all = nan_like({}, DType::f32), all_want = Tensor::empty({}, DType::f32);
+  fast_->sum_to(x, all);
+  ref_.sum_to(x.to(DType::f32), all_want);
+  expect_close(all, all_want, 1e-5, 1e-4, "sum_to bf16 -> f32 scalar");
+  Tensor bad = Tensor::empty({45}, DType::f16);
+  EXPECT_THROW(fast_->sum_to(x, bad), ShapeError);
+}
+
 TEST_P(FastKernels, MatmulRejectsBadShapes) {
   Tensor c = Tensor::empty({3, 5}, DType::f32);
   EXPECT_THROW(fast_->matmul(random_tensor({3, 4}, 1), random_tensor({5, 5}, 2), c, {}),

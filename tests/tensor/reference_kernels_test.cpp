@@ -127,7 +127,7 @@ TEST(ReferenceMatmul, EdgeShapes) {
   }
 }
 
-TEST(ReferenceMatmul, HalfPrecisionInputsGiveF32Output) {
+TEST(ReferenceMatmul, HalfPrecisionInputsGiveF32OrTheirOwnTypeOutput) {
   for (DType in : {DType::bf16, DType::f16}) {
     // Small integers are exact in bf16 and f16.
     Tensor a = make({2, 3}, DType::f32, kA).to(in), b = make({3, 2}, DType::f32, kB).to(in);
@@ -135,7 +135,11 @@ TEST(ReferenceMatmul, HalfPrecisionInputsGiveF32Output) {
     ref().matmul(a, b, c, {});
     EXPECT_TRUE(near(c, kAB, 0)) << dtype_name(in);
     Tensor c16 = Tensor::empty({2, 2}, in);
-    const std::string msg = shape_error_of([&] { ref().matmul(a, b, c16, {}); });
+    ref().matmul(a, b, c16, {});
+    EXPECT_TRUE(near(c16.to(DType::f32), kAB, 0)) << dtype_name(in);
+    // Any other output type is refused.
+    Tensor c64 = Tensor::empty({2, 2}, DType::f64);
+    const std::string msg = shape_error_of([&] { ref().matmul(a, b, c64, {}); });
     EXPECT_NE(msg.find("must be f32"), std::string::npos) << msg;
   }
 }

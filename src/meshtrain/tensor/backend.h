@@ -6,8 +6,10 @@
 //   caller with the right shape and dtype, and are overwritten (never
 //   accumulated into) unless the method says otherwise.
 // - The reference backend supports f32 and f64 for every float kernel (the
-//   gradient checks run in f64); fast backends support at least f32 and fall
-//   back to the reference backend for anything else.
+//   gradient checks run in f64), and bf16/f16 storage for matmul, unary,
+//   unary_backward, binary and sum_to, computed in f32 and rounded once.
+//   Fast backends support at least f32 and fall back to the reference
+//   backend for anything else.
 // - Integer index tensors (labels, token ids, argmax) are i32.
 // - Shape or dtype errors throw mt::ShapeError naming the kernel and shapes.
 // - Methods may use several threads internally (see set_num_threads) but are
@@ -54,7 +56,8 @@ class KernelBackend {
   // ---- linear algebra ----
   // a: [M,K] (or [K,M] if trans_a), b: [K,N] (or [N,K] if trans_b), c: [M,N].
   // Batched: a [B,M,K], b [B,K,N], c [B,M,N]; b may also be rank 2 and shared
-  // across the batch. Mixed precision: a and b may be bf16 (or f16) with c f32.
+  // across the batch. Mixed precision: a and b may be bf16 (or f16) with c f32
+  // or c of their own 16-bit type (accumulated in f32, rounded once).
   virtual void matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) = 0;
 
   // ---- element-wise ----
@@ -70,7 +73,8 @@ class KernelBackend {
   // y = alpha * x (+ beta * y if beta != 0).
   virtual void scale(const Tensor& x, Tensor& y, double alpha, double beta = 0.0) = 0;
   // y = sum of x over its leading dims so that y's shape is a suffix of x's
-  // (the backward of a broadcast binary). y scalar = sum of all elements.
+  // (the backward of a broadcast binary). y scalar = sum of all elements. A
+  // 16-bit x may sum into an f32 y.
   virtual void sum_to(const Tensor& x, Tensor& y) = 0;
   // Element-wise dtype conversion.
   virtual void cast(const Tensor& x, Tensor& y) = 0;

@@ -15,8 +15,10 @@ constexpr float kSqrt2OverPi = 0.7978845608028654f;
 
 // The activations are written so that no intermediate cancels: gelu uses
 // 0.5 (1 + tanh u) = sigmoid(2u), and the derivatives use e^{-|x|} forms.
+// Forced inline: with a loop per storage type, GCC would otherwise call these
+// out of line, passing vectors through memory (about 2x slower).
 template <UnaryOp OP>
-VecF unary_value(VecF x) {
+[[gnu::always_inline]] inline VecF unary_value(VecF x) {
   const VecF one = VecF::set1(1.0f);
   if constexpr (OP == UnaryOp::relu) {
     return select(lt(x, VecF::zero()), VecF::zero(), x);
@@ -31,7 +33,7 @@ VecF unary_value(VecF x) {
 }
 
 template <UnaryOp OP>
-VecF unary_derivative(VecF x) {
+[[gnu::always_inline]] inline VecF unary_derivative(VecF x) {
   const VecF one = VecF::set1(1.0f);
   if constexpr (OP == UnaryOp::relu) {
     return select(gt(x, VecF::zero()), one, VecF::zero());
@@ -82,7 +84,7 @@ void dispatch_unary(UnaryOp op, F&& f) {
 }
 
 template <BinaryOp OP>
-VecF binary_value(VecF a, VecF b) {
+[[gnu::always_inline]] inline VecF binary_value(VecF a, VecF b) {
   if constexpr (OP == BinaryOp::add) return a + b;
   if constexpr (OP == BinaryOp::sub) return a - b;
   if constexpr (OP == BinaryOp::mul) return a * b;
@@ -114,16 +116,55 @@ constexpr int64_t kSumBlockRows = 64;
 
 }  // namespace
 
+namespace {
+
+// x is f32 or bf16 (the storage types these kernels load and store; they
+// compute in f32), `like` has its dtype and shape.
+void require_storage(const char* kernel, const char* name, const Tensor& t) {
+  require_defined(kernel, name, t);
+  if (t.dtype() != DType::f32 && t.dtype() != DType::bf16) {
+    fail(kernel, "{} {} has an unsupported dtype (expected f32 or bf16)", name, t.desc());
+  }
+}
+void require_like(const char* kernel, const char* name, const Tensor& t, const char* ref_name,
+                  const Tensor& ref) {
+  require_defined(kernel, name, t);
+  require_same_dtype(kernel, ref_name, ref, name, t);
+  require_same_shape(kernel, ref_name, ref, name, t);
+}
+
+inline float to_float(float v) {
+  return v;
+}
+inline float to_float(bf16 v) {
+  return bf16_to_f32(v);
+}
+
+// Calls f(float{}) or f(bf16{}) for an f32 / bf16 dtype (checked earlier).
+template <class F>
+void visit_storage(DType t, F&& f) {
+  if (t == DType::bf16) {
+    f(bf16{});
+  } else {
+    f(float{});
+  }
+}
+
+}  // namespace
+
 void unary(UnaryOp op, const Tensor& x, Tensor& y, int threads) {
   const char* K = "unary";
-  require_dtype(K, "x", x, DType::f32);
-  require_f32_like(K, "y", y, "x", x);
-  const float* px = x.data<float>();
-  float* py = y.data<float>();
-  dispatch_unary(op, [&](auto tag) {
-    parallel_for(x.numel(), kMinElemsPerThread, threads, [&](int64_t b, int64_t e) {
-      vec_loop(e - b, [&](int64_t i, int64_t n) {
-        unary_value<decltype(tag)::value>(VecF::load(px + b + i, n)).store(py + b + i, n);
+  require_storage(K, "x", x);
+  require_like(K, "y", y, "x", x);
+  visit_storage(x.dtype(), [&](auto st) {
+    using T = decltype(st);
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    dispatch_unary(op, [&](auto tag) {
+      parallel_for(x.numel(), kMinElemsPerThread, threads, [&](int64_t b, int64_t e) {
+        vec_loop(e - b, [&](int64_t i, int64_t n) {
+          unary_value<decltype(tag)::value>(VecF::load(px + b + i, n)).store(py + b + i, n);
+        });
       });
     });
   });
@@ -132,18 +173,21 @@ void unary(UnaryOp op, const Tensor& x, Tensor& y, int threads) {
 void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx,
                     int threads) {
   const char* K = "unary_backward";
-  require_dtype(K, "x", x, DType::f32);
-  if (y.defined()) require_f32_like(K, "y", y, "x", x);
-  require_f32_like(K, "dy", dy, "x", x);
-  require_f32_like(K, "dx", dx, "x", x);
-  const float* px = x.data<float>();
-  const float* pdy = dy.data<float>();
-  float* pdx = dx.data<float>();
-  dispatch_unary(op, [&](auto tag) {
-    parallel_for(x.numel(), kMinElemsPerThread, threads, [&](int64_t b, int64_t e) {
-      vec_loop(e - b, [&](int64_t i, int64_t n) {
-        const VecF d = unary_derivative<decltype(tag)::value>(VecF::load(px + b + i, n));
-        (VecF::load(pdy + b + i, n) * d).store(pdx + b + i, n);
+  require_storage(K, "x", x);
+  if (y.defined()) require_like(K, "y", y, "x", x);
+  require_like(K, "dy", dy, "x", x);
+  require_like(K, "dx", dx, "x", x);
+  visit_storage(x.dtype(), [&](auto st) {
+    using T = decltype(st);
+    const T* px = x.data<T>();
+    const T* pdy = dy.data<T>();
+    T* pdx = dx.data<T>();
+    dispatch_unary(op, [&](auto tag) {
+      parallel_for(x.numel(), kMinElemsPerThread, threads, [&](int64_t b, int64_t e) {
+        vec_loop(e - b, [&](int64_t i, int64_t n) {
+          const VecF d = unary_derivative<decltype(tag)::value>(VecF::load(px + b + i, n));
+          (VecF::load(pdy + b + i, n) * d).store(pdx + b + i, n);
+        });
       });
     });
   });
@@ -151,41 +195,44 @@ void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& 
 
 void binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c, int threads) {
   const char* K = "binary";
-  require_dtype(K, "a", a, DType::f32);
+  require_storage(K, "a", a);
   require_defined(K, "b", b);
   if (b.dtype() != a.dtype()) fail(K, "dtypes differ: a {} vs b {}", a.desc(), b.desc());
-  require_f32_like(K, "c", c, "a", a);
+  require_like(K, "c", c, "a", a);
   const int64_t nb = b.numel();
   if (nb != 1 && !is_suffix(b.shape(), a.shape())) {
     fail(K, "b {} is neither a scalar nor a suffix of a {}", b.desc(), a.desc());
   }
-  const float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  float* pc = c.data<float>();
   const int64_t n = a.numel();
   if (n == 0) return;
-  dispatch_binary(op, [&](auto tag) {
-    constexpr BinaryOp OP = decltype(tag)::value;
-    if (nb == 1 || nb == n) {
-      // A scalar b is read once, before any write: c may alias b.
-      const VecF bs = VecF::set1(pb[0]);
-      parallel_for(n, kMinElemsPerThread, threads, [&](int64_t lo, int64_t hi) {
-        vec_loop(hi - lo, [&](int64_t i, int64_t cnt) {
-          const VecF bv = nb == 1 ? bs : VecF::load(pb + lo + i, cnt);
-          binary_value<OP>(VecF::load(pa + lo + i, cnt), bv).store(pc + lo + i, cnt);
+  visit_storage(a.dtype(), [&](auto st) {
+    using T = decltype(st);
+    const T* pa = a.data<T>();
+    const T* pb = b.data<T>();
+    T* pc = c.data<T>();
+    dispatch_binary(op, [&](auto tag) {
+      constexpr BinaryOp OP = decltype(tag)::value;
+      if (nb == 1 || nb == n) {
+        // A scalar b is read once, before any write: c may alias b.
+        const VecF b0 = VecF::set1(to_float(pb[0]));
+        parallel_for(n, kMinElemsPerThread, threads, [&](int64_t lo, int64_t hi) {
+          vec_loop(hi - lo, [&](int64_t i, int64_t cnt) {
+            const VecF bv = nb == 1 ? b0 : VecF::load(pb + lo + i, cnt);
+            binary_value<OP>(VecF::load(pa + lo + i, cnt), bv).store(pc + lo + i, cnt);
+          });
         });
-      });
-      return;
-    }
-    // b is a suffix of a's shape: a is [rows, nb] and b broadcasts over rows.
-    parallel_for(n / nb, row_grain(nb), threads, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* ar = pa + r * nb;
-        float* cr = pc + r * nb;
-        vec_loop(nb, [&](int64_t i, int64_t cnt) {
-          binary_value<OP>(VecF::load(ar + i, cnt), VecF::load(pb + i, cnt)).store(cr + i, cnt);
-        });
+        return;
       }
+      // b is a suffix of a's shape: a is [rows, nb] and b broadcasts over rows.
+      parallel_for(n / nb, row_grain(nb), threads, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* ar = pa + r * nb;
+          T* cr = pc + r * nb;
+          vec_loop(nb, [&](int64_t i, int64_t cnt) {
+            binary_value<OP>(VecF::load(ar + i, cnt), VecF::load(pb + i, cnt)).store(cr + i, cnt);
+          });
+        }
+      });
     });
   });
 }
@@ -210,53 +257,67 @@ void scale(const Tensor& x, Tensor& y, double alpha, double beta, int threads) {
 
 void sum_to(const Tensor& x, Tensor& y, int threads) {
   const char* K = "sum_to";
-  require_dtype(K, "x", x, DType::f32);
-  require_defined(K, "y", y);
-  if (y.dtype() != x.dtype()) fail(K, "dtypes differ: x {} vs y {}", x.desc(), y.desc());
+  require_storage(K, "x", x);
+  require_storage(K, "y", y);
+  // y has x's dtype, or is f32 for a bf16 x (a bias gradient kept wide).
+  if (y.dtype() != x.dtype() && y.dtype() != DType::f32) {
+    fail(K, "dtypes differ: x {} vs y {} (y must be x's dtype or f32)", x.desc(), y.desc());
+  }
   const int64_t ny = y.numel();
   if (ny != 1 && !is_suffix(y.shape(), x.shape())) {
     fail(K, "y {} is neither a scalar nor a suffix of x {}", y.desc(), x.desc());
   }
   if (ny == 0) return;
-  const float* px = x.data<float>();
-  float* py = y.data<float>();
-  // A scalar y sums x viewed as rows of kWidth * 64 elements (then across the
-  // row); otherwise x is [rows, ny].
-  const int64_t n = x.numel();
-  const int64_t cols = ny == 1 ? std::min<int64_t>(std::max<int64_t>(n, 1), VecF::kWidth * 64) : ny;
-  const int64_t rows = n / cols;
-  const int64_t rest = n - rows * cols;  // only for a scalar y
-  const int chunks =
-      static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, rows / row_grain(cols))));
-  std::vector<double> partial(static_cast<size_t>(chunks * cols), 0.0);
-  parallel_for(chunks, 1, chunks, [&](int64_t c0, int64_t c1) {
-    std::vector<float> block(static_cast<size_t>(cols));
-    for (int64_t c = c0; c < c1; ++c) {
-      double* acc = partial.data() + c * cols;
-      const int64_t r_end = rows * (c + 1) / chunks;
-      for (int64_t r = rows * c / chunks; r < r_end; r += kSumBlockRows) {
-        const int64_t r_stop = std::min(r_end, r + kSumBlockRows);
-        vec_loop(cols, [&](int64_t j, int64_t cnt) {
-          VecF s = VecF::zero();
-          for (int64_t q = r; q < r_stop; ++q) s = s + VecF::load(px + q * cols + j, cnt);
-          s.store(block.data() + j, cnt);
-        });
-        for (int64_t j = 0; j < cols; ++j) acc[j] += block[static_cast<size_t>(j)];
+  visit_storage(x.dtype(), [&](auto st) {
+    using T = decltype(st);
+    const T* px = x.data<T>();
+    // A scalar y sums x viewed as rows of kWidth * 64 elements (then across the
+    // row); otherwise x is [rows, ny].
+    const int64_t n = x.numel();
+    const int64_t cols =
+        ny == 1 ? std::min<int64_t>(std::max<int64_t>(n, 1), VecF::kWidth * 64) : ny;
+    const int64_t rows = n / cols;
+    const int64_t rest = n - rows * cols;  // only for a scalar y
+    const int chunks =
+        static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, rows / row_grain(cols))));
+    std::vector<double> partial(static_cast<size_t>(chunks * cols), 0.0);
+    parallel_for(chunks, 1, chunks, [&](int64_t c0, int64_t c1) {
+      std::vector<float> block(static_cast<size_t>(cols));
+      for (int64_t c = c0; c < c1; ++c) {
+        double* acc = partial.data() + c * cols;
+        const int64_t r_end = rows * (c + 1) / chunks;
+        for (int64_t r = rows * c / chunks; r < r_end; r += kSumBlockRows) {
+          const int64_t r_stop = std::min(r_end, r + kSumBlockRows);
+          vec_loop(cols, [&](int64_t j, int64_t cnt) {
+            VecF s = VecF::zero();
+            for (int64_t q = r; q < r_stop; ++q) s = s + VecF::load(px + q * cols + j, cnt);
+            s.store(block.data() + j, cnt);
+          });
+          for (int64_t j = 0; j < cols; ++j) acc[j] += block[static_cast<size_t>(j)];
+        }
+      }
+    });
+    std::vector<float> totals(static_cast<size_t>(ny));
+    if (ny == 1) {
+      double total = 0.0;
+      for (double v : partial) total += v;
+      for (int64_t i = n - rest; i < n; ++i) total += to_float(px[i]);
+      totals[0] = static_cast<float>(total);
+    } else {
+      for (int64_t j = 0; j < ny; ++j) {
+        double total = 0.0;
+        for (int c = 0; c < chunks; ++c) total += partial[static_cast<size_t>(c * ny + j)];
+        totals[static_cast<size_t>(j)] = static_cast<float>(total);
       }
     }
+    visit_storage(y.dtype(), [&](auto yt) {
+      using Y = decltype(yt);
+      Y* py = y.data<Y>();
+      vec_loop(ny, [&](int64_t j, int64_t cnt) {
+        VecF::load(totals.data() + j, cnt).store(py + j, cnt);
+      });
+    });
   });
-  if (ny == 1) {
-    double total = 0.0;
-    for (double v : partial) total += v;
-    for (int64_t i = n - rest; i < n; ++i) total += px[i];
-    py[0] = static_cast<float>(total);
-    return;
-  }
-  for (int64_t j = 0; j < ny; ++j) {
-    double total = 0.0;
-    for (int c = 0; c < chunks; ++c) total += partial[static_cast<size_t>(c * ny + j)];
-    py[j] = static_cast<float>(total);
-  }
 }
 
 }  // namespace mt::fast

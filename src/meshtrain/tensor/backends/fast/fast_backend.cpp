@@ -30,6 +30,19 @@ bool f32_inputs(std::initializer_list<const Tensor*> ts) {
   return true;
 }
 
+// True when every defined tensor in `ts` is f32, or every one is bf16 (the
+// storage types of the element-wise kernels), and the first one is defined.
+bool f32_or_bf16_inputs(std::initializer_list<const Tensor*> ts) {
+  const Tensor* first = *ts.begin();
+  if (!first->defined()) return false;
+  const DType t = first->dtype();
+  if (t != DType::f32 && t != DType::bf16) return false;
+  for (const Tensor* x : ts) {
+    if (x->defined() && x->dtype() != t) return false;
+  }
+  return true;
+}
+
 bool any_empty(std::initializer_list<const Tensor*> ts) {
   for (const Tensor* t : ts) {
     if (t->defined() && t->numel() == 0) return true;
@@ -80,16 +93,18 @@ class FastBackend final : public KernelBackend {
   }
 
   void unary(UnaryOp op, const Tensor& x, Tensor& y) override {
-    if (!f32_inputs({&x, &y})) return fallback_.unary(op, x, y);
+    if (!f32_or_bf16_inputs({&x, &y})) return fallback_.unary(op, x, y);
     fast::unary(op, x, y, threads());
   }
   void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& dy,
                       Tensor& dx) override {
-    if (!f32_inputs({&x, &y, &dy, &dx})) return fallback_.unary_backward(op, x, y, dy, dx);
+    if (!f32_or_bf16_inputs({&x, &y, &dy, &dx})) {
+      return fallback_.unary_backward(op, x, y, dy, dx);
+    }
     fast::unary_backward(op, x, y, dy, dx, threads());
   }
   void binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c) override {
-    if (!f32_inputs({&a, &b, &c})) return fallback_.binary(op, a, b, c);
+    if (!f32_or_bf16_inputs({&a, &b, &c})) return fallback_.binary(op, a, b, c);
     fast::binary(op, a, b, c, threads());
   }
   void scale(const Tensor& x, Tensor& y, double alpha, double beta) override {
@@ -97,7 +112,10 @@ class FastBackend final : public KernelBackend {
     fast::scale(x, y, alpha, beta, threads());
   }
   void sum_to(const Tensor& x, Tensor& y) override {
-    if (!f32_inputs({&x, &y})) return fallback_.sum_to(x, y);
+    // A bf16 x may sum into an f32 y.
+    const bool wide_y =
+        x.defined() && y.defined() && x.dtype() == DType::bf16 && y.dtype() == DType::f32;
+    if (!wide_y && !f32_or_bf16_inputs({&x, &y})) return fallback_.sum_to(x, y);
     fast::sum_to(x, y, threads());
   }
   void cast(const Tensor& x, Tensor& y) override {

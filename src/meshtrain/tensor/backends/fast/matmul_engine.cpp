@@ -7,6 +7,7 @@
 #include <bit>
 #include <climits>
 #include <cstring>
+#include <span>
 
 #include "meshtrain/tensor/backends/fast/fast_common.h"
 
@@ -53,8 +54,11 @@ MatmulEngine::~MatmulEngine() = default;
 
 bool MatmulEngine::supports(const Tensor& a, const Tensor& b, const Tensor& c) {
   if (!a.defined() || !b.defined() || !c.defined()) return false;
-  if (a.dtype() != b.dtype() || c.dtype() != DType::f32) return false;
-  return a.dtype() == DType::f32 || is_half(a.dtype());
+  if (a.dtype() != b.dtype()) return false;
+  // f32 x f32 -> f32; 16-bit x 16-bit -> f32, or -> the same 16-bit type
+  // (accumulated in f32, rounded once).
+  if (a.dtype() == DType::f32) return c.dtype() == DType::f32;
+  return is_half(a.dtype()) && (c.dtype() == DType::f32 || c.dtype() == a.dtype());
 }
 
 void MatmulEngine::fold_batch(Dims& d, const MatmulParams& p) {
@@ -65,9 +69,10 @@ void MatmulEngine::fold_batch(Dims& d, const MatmulParams& p) {
   if (d.batch == 1) d.shared_b = false;
 }
 
-MatmulEngine::Key MatmulEngine::key_of(DType in, const Dims& d, const MatmulParams& p,
+MatmulEngine::Key MatmulEngine::key_of(DType in, DType out, const Dims& d, const MatmulParams& p,
                                        int threads) {
   return Key{in,
+             out,
              d.batch,
              d.m,
              d.n,
@@ -91,6 +96,12 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   Dims d = check_matmul(a, b, c, p);
   if (c.numel() == 0) return;
   if (d.k == 0) {  // an empty sum: c = beta * c, and c is write-only when beta == 0
+    if (c.dtype() != DType::f32) {
+      Tensor wide = p.beta == 0.0f ? Tensor::zeros(c.shape(), DType::f32) : c.to(DType::f32);
+      for (float& v : std::span(wide.data<float>(), static_cast<size_t>(wide.numel()))) v *= p.beta;
+      convert(wide, c);
+      return;
+    }
     float* pc = c.data<float>();
     for (int64_t i = 0, n = c.numel(); i < n; ++i) pc[i] = p.beta == 0.0f ? 0.0f : p.beta * pc[i];
     return;
@@ -100,12 +111,17 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   }
   fold_batch(d, p);
 
-  Plan& plan = plan_for(key_of(a.dtype(), d, p, threads), d, a.dtype(), p);
+  Plan& plan = plan_for(key_of(a.dtype(), c.dtype(), d, p, threads), d, a.dtype(), c.dtype(), p);
   if (a.dtype() != DType::f32) {
     if (plan.prim) {
       run_onednn(plan, a, b, c);
-    } else {  // no half-precision kernel on this CPU: the f32 product is exact for these inputs
+    } else if (c.dtype() == DType::f32) {
+      // No half-precision kernel on this CPU: the f32 product is exact for these inputs.
       run(a.to(DType::f32), b.to(DType::f32), c, p, threads);
+    } else {
+      Tensor wide = p.beta != 0.0f ? c.to(DType::f32) : Tensor::empty(c.shape(), DType::f32);
+      run(a.to(DType::f32), b.to(DType::f32), wide, p, threads);
+      convert(wide, c);
     }
     return;
   }
@@ -138,7 +154,7 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   }
 }
 
-MatmulEngine::Plan& MatmulEngine::plan_for(const Key& key, const Dims& d, DType in,
+MatmulEngine::Plan& MatmulEngine::plan_for(const Key& key, const Dims& d, DType in, DType out,
                                            const MatmulParams& p) {
   auto it = plans_.find(key);
   if (it != plans_.end()) return *it->second;
@@ -151,7 +167,7 @@ MatmulEngine::Plan& MatmulEngine::plan_for(const Key& key, const Dims& d, DType 
   plan->a_md = operand_desc(rank3, d.m, d.k, p.trans_a, t);
   plan->b_md = d.shared_b ? operand_desc(1, d.k, d.n, p.trans_b, t)
                           : operand_desc(rank3, d.k, d.n, p.trans_b, t);
-  plan->c_md = operand_desc(rank3, d.m, d.n, false, memory::data_type::f32);
+  plan->c_md = operand_desc(rank3, d.m, d.n, false, dnnl_type(out));
   dnnl::primitive_attr attr;
   if (p.alpha != 1.0f) attr.set_output_scales(0, {p.alpha});
   if (p.beta != 0.0f) {
@@ -204,7 +220,7 @@ const char* MatmulEngine::chosen_engine(const Tensor& a, const Tensor& b, const 
   if (f32_choice_ == MatmulEngineChoice::openblas) return "openblas";
   Dims d = matmul_dims(a, b, p);
   fold_batch(d, p);
-  auto it = plans_.find(key_of(a.dtype(), d, p, threads));
+  auto it = plans_.find(key_of(a.dtype(), DType::f32, d, p, threads));
   if (it == plans_.end() || it->second->engine == Engine::undecided) return "undecided";
   return it->second->engine == Engine::onednn ? "onednn" : "openblas";
 }

@@ -1,6 +1,7 @@
 // Runs matmul for the fast backend (internal to
 // src/meshtrain/tensor/backends/fast): f32 through OpenBLAS sgemm or oneDNN's
-// matmul primitive, bf16/f16 inputs with an f32 output through oneDNN only
+// matmul primitive, bf16/f16 inputs with an f32 output, or an output of the
+// inputs' 16-bit type (accumulated in f32, rounded once), through oneDNN only
 // (it uses AVX512_BF16 / AMX where the CPU has them).
 //
 // Engine choice for f32 (MatmulEngineChoice::measure): each distinct call
@@ -64,7 +65,7 @@ class MatmulEngine {
   using Dims = MatmulDims;
   // A call signature; alpha and beta are kept as bit patterns.
   struct Key {
-    DType in;
+    DType in, out;
     int64_t batch, m, n, k;
     bool shared_b, trans_a, trans_b;
     uint32_t alpha_bits, beta_bits;
@@ -81,8 +82,8 @@ class MatmulEngine {
   };
 
   static void fold_batch(Dims& d, const MatmulParams& p);
-  static Key key_of(DType in, const Dims& d, const MatmulParams& p, int threads);
-  Plan& plan_for(const Key& key, const Dims& d, DType in, const MatmulParams& p);
+  static Key key_of(DType in, DType out, const Dims& d, const MatmulParams& p, int threads);
+  Plan& plan_for(const Key& key, const Dims& d, DType in, DType out, const MatmulParams& p);
   void run_onednn(Plan& plan, const Tensor& a, const Tensor& b, Tensor& c);
   void run_openblas(const Dims& d, const Tensor& a, const Tensor& b, Tensor& c,
                     const MatmulParams& p);

@@ -1,4 +1,5 @@
-// A minimal f32 vector type for the fast backend's element-wise kernels: 16
+// A minimal f32 vector type for the fast backend's element-wise kernels (which
+// also load and store bf16, computing in f32): 16
 // lanes of AVX-512 when the compiler targets it (-march=native on this
 // project's machines), otherwise one lane of plain float, so every kernel is
 // written once and stays portable. exp/tanh are polynomial approximations on
@@ -13,9 +14,39 @@
 #include <immintrin.h>
 #endif
 
+#include "meshtrain/tensor/dtype.h"
+
 namespace mt::fast {
 
 #if defined(__AVX512F__)
+
+// f32 -> bf16 bit patterns for VecF's bf16 stores, 16 lanes.
+
+// Round to nearest even, NaN kept quiet: the bit-exact twin of f32_to_bf16.
+inline __m256i to_bf16_bits(__m512i u) {
+  constexpr __mmask16 all = 0xffff;  // see VecF::kAll
+  const __m512i hi = _mm512_maskz_srli_epi32(all, u, 16);
+  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  __m512i r = _mm512_maskz_srli_epi32(
+      all, _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  return _mm512_maskz_cvtepi32_epi16(all, r);
+}
+
+#if defined(__AVX512BF16__)
+// One instruction: round to nearest even and NaN quieted as f32_to_bf16 does,
+// but subnormal results flush to zero (as in oneDNN's bf16 outputs). Keeping
+// them exact costs a third of a gelu's time.
+inline __m256i bf16_bits(__m512 x) {
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+}
+#else
+inline __m256i bf16_bits(__m512 x) {
+  return to_bf16_bits(_mm512_castps_si512(x));
+}
+#endif
 
 struct VecF {
   static constexpr int64_t kWidth = 16;
@@ -49,6 +80,33 @@ struct VecF {
       _mm512_storeu_ps(p, v);
     } else {
       _mm512_mask_storeu_ps(p, head(n), v);
+    }
+  }
+  // bf16 storage: loads widen exactly; stores round to nearest even with NaN
+  // kept quiet, bit for bit as f32_to_bf16 except that with AVX512_BF16 a
+  // subnormal result becomes zero. Tails go through a small buffer (16-bit
+  // masked moves would need AVX512BW/VL on top of AVX512F).
+
+  [[gnu::always_inline]] static VecF load(const bf16* p, int64_t n = kWidth) {
+    __m256i h;
+    if (n == kWidth) {
+      h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    } else {
+      alignas(32) uint16_t buf[kWidth] = {};
+      for (int64_t i = 0; i < n; ++i) buf[i] = p[i].bits;
+      h = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+    }
+    return VecF(_mm512_castsi512_ps(
+        _mm512_maskz_slli_epi32(kAll, _mm512_maskz_cvtepu16_epi32(kAll, h), 16)));
+  }
+  [[gnu::always_inline]] void store(bf16* p, int64_t n = kWidth) const {
+    const __m256i h = bf16_bits(v);
+    if (n == kWidth) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    } else {
+      alignas(32) uint16_t buf[kWidth];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf), h);
+      for (int64_t i = 0; i < n; ++i) p[i].bits = buf[i];
     }
   }
   // Horizontal sum / maximum, halving the width each step (GCC 12's
@@ -94,7 +152,7 @@ struct VecF {
   // e^x. Range reduction x = n ln2 + r with |r| <= ln2/2, then a degree-7
   // Taylor polynomial (truncation < 5e-9) and scalef for 2^n, which also
   // yields 0 for very negative x and inf beyond 88.73.
-  friend VecF exp(VecF x) {
+  [[gnu::always_inline]] friend VecF exp(VecF x) {
     const __m512 cx = _mm512_maskz_min_ps(kAll, _mm512_set1_ps(89.0f),
                                           _mm512_maskz_max_ps(kAll, _mm512_set1_ps(-104.0f), x.v));
     const __m512 n =
@@ -117,7 +175,7 @@ struct VecF {
 
   // tanh(x): the odd Taylor series through x^17 for |x| < 0.625 (truncation
   // < 1e-7 relative), else 1 - 2 / (e^{2|x|} + 1) with x's sign.
-  friend VecF tanh(VecF x) {
+  [[gnu::always_inline]] friend VecF tanh(VecF x) {
     const VecF ax = abs(x);
     const VecF x2 = x * x;
     VecF p = set1(6404582.0f / 10854718875.0f);
@@ -150,6 +208,8 @@ struct VecF {
   static VecF load(const float* p, int64_t /*n*/, float /*fill*/) { return VecF(*p); }
   VecF keep_head(int64_t /*n*/) const { return *this; }
   void store(float* p, int64_t /*n*/ = 1) const { *p = v; }
+  static VecF load(const bf16* p, int64_t /*n*/ = 1) { return VecF(bf16_to_f32(*p)); }
+  void store(bf16* p, int64_t /*n*/ = 1) const { *p = f32_to_bf16(v); }
   float reduce_add() const { return v; }
   float reduce_max() const { return v; }
 
@@ -181,7 +241,7 @@ inline void vec_loop(int64_t count, F&& f) {
 }
 
 // 1 / (1 + e^-x).
-inline VecF sigmoid(VecF x) {
+[[gnu::always_inline]] inline VecF sigmoid(VecF x) {
   return VecF::set1(1.0f) / (VecF::set1(1.0f) + exp(VecF::zero() - x));
 }
 

@@ -24,7 +24,8 @@ void ReferenceBackend::set_num_threads(int n) {
 namespace {
 
 // The reference's dtype rules (f32/f64 in -> same out, bf16/f16 in -> f32
-// out), then the shape checks every backend shares.
+// out; a 16-bit out is handled by matmul() around this), then the shape checks
+// every backend shares.
 MatmulDims check_matmul_args(const Tensor& a, const Tensor& b, const Tensor& c,
                              const MatmulParams& p) {
   const char* K = "matmul";
@@ -88,6 +89,14 @@ void matmul_typed(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParam
 }  // namespace
 
 void ReferenceBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) {
+  if (a.defined() && c.defined() && c.dtype() == a.dtype() &&
+      (c.dtype() == DType::bf16 || c.dtype() == DType::f16)) {
+    // A 16-bit product: accumulated in f32 as usual, rounded once at the end.
+    Tensor wide = p.beta != 0.0f ? c.to(DType::f32) : Tensor::empty(c.shape(), DType::f32);
+    matmul(a, b, wide, p);
+    convert(wide, c);
+    return;
+  }
   const MatmulDims d = check_matmul_args(a, b, c, p);
   switch (a.dtype()) {
     case DType::f32:
@@ -110,6 +119,16 @@ void ReferenceBackend::matmul(const Tensor& a, const Tensor& b, Tensor& c, const
 // ---- element-wise ----
 
 namespace {
+
+bool is_half(DType t) {
+  return t == DType::bf16 || t == DType::f16;
+}
+
+// 16-bit floats: the kernel runs on f32 copies and each output is rounded
+// once, which is the contract of the fast kernels too.
+Tensor widened(const Tensor& t) {
+  return t.defined() ? t.to(DType::f32) : Tensor();
+}
 
 constexpr double kGeluC = 0.044715;
 const double kSqrt2OverPi = std::sqrt(2.0 / std::numbers::pi);
@@ -170,6 +189,13 @@ double binary_value(BinaryOp op, double a, double b) {
 
 void ReferenceBackend::unary(UnaryOp op, const Tensor& x, Tensor& y) {
   const char* K = "unary";
+  if (x.defined() && is_half(x.dtype())) {
+    require_like(K, "y", y, "x", x);
+    Tensor wy = Tensor::empty(y.shape(), DType::f32);
+    unary(op, widened(x), wy);
+    convert(wy, y);
+    return;
+  }
   require_f32_f64(K, "x", x);
   require_like(K, "y", y, "x", x);
   dispatch_f32_f64(x.dtype(), [&](auto tag) {
@@ -185,6 +211,15 @@ void ReferenceBackend::unary(UnaryOp op, const Tensor& x, Tensor& y) {
 void ReferenceBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor& y,
                                       const Tensor& dy, Tensor& dx) {
   const char* K = "unary_backward";
+  if (x.defined() && is_half(x.dtype())) {
+    if (y.defined()) require_like(K, "y", y, "x", x);
+    require_like(K, "dy", dy, "x", x);
+    require_like(K, "dx", dx, "x", x);
+    Tensor wdx = Tensor::empty(dx.shape(), DType::f32);
+    unary_backward(op, widened(x), widened(y), widened(dy), wdx);
+    convert(wdx, dx);
+    return;
+  }
   require_f32_f64(K, "x", x);
   if (y.defined()) require_like(K, "y", y, "x", x);
   require_like(K, "dy", dy, "x", x);
@@ -204,6 +239,15 @@ void ReferenceBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor&
 
 void ReferenceBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c) {
   const char* K = "binary";
+  if (a.defined() && is_half(a.dtype())) {
+    require_defined(K, "b", b);
+    require_same_dtype(K, "a", a, "b", b);
+    require_like(K, "c", c, "a", a);
+    Tensor wc = Tensor::empty(c.shape(), DType::f32);
+    binary(op, widened(a), widened(b), wc);
+    convert(wc, c);
+    return;
+  }
   require_f32_f64(K, "a", a);
   require_defined(K, "b", b);
   require_same_dtype(K, "a", a, "b", b);
@@ -244,6 +288,17 @@ void ReferenceBackend::scale(const Tensor& x, Tensor& y, double alpha, double be
 
 void ReferenceBackend::sum_to(const Tensor& x, Tensor& y) {
   const char* K = "sum_to";
+  if (x.defined() && is_half(x.dtype())) {
+    // y has x's dtype, or is f32 (a gradient kept wide).
+    require_defined(K, "y", y);
+    if (y.dtype() != x.dtype() && y.dtype() != DType::f32) {
+      fail(K, "dtypes differ: x {} vs y {} (y must be x's dtype or f32)", x.desc(), y.desc());
+    }
+    Tensor wy = Tensor::empty(y.shape(), DType::f32);
+    sum_to(widened(x), wy);
+    convert(wy, y);
+    return;
+  }
   require_f32_f64(K, "x", x);
   require_defined(K, "y", y);
   require_same_dtype(K, "x", x, "y", y);
