@@ -25,8 +25,11 @@ struct Model {
 inline const ParamInit kInit{ParamInit::Kind::normal, 0.3};
 
 // x [batch, widths[0]] -> (matmul + bias, relu or gelu)* -> logits -> cross-entropy.
+// compute bf16: matmul operands in bf16 and hidden activations (bias and
+// activation function included) stored in bf16, logits f32 -- the models'
+// mixed precision.
 inline Model mlp(int64_t batch, const std::vector<int64_t>& widths, bool gelu = false,
-                 bool differentiate = true) {
+                 bool differentiate = true, DType compute = DType::f32) {
   Model m;
   Builder b(m.g);
   m.x = b.input("x", {batch, widths[0]});
@@ -37,7 +40,13 @@ inline Model mlp(int64_t batch, const std::vector<int64_t>& widths, bool gelu = 
     b.push_scope("fc" + std::to_string(l + 1));
     ValueId w = b.param("w", {widths[l], widths[l + 1]}, kInit);
     ValueId bias = b.param("b", {widths[l + 1]}, kInit);
-    h = b.add(b.matmul(h, w), bias);
+    if (compute == DType::f32) {
+      h = b.add(b.matmul(h, w), bias);
+    } else {
+      const DType out = l + 2 < widths.size() ? compute : DType::f32;
+      h = b.add(b.matmul(b.cast(h, compute), b.cast(w, compute), false, false, out),
+                b.cast(bias, out));
+    }
     if (l + 2 < widths.size()) h = gelu ? b.gelu(h) : b.relu(h);
     b.pop_scope();
   }

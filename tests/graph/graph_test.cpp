@@ -115,6 +115,21 @@ TEST(ShapeInference, MatmulVariants) {
   ValueId wb = b.cast(w, DType::bf16);
   ValueId c = b.matmul(ab, wb, false, true);
   EXPECT_EQ(g.value(c).dtype, DType::f32);
+  // ... or into their own type when asked; nothing else.
+  EXPECT_EQ(g.value(b.matmul(ab, wb, false, true, DType::bf16)).dtype, DType::bf16);
+  std::string msg = shape_error([&] { b.matmul(ab, wb, false, true, DType::f64); });
+  EXPECT_NE(msg.find("out_dtype f64 must be f32 or the inputs' dtype"), std::string::npos) << msg;
+  msg = shape_error([&] { b.matmul(a, w, false, true, DType::bf16); });
+  EXPECT_NE(msg.find("out_dtype bf16"), std::string::npos) << msg;
+  // sum_to: a 16-bit x may sum into f32, nothing may narrow.
+  Attrs wide = shape_attrs(Shape{5});
+  wide.set("dtype", std::string("f32"));
+  EXPECT_EQ(g.value(g.add_node(OpKind::sum_to, "s", {b.cast(c, DType::bf16)}, wide).front()).dtype,
+            DType::f32);
+  Attrs narrow = shape_attrs(Shape{5});
+  narrow.set("dtype", std::string("bf16"));
+  msg = shape_error([&] { g.add_node(OpKind::sum_to, "s2", {c}, narrow); });
+  EXPECT_NE(msg.find("must be x's"), std::string::npos) << msg;
 }
 
 TEST(ShapeInference, MatmulErrorNamesNodeOpAndShapes) {
@@ -396,6 +411,32 @@ TEST(Autodiff, WideAndNarrowContributionsMeetInF32) {
   ASSERT_EQ(sum.op, OpKind::add);
   EXPECT_EQ(g.value(gw).dtype, DType::f32);
   for (ValueId in : sum.inputs) EXPECT_EQ(g.value(in).dtype, DType::f32);
+}
+
+TEST(Autodiff, Bf16ActivationChainHasOneCastInBackward) {
+  // x -> bf16 matmul with bf16 output + bf16 bias -> relu (bf16) -> matmul
+  // with f32 output -> loss. Backward: only the loss side's f32 gradient is
+  // cast (to bf16, for the matmuls); weight and bias gradients come out f32
+  // straight from their matmul / sum.
+  Graph g;
+  Builder b(g);
+  ValueId x = b.input("x", {4, 8});
+  ValueId w1 = b.param("w1", {8, 6}, kInit), b1 = b.param("b1", {6}, kInit);
+  ValueId w2 = b.param("w2", {6, 3}, kInit);
+  ValueId h = b.relu(
+      b.add(b.matmul(b.cast(x, DType::bf16), b.cast(w1, DType::bf16), false, false, DType::bf16),
+            b.cast(b1, DType::bf16)));
+  EXPECT_EQ(g.value(h).dtype, DType::bf16);
+  ValueId y = b.matmul(h, b.cast(w2, DType::bf16), false, false, DType::f32);
+  build_backward(g, b.sum_to(y, {}));
+  int casts = 0;
+  for (const Node& n : g.nodes()) casts += n.backward && n.op == OpKind::cast;
+  EXPECT_EQ(casts, 1);
+  for (ValueId p : {w1, b1, w2}) {
+    ASSERT_NE(g.grad_of(p), kNoValue);
+    EXPECT_EQ(g.value(g.grad_of(p)).dtype, DType::f32) << g.value(p).name;
+  }
+  EXPECT_EQ(g.node(g.value(g.grad_of(b1)).producer).op, OpKind::sum_to);
 }
 
 TEST(Autodiff, RejectsNonScalarLoss) {

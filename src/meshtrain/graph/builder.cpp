@@ -37,8 +37,12 @@ ValueId Builder::param(const std::string& name, const Shape& shape, ParamInit in
   return g_.add_param(scoped(name), shape, dtype, init);
 }
 
-ValueId Builder::matmul(ValueId a, ValueId b, bool trans_a, bool trans_b) {
-  return append(OpKind::matmul, {a, b}, Attrs().set("trans_a", trans_a).set("trans_b", trans_b));
+ValueId Builder::matmul(ValueId a, ValueId b, bool trans_a, bool trans_b,
+                        std::optional<DType> out_dtype) {
+  Attrs attrs;
+  attrs.set("trans_a", trans_a).set("trans_b", trans_b);
+  if (out_dtype) attrs.set("out_dtype", std::string(dtype_name(*out_dtype)));
+  return append(OpKind::matmul, {a, b}, attrs);
 }
 
 ValueId Builder::add(ValueId a, ValueId b) {

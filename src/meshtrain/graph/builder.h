@@ -12,6 +12,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,7 +33,10 @@ class Builder {
   ValueId param(const std::string& name, const Shape& shape, ParamInit init,
                 DType dtype = DType::f32);
 
-  ValueId matmul(ValueId a, ValueId b, bool trans_a = false, bool trans_b = false);
+  // 16-bit a and b give an f32 product, or one of their own type when
+  // out_dtype says so (accumulated in f32, rounded once).
+  ValueId matmul(ValueId a, ValueId b, bool trans_a = false, bool trans_b = false,
+                 std::optional<DType> out_dtype = std::nullopt);
   ValueId add(ValueId a, ValueId b);
   ValueId sub(ValueId a, ValueId b);
   ValueId mul(ValueId a, ValueId b);

@@ -5,6 +5,8 @@
 // sigmoid 4 (one exp-like evaluation counted as 3 plus the arithmetic); gelu 8
 // (tanh approximation: cube, two multiply-adds, tanh, final multiply). Their
 // backward passes count the arithmetic of the derivative in the same way.
+#include <optional>
+
 #include <fmt/format.h>
 
 #include "meshtrain/graph/op_registry.h"
@@ -36,19 +38,26 @@ double flops_per_output(const Graph& g, const Node& n) {
 }
 
 // Reduces gradient `gv` (shaped like the output) to `target`, the shape of a
-// broadcast operand. Returns gv itself when no reduction is needed.
-ValueId reduce_to(GradContext& c, ValueId gv, const Shape target, const std::string& name) {
+// broadcast operand, summing into `out` (gv's dtype, or f32 for a 16-bit gv
+// whose operand takes a wide gradient). Returns gv itself when no reduction
+// is needed.
+ValueId reduce_to(GradContext& c, ValueId gv, const Shape target, const std::string& name,
+                  std::optional<DType> out = std::nullopt) {
   const Shape s = c.value(gv).shape;
   if (s == target) return gv;
-  if (is_suffix(target, s)) return c.emit(OpKind::sum_to, name, {gv}, shape_attrs(target));
+  Attrs a = shape_attrs(is_suffix(target, s) ? target : Shape{});
+  if (out && *out != c.value(gv).dtype) a.set("dtype", std::string(dtype_name(*out)));
+  if (is_suffix(target, s)) return c.emit(OpKind::sum_to, name, {gv}, a);
   // A one-element b that is not a suffix (e.g. [1] against [4, 3]).
-  ValueId total = c.emit(OpKind::sum_to, name + ".sum", {gv}, shape_attrs(Shape{}));
+  ValueId total = c.emit(OpKind::sum_to, name + ".sum", {gv}, a);
   return c.emit(OpKind::reshape, name, {total}, shape_attrs(target));
 }
 
 void grad_add(GradContext& c) {
   c.give(0, c.dy());
-  if (c.wants(1)) c.give(1, reduce_to(c, c.dy(), c.value(c.x(1)).shape, c.name(1)));
+  if (c.wants(1)) {
+    c.give(1, reduce_to(c, c.dy(), c.value(c.x(1)).shape, c.name(1), c.grad_dtype(1)));
+  }
 }
 
 void grad_sub(GradContext& c) {

@@ -47,10 +47,26 @@ MatmulDims matmul_dims(const InferContext& c) {
   return d;
 }
 
+// Optional attr out_dtype: 16-bit inputs may give a product of their own type
+// (accumulated in f32, rounded once) instead of f32.
 std::vector<ValueType> infer_matmul(const InferContext& c) {
   MatmulDims d = matmul_dims(c);
   Shape out = d.batched ? Shape{d.batch, d.m, d.n} : Shape{d.m, d.n};
-  return {{out, matmul_out_dtype(c.dtype(0))}};
+  DType t = matmul_out_dtype(c.dtype(0));
+  if (c.attrs().has("out_dtype")) {
+    DType want = t;
+    try {
+      want = parse_dtype(c.attrs().s("out_dtype"));
+    } catch (const ConfigError& e) {
+      c.fail(e.what());
+    }
+    if (want != t && want != c.dtype(0)) {
+      c.fail(fmt::format("out_dtype {} must be f32 or the inputs' dtype ({})", dtype_name(want),
+                         c.desc(0)));
+    }
+    t = want;
+  }
+  return {{out, t}};
 }
 
 double flops_matmul(const Graph& g, const Node& n) {
@@ -61,18 +77,21 @@ double flops_matmul(const Graph& g, const Node& n) {
 }
 
 Attrs mm_attrs(bool ta, bool tb) {
-  return Attrs().set("trans_a", ta).set("trans_b", tb);
+  Attrs a;
+  a.set("trans_a", ta).set("trans_b", tb);
+  return a;
 }
 
-// op(a) @ op(b) as a backward node named `name`, converted to `dtype` if the
-// matmul's natural output type (f32 for 16-bit inputs) differs.
+// op(a) @ op(b) as a backward node named `name`, of dtype `dtype`: the
+// matmul's natural output type (f32 for 16-bit inputs), or the inputs' own
+// 16-bit type (the product rounded once).
 ValueId mm(GradContext& c, const std::string& name, ValueId a, ValueId b, bool ta, bool tb,
            DType dtype) {
-  if (matmul_out_dtype(c.value(a).dtype) == dtype) {
-    return c.emit(OpKind::matmul, name, {a, b}, mm_attrs(ta, tb));
+  Attrs attrs = mm_attrs(ta, tb);
+  if (matmul_out_dtype(c.value(a).dtype) != dtype) {
+    attrs.set("out_dtype", std::string(dtype_name(dtype)));
   }
-  ValueId wide = c.emit(OpKind::matmul, name + ".acc", {a, b}, mm_attrs(ta, tb));
-  return c.emit(OpKind::cast, name, {wide}, Attrs().set("dtype", std::string(dtype_name(dtype))));
+  return c.emit(OpKind::matmul, name, {a, b}, attrs);
 }
 
 // With C = op_a(A) @ op_b(B):  dop_a(A) = dC @ op_b(B)^T,  dop_b(B) = op_a(A)^T @ dC.

@@ -106,13 +106,28 @@ void grad_cast(GradContext& c) {
 
 // ---- sum_to / broadcast_to ----
 
+// Optional attr dtype: a 16-bit x may sum into an f32 output (a gradient kept
+// wide, see GradContext::grad_dtype).
 std::vector<ValueType> infer_sum_to(const InferContext& c) {
   Shape to = c.shape_attr("shape");
   c.expect_float(0, "x");
   if (!is_suffix(to, c.shape(0))) {
     c.fail(fmt::format("target shape {} is not a suffix of x's shape", to.str()));
   }
-  return {{to, c.dtype(0)}};
+  DType out = c.dtype(0);
+  if (c.attrs().has("dtype")) {
+    try {
+      out = parse_dtype(c.attrs().s("dtype"));
+    } catch (const ConfigError& e) {
+      c.fail(e.what());
+    }
+    const bool half = c.dtype(0) == DType::bf16 || c.dtype(0) == DType::f16;
+    if (out != c.dtype(0) && !(half && out == DType::f32)) {
+      c.fail(fmt::format("output dtype {} must be x's ({}) or f32 for a 16-bit x", dtype_name(out),
+                         c.desc(0)));
+    }
+  }
+  return {{to, out}};
 }
 
 double flops_sum_to(const Graph& g, const Node& n) {
@@ -120,7 +135,15 @@ double flops_sum_to(const Graph& g, const Node& n) {
 }
 
 void grad_sum_to(GradContext& c) {
-  c.give(0, c.emit(OpKind::broadcast_to, c.name(0), {c.dy()}, shape_attrs(c.value(c.x(0)).shape)));
+  const Value& x = c.value(c.x(0));
+  const DType xt = x.dtype;
+  if (c.value(c.dy()).dtype == xt) {
+    c.give(0, c.emit(OpKind::broadcast_to, c.name(0), {c.dy()}, shape_attrs(x.shape)));
+    return;
+  }
+  ValueId wide = c.emit(OpKind::broadcast_to, c.name(0) + ".wide", {c.dy()}, shape_attrs(x.shape));
+  c.give(0, c.emit(OpKind::cast, c.name(0), {wide},
+                   Attrs().set("dtype", std::string(dtype_name(xt)))));
 }
 
 std::vector<ValueType> infer_broadcast_to(const InferContext& c) {

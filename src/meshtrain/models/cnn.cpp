@@ -35,7 +35,7 @@ ModelGraph build_cnn(const ModelSpec& spec, int64_t batch) {
   h = b.relu(
       layers::linear(b, h, flat, spec.fc, "fc1", spec.compute, layers::fan_in_uniform(flat)));
   m.logits = layers::linear(b, h, spec.fc, spec.classes, "head", spec.compute,
-                            layers::fan_in_uniform(spec.fc));
+                            layers::fan_in_uniform(spec.fc), true, layers::LinearOut::f32);
   m.loss = b.cross_entropy(m.logits, m.y);
   return m;
 }

@@ -24,13 +24,17 @@ ValueId attention(Builder& b, ValueId h, const ModelSpec& s, int64_t batch) {
                                     layers::to_compute(b, k, s.compute), false, true),
                            1.0 / std::sqrt(static_cast<double>(D)));
   ValueId p = b.softmax(scores, /*causal=*/true);
-  ValueId o = b.matmul(layers::to_compute(b, p, s.compute), layers::to_compute(b, v, s.compute));
+  // Under bf16 q, k, v and the attention output stay in bf16 (see
+  // layers::activation_dtype); scores and their softmax are f32.
+  ValueId o =
+      b.matmul(layers::to_compute(b, p, s.compute), layers::to_compute(b, v, s.compute), false,
+               false, s.compute == DType::f32 ? std::nullopt : std::optional<DType>(s.compute));
   o = b.permute(b.reshape(o, {batch, H, T, D}), {0, 2, 1, 3});
   o = b.reshape(o, {batch * T, C});
   // GPT-2 scales the residual projections' init by 1/sqrt(2 * layers).
   const ParamInit proj_init{ParamInit::Kind::normal,
                             0.02 / std::sqrt(2.0 * static_cast<double>(s.layers))};
-  o = layers::linear(b, o, C, C, "proj", s.compute, proj_init);
+  o = layers::linear(b, o, C, C, "proj", s.compute, proj_init, true, layers::LinearOut::f32);
   b.pop_scope();
   return o;
 }
@@ -73,7 +77,8 @@ ModelGraph build_gpt(const ModelSpec& s, int64_t batch) {
     f = b.gelu(layers::linear(b, f, C, 4 * C, "fc", s.compute, w_init));
     const ParamInit proj_init{ParamInit::Kind::normal,
                               0.02 / std::sqrt(2.0 * static_cast<double>(s.layers))};
-    h = b.add(h, layers::linear(b, f, 4 * C, C, "proj", s.compute, proj_init));
+    h = b.add(h, layers::linear(b, f, 4 * C, C, "proj", s.compute, proj_init, true,
+                                layers::LinearOut::f32));
     b.pop_scope();
   }
   h = layer_norm(b, h, C, "ln_f");

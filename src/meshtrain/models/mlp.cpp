@@ -20,7 +20,7 @@ ModelGraph build_mlp(const ModelSpec& spec, int64_t batch) {
     width = out;
   }
   m.logits = layers::linear(b, h, width, spec.classes, "head", spec.compute,
-                            layers::fan_in_uniform(width));
+                            layers::fan_in_uniform(width), true, layers::LinearOut::f32);
   m.loss = b.cross_entropy(m.logits, m.y);
   return m;
 }

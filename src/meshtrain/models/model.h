@@ -4,8 +4,12 @@
 // size: the inputs the trainer feeds (x, y), the logits and the scalar loss.
 // Training differentiates it (graph/autodiff.h); evaluation runs it forward.
 // Mixed precision: with compute = bf16 or f16 every matmul reads its operands
-// cast to that dtype (parameters stay f32 masters) and accumulates into f32;
-// convolutions and everything element-wise stay f32.
+// in that dtype (parameters stay f32 masters and are cast) and accumulates in
+// f32. Under bf16, activations that flow from one matmul to the next -- hidden
+// layers with their bias and activation function, attention's q, k, v and
+// output -- stay in bf16; logits, the residual stream, layer norm, softmax,
+// the loss and convolutions are f32 (and under f16 every activation is).
+// Parameter gradients are f32.
 #pragma once
 
 #include <cstdint>
