@@ -453,6 +453,15 @@ TEST_P(FastKernels, CastIsBitExact) {
     EXPECT_EQ(std::memcmp(back.raw(), back_want.raw(), back.nbytes()), 0)
         << dtype_name(to) << " -> f32";
   }
+  // 16-bit NaN payloads (a signalling f16 NaN among them) widen bit for bit.
+  Tensor h = Tensor::empty({40}, DType::f16);
+  for (int64_t i = 0; i < 40; ++i) {
+    h.data<f16>()[i] = f16{static_cast<uint16_t>(i % 2 ? 0x7d01 + i : 0x3c00 + i)};
+  }
+  Tensor hw = Tensor::empty({40}, DType::f32), hg = Tensor::empty({40}, DType::f32);
+  ref_.cast(h, hw);
+  fast_->cast(h, hg);
+  EXPECT_EQ(std::memcmp(hg.raw(), hw.raw(), hg.nbytes()), 0) << "f16 NaN payloads";
   Tensor bad = Tensor::empty({50000}, DType::bf16);
   EXPECT_THROW(fast_->cast(x, bad), ShapeError);
 }

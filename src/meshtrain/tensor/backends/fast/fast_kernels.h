@@ -23,8 +23,9 @@ void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& 
 void binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c, int threads);
 void scale(const Tensor& x, Tensor& y, double alpha, double beta, int threads);
 void sum_to(const Tensor& x, Tensor& y, int threads);
-// f32 <-> bf16 and same-dtype copies; returns false (doing nothing) for other
-// dtype pairs, which the backend hands to its fallback.
+// f32 <-> bf16, f32 <-> f16 (with AVX-512) and same-dtype copies, bit for bit
+// as the reference; returns false (doing nothing) for other dtype pairs, which
+// the backend hands to its fallback.
 bool cast(const Tensor& x, Tensor& y, int threads);
 // Any dtype.
 void permute(const Tensor& x, Tensor& y, const std::vector<int>& perm, int threads);

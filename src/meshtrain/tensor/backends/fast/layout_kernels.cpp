@@ -3,6 +3,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "meshtrain/tensor/backends/fast/fast_common.h"
 #include "meshtrain/tensor/backends/fast/fast_kernels.h"
 
@@ -41,6 +45,53 @@ bool cast(const Tensor& x, Tensor& y, int threads) {
     });
     return true;
   }
+#if defined(__AVX512F__)
+  // f32 <-> f16 through the CPU's conversion instructions (IEEE round to
+  // nearest even, subnormals and overflow to inf exact); NaN lanes take the
+  // scalar conversion, so results are bit for bit f32_to_f16 / f16_to_f32's.
+  if (x.dtype() == DType::f32 && y.dtype() == DType::f16) {
+    const float* src = x.data<float>();
+    auto* dst = static_cast<uint16_t*>(y.raw());
+    parallel_for(n, kMinElemsPerThread, threads, [&](int64_t lo, int64_t hi) {
+      int64_t i = lo;
+      for (; i + 16 <= hi; i += 16) {
+        const __m512 v = _mm512_loadu_ps(src + i);
+        __m256i h = _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        if (nan != 0) {
+          alignas(32) uint16_t buf[16];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(buf), h);
+          for (int k = 0; k < 16; ++k) {
+            if ((nan >> k) & 1) buf[k] = f32_to_f16(src[i + k]).bits;
+          }
+          h = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+      }
+      for (; i < hi; ++i) dst[i] = f32_to_f16(src[i]).bits;
+    });
+    return true;
+  }
+  if (x.dtype() == DType::f16 && y.dtype() == DType::f32) {
+    const auto* src = static_cast<const uint16_t*>(x.raw());
+    float* dst = y.data<float>();
+    parallel_for(n, kMinElemsPerThread, threads, [&](int64_t lo, int64_t hi) {
+      int64_t i = lo;
+      for (; i + 16 <= hi; i += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+        const __m512 v = _mm512_maskz_cvtph_ps(0xffff, h);
+        _mm512_storeu_ps(dst + i, v);
+        // The instruction quiets signalling NaNs; f16_to_f32 keeps the bits.
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        for (int k = 0; k < 16; ++k) {
+          if ((nan >> k) & 1) dst[i + k] = f16_to_f32(f16{src[i + k]});
+        }
+      }
+      for (; i < hi; ++i) dst[i] = f16_to_f32(f16{src[i]});
+    });
+    return true;
+  }
+#endif
   return false;
 }
 

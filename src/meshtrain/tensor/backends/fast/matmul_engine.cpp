@@ -10,6 +10,7 @@
 #include <span>
 
 #include "meshtrain/tensor/backends/fast/fast_common.h"
+#include "meshtrain/tensor/backends/fast/fast_kernels.h"
 
 namespace mt::fast {
 
@@ -43,6 +44,13 @@ memory::desc operand_desc(int64_t batch, int64_t rows, int64_t cols, bool trans,
   const memory::dims s2 = trans ? memory::dims{1, rows} : memory::dims{cols, 1};
   if (batch == 0) return memory::desc({rows, cols}, t, s2);
   return memory::desc({batch, rows, cols}, t, {rows * cols, s2[0], s2[1]});
+}
+
+// An f32 copy of a 16-bit operand, through the vectorised casts.
+Tensor widened(const Tensor& t, int threads) {
+  Tensor w = Tensor::empty(t.shape(), DType::f32);
+  if (!cast(t, w, threads)) convert(t, w);
+  return w;
 }
 
 }  // namespace
@@ -117,11 +125,11 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
       run_onednn(plan, a, b, c);
     } else if (c.dtype() == DType::f32) {
       // No half-precision kernel on this CPU: the f32 product is exact for these inputs.
-      run(a.to(DType::f32), b.to(DType::f32), c, p, threads);
+      run(widened(a, threads), widened(b, threads), c, p, threads);
     } else {
-      Tensor wide = p.beta != 0.0f ? c.to(DType::f32) : Tensor::empty(c.shape(), DType::f32);
-      run(a.to(DType::f32), b.to(DType::f32), wide, p, threads);
-      convert(wide, c);
+      Tensor wide = p.beta != 0.0f ? widened(c, threads) : Tensor::empty(c.shape(), DType::f32);
+      run(widened(a, threads), widened(b, threads), wide, p, threads);
+      if (!cast(wide, c, threads)) convert(wide, c);
     }
     return;
   }
