@@ -207,15 +207,20 @@ TEST(Executor, FastBackendMatchesReference) {
   }
 }
 
-TEST(Executor, MixedPrecisionTransformerRunsOnBothBackends) {
-  Model m = testing_models::tiny_transformer(DType::bf16);
-  Model m32 = testing_models::tiny_transformer(DType::f32);
-  auto bindings32 = testing_models::random_bindings(m32, 6);
-  std::map<ValueId, Tensor> bindings;  // the same tensors, by name in the bf16 graph
+// Runs the mixed-precision graph m on both backends and the f32 graph m32 on
+// the reference, with the same inputs and parameters (matched by name);
+// checks the loss and every parameter gradient (which must be f32) against
+// the f32 run, and returns each backend's gradients by parameter name.
+std::map<std::string, std::map<std::string, Tensor>> expect_near_f32_run(const Model& m,
+                                                                         const Model& m32,
+                                                                         uint64_t seed) {
+  auto bindings32 = testing_models::random_bindings(m32, seed);
+  std::map<ValueId, Tensor> bindings;  // the same tensors, by name in m's graph
   for (const auto& [id, t] : bindings32) bindings[*m.g.find(m32.g.value(id).name)] = t;
   Executor exact(m32.g, reference_opts());
   bind_all(exact, bindings32);
   exact.run();
+  std::map<std::string, std::map<std::string, Tensor>> grads;
   for (const char* backend : {"reference", "fast"}) {
     ExecOptions o;
     o.backend = backend;
@@ -225,48 +230,33 @@ TEST(Executor, MixedPrecisionTransformerRunsOnBothBackends) {
     // bf16 operands carry ~3 significant digits.
     EXPECT_NEAR(ex.get(m.loss).item(), exact.get(m32.loss).item(), 2e-2) << backend;
     for (const auto& [p, gv] : m.g.grads()) {
-      EXPECT_EQ(m.g.value(gv).dtype, DType::f32);
-      ValueId p32 = *m32.g.find(m.g.value(p).name);
+      const std::string& name = m.g.value(p).name;
+      EXPECT_EQ(m.g.value(gv).dtype, DType::f32) << name;
+      ValueId p32 = *m32.g.find(name);
       EXPECT_LE(max_rel_diff(ex.get(gv), exact.get(m32.g.grad_of(p32))), 5e-2)
-          << backend << " " << m.g.value(p).name;
+          << backend << " " << name;
+      grads[backend][name] = ex.get(gv).clone();
     }
   }
+  return grads;
+}
+
+TEST(Executor, MixedPrecisionTransformerRunsOnBothBackends) {
+  expect_near_f32_run(testing_models::tiny_transformer(DType::bf16),
+                      testing_models::tiny_transformer(DType::f32), 6);
 }
 
 TEST(Executor, Bf16ActivationsMatchF32OnBothBackends) {
   // Hidden activations (bias add, gelu and their gradients) in bf16; the
   // parameter gradients come out f32 and near the all-f32 run's.
   Model m = testing_models::mlp(16, {12, 24, 20, 5}, /*gelu=*/true, true, DType::bf16);
-  Model m32 = testing_models::mlp(16, {12, 24, 20, 5}, true);
-  auto bindings32 = testing_models::random_bindings(m32, 8);
-  std::map<ValueId, Tensor> bindings;
-  for (const auto& [id, t] : bindings32) bindings[*m.g.find(m32.g.value(id).name)] = t;
   int bf16_values = 0;
   for (ValueId v = 0; v < m.g.num_values(); ++v) bf16_values += m.g.value(v).dtype == DType::bf16;
   EXPECT_GT(bf16_values, 10);
-  Executor exact(m32.g, reference_opts());
-  bind_all(exact, bindings32);
-  exact.run();
-  std::map<std::string, Tensor> by_backend;
-  for (const char* backend : {"reference", "fast"}) {
-    ExecOptions o;
-    o.backend = backend;
-    Executor ex(m.g, o);
-    bind_all(ex, bindings);
-    ex.run();
-    EXPECT_NEAR(ex.get(m.loss).item(), exact.get(m32.loss).item(), 2e-2) << backend;
-    for (const auto& [p, gv] : m.g.grads()) {
-      EXPECT_EQ(m.g.value(gv).dtype, DType::f32) << m.g.value(p).name;
-      ValueId p32 = *m32.g.find(m.g.value(p).name);
-      EXPECT_LE(max_rel_diff(ex.get(gv), exact.get(m32.g.grad_of(p32))), 5e-2)
-          << backend << " " << m.g.value(p).name;
-      by_backend[std::string(backend) + m.g.value(p).name] = ex.get(gv).clone();
-    }
-  }
+  auto grads = expect_near_f32_run(m, testing_models::mlp(16, {12, 24, 20, 5}, true), 8);
   // Fast and reference round the same f32 results: they agree far closer.
-  for (const auto& [p, gv] : m.g.grads()) {
-    const std::string n = m.g.value(p).name;
-    EXPECT_LE(max_rel_diff(by_backend["fast" + n], by_backend["reference" + n]), 2e-2) << n;
+  for (const auto& [name, g] : grads["fast"]) {
+    EXPECT_LE(max_rel_diff(g, grads["reference"][name]), 2e-2) << name;
   }
 }
 
