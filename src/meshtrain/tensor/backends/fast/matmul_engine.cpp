@@ -105,9 +105,14 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   if (c.numel() == 0) return;
   if (d.k == 0) {  // an empty sum: c = beta * c, and c is write-only when beta == 0
     if (c.dtype() != DType::f32) {
-      Tensor wide = p.beta == 0.0f ? Tensor::zeros(c.shape(), DType::f32) : c.to(DType::f32);
-      for (float& v : std::span(wide.data<float>(), static_cast<size_t>(wide.numel()))) v *= p.beta;
-      convert(wide, c);
+      Tensor wide = Tensor::zeros(c.shape(), DType::f32);
+      if (p.beta != 0.0f) {
+        wide = widened(c, threads);
+        for (float& v : std::span(wide.data<float>(), static_cast<size_t>(wide.numel()))) {
+          v *= p.beta;
+        }
+      }
+      if (!cast(wide, c, threads)) convert(wide, c);
       return;
     }
     float* pc = c.data<float>();

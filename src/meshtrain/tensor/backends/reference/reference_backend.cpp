@@ -130,6 +130,14 @@ Tensor widened(const Tensor& t) {
   return t.defined() ? t.to(DType::f32) : Tensor();
 }
 
+// Runs f(w) with an f32 stand-in w for `out`, then rounds w into out.
+template <class F>
+void into_rounded(Tensor& out, F&& f) {
+  Tensor w = Tensor::empty(out.shape(), DType::f32);
+  f(w);
+  convert(w, out);
+}
+
 constexpr double kGeluC = 0.044715;
 const double kSqrt2OverPi = std::sqrt(2.0 / std::numbers::pi);
 
@@ -191,9 +199,7 @@ void ReferenceBackend::unary(UnaryOp op, const Tensor& x, Tensor& y) {
   const char* K = "unary";
   if (x.defined() && is_half(x.dtype())) {
     require_like(K, "y", y, "x", x);
-    Tensor wy = Tensor::empty(y.shape(), DType::f32);
-    unary(op, widened(x), wy);
-    convert(wy, y);
+    into_rounded(y, [&](Tensor& w) { unary(op, widened(x), w); });
     return;
   }
   require_f32_f64(K, "x", x);
@@ -215,9 +221,8 @@ void ReferenceBackend::unary_backward(UnaryOp op, const Tensor& x, const Tensor&
     if (y.defined()) require_like(K, "y", y, "x", x);
     require_like(K, "dy", dy, "x", x);
     require_like(K, "dx", dx, "x", x);
-    Tensor wdx = Tensor::empty(dx.shape(), DType::f32);
-    unary_backward(op, widened(x), widened(y), widened(dy), wdx);
-    convert(wdx, dx);
+    into_rounded(dx,
+                 [&](Tensor& w) { unary_backward(op, widened(x), widened(y), widened(dy), w); });
     return;
   }
   require_f32_f64(K, "x", x);
@@ -243,9 +248,7 @@ void ReferenceBackend::binary(BinaryOp op, const Tensor& a, const Tensor& b, Ten
     require_defined(K, "b", b);
     require_same_dtype(K, "a", a, "b", b);
     require_like(K, "c", c, "a", a);
-    Tensor wc = Tensor::empty(c.shape(), DType::f32);
-    binary(op, widened(a), widened(b), wc);
-    convert(wc, c);
+    into_rounded(c, [&](Tensor& w) { binary(op, widened(a), widened(b), w); });
     return;
   }
   require_f32_f64(K, "a", a);
@@ -294,9 +297,7 @@ void ReferenceBackend::sum_to(const Tensor& x, Tensor& y) {
     if (y.dtype() != x.dtype() && y.dtype() != DType::f32) {
       fail(K, "dtypes differ: x {} vs y {} (y must be x's dtype or f32)", x.desc(), y.desc());
     }
-    Tensor wy = Tensor::empty(y.shape(), DType::f32);
-    sum_to(widened(x), wy);
-    convert(wy, y);
+    into_rounded(y, [&](Tensor& w) { sum_to(widened(x), w); });
     return;
   }
   require_f32_f64(K, "x", x);
