@@ -60,6 +60,8 @@ TrainerOptions read_train(const Config& c) {
   t.checkpoint_path = c.get_string("train.checkpoint", "");
   t.checkpoint_every = c.get_int("train.checkpoint_every", 0, Bounds<int64_t>::non_negative());
   t.resume_path = c.get_string("train.resume", "");
+  t.init_path = c.get_string("train.init", "");
+  t.init_partial = c.get_bool("train.init_partial", false);
   t.halt_after = c.get_int("train.halt_after", 0, Bounds<int64_t>::non_negative());
 
   t.optimizer = c.get_string("optim.name", "sgd", {"sgd", "adamw", "lars", "lamb"});

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "meshtrain/base/timer.h"
@@ -125,6 +126,7 @@ struct Trainer::Impl {
   int64_t step = 0;              // optimizer steps completed
   OptimizerState pending_state;  // single-file resume: whole tensors until sliced
   int64_t pending_updates = 0;   // sharded resume: optimizer updates so far
+  std::optional<TorchLoadReport> init_report;
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
        TrainerOptions opts, Communicator* group)
@@ -200,7 +202,11 @@ struct Trainer::Impl {
     optimizer = make_optimizer(o.optimizer, o.optim);
     // Parameters (and optimizer state) must be final before DataParallel
     // copies its shard out of them (ZeRO-3).
-    if (!o.resume_path.empty()) resume_params(o.resume_path);
+    if (!o.resume_path.empty()) {
+      resume_params(o.resume_path);
+    } else if (!o.init_path.empty()) {
+      init_params(o.init_path);
+    }
 
     dp = std::make_unique<DataParallel>(*comm, layout_of(*store), store->flat_values(), o.dist.dp);
     dp->attach(*exec, model.graph);
@@ -342,6 +348,21 @@ struct Trainer::Impl {
     ls.good_steps = meta_int(m, "loss_scale_good_steps", path);
     scaler.load_state(ls);
     pending_updates = meta_int(m, "optimizer_updates", path);
+  }
+
+  // A new run's whole parameters from a PyTorch-layout file, on every rank
+  // (before DataParallel takes its shard); a rank that cannot read it fails
+  // the others too instead of leaving them waiting.
+  void init_params(const std::string& path) {
+    std::map<std::string, Tensor> views;
+    for (auto& e : store->entries()) views[e.name] = e.value;
+    std::exception_ptr err;
+    try {
+      init_report = load_torch_weights(path, spec, views, TorchLoadOptions{o.init_partial});
+    } catch (...) {
+      err = std::current_exception();
+    }
+    agree_on_failure(world > 1 ? comm : nullptr, err, o.dist.dp.collective);
   }
 
   // This rank's slices of the optimizer state.
@@ -616,6 +637,9 @@ Trainer::Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_da
 Trainer::~Trainer() = default;
 TrainResult Trainer::run() {
   return impl_->run();
+}
+const TorchLoadReport* Trainer::init_report() const {
+  return impl_->init_report ? &*impl_->init_report : nullptr;
 }
 std::pair<double, double> Trainer::evaluate() {
   return impl_->evaluate();

@@ -23,6 +23,7 @@
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/sync/data_parallel.h"
+#include "meshtrain/train/export.h"
 #include "meshtrain/train/loss_scaler.h"
 #include "meshtrain/train/lr_schedule.h"
 #include "meshtrain/train/optimizer.h"
@@ -75,6 +76,12 @@ struct TrainerOptions {
   std::string checkpoint_path;   // written at the end (and every checkpoint_every steps)
   int64_t checkpoint_every = 0;
   std::string resume_path;  // continue from this checkpoint
+  // Start a new run from the weights of a PyTorch-layout safetensors file
+  // (train/export.h): every rank reads it. Not applied when resuming (the
+  // checkpoint holds the parameters). init_partial: load what matches by
+  // name and shape, leave the rest at its seeded initial values.
+  std::string init_path;
+  bool init_partial = false;
 
   std::string optimizer = "sgd";
   OptimizerOptions optim;
@@ -112,6 +119,10 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
 
   TrainResult run();
+
+  // What TrainerOptions::init_path loaded, skipped and left at its initial
+  // values; nullptr when no such file was loaded.
+  const TorchLoadReport* init_report() const;
 
   // Evaluates on the whole test split (each rank a slice, results
   // combined; collective): {loss, accuracy}.
