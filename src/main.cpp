@@ -37,6 +37,20 @@ int main(int argc, char** argv) {
   CLI::App* inspect = app.add_subcommand("inspect", "print the model graph and its costs");
   add_common(inspect);
 
+  CLI::App* exp = app.add_subcommand(
+      "export", "write a checkpoint's weights as a PyTorch-layout safetensors file");
+  add_common(exp);
+  exp->add_option("--checkpoint", opts.export_checkpoint,
+                  "checkpoint file or sharded directory (default: train.checkpoint)");
+  exp->add_option("--out", opts.export_out, "the .safetensors file to write")->required();
+  CLI::Option* logits_for =
+      exp->add_option("--logits-for", opts.logits_for,
+                      "also write the logits of the first N test examples (to compare with "
+                      "PyTorch)")
+          ->check(CLI::PositiveNumber);
+  exp->add_option("--logits-out", opts.logits_out, "where (default: OUT with .logits)")
+      ->needs(logits_for);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -46,6 +60,7 @@ int main(int argc, char** argv) {
   try {
     if (train->parsed()) return mt::cmd_train(opts, argc, argv);
     if (inspect->parsed()) return mt::cmd_inspect(opts);
+    if (exp->parsed()) return mt::cmd_export(opts);
   } catch (const mt::InternalError& e) {
     std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
     mt::abort_distributed_job(3);

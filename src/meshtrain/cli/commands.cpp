@@ -50,6 +50,24 @@ std::function<void(int64_t, int)> fault_drill(const std::string& spec) {
   };
 }
 
+// What train.init loaded; with train.init_partial, also what it skipped and
+// left at its initial values (always shown: a partial load is a choice the
+// user should see the consequences of).
+void print_init_report(const TorchLoadReport& r) {
+  if (!r.assumed.empty()) fmt::print(stderr, "meshtrain: note: {}\n", r.assumed);
+  fmt::print(stderr, "meshtrain: initialised {} tensor{} ({} values) from {}\n", r.loaded.size(),
+             r.loaded.size() == 1 ? "" : "s", r.elements, r.path);
+  if (!r.skipped.empty()) {
+    fmt::print(stderr, "meshtrain: skipped {} tensor{} of the file:\n", r.skipped.size(),
+               r.skipped.size() == 1 ? "" : "s");
+    for (const std::string& s : r.skipped) fmt::print(stderr, "  {}\n", s);
+  }
+  if (!r.left_at_init.empty()) {
+    fmt::print(stderr, "meshtrain: left at their initial values ({}):\n", r.left_at_init.size());
+    for (const std::string& s : r.left_at_init) fmt::print(stderr, "  {}\n", s);
+  }
+}
+
 RunConfig load(const CommandOptions& opts) {
   Config c = Config::load(opts.config_path);
   c.set_all(opts.overrides);
@@ -98,7 +116,14 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
                comm && comm->size() > 1 ? "s" : "", rc.train.dist.dp.stage, rc.train.threads,
                dtype_name(rc.train.precision));
   }
+  if (leader && !rc.train.resume_path.empty() && !rc.train.init_path.empty()) {
+    fmt::print(stderr,
+               "meshtrain: resuming from {}; train.init ({}) is not applied: the "
+               "checkpoint holds the parameters\n",
+               rc.train.resume_path, rc.train.init_path);
+  }
   Trainer trainer(rc.model, train_data, test_data, rc.train, comm.get());
+  if (leader && trainer.init_report() != nullptr) print_init_report(*trainer.init_report());
   TrainResult r = trainer.run();
   if (!leader) return 0;
   fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,

@@ -2,6 +2,7 @@
 // mt::Error subclasses for failures (main.cpp reports them).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -14,9 +15,15 @@ struct CommandOptions {
   std::string trace_path;  // Chrome-trace JSON of every rank (merged)
   int nproc = 0;           // 0: from the config (dist.nproc)
   bool quiet = false;
+  // export
+  std::string export_checkpoint;  // empty: train.checkpoint of the config
+  std::string export_out;
+  int64_t logits_for = 0;  // > 0: also write the logits of this many test examples
+  std::string logits_out;  // empty: next to export_out
 };
 
 int cmd_train(const CommandOptions& opts, int argc, char** argv);
 int cmd_inspect(const CommandOptions& opts);
+int cmd_export(const CommandOptions& opts);  // export_command.cpp
 
 }  // namespace mt
