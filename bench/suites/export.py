@@ -3,8 +3,9 @@ meshtrain run, `meshtrain export --logits-for 64`, and
 bench/peers/torch_export_check.py, which builds the equivalent torch module,
 loads the file with load_state_dict and computes the logits of the same
 inputs. One line per model: the largest |torch - meshtrain| logit difference
-("value"), the tolerance it is held to, and the share of examples (tokens for
-the GPT) whose arg-max class agrees.
+("value", in millionths: result lines round to 4 decimals), the tolerance it
+is held to (same unit), and the share of examples (tokens for the GPT) whose
+arg-max class agrees.
 """
 
 from common import PEERS, thread_env
@@ -22,7 +23,7 @@ def run(ctx):
         weights = ctx.workdir / f"{model}.safetensors"
         common = [exe, "--config", config_path(model), "--set", "train.threads=1",
                   "--set", f'train.checkpoint="{ckpt}"']
-        line = {"name": f"{model}_export_torch_logits", "unit": "max_abs_diff", "model": model,
+        line = {"name": f"{model}_export_torch_logits", "unit": "1e-6 (max abs logit diff)", "model": model,
                 "steps": steps}
         train = [common[0], "train", *common[1:], "--quiet", "--set", f"train.steps={steps}",
                  "--set", "train.eval=false"]
@@ -40,7 +41,8 @@ def run(ctx):
             lines = r.json_lines()
             if lines:
                 res = lines[-1]
-                line.update({"value": res["max_abs_diff"], "tolerance": res["tolerance"],
+                line.update({"value": res["max_abs_diff"] * 1e6,
+                             "tolerance": res["tolerance"] * 1e6,
                              "argmax_agreement": res["argmax_agreement"],
                              "logits": res["logits"], "peer_name": f"pytorch-{res['torch']}"})
                 if not res["ok"]:
