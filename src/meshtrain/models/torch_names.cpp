@@ -38,6 +38,8 @@ Shape part_shape(const Shape& param, bool transpose) {
   return transpose ? Shape{param[1], param[0]} : param;
 }
 
+// One PyTorch tensor made of `parts` stacked along dim 0, their shapes taken
+// from the model's parameters.
 TorchTensor fused(const std::string& name, const std::map<std::string, Shape>& params,
                   std::vector<TorchPart> parts) {
   std::vector<int64_t> dims;
