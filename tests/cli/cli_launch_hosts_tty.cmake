@@ -22,7 +22,10 @@ if(NOT err MATCHES "step 20/20" OR err MATCHES "\r")
 endif()
 
 # A terminal: `script` runs the launcher on a pty and copies it to stdout.
-list(JOIN cmd " " line)
+set(line "")
+foreach(arg IN LISTS cmd)
+  string(APPEND line " '${arg}'")
+endforeach()
 execute_process(COMMAND script -q -e -c "${line}" /dev/null
   RESULT_VARIABLE rc OUTPUT_VARIABLE tty ERROR_VARIABLE err TIMEOUT 120)
 if(NOT rc EQUAL 0)
