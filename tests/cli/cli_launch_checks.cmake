@@ -36,6 +36,15 @@ expect(1 "error: dist.fault: expected \"kill:RANK@STEP\" or \"stall:RANK@STEP\",
   --nproc 2 "--set" "dist.fault=\"kill:1x@5\"")
 expect(1 "error: --hosts /nonexistent/hosts: cannot read the hostfile"
   --nproc 2 --hosts /nonexistent/hosts)
+# More ranks than cores (taskset leaves one) warns; an mpirun that cannot be
+# started is an error naming it.
+execute_process(COMMAND taskset -c 0 ${CMAKE_COMMAND} -E env MESHTRAIN_MPIRUN=/nonexistent/mpirun
+    ${MESHTRAIN} ${base} --nproc 2
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+if(NOT rc EQUAL 1 OR NOT err MATCHES "warning: 2 ranks on 1 core: they share cores"
+   OR NOT err MATCHES "error: cannot start /nonexistent/mpirun to launch 2 ranks: No such file")
+  message(FATAL_ERROR "missing mpirun: exit ${rc}:\n${out}\n${err}")
+endif()
 # One process (world size 1).
 expect(1 "error: dist.batch_shares: 2 shares \\[1, 2\\] given for 1 rank " --set "dist.batch_shares=[1,2]")
 expect(1 "error: dist.fault: \"stall:1@0\" names rank 1, but the job has 1 rank \\(0..0\\)"
