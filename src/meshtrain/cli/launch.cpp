@@ -200,15 +200,17 @@ int run_under_mpirun(const LaunchOptions& o, const std::vector<std::string>& arg
         first_signal = sig;
         kill_at = Clock::now() + o.stop_grace;
         const std::vector<pid_t> ranks = children_of(pid);
+        // Ranks on other machines (or not started yet) get it through mpirun.
+        const bool via_mpirun = !o.hostfile.empty() || ranks.empty();
         fmt::print(stderr,
-                   "meshtrain: {}: passing it on to the {} local rank{}; still running in {:.0f} "
+                   "meshtrain: {}: passing it on to the {} local rank{}{}; still running in {:.0f} "
                    "s (or at a second signal) they are killed\n",
                    signal_name(sig), ranks.size(), ranks.size() == 1 ? "" : "s",
+                   via_mpirun ? " and to mpirun" : "",
                    std::chrono::duration<double>(o.stop_grace).count());
         std::fflush(stderr);
         for (pid_t r : ranks) kill(r, sig);
-        // Ranks on other machines (or not started yet) get it through mpirun.
-        if (!o.hostfile.empty() || ranks.empty()) kill(pid, sig);
+        if (via_mpirun) kill(pid, sig);
       } else if (!killed) {
         fmt::print(stderr, "meshtrain: {} again: killing the ranks\n", signal_name(sig));
         kill_all();
