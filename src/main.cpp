@@ -14,6 +14,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/cli/commands.h"
 #include "meshtrain/cli/launch.h"
+#include "meshtrain/cli/run_config.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"meshtrain: train deep neural networks on one machine or many"};
@@ -29,7 +30,10 @@ int main(int argc, char** argv) {
   CLI::App* train = app.add_subcommand("train", "train a model");
   add_common(train);
   train->add_option("--metrics", opts.metrics_path, "write metrics as JSON lines to this file");
-  train->add_option("--nproc", opts.nproc, "number of local ranks to start (through mpirun)");
+  train->add_option("--nproc", opts.nproc, "number of ranks to start (through mpirun)")
+      ->check(CLI::Range(1, mt::kMaxRanks));
+  train->add_option("--hosts", opts.hostfile,
+                    "Open MPI hostfile: start the --nproc ranks on these machines");
   train->add_option("--trace", opts.trace_path,
                     "write a Chrome-trace JSON timeline of every rank (opens in Perfetto)");
   train->add_flag("--quiet", opts.quiet, "no progress output");

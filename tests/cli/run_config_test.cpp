@@ -42,6 +42,17 @@ TEST(RunConfig, WrongTypeAndRangeAreNamed) {
   EXPECT_NE(e.find("optim.name"), std::string::npos) << e;
 }
 
+TEST(RunConfig, LauncherKeysAreRead) {
+  Config c = Config::parse("[dist]\nnproc = 4\nstop_grace_s = 3\n", "test.toml");
+  const RunConfig rc = read_run_config(c);
+  EXPECT_EQ(rc.nproc, 4);
+  EXPECT_EQ(rc.stop_grace_s, 3);
+  std::string e = error_of("[dist]\nstop_grace_s = 0\n");
+  EXPECT_NE(e.find("dist.stop_grace_s"), std::string::npos) << e;
+  e = error_of("[dist]\nnproc = 1025\n");
+  EXPECT_NE(e.find("dist.nproc"), std::string::npos) << e;
+}
+
 TEST(RunConfig, KernelChoicesMapAndAreChecked) {
   Config c = Config::parse("[exec]\nmatmul = \"onednn\"\nconv_layout = \"plain\"\n", "t.toml");
   RunConfig rc = read_run_config(c);

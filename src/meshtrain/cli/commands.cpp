@@ -1,10 +1,14 @@
 #include "meshtrain/cli/commands.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <thread>
 
@@ -22,25 +26,68 @@ namespace mt {
 
 namespace {
 
-// Parses "kill:RANK@STEP" / "stall:RANK@STEP" into an after-step callback
-// that makes that rank die (SIGKILL, as a crashed node would) or hang.
-std::function<void(int64_t, int)> fault_drill(const std::string& spec) {
-  const auto colon = spec.find(':'), at = spec.find('@');
-  std::string kind = spec.substr(0, colon);
+struct FaultSpec {
+  std::string kind;  // "kill" or "stall"
   int victim = -1;
   int64_t when = -1;
+};
+
+// Parses "kill:RANK@STEP" / "stall:RANK@STEP" (dist.fault).
+FaultSpec parse_fault(const std::string& spec) {
+  const auto colon = spec.find(':'), at = spec.find('@');
+  FaultSpec f;
+  f.kind = spec.substr(0, colon);
   try {
     if (colon != std::string::npos && at != std::string::npos && at > colon) {
-      victim = std::stoi(spec.substr(colon + 1, at - colon - 1));
-      when = std::stoll(spec.substr(at + 1));
+      size_t used_rank = 0, used_step = 0;
+      const std::string rank_text = spec.substr(colon + 1, at - colon - 1);
+      const std::string step_text = spec.substr(at + 1);
+      f.victim = std::stoi(rank_text, &used_rank);
+      f.when = std::stoll(step_text, &used_step);
+      if (used_rank != rank_text.size() || used_step != step_text.size()) f.victim = -1;
     }
   } catch (const std::exception&) {
+    f.victim = -1;
   }
-  if ((kind != "kill" && kind != "stall") || victim < 0 || when < 0) {
+  if ((f.kind != "kill" && f.kind != "stall") || f.victim < 0 || f.when < 0) {
     throw ConfigError(fmt::format(
         "dist.fault: expected \"kill:RANK@STEP\" or \"stall:RANK@STEP\", got \"{}\"", spec));
   }
-  return [kind, victim, when](int64_t step, int rank) {
+  return f;
+}
+
+// The keys whose values depend on the number of ranks, checked against it:
+// by the launcher before any rank starts, and by every rank against its
+// communicator (under mpirun / srun).
+void check_world(const RunConfig& rc, int world) {
+  const auto& shares = rc.train.dist.batch_shares;
+  if (!shares.empty() && static_cast<int64_t>(shares.size()) != world) {
+    throw ConfigError(
+        fmt::format("dist.batch_shares: {} shares [{}] given for {} rank{} (one share per rank)",
+                    shares.size(), fmt::join(shares, ", "), world, world == 1 ? "" : "s"));
+  }
+  const auto& slow = rc.train.dist.slowdown;
+  if (!slow.empty() && static_cast<int64_t>(slow.size()) != world) {
+    throw ConfigError(
+        fmt::format("dist.slowdown: {} factors [{}] given for {} rank{} (one factor per rank)",
+                    slow.size(), fmt::join(slow, ", "), world, world == 1 ? "" : "s"));
+  }
+  if (!rc.fault.empty()) {
+    const FaultSpec f = parse_fault(rc.fault);
+    if (f.victim >= world) {
+      throw ConfigError(
+          fmt::format("dist.fault: \"{}\" names rank {}, but the job has {} rank{} "
+                      "(0..{})",
+                      rc.fault, f.victim, world, world == 1 ? "" : "s", world - 1));
+    }
+  }
+}
+
+// An after-step callback that makes the drill's rank die (SIGKILL, as a
+// crashed node would) or hang.
+std::function<void(int64_t, int)> fault_drill(const std::string& spec) {
+  const FaultSpec f = parse_fault(spec);
+  return [kind = f.kind, victim = f.victim, when = f.when](int64_t step, int rank) {
     if (rank != victim || step != when) return;
     fmt::print(stderr, "meshtrain: fault drill: rank {} {} after step {}\n", rank,
                kind == "kill" ? "dies" : "stalls", step);
@@ -68,6 +115,9 @@ void print_init_report(const TorchLoadReport& r) {
   }
 }
 
+// A failed multi-rank run's communicator, left undestroyed (see cmd_train).
+Communicator* abandoned_communicator = nullptr;
+
 RunConfig load(const CommandOptions& opts) {
   Config c = Config::load(opts.config_path);
   c.set_all(opts.overrides);
@@ -78,21 +128,38 @@ RunConfig load(const CommandOptions& opts) {
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   RunConfig rc = load(opts);
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
-  if (nproc > 1 && !launched_by_mpi()) {
+  if ((nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi()) {
+    check_world(rc, nproc);
+    LaunchOptions lo;
+    lo.nproc = nproc;
+    lo.stop_grace = std::chrono::seconds(rc.stop_grace_s);
+    if (!opts.hostfile.empty()) {
+      if (access(opts.hostfile.c_str(), R_OK) != 0) {
+        throw FileError(fmt::format("--hosts {}: cannot read the hostfile: {}", opts.hostfile,
+                                    std::strerror(errno)));
+      }
+      lo.hostfile = opts.hostfile;
+    } else if (const int cores = usable_cores(); nproc > cores) {
+      fmt::print(stderr,
+                 "meshtrain: warning: {} ranks on {} core{}: they share cores and each runs "
+                 "slower (fine for trying things out)\n",
+                 nproc, cores, cores == 1 ? "" : "s");
+    }
     std::vector<std::string> args;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--nproc") {
+      if (a == "--nproc" || a == "--hosts") {
         ++i;  // skip its value
-      } else if (a.rfind("--nproc=", 0) != 0) {
+      } else if (a.rfind("--nproc=", 0) != 0 && a.rfind("--hosts=", 0) != 0) {
         args.push_back(a);
       }
     }
-    relaunch_under_mpirun(nproc, args);
+    return run_under_mpirun(lo, args);
   }
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
   if (!opts.trace_path.empty()) rc.train.dist.trace_path = opts.trace_path;
   rc.train.progress = !opts.quiet;
+  rc.train.progress_tty = launcher_stderr_is_tty();
 
   // Under an MPI launcher every process is one data-parallel rank.
   std::unique_ptr<Communicator> comm;
@@ -104,6 +171,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     };
     comm = make_mpi_communicator(co);
   }
+  check_world(rc, comm ? comm->size() : 1);
   const bool leader = comm == nullptr || comm->rank() == 0;
   if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
@@ -122,9 +190,19 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
                "checkpoint holds the parameters\n",
                rc.train.resume_path, rc.train.init_path);
   }
-  Trainer trainer(rc.model, train_data, test_data, rc.train, comm.get());
-  if (leader && trainer.init_report() != nullptr) print_init_report(*trainer.init_report());
-  TrainResult r = trainer.run();
+  TrainResult r;
+  try {
+    Trainer trainer(rc.model, train_data, test_data, rc.train, comm.get());
+    if (leader && trainer.init_report() != nullptr) print_init_report(*trainer.init_report());
+    r = trainer.run();
+  } catch (...) {
+    // main reports the error and ends the job (MPI_Abort). Destroying the
+    // communicator first would wait (MpiOptions::teardown_timeout, 10 s) for
+    // the ranks that failed or stalled; the job is about to end, so it is
+    // left to the process exit (still reachable: no leak report).
+    if (comm && comm->size() > 1) abandoned_communicator = comm.release();
+    throw;
+  }
   if (!leader) return 0;
   fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,
              r.samples_per_s);

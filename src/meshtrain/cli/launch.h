@@ -1,10 +1,12 @@
-// Starting local ranks: `meshtrain train --nproc N` re-executes itself under
-// Open MPI's `mpirun` with N processes on this machine, adding what running
-// as root or with more ranks than cores needs. Under `mpirun -np N` or `srun`
-// (already launched), nothing is started and the ranks come from the
-// engine's environment.
+// Starting ranks: `meshtrain train --nproc N` starts Open MPI's `mpirun` with N
+// copies of this binary (on this machine, or on the machines of a hostfile)
+// and stays as their supervising parent: it passes SIGINT / SIGTERM on to the
+// ranks, kills them if they have not stopped within a grace period, and exits
+// with their status. Under `mpirun -np N` or `srun` (already launched),
+// nothing is started and the ranks come from the engine's environment.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -20,9 +22,33 @@ bool launched_by_mpi();
 // MPI or at world size 1. Only the CLI calls it, after printing the error.
 void abort_distributed_job(int exit_code);
 
-// Replaces this process with `mpirun ... <this binary> <args>` (returns only
-// by throwing ConfigError / Error, e.g. when mpirun is not installed). `args`
-// are the arguments after argv[0] with --nproc removed.
-[[noreturn]] void relaunch_under_mpirun(int nproc, const std::vector<std::string>& args);
+struct LaunchOptions {
+  int nproc = 2;
+  // An Open MPI hostfile (`host slots=N` lines) for ranks on several
+  // machines; empty: every rank on this machine.
+  std::string hostfile;
+  // How long ranks may take to stop after SIGINT / SIGTERM was passed on
+  // (e.g. to save a checkpoint) before they are killed.
+  std::chrono::milliseconds stop_grace{10'000};
+};
+
+// Runs `mpirun ... <this binary> <args>` as a child in its own process group
+// and waits for it. `args` are the arguments after argv[0] without --nproc /
+// --hosts. SIGINT, SIGTERM and SIGHUP received meanwhile are passed on to the
+// ranks on this machine (and, with a hostfile, to mpirun, which passes them
+// to the other machines); ranks still running `stop_grace` later, or at a
+// second signal, are killed (SIGKILL). Returns the exit status for this
+// process: mpirun's (the first failing rank's), or 128 + the signal that
+// stopped the job. Throws Error when mpirun cannot be started.
+int run_under_mpirun(const LaunchOptions& options, const std::vector<std::string>& args);
+
+// Set in the ranks' environment by run_under_mpirun when this process's
+// stderr is a terminal, so that rank 0 draws a progress bar although its own
+// stderr is mpirun's pipe.
+inline constexpr const char* kStderrTtyEnv = "MESHTRAIN_STDERR_TTY";
+bool launcher_stderr_is_tty();
+
+// Cores this process may run on (its CPU affinity).
+int usable_cores();
 
 }  // namespace mt

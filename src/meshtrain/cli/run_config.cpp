@@ -110,7 +110,7 @@ RunConfig read_run_config(const Config& c) {
   r.model = read_model(c);
   r.data = read_data(c, r.model);
   r.train = read_train(c);
-  r.nproc = static_cast<int>(c.get_int("dist.nproc", 1, Bounds<int64_t>::in(1, 1024)));
+  r.nproc = static_cast<int>(c.get_int("dist.nproc", 1, Bounds<int64_t>::in(1, kMaxRanks)));
   DistOptions& d = r.train.dist;
   d.dp.stage = static_cast<int>(c.get_int("dist.zero_stage", 0, Bounds<int64_t>::in(0, 3)));
   d.dp.bucket_bytes = static_cast<int64_t>(
@@ -128,6 +128,7 @@ RunConfig read_run_config(const Config& c) {
   r.fault = c.get_string("dist.fault", "");
   r.timeout_s = c.get_int("dist.timeout_s", 300, Bounds<int64_t>::positive());
   d.dp.collective.timeout = std::chrono::milliseconds(r.timeout_s * 1000);
+  r.stop_grace_s = c.get_int("dist.stop_grace_s", 10, Bounds<int64_t>::in(1, 3600));
   c.check_all_used();
   return r;
 }

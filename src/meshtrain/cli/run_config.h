@@ -22,12 +22,18 @@ struct DataSpec {
   double test_fraction = 0.1;  // text only
 };
 
+// Most ranks one job may have (dist.nproc, --nproc).
+inline constexpr int kMaxRanks = 1024;
+
 struct RunConfig {
   ModelSpec model;
   DataSpec data;
   TrainerOptions train;
   int nproc = 1;
   int64_t timeout_s = 300;  // every collective's deadline
+  // --nproc launcher: seconds ranks get to stop after SIGINT / SIGTERM
+  // before they are killed.
+  int64_t stop_grace_s = 10;
   // Fault drill: "kill:RANK@STEP" (the rank dies abruptly after that step)
   // or "stall:RANK@STEP" (it stops responding); empty = none.
   std::string fault;

@@ -9,11 +9,11 @@
 
 namespace mt {
 
-Progress::Progress(int64_t total_steps, int64_t every, bool enabled)
+Progress::Progress(int64_t total_steps, int64_t every, bool enabled, bool terminal)
     : total_(total_steps),
       every_(std::max<int64_t>(every, 1)),
       enabled_(enabled),
-      tty_(isatty(STDERR_FILENO) != 0) {}
+      tty_(terminal || isatty(STDERR_FILENO) != 0) {}
 
 void Progress::update(int64_t step, double loss, double samples_per_s, double lr) {
   if (!enabled_) return;

@@ -11,7 +11,9 @@ namespace mt {
 class Progress {
  public:
   // total_steps may be 0 if unknown. every: plain-mode line interval (steps).
-  Progress(int64_t total_steps, int64_t every, bool enabled = true);
+  // terminal: draw the bar although stderr is not a terminal here (a rank
+  // whose stderr mpirun forwards to the user's terminal).
+  Progress(int64_t total_steps, int64_t every, bool enabled = true, bool terminal = false);
   void update(int64_t step, double loss, double samples_per_s, double lr);
   // Prints a line that must not be overwritten by the bar (e.g. evaluation).
   void message(const std::string& text);

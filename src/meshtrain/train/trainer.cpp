@@ -505,7 +505,7 @@ struct Trainer::Impl {
 
   TrainResult run() {
     MetricsWriter metrics(leader() ? o.metrics_path : std::string());
-    Progress progress(total_steps, o.log_every, o.progress && leader());
+    Progress progress(total_steps, o.log_every, o.progress && leader(), o.progress_tty);
     TrainResult r;
     std::vector<double> rates;
     const int64_t spe = loader->steps_per_epoch();

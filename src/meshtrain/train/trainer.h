@@ -72,6 +72,7 @@ struct TrainerOptions {
   bool eval = true;              // evaluate on the test split after each epoch
   int64_t log_every = 50;        // steps between metrics lines
   bool progress = true;          // progress bar / lines on stderr
+  bool progress_tty = false;     // the bar although stderr is a pipe
   std::string metrics_path;      // JSON lines; empty: none
   std::string checkpoint_path;   // written at the end (and every checkpoint_every steps)
   int64_t checkpoint_every = 0;
