@@ -45,4 +45,14 @@ endif()
 if(NOT err MATCHES "resumed from step ${step} \\(${ckpt}\\)" OR NOT out MATCHES "steps ${until} ")
   message(FATAL_ERROR "did not continue from step ${step} to ${until}:\n${out}\n${err}")
 endif()
+
+# SIGINT (Ctrl-C) likewise, with 128 + 2; the run resumed from the newest.
+execute_process(
+  COMMAND timeout --preserve-status -s INT 3 ${MESHTRAIN} ${common} --set train.epochs=1000000
+    "--set" "train.resume=\"auto\""
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 130 OR NOT err MATCHES "resumed from step ${until} "
+   OR NOT err MATCHES "stopped by signal at step [0-9]+ \\(SIGINT\\); checkpoint written to ")
+  message(FATAL_ERROR "SIGINT: expected exit status 130 and a checkpoint, got ${rc}:\n${out}\n${err}")
+endif()
 message(STATUS "ok: stopped at step ${step}, resumed to ${until}")

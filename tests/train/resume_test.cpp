@@ -269,6 +269,14 @@ TEST(ResumeAuto, StartsFreshWhenThereIsNothingAndNeedsACheckpointPath) {
   b.opts.max_steps = 4;
   EXPECT_EQ(b.go().steps, 4);
   EXPECT_TRUE(b.noticed("resumed from step 3"));
+  // Resuming a run that is already as long as asked says there is nothing to do.
+  Job b2 = mlp({16});
+  b2.opts.checkpoint_path = dir.file("none.safetensors");
+  b2.opts.resume_path = "auto";
+  b2.opts.max_steps = 4;
+  EXPECT_EQ(b2.go().steps, 4);
+  EXPECT_TRUE(b2.noticed("resumed from step 4"));
+  EXPECT_TRUE(b2.noticed("the run is 4 steps long (train.epochs, train.steps): nothing is left"));
 
   Job c = mlp({16});
   c.opts.resume_path = "auto";
