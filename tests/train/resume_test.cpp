@@ -218,6 +218,17 @@ TEST(StepCheckpoints, KeepTheNewestNAndResumeAutoFindsTheNewestValid) {
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step_00000006", "step_00000007"}));
 
+  // The directory of step checkpoints is not itself one: the error says what to do.
+  Job root_resume = mlp({16});
+  root_resume.opts.resume_path = root;
+  try {
+    root_resume.go();
+    ADD_FAILURE() << "resuming from the root did not fail";
+  } catch (const FileError& e) {
+    expect_has(e.what(), {root, "a directory of step checkpoints (step_00000006 to step_00000007)",
+                          "train.resume = \"auto\""});
+  }
+
   // The newest lost its index (a save cut short): auto skips it, saying why.
   fs::remove(sharded_index_path(step_checkpoint_path(root, 7)));
   Job b = mlp({16});

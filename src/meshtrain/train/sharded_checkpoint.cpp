@@ -617,9 +617,10 @@ ShardedIndex read_index(const std::string& dir) {
   if (!fs::exists(path, ec)) {
     if (!fs::exists(dir, ec)) throw FileError(fmt::format("checkpoint {} does not exist", dir));
     if (!fs::is_directory(dir, ec)) {
-      throw FileError(fmt::format("checkpoint {}: not a directory, so not a sharded checkpoint "
-                                  "(a single-file checkpoint's name ends in .safetensors)",
-                                  dir));
+      throw FileError(
+          fmt::format("checkpoint {}: not a directory, so not a sharded checkpoint "
+                      "(a single-file checkpoint's name ends in .safetensors)",
+                      dir));
     }
     // Name what is there: shards without an index are a save that stopped
     // part-way (index.json is written last), not a damaged index.

@@ -82,6 +82,12 @@ int64_t parse_step_name(std::string_view name) {
   return ec == std::errc() && end == digits.data() + digits.size() && v >= 0 ? v : -1;
 }
 
+std::vector<FoundCheckpoint> list_step_checkpoints(const std::string& root) {
+  std::vector<FoundCheckpoint> out;
+  for (const auto& [s, p] : step_dirs(root)) out.push_back(FoundCheckpoint{p.string(), s});
+  return out;
+}
+
 CheckpointSearch find_newest_checkpoint(const std::string& root) {
   CheckpointSearch out;
   std::vector<std::string> candidates;

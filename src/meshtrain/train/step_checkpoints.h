@@ -39,6 +39,10 @@ struct CheckpointSearch {
   std::vector<std::string> skipped;       // why each incomplete or damaged one was skipped
 };
 
+// The step checkpoint directories under `root` (complete or not, not
+// verified), ascending by step; none if `root` is not a directory.
+std::vector<FoundCheckpoint> list_step_checkpoints(const std::string& root);
+
 // Looks at `root` itself (a single-file checkpoint, or a sharded directory)
 // and at every <root>/step_<N>, and returns the valid one with the most
 // steps. Valid: the file's header and metadata checksums verify, or the

@@ -33,6 +33,8 @@ namespace mt {
 
 namespace {
 
+namespace fs = std::filesystem;
+
 // Steps at the start of a run whose timings are left out of the median
 // (first-touch page faults, primitive creation, cache warm-up).
 constexpr int64_t kWarmupSteps = 5;
@@ -447,6 +449,18 @@ struct Trainer::Impl {
       scaler.load_state(st.loss_scaler);
       step = st.step;
       return;
+    }
+    if (!is_sharded_checkpoint(path)) {
+      // The directory of step checkpoints itself, rather than one of them.
+      const std::vector<FoundCheckpoint> steps = list_step_checkpoints(path);
+      if (!steps.empty()) {
+        throw FileError(fmt::format(
+            "checkpoint {}: a directory of step checkpoints ({} to {}), not a checkpoint; "
+            "resume from one of them, or set train.resume = \"auto\" (with train.checkpoint "
+            "= \"{}\") for the newest",
+            path, fs::path(steps.front().path).filename().string(),
+            fs::path(steps.back().path).filename().string(), path));
+      }
     }
     check_sharded_fits(path);
     std::vector<ShardPiece> wanted;
