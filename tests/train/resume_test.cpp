@@ -328,6 +328,16 @@ TEST(StopRequest, FinishesTheStepWritesTheCheckpointAndResumesExactly) {
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest.losses[i], full.losses[3 + i]) << i;
 }
 
+TEST(StopRequest, WithoutACheckpointPathStopsAfterTheFirstStep) {
+  std::atomic<int> flag{SIGINT};  // arrived before the run started
+  Job a = mlp({16});
+  a.opts.stop_signal = &flag;
+  const TrainResult r = a.go();
+  EXPECT_EQ(r.steps, 1);
+  EXPECT_EQ(r.stop_signal, SIGINT);
+  EXPECT_EQ(r.checkpoint, "");
+}
+
 TEST(StopRequest, RanksAgreeToStopAtTheSameStep) {
   TempDir dir;
   std::atomic<int> flags[2] = {0, 0};
