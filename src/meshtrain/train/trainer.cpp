@@ -397,6 +397,18 @@ struct Trainer::Impl {
   void check_sharded_fits(const std::string& path) const {
     std::exception_ptr err;
     try {
+      if (!is_sharded_checkpoint(path)) {
+        // The directory of step checkpoints itself, rather than one of them.
+        const std::vector<FoundCheckpoint> steps = list_step_checkpoints(path);
+        if (!steps.empty()) {
+          throw FileError(fmt::format(
+              "checkpoint {}: a directory of step checkpoints ({} to {}), not a checkpoint; "
+              "resume from one of them, or set train.resume = \"auto\" (with train.checkpoint "
+              "= \"{}\") for the newest",
+              path, fs::path(steps.front().path).filename().string(),
+              fs::path(steps.back().path).filename().string(), path));
+        }
+      }
       const ShardedIndex idx = read_index(path);
       TensorSignatures stored;
       for (const auto& [name, t] : idx.tensors) {
@@ -449,18 +461,6 @@ struct Trainer::Impl {
       scaler.load_state(st.loss_scaler);
       step = st.step;
       return;
-    }
-    if (!is_sharded_checkpoint(path)) {
-      // The directory of step checkpoints itself, rather than one of them.
-      const std::vector<FoundCheckpoint> steps = list_step_checkpoints(path);
-      if (!steps.empty()) {
-        throw FileError(fmt::format(
-            "checkpoint {}: a directory of step checkpoints ({} to {}), not a checkpoint; "
-            "resume from one of them, or set train.resume = \"auto\" (with train.checkpoint "
-            "= \"{}\") for the newest",
-            path, fs::path(steps.front().path).filename().string(),
-            fs::path(steps.back().path).filename().string(), path));
-      }
     }
     check_sharded_fits(path);
     std::vector<ShardPiece> wanted;
