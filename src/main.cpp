@@ -2,7 +2,8 @@
 // config to options (run_config.cpp), and turns library errors into messages
 // and exit codes (the only place that does; see docs/errors.md):
 // 0 success, 1 mt::Error (bad input, peer failure), 2 usage error,
-// 3 internal error.
+// 3 internal error; `train` stopped by SIGINT / SIGTERM after writing its
+// checkpoint: 128 + the signal (cmd_train).
 #include <cstdio>
 #include <exception>
 #include <string>

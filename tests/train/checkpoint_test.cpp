@@ -249,12 +249,20 @@ TEST_F(Checkpoint, ProducerExceptionKeepsThePreviousFile) {
   EXPECT_EQ(slurp(path("f")), "new");
 }
 
-TEST_F(Checkpoint, SaveIntoMissingDirectoryIsAFileError) {
+// Missing directories are created, as a sharded save creates its directory,
+// so both checkpoint forms accept the same paths.
+TEST_F(Checkpoint, SaveCreatesMissingDirectories) {
+  save_checkpoint(path("no/such/dir/c"), sample());
+  EXPECT_EQ(load_checkpoint(path("no/such/dir/c")).tensors.size(), sample().size());
+}
+
+TEST_F(Checkpoint, SaveUnderAFileIsAFileErrorNamingTheDirectory) {
+  save_checkpoint(path("plain"), sample());
   try {
-    save_checkpoint(path("no/such/dir/c"), sample());
+    save_checkpoint(path("plain/sub/c"), sample());
     FAIL() << "expected FileError";
   } catch (const FileError& e) {
-    expect_has(e.what(), {path("no/such/dir/c"), "temporary"});
+    expect_has(e.what(), {path("plain/sub/c"), "cannot create directory", path("plain/sub")});
   }
 }
 

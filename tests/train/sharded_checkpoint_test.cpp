@@ -448,8 +448,15 @@ TEST_F(ShardedCheckpoint, TruncatedMissingAndDamagedFilesAreNamed) {
   });
   for (const auto& e : errors) {
     ASSERT_TRUE(e);
-    expect_has(error_of<FileError>([&] { std::rethrow_exception(e); }), {"index.json", "missing"});
+    // Says in words that the save stopped part-way, and which shards are there.
+    expect_has(error_of<FileError>([&] { std::rethrow_exception(e); }),
+               {dir(), "no index.json -- the save did not complete", "rank shards present",
+                shard_of(index, 0)});
   }
+  fs::remove(fs::path(dir()) / shard_of(index, 0));
+  expect_has(error_of<FileError>([&] { read_index(dir()); }),
+             {dir(), "no index.json and no shard files"});
+  expect_has(error_of<FileError>([&] { read_index(dir() + "/nope"); }), {"nope", "does not exist"});
 }
 
 TEST_F(ShardedCheckpoint, UncoveredOrMismatchingRequestsAreNamed) {

@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <signal.h>
+
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -118,6 +121,37 @@ void print_init_report(const TorchLoadReport& r) {
 // A failed multi-rank run's communicator, left undestroyed (see cmd_train).
 Communicator* abandoned_communicator = nullptr;
 
+// SIGINT / SIGTERM during training: the first one asks the trainer to stop
+// after the current step and write its checkpoint (TrainerOptions::
+// stop_signal); a second one ends the process at once, as the default
+// action would.
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "read from a signal handler");
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal.load() != 0) {
+    ::signal(sig, SIG_DFL);  // both async-signal-safe
+    ::raise(sig);
+    return;
+  }
+  g_stop_signal.store(sig);
+}
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // file and MPI calls carry on; the trainer polls the flag
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+std::string signal_name(int sig) {
+  if (sig == SIGINT) return "SIGINT";
+  if (sig == SIGTERM) return "SIGTERM";
+  return fmt::format("signal {}", sig);
+}
+
 RunConfig load(const CommandOptions& opts) {
   Config c = Config::load(opts.config_path);
   c.set_all(opts.overrides);
@@ -156,6 +190,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     }
     return run_under_mpirun(lo, args);
   }
+  // This process is a rank from here on: a SIGINT / SIGTERM (from the user,
+  // the launcher or a cluster's preemption) now stops it after a step with
+  // a checkpoint instead of killing it.
+  install_stop_handlers();
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
   if (!opts.trace_path.empty()) rc.train.dist.trace_path = opts.trace_path;
   rc.train.progress = !opts.quiet;
@@ -184,12 +222,8 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
                comm && comm->size() > 1 ? "s" : "", rc.train.dist.dp.stage, rc.train.threads,
                dtype_name(rc.train.precision));
   }
-  if (leader && !rc.train.resume_path.empty() && !rc.train.init_path.empty()) {
-    fmt::print(stderr,
-               "meshtrain: resuming from {}; train.init ({}) is not applied: the "
-               "checkpoint holds the parameters\n",
-               rc.train.resume_path, rc.train.init_path);
-  }
+  rc.train.on_notice = [](const std::string& msg) { fmt::print(stderr, "meshtrain: {}\n", msg); };
+  rc.train.stop_signal = &g_stop_signal;
   TrainResult r;
   try {
     Trainer trainer(rc.model, train_data, test_data, rc.train, comm.get());
@@ -203,6 +237,20 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     if (comm && comm->size() > 1) abandoned_communicator = comm.release();
     throw;
   }
+  if (r.stop_signal != 0) {
+    // docs/errors.md: 128 + the signal's number, as a shell reports a
+    // process the signal ended, so scripts see the run did not finish.
+    if (leader) {
+      fmt::print(stderr, "meshtrain: stopped by signal at step {} ({}); {}\n", r.steps,
+                 signal_name(r.stop_signal),
+                 r.checkpoint.empty()
+                     ? std::string("no checkpoint written (train.checkpoint is empty)")
+                     : fmt::format("checkpoint written to {} (continue with --set "
+                                   "train.resume=\"{}\" or train.resume=\"auto\")",
+                                   r.checkpoint, r.checkpoint));
+    }
+    return 128 + r.stop_signal;
+  }
   if (!leader) return 0;
   fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,
              r.samples_per_s);
@@ -210,7 +258,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     fmt::print("final test accuracy: {:.2f}%  (test loss {:.4f})\n", 100.0 * r.test_accuracy,
                r.test_loss);
   }
-  if (!rc.train.checkpoint_path.empty()) fmt::print("checkpoint: {}\n", rc.train.checkpoint_path);
+  if (!r.checkpoint.empty()) fmt::print("checkpoint: {}\n", r.checkpoint);
   return 0;
 }
 

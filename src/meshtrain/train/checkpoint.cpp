@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 
 namespace mt {
 
@@ -82,6 +83,17 @@ void save_checkpoint(const std::string& path, const std::map<std::string, Tensor
     meta[std::string(kCrcPrefix) + name] = hex32(tensor_checksum(t));
   }
   meta[std::string(kMetadataCrcKey)] = hex32(metadata_checksum(meta));
+  // Missing parent directories are created, as a sharded save creates its
+  // directory: both checkpoint forms accept the same paths.
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!parent.empty() && !std::filesystem::is_directory(parent, ec)) {
+    std::filesystem::create_directories(parent, ec);
+    if (ec) {
+      throw FileError(fmt::format("saving {}: cannot create directory {}: {}", path,
+                                  parent.string(), ec.message()));
+    }
+  }
   save_safetensors(path, tensors, meta);
 }
 

@@ -3,7 +3,8 @@
 // and one over the rest of the metadata, so a flipped byte anywhere in the
 // data or metadata is reported instead of being trained on.
 //
-// save_checkpoint writes atomically (write_file_atomically): a failed save
+// save_checkpoint writes atomically (write_file_atomically), creating missing
+// parent directories as a sharded save does; a failed save
 // leaves the previous checkpoint at the path intact. CheckpointReader checks
 // the format on open and each tensor's checksum when it is read, so a later
 // sharded format (one such file per rank plus an index) can reuse it to read
@@ -22,9 +23,10 @@
 
 namespace mt {
 
-// Writes `tensors` and `metadata` to `path` (atomically, fsynced). Throws
-// ConfigError for a metadata key in a reserved namespace, FileError when the
-// file cannot be written.
+// Writes `tensors` and `metadata` to `path` (atomically, fsynced), creating
+// missing parent directories. Throws ConfigError for a metadata key in a
+// reserved namespace, FileError when the file or a directory cannot be
+// written.
 void save_checkpoint(const std::string& path, const std::map<std::string, Tensor>& tensors,
                      const std::map<std::string, std::string>& metadata = {});
 

@@ -615,10 +615,34 @@ ShardedIndex read_index(const std::string& dir) {
   const std::string path = sharded_index_path(dir);
   std::error_code ec;
   if (!fs::exists(path, ec)) {
+    if (!fs::exists(dir, ec)) throw FileError(fmt::format("checkpoint {} does not exist", dir));
+    if (!fs::is_directory(dir, ec)) {
+      throw FileError(
+          fmt::format("checkpoint {}: not a directory, so not a sharded checkpoint "
+                      "(a single-file checkpoint's name ends in .safetensors)",
+                      dir));
+    }
+    // Name what is there: shards without an index are a save that stopped
+    // part-way (index.json is written last), not a damaged index.
+    std::vector<std::string> shards;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (is_shard_file_name(name)) shards.push_back(name);
+    }
+    std::sort(shards.begin(), shards.end());
+    if (shards.empty()) {
+      throw FileError(fmt::format(
+          "checkpoint {}: no index.json and no shard files -- not a sharded checkpoint", dir));
+    }
+    constexpr size_t kShown = 8;
+    std::string listed;
+    for (size_t i = 0; i < std::min(shards.size(), kShown); ++i) {
+      listed += (i ? ", " : "") + shards[i];
+    }
+    if (shards.size() > kShown) listed += fmt::format(", ... and {} more", shards.size() - kShown);
     throw FileError(fmt::format(
-        "sharded checkpoint {}: {} is missing (not a sharded checkpoint, or its save never "
-        "completed)",
-        dir, path));
+        "checkpoint {}: no index.json -- the save did not complete (rank shards present: {})", dir,
+        listed));
   }
   std::ifstream f(path, std::ios::binary);
   if (!f) throw FileError(fmt::format("cannot open {}: {}", path, std::strerror(errno)));

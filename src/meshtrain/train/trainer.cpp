@@ -6,8 +6,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "meshtrain/base/timer.h"
@@ -18,17 +20,21 @@
 #include "meshtrain/sync/consistency.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/kernels.h"
+#include "meshtrain/train/checkpoint_match.h"
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
+#include "meshtrain/train/step_checkpoints.h"
 #include "meshtrain/train/timeline.h"
 #include "meshtrain/train/train_state.h"
 
 namespace mt {
 
 namespace {
+
+namespace fs = std::filesystem;
 
 // Steps at the start of a run whose timings are left out of the median
 // (first-touch page faults, primitive creation, cache warm-up).
@@ -123,9 +129,12 @@ struct Trainer::Impl {
   int64_t local_batch = 0;  // this rank's share of each global batch
   int64_t micro_batch = 0;  // local_batch / accumulation steps
   int64_t total_steps = 0;
-  int64_t step = 0;              // optimizer steps completed
-  OptimizerState pending_state;  // single-file resume: whole tensors until sliced
-  int64_t pending_updates = 0;   // sharded resume: optimizer updates so far
+  int64_t step = 0;                          // optimizer steps completed
+  OptimizerState pending_state;              // single-file resume: whole tensors until sliced
+  int64_t pending_updates = 0;               // sharded resume: optimizer updates so far
+  std::set<std::string> stored_state_kinds;  // sharded resume: optimizer state kinds saved
+  int64_t saved_step = -1;                   // the step of the last checkpoint written
+  bool stop_requested = false;               // a stop request reached every rank this step
   std::optional<TorchLoadReport> init_report;
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
@@ -200,10 +209,32 @@ struct Trainer::Impl {
     so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
     schedule = std::make_unique<LrSchedule>(so);
     optimizer = make_optimizer(o.optimizer, o.optim);
+    if (o.checkpoint_keep > 0 && o.checkpoint_path.empty()) {
+      throw ConfigError(
+          "train.checkpoint_keep: needs train.checkpoint, the directory of step checkpoints");
+    }
+    if (o.checkpoint_keep > 0 && o.checkpoint_path.ends_with(".safetensors")) {
+      throw ConfigError(
+          fmt::format("train.checkpoint_keep = {}: train.checkpoint must name a directory of step "
+                      "checkpoints, not a single file ('{}')",
+                      o.checkpoint_keep, o.checkpoint_path));
+    }
+    if (o.resume_path == "auto") resolve_auto_resume();
     // Parameters (and optimizer state) must be final before DataParallel
     // copies its shard out of them (ZeRO-3).
     if (!o.resume_path.empty()) {
       resume_params(o.resume_path);
+      notice(fmt::format("resumed from step {} ({})", step, o.resume_path));
+      if (!o.init_path.empty()) {
+        notice(fmt::format("train.init ({}) is not applied: the checkpoint holds the parameters",
+                           o.init_path));
+      }
+      if (step >= total_steps) {
+        notice(
+            fmt::format("the run is {} steps long (train.epochs, train.steps): nothing is left "
+                        "to train",
+                        total_steps));
+      }
     } else if (!o.init_path.empty()) {
       init_params(o.init_path);
     }
@@ -269,7 +300,7 @@ struct Trainer::Impl {
     int64_t updates = 0;  // every parameter has been updated equally often
     for (const auto& [name, n] : optimizer->state().steps) updates = std::max(updates, n);
     m["optimizer_updates"] = std::to_string(updates);
-    m["model"] = spec.kind;
+    m.merge(model_settings(spec));
     m["seed"] = std::to_string(o.seed);
     return m;
   }
@@ -285,7 +316,7 @@ struct Trainer::Impl {
       st.epoch = step / loader->steps_per_epoch();
       st.lr_step = step;
       st.loss_scaler = scaler.state();
-      st.extra["model"] = spec.kind;
+      st.extra = model_settings(spec);
       st.extra["seed"] = std::to_string(o.seed);
       save_train_state(path, st);
       return;
@@ -316,11 +347,120 @@ struct Trainer::Impl {
         fmt::format("checkpoint {}: metadata '{}' is missing or not a number", path, key));
   }
 
+  void notice(const std::string& msg) const {
+    if (leader() && o.on_notice) o.on_notice(msg);
+  }
+
+  // train.resume = "auto": the newest valid checkpoint under
+  // train.checkpoint. Every rank looks; they must find the same one.
+  void resolve_auto_resume() {
+    if (o.checkpoint_path.empty()) {
+      throw ConfigError(
+          "train.resume = \"auto\": needs train.checkpoint, where it looks for the newest "
+          "checkpoint");
+    }
+    const CheckpointSearch found = find_newest_checkpoint(o.checkpoint_path);
+    double steps[2] = {found.newest ? static_cast<double>(found.newest->step) : -1.0, 0.0};
+    steps[1] = -steps[0];
+    comm->all_reduce(steps, steps, 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
+    if (steps[0] != -steps[1]) {
+      throw MismatchError(fmt::format(
+          "train.resume = \"auto\": ranks found different newest checkpoints under {} (steps "
+          "{} to {}); do all ranks see the same files?",
+          o.checkpoint_path, -steps[1], steps[0]));
+    }
+    for (const std::string& s : found.skipped) {
+      notice(fmt::format("warning: skipping {}", s));
+    }
+    if (!found.newest) {
+      notice(fmt::format("train.resume = \"auto\": no checkpoint under {}; starting fresh",
+                         o.checkpoint_path));
+      o.resume_path.clear();
+      return;
+    }
+    o.resume_path = found.newest->path;
+  }
+
+  TensorSignatures expected_params() const {
+    TensorSignatures t;
+    for (const auto& e : store->entries()) t[e.name] = {e.value.dtype(), e.shape};
+    return t;
+  }
+
+  // Strict resume: the checkpoint holds exactly this model's parameters
+  // (checkpoint_match.h), checked before anything is loaded.
+  void check_single_file_fits(const std::string& path) const {
+    const CheckpointReader r(path);
+    TensorSignatures stored;
+    for (const SafetensorsEntry& e : r.header().entries) {
+      if (e.name.starts_with("param/")) stored[e.name.substr(6)] = {e.dtype, e.shape};
+    }
+    std::map<std::string, std::string> recorded;
+    for (const auto& [k, v] : r.metadata()) {
+      if (k == "extra/model" || k.starts_with("extra/model.")) recorded[k.substr(6)] = v;
+    }
+    require_same_params(path, recorded, model_settings(spec), stored, expected_params());
+  }
+
+  void check_sharded_fits(const std::string& path) const {
+    std::exception_ptr err;
+    try {
+      if (!is_sharded_checkpoint(path)) {
+        // The directory of step checkpoints itself, rather than one of them.
+        const std::vector<FoundCheckpoint> steps = list_step_checkpoints(path);
+        if (!steps.empty()) {
+          throw FileError(fmt::format(
+              "checkpoint {}: a directory of step checkpoints ({} to {}), not a checkpoint; "
+              "resume from one of them, or set train.resume = \"auto\" (with train.checkpoint "
+              "= \"{}\") for the newest",
+              path, fs::path(steps.front().path).filename().string(),
+              fs::path(steps.back().path).filename().string(), path));
+        }
+      }
+      const ShardedIndex idx = read_index(path);
+      TensorSignatures stored;
+      for (const auto& [name, t] : idx.tensors) {
+        if (name.starts_with("param/")) stored[name.substr(6)] = {t.dtype, t.shape};
+      }
+      std::map<std::string, std::string> recorded;
+      for (const auto& [k, v] : idx.metadata) {
+        if (k == "model" || k.starts_with("model.")) recorded[k] = v;
+      }
+      require_same_params(path, recorded, model_settings(spec), stored, expected_params());
+    } catch (...) {
+      err = std::current_exception();
+    }
+    if (world == 1 && err) std::rethrow_exception(err);
+    agree_on_failure(comm, err, o.dist.dp.collective);  // every rank throws alike
+  }
+
+  // Writes the run's checkpoint for the current step (once per step); with
+  // checkpoint_keep, a new step directory, then the oldest beyond the kept
+  // ones go.
+  void checkpoint_now(TrainResult& r) {
+    if (o.checkpoint_path.empty() || saved_step == step) return;
+    const std::string path =
+        o.checkpoint_keep > 0 ? step_checkpoint_path(o.checkpoint_path, step) : o.checkpoint_path;
+    save(path);
+    saved_step = step;
+    r.checkpoint = path;
+    if (o.checkpoint_keep > 0 && leader()) {
+      try {
+        prune_step_checkpoints(o.checkpoint_path, o.checkpoint_keep, path);
+      } catch (const Error& e) {
+        // The new checkpoint is complete; an old one left behind is no reason to fail.
+        notice(fmt::format("warning: {}", e.what()));
+      }
+    }
+  }
+
   // Whole parameters into the store (every rank), before DataParallel takes
   // its shard; scalars of the run. The optimizer state follows once the
   // slices are known (resume_optimizer).
   void resume_params(const std::string& path) {
-    if (!is_sharded_checkpoint(path)) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(path, ec)) {
+      check_single_file_fits(path);
       TrainState st;
       for (auto& e : store->entries()) st.params[e.name] = e.value;
       st.optimizer = std::string(optimizer->name());
@@ -330,11 +470,18 @@ struct Trainer::Impl {
       step = st.step;
       return;
     }
+    check_sharded_fits(path);
     std::vector<ShardPiece> wanted;
     for (auto& e : store->entries()) wanted.push_back(full_piece("param/" + e.name, e.value));
     LoadShardedOptions lo;
     lo.collective = o.dist.dp.collective;
     ShardedIndex idx = load_sharded(comm, path, wanted, lo);
+    for (const auto& [name, t] : idx.tensors) {
+      const size_t dot = name.rfind('.');
+      if (name.starts_with("optim/") && dot != std::string::npos) {
+        stored_state_kinds.insert(name.substr(dot + 1));
+      }
+    }
     const auto& m = idx.metadata;
     auto opt = m.find("optimizer");
     if (opt == m.end() || opt->second != optimizer->name()) {
@@ -369,7 +516,8 @@ struct Trainer::Impl {
   void resume_optimizer(const std::string& path) {
     const std::vector<std::string> kinds = optimizer->state_kinds();
     OptimizerState st;
-    if (!is_sharded_checkpoint(path)) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(path, ec)) {
       // A single file holds whole tensors: cut out this rank's slices.
       for (const ParamSlice& sl : dp->slices()) {
         if (sl.end == sl.begin) continue;
@@ -386,7 +534,14 @@ struct Trainer::Impl {
         if (n != pending_state.steps.end()) st.steps[sl.name] = n->second;
       }
     } else {
-      std::vector<ShardPiece> wanted = dp->new_state_pieces(kinds);
+      // A kind the writer never created (SGD without momentum has no
+      // buffers) is not asked for; one that only some parameters have is
+      // still an error of load_sharded's, as in a single file.
+      std::vector<std::string> stored_kinds;
+      for (const std::string& k : kinds) {
+        if (stored_state_kinds.contains(k)) stored_kinds.push_back(k);
+      }
+      std::vector<ShardPiece> wanted = dp->new_state_pieces(stored_kinds);
       for (ShardPiece& p : wanted) p.name = "optim/" + p.name;
       LoadShardedOptions lo;
       lo.collective = o.dist.dp.collective;
@@ -479,7 +634,12 @@ struct Trainer::Impl {
       auto wait = timeline.span("gradient sync", "wait", Timeline::kWait);
       dp->end_micro_step();
     }
-    comm->all_reduce(&loss, &loss, 1, DType::f64);
+    // A stop request rides along with the loss, so every rank learns of it
+    // at the same step without a collective of its own.
+    double reduced[2] = {loss, o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0};
+    comm->all_reduce(reduced, reduced, 2, DType::f64);
+    loss = reduced[0];
+    stop_requested = reduced[1] > 0;
     if (!std::isfinite(loss) && o.precision != DType::f16) {
       throw Error(
           fmt::format("training diverged: loss is {} at step {} (epoch {}); lower "
@@ -550,6 +710,13 @@ struct Trainer::Impl {
       if (o.dist.after_step) o.dist.after_step(step, rank);
       if (step % o.log_every == 0 || step == stop) metrics.write(line);
       progress.update(step - 1, loss, rate, lr);
+      if (stop_requested && step < stop) {
+        // Which signal: the highest any rank saw, so every rank reports alike.
+        double sig = o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0;
+        comm->all_reduce(&sig, &sig, 1, DType::f64, ReduceOp::max, o.dist.dp.collective);
+        r.stop_signal = std::max(1, static_cast<int>(sig));
+        break;
+      }
       if (o.eval && (step % spe == 0)) {
         auto [tl, ta] = evaluate();
         metrics.write({{"epoch", epoch + 1}, {"test_loss", tl}, {"test_accuracy", ta}});
@@ -559,12 +726,10 @@ struct Trainer::Impl {
         r.test_accuracy = ta;
         evaluated_last = true;
       }
-      if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0 && !o.checkpoint_path.empty()) {
-        save(o.checkpoint_path);
-      }
+      if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) checkpoint_now(r);
     }
     progress.finish();
-    if (o.eval && !evaluated_last && step == total_steps) {
+    if (o.eval && !evaluated_last && step == total_steps && r.stop_signal == 0) {
       auto [tl, ta] = evaluate();
       metrics.write({{"epoch", static_cast<double>(step) / static_cast<double>(spe)},
                      {"test_loss", tl},
@@ -572,7 +737,7 @@ struct Trainer::Impl {
       r.test_loss = tl;
       r.test_accuracy = ta;
     }
-    if (!o.checkpoint_path.empty()) save(o.checkpoint_path);
+    checkpoint_now(r);
     sync_store();
     double hidden = -1;
     if (timeline.enabled()) {
@@ -620,6 +785,7 @@ struct Trainer::Impl {
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
         {"precision", std::string(dtype_name(o.precision))}};
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
+    if (r.stop_signal != 0) summary["stopped_by_signal"] = r.stop_signal;
     if (o.eval) {
       summary["test_loss"] = r.test_loss;
       summary["test_accuracy"] = r.test_accuracy;

@@ -12,6 +12,7 @@
 // run() blocks until training ends. One Trainer per process (rank).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -76,13 +77,31 @@ struct TrainerOptions {
   std::string metrics_path;      // JSON lines; empty: none
   std::string checkpoint_path;   // written at the end (and every checkpoint_every steps)
   int64_t checkpoint_every = 0;
-  std::string resume_path;  // continue from this checkpoint
   // Start a new run from the weights of a PyTorch-layout safetensors file
   // (train/export.h): every rank reads it. Not applied when resuming (the
   // checkpoint holds the parameters). init_partial: load what matches by
   // name and shape, leave the rest at its seeded initial values.
   std::string init_path;
   bool init_partial = false;
+  // > 0: checkpoint_path is a directory of step-numbered checkpoints
+  // (<checkpoint_path>/step_00000120, see step_checkpoints.h) of which the
+  // newest this many are kept; 0: every save replaces checkpoint_path.
+  int64_t checkpoint_keep = 0;
+  // Continue from this checkpoint (a .safetensors file or a sharded
+  // directory), which must hold exactly this model's parameters. "auto": the
+  // newest valid checkpoint under checkpoint_path (damaged ones skipped with
+  // a notice), or a fresh start if there is none.
+  std::string resume_path;
+  // Stop request, set by a signal handler the caller installs (library code
+  // installs none): once it holds a non-zero signal number on any rank, every
+  // rank finishes the current step, all stop after the same step (the flag
+  // travels with the step's loss all-reduce), the checkpoint is written (if
+  // checkpoint_path is set) and run() returns with TrainResult::stop_signal
+  // set. nullptr: no stop requests.
+  const std::atomic<int>* stop_signal = nullptr;
+  // Notices for the user (which checkpoint a run resumed from, damaged
+  // checkpoints skipped), called on rank 0 only; empty: discarded.
+  std::function<void(const std::string&)> on_notice;
 
   std::string optimizer = "sgd";
   OptimizerOptions optim;
@@ -104,6 +123,10 @@ struct TrainResult {
   int64_t planned_arena_bytes = 0;
   std::vector<double> losses;  // per step: mean loss over the global batch
   DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
+  // Non-zero: the run stopped early on a stop request (TrainerOptions::
+  // stop_signal), after `steps` steps; the highest signal number any rank saw.
+  int stop_signal = 0;
+  std::string checkpoint;  // the last checkpoint this run wrote ("" if none)
 };
 
 class Trainer {
