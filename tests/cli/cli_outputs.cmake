@@ -74,4 +74,11 @@ foreach(key final_loss samples_per_s)
     message(FATAL_ERROR "${key} of a run without steps is not null: ${summary}")
   endif()
 endforeach()
+# Text without a test split (data.test_fraction = 0): fine without
+# evaluation (the test split is then not read), an error naming both keys with it.
+set(base ${MESHTRAIN} train --config ${SRC}/configs/gpt_text.toml --set train.threads=1
+  --set data.limit_train=16 --set train.batch_size=8 --set data.test_fraction=0
+  "--set" "train.checkpoint=\"\"" --quiet)
+run(1 "error: .*data.test_fraction = 0 leaves no test split, but train.eval is on" --set train.steps=100000)
+run(0 "steps 1  final loss [0-9.]+" --set train.steps=1 --set train.eval=false)
 message(STATUS "ok")

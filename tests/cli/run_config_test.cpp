@@ -88,6 +88,10 @@ TEST(RunConfig, DataAndEvaluationSettings) {
   EXPECT_NE(e.find("data.limit_test = 0"), std::string::npos) << e;
   EXPECT_NE(e.find("train.eval"), std::string::npos) << e;
   EXPECT_EQ(error_of("[data]\nlimit_test = 0\n[train]\neval = false\n"), "");
+  e = error_of("[model]\nkind = \"gpt\"\n[data]\ntest_fraction = 0\n");
+  EXPECT_NE(e.find("data.test_fraction = 0 leaves no test split, but train.eval is on"),
+            std::string::npos)
+      << e;
   e = error_of("[train]\neval_batches = -1\n");
   EXPECT_NE(e.find("train.eval_batches"), std::string::npos) << e;
   e = error_of("[data]\nstd = 0\n");

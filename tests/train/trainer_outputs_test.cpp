@@ -216,6 +216,10 @@ TEST(TrainerOutputs, EvaluationWithoutTestExamplesIsAConfigError) {
   f.opts.eval = false;  // nothing to evaluate is fine when nothing is evaluated
   f.opts.max_steps = 1;
   EXPECT_EQ(Trainer(f.spec, f.train, f.test, f.opts).run().steps, 1);
+  Trainer no_test(f.spec, f.train, nullptr, f.opts);  // nor is no test split at all
+  EXPECT_EQ(no_test.run().steps, 1);
+  const std::string m2 = error_of<ConfigError>([&] { no_test.evaluate(); });
+  EXPECT_TRUE(contains(m2, "no test split")) << m2;
 }
 
 TEST(TrainerOutputs, BatchLargerThanTheTrainingSplitNamesTheKeys) {

@@ -115,7 +115,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   if (!leader) rc.train.progress = false;
 
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
-  auto test_data = open_dataset(rc.data, rc.model, DataSplit::test);
+  // Without evaluation the test split is not read (text may then give it
+  // no bytes: data.test_fraction = 0).
+  std::shared_ptr<const Dataset> test_data;
+  if (rc.train.eval) test_data = open_dataset(rc.data, rc.model, DataSplit::test);
   if (!opts.quiet && leader) {
     fmt::print(stderr, "meshtrain: training {} on {} ({} rank{}, ZeRO stage {}, {} threads, {})\n",
                rc.model.kind, train_data->describe(), comm ? comm->size() : 1,

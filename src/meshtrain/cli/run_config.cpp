@@ -134,6 +134,12 @@ RunConfig read_run_config(const Config& c) {
         "data.limit_test > 0 (-1 = all) or train.eval = false",
         c.source()));
   }
+  if (r.train.eval && r.data.kind == "text" && r.data.test_fraction == 0) {
+    throw ConfigError(fmt::format(
+        "config {}: data.test_fraction = 0 leaves no test split, but train.eval is on; set "
+        "data.test_fraction > 0 or train.eval = false",
+        c.source()));
+  }
   r.nproc = static_cast<int>(c.get_int("dist.nproc", 1, Bounds<int64_t>::in(1, 1024)));
   DistOptions& d = r.train.dist;
   d.dp.stage = static_cast<int>(c.get_int("dist.zero_stage", 0, Bounds<int64_t>::in(0, 3)));

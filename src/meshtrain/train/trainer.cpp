@@ -290,6 +290,9 @@ struct Trainer::Impl {
   // The evaluation loader: the test split in file order, each batch of
   // eval_batch_size split over the ranks.
   std::unique_ptr<DataLoader> make_eval_loader() const {
+    if (!test_data) {
+      throw ConfigError("train.eval: no test split was given, so there is nothing to evaluate");
+    }
     if (test_data->size() == 0) {
       throw ConfigError(fmt::format(
           "train.eval: the test split has no examples ({}; data.limit_test = 0?), so there is "

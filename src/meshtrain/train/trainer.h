@@ -126,7 +126,8 @@ class Trainer {
   // (collective: a path one rank cannot write fails on every rank); missing
   // parent directories of those outputs are then created.
   // comm: the data-parallel group (every rank constructs a Trainer with the
-  // same options); nullptr trains in this process alone.
+  // same options); nullptr trains in this process alone. test_data may be
+  // null when options.eval is off (evaluate() then throws ConfigError).
   Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
           std::shared_ptr<const Dataset> test_data, TrainerOptions options,
           Communicator* comm = nullptr);
