@@ -272,6 +272,30 @@ TEST(TrainerOutputs, EvalBatchesCoverTheFirstBatchesOnly) {
   EXPECT_EQ(Trainer(f.spec, f.train, f.test, f.opts).run().test_examples, 300);
 }
 
+// On 3 ranks each of the first K batches is split over the ranks: the same
+// examples, and so the same loss and accuracy, as one process.
+TEST(TrainerOutputs, EvalBatchesAreTheSameExamplesOnEveryWorldSize) {
+  Fixture f = small_mlp();
+  f.opts.eval = true;
+  f.opts.max_steps = 2;
+  f.opts.eval_batches = 2;
+  f.opts.batch_size = 63;  // divisible by 3 ranks
+  const TrainResult one = Trainer(f.spec, f.train, f.test, f.opts).run();
+  ASSERT_TRUE(one.test_loss && one.test_accuracy);
+  std::vector<TrainResult> results(3);
+  LocalWorld::run(world(3), [&](Communicator& comm) {
+    results[static_cast<size_t>(comm.rank())] =
+        Trainer(f.spec, f.train, f.test, f.opts, &comm).run();
+  });
+  for (const TrainResult& r : results) {
+    ASSERT_TRUE(r.test_loss && r.test_accuracy);
+    EXPECT_EQ(r.test_examples, 200);
+    EXPECT_NEAR(*r.test_loss, *one.test_loss, 1e-5 * *one.test_loss);
+    // Parameters agree to float rounding: at most a near-tie may flip.
+    EXPECT_NEAR(*r.test_accuracy, *one.test_accuracy, 1.0 / 200 + 1e-12);
+  }
+}
+
 // Stopped by halt_after before any evaluation: no test results, not 0; a
 // run of 5 steps or fewer reports its rate from all steps, flagged.
 TEST(TrainerOutputs, HaltBeforeEvaluationLeavesTestResultsAbsent) {
