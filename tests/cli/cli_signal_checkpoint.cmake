@@ -9,10 +9,16 @@ set(common train --config ${SRC}/configs/mlp_fashion.toml --quiet --set train.th
   "--set" "model.hidden=[32]" "--set" "train.checkpoint=\"${dir}\"" --set train.checkpoint_keep=2
   --set train.checkpoint_every=200)
 
-# Long enough to be running when the signal comes (the handler is in place
-# before the data is read).
+# The signal is sent once the run has written its first metrics line, so it
+# lands in training whatever the machine's load (a fixed delay did not, on a
+# busy machine). $0 is the metrics file, $1 the signal, the rest the command.
+set(signal_when_training [=[
+m=$0; sig=$1; shift; rm -f "$m"; "$@" --metrics "$m" --set train.log_every=1 & pid=$!
+i=0; while [ ! -s "$m" ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done
+kill -s "$sig" $pid; wait $pid]=])
 execute_process(
-  COMMAND timeout --preserve-status -s TERM 5 ${MESHTRAIN} ${common} --set train.epochs=1000000
+  COMMAND sh -c "${signal_when_training}" ${dir}.jsonl TERM ${MESHTRAIN} ${common}
+    --set train.epochs=1000000
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 143)
   message(FATAL_ERROR "expected exit status 143 after SIGTERM, got ${rc}:\n${out}\n${err}")
@@ -48,8 +54,8 @@ endif()
 
 # SIGINT (Ctrl-C) likewise, with 128 + 2; the run resumed from the newest.
 execute_process(
-  COMMAND timeout --preserve-status -s INT 3 ${MESHTRAIN} ${common} --set train.epochs=1000000
-    "--set" "train.resume=\"auto\""
+  COMMAND sh -c "${signal_when_training}" ${dir}.jsonl INT ${MESHTRAIN} ${common}
+    --set train.epochs=1000000 "--set" "train.resume=\"auto\""
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 130 OR NOT err MATCHES "resumed from step ${until} "
    OR NOT err MATCHES "stopped by signal at step [0-9]+ \\(SIGINT\\); checkpoint written to ")

@@ -78,5 +78,42 @@ TEST(RunConfig, MissingDatasetNamesPathAndPackage) {
   EXPECT_NE(e.find("dataset-fashion-mnist"), std::string::npos) << e;
 }
 
+// Data order, normalisation and bounded evaluation map onto the options;
+// settings that cannot work are errors naming the keys, before any data is read.
+TEST(RunConfig, DataAndEvaluationSettings) {
+  Config c = Config::parse(
+      "[data]\nshuffle = false\nnormalize = \"mean_std\"\nmean = 0.5\nstd = 0.25\n"
+      "[train]\neval_batches = 3\n",
+      "t.toml");
+  RunConfig rc = read_run_config(c);
+  EXPECT_FALSE(rc.train.shuffle);
+  EXPECT_EQ(rc.train.eval_batches, 3);
+  EXPECT_TRUE(rc.data.normalize);
+  EXPECT_EQ(rc.data.mean, 0.5);
+  EXPECT_EQ(rc.data.std, 0.25);
+  rc = read_run_config(Config::parse("[data]\nnormalize = \"none\"\n", "t.toml"));
+  EXPECT_FALSE(rc.data.normalize);
+  EXPECT_TRUE(rc.train.shuffle);
+
+  std::string e = error_of("[data]\nlimit_test = 0\n");
+  EXPECT_NE(e.find("data.limit_test = 0"), std::string::npos) << e;
+  EXPECT_NE(e.find("train.eval"), std::string::npos) << e;
+  EXPECT_EQ(error_of("[data]\nlimit_test = 0\n[train]\neval = false\n"), "");
+  e = error_of("[model]\nkind = \"gpt\"\n[data]\ntest_fraction = 0\n");
+  EXPECT_NE(e.find("data.test_fraction = 0 leaves no test split, but train.eval is on"),
+            std::string::npos)
+      << e;
+  e = error_of("[train]\neval_batches = -1\n");
+  EXPECT_NE(e.find("train.eval_batches"), std::string::npos) << e;
+  e = error_of("[data]\nstd = 0\n");
+  EXPECT_NE(e.find("data.std"), std::string::npos) << e;
+  e = error_of("[data]\nnormalize = \"none\"\nmean = 0.1\n");
+  EXPECT_NE(e.find("data.mean / data.std are set but data.normalize is \"none\""),
+            std::string::npos)
+      << e;
+  e = error_of("[model]\nkind = \"gpt\"\n[data]\nnormalize = \"none\"\n");
+  EXPECT_NE(e.find("data.normalize applies to fashion_mnist images only"), std::string::npos) << e;
+}
+
 }  // namespace
 }  // namespace mt

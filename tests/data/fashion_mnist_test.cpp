@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "meshtrain/base/error.h"
 #include "meshtrain/data/fashion_mnist.h"
 
 namespace mt {
@@ -60,6 +61,41 @@ TEST(FashionMnistReal, LimitedReadMatchesThePrefixOfTheFullRead) {
     ASSERT_GE(a.x.item(i), -kFashionMnistMean / kFashionMnistStd - 1e-5);
     ASSERT_LE(a.x.item(i), (1 - kFashionMnistMean) / kFashionMnistStd + 1e-5);
   }
+}
+
+// data.normalize: the default is (x/255 - mean) / std with the training
+// set's statistics; "none" gives x/255; explicit numbers are used as given.
+TEST(FashionMnistReal, NormalisationIsAnOption) {
+  FashionMnistOptions o;
+  o.split = DataSplit::test;
+  o.limit = 8;
+  o.flatten = true;
+  const std::vector<int64_t> idx = {0, 3, 7};
+  struct Case {
+    bool normalize;
+    float mean, std;
+  };
+  for (const Case c : {Case{true, kFashionMnistMean, kFashionMnistStd}, Case{false, 0.f, 1.f},
+                       Case{true, 0.5f, 0.25f}}) {
+    o.normalize = c.normalize;
+    o.mean = c.mean;
+    o.std = c.std;
+    const FashionMnist ds(o);
+    const Batch b = ds.gather(idx);
+    ASSERT_EQ(b.x.shape(), (Shape{3, 784}));
+    for (int64_t i = 0; i < 3; ++i) {
+      const uint8_t* px = ds.pixels().data() + idx[static_cast<size_t>(i)] * 784;
+      for (int64_t p = 0; p < 784; ++p) {
+        const float x = static_cast<float>(px[p]) / 255.0f;
+        const float want = c.normalize ? (x - c.mean) / c.std : x;
+        ASSERT_FLOAT_EQ(b.x.item(i * 784 + p), want)
+            << "normalize " << c.normalize << " mean " << c.mean << " std " << c.std;
+      }
+    }
+  }
+  o.normalize = true;
+  o.std = 0;
+  EXPECT_THROW(FashionMnist{o}, ConfigError);
 }
 
 }  // namespace

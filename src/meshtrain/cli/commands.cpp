@@ -152,6 +152,30 @@ std::string signal_name(int sig) {
   return fmt::format("signal {}", sig);
 }
 
+// The end-of-run lines. A value this invocation did not measure prints as
+// "n/a" with the reason, never as 0.
+void print_summary(const TrainResult& r, const TrainerOptions& o) {
+  std::string loss = "n/a", rate = "n/a samples/s";
+  if (r.final_loss) loss = fmt::format("{:.4f}", *r.final_loss);
+  if (r.samples_per_s) {
+    rate = fmt::format("{:.0f} samples/s (median{})", *r.samples_per_s,
+                       !r.samples_per_s_includes_warmup ? std::string()
+                       : r.steps_run == 1
+                           ? std::string(" of 1 step, warm-up included")
+                           : fmt::format(" of all {} steps, warm-up included", r.steps_run));
+  }
+  fmt::print("steps {}  final loss {}  {}{}\n", r.steps, loss, rate,
+             r.steps_run == 0 ? "  (no steps ran: the run had already finished)" : "");
+  if (!o.eval) return;
+  if (r.test_accuracy && r.test_loss) {
+    fmt::print("final test accuracy: {:.2f}%  (test loss {:.4f}, {} test examples)\n",
+               100.0 * *r.test_accuracy, *r.test_loss, r.test_examples);
+  } else {
+    fmt::print("final test accuracy: n/a  (no evaluation ran{})\n",
+               o.halt_after > 0 ? ": train.halt_after stopped the run before its end" : "");
+  }
+}
+
 RunConfig load(const CommandOptions& opts) {
   Config c = Config::load(opts.config_path);
   c.set_all(opts.overrides);
@@ -215,7 +239,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   if (!leader) rc.train.progress = false;
 
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
-  auto test_data = open_dataset(rc.data, rc.model, DataSplit::test);
+  // Without evaluation the test split is not read (text may then give it
+  // no bytes: data.test_fraction = 0).
+  std::shared_ptr<const Dataset> test_data;
+  if (rc.train.eval) test_data = open_dataset(rc.data, rc.model, DataSplit::test);
   if (!opts.quiet && leader) {
     fmt::print(stderr, "meshtrain: training {} on {} ({} rank{}, ZeRO stage {}, {} threads, {})\n",
                rc.model.kind, train_data->describe(), comm ? comm->size() : 1,
@@ -252,12 +279,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     return 128 + r.stop_signal;
   }
   if (!leader) return 0;
-  fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,
-             r.samples_per_s);
-  if (rc.train.eval) {
-    fmt::print("final test accuracy: {:.2f}%  (test loss {:.4f})\n", 100.0 * r.test_accuracy,
-               r.test_loss);
-  }
+  print_summary(r, rc.train);
   if (!r.checkpoint.empty()) fmt::print("checkpoint: {}\n", r.checkpoint);
   return 0;
 }

@@ -37,7 +37,25 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
   }
   if (d.kind == "fashion_mnist") {
     d.dir = c.get_string("data.dir", kFashionMnistDefaultDir);
+    // "mean_std": (x/255 - data.mean) / data.std, by default the training
+    // set's own statistics; "none": x/255.
+    d.normalize = c.get_string("data.normalize", "mean_std", {"mean_std", "none"}) == "mean_std";
+    d.mean = c.get_double("data.mean", kFashionMnistMean, Bounds<double>::any());
+    d.std = c.get_double("data.std", kFashionMnistStd, Bounds<double>::positive());
+    if (!d.normalize && (c.has("data.mean") || c.has("data.std"))) {
+      throw ConfigError(
+          fmt::format("config {}: data.mean / data.std are set but data.normalize is \"none\"; set "
+                      "data.normalize = \"mean_std\" to use them",
+                      c.source()));
+    }
   } else {
+    for (const char* key : {"data.normalize", "data.mean", "data.std"}) {
+      if (c.has(key)) {
+        throw ConfigError(fmt::format(
+            "config {}: {} applies to fashion_mnist images only, not to data.kind \"text\"",
+            c.source(), key));
+      }
+    }
     d.path = c.get_string("data.path", kFortunesDefaultDir);
     d.test_fraction = c.get_double("data.test_fraction", 0.1, Bounds<double>::in(0.0, 0.9));
   }
@@ -56,6 +74,7 @@ TrainerOptions read_train(const Config& c) {
   t.threads = static_cast<int>(c.get_int("train.threads", 1, Bounds<int64_t>::in(1, 256)));
   t.precision = parse_dtype(c.get_string("train.precision", "f32", {"f32", "bf16", "f16"}));
   t.eval = c.get_bool("train.eval", true);
+  t.eval_batches = c.get_int("train.eval_batches", 0, Bounds<int64_t>::non_negative());
   t.log_every = c.get_int("train.log_every", 50, Bounds<int64_t>::positive());
   t.checkpoint_path = c.get_string("train.checkpoint", "");
   t.checkpoint_every = c.get_int("train.checkpoint_every", 0, Bounds<int64_t>::non_negative());
@@ -111,6 +130,19 @@ RunConfig read_run_config(const Config& c) {
   r.model = read_model(c);
   r.data = read_data(c, r.model);
   r.train = read_train(c);
+  r.train.shuffle = c.get_bool("data.shuffle", true);
+  if (r.train.eval && r.data.limit_test == 0) {
+    throw ConfigError(fmt::format(
+        "config {}: data.limit_test = 0 leaves no test examples, but train.eval is on; set "
+        "data.limit_test > 0 (-1 = all) or train.eval = false",
+        c.source()));
+  }
+  if (r.train.eval && r.data.kind == "text" && r.data.test_fraction == 0) {
+    throw ConfigError(fmt::format(
+        "config {}: data.test_fraction = 0 leaves no test split, but train.eval is on; set "
+        "data.test_fraction > 0 or train.eval = false",
+        c.source()));
+  }
   r.nproc = static_cast<int>(c.get_int("dist.nproc", 1, Bounds<int64_t>::in(1, kMaxRanks)));
   DistOptions& d = r.train.dist;
   d.dp.stage = static_cast<int>(c.get_int("dist.zero_stage", 0, Bounds<int64_t>::in(0, 3)));
@@ -143,6 +175,9 @@ std::shared_ptr<const Dataset> open_dataset(const DataSpec& d, const ModelSpec& 
     o.split = split;
     o.limit = limit;
     o.flatten = m.kind == "mlp";
+    o.normalize = d.normalize;
+    o.mean = static_cast<float>(d.mean);
+    o.std = static_cast<float>(d.std);
     return std::make_shared<FashionMnist>(o);
   }
   ByteTextOptions o;

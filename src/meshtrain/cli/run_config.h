@@ -20,6 +20,11 @@ struct DataSpec {
   int64_t limit_train = -1;            // examples (windows for text); -1 = all
   int64_t limit_test = -1;
   double test_fraction = 0.1;  // text only
+  // fashion_mnist only: pixels become (x/255 - mean) / std when normalize,
+  // x/255 in [0, 1] otherwise.
+  bool normalize = true;
+  double mean = 0.2860;
+  double std = 0.3530;
 };
 
 // Most ranks one job may have (dist.nproc, --nproc).

@@ -1,6 +1,7 @@
 #include "meshtrain/data/fashion_mnist.h"
 
 #include <array>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -33,6 +34,12 @@ FashionMnist::FashionMnist(FashionMnistOptions options) : options_(std::move(opt
   if (options_.limit < -1) {
     throw ConfigError(
         fmt::format("fashion-mnist: limit must be -1 (all) or >= 0, got {}", options_.limit));
+  }
+  if (options_.normalize &&
+      !(std::isfinite(options_.mean) && std::isfinite(options_.std) && options_.std > 0)) {
+    throw ConfigError(fmt::format(
+        "fashion-mnist: normalisation needs a finite mean and a positive std, got mean {} std {}",
+        options_.mean, options_.std));
   }
   const std::string ipath = images_path(options_.dir, options_.split);
   const std::string lpath = labels_path(options_.dir, options_.split);
@@ -71,8 +78,8 @@ Batch FashionMnist::gather(std::span<const int64_t> indices) const {
   // One table lookup per pixel instead of a divide: 256 possible values.
   std::array<float, 256> lut{};
   for (int v = 0; v < 256; ++v) {
-    lut[static_cast<size_t>(v)] =
-        (static_cast<float>(v) / 255.0f - kFashionMnistMean) / kFashionMnistStd;
+    const float x = static_cast<float>(v) / 255.0f;
+    lut[static_cast<size_t>(v)] = options_.normalize ? (x - options_.mean) / options_.std : x;
   }
   float* x = out.x.data<float>();
   int32_t* y = out.y.data<int32_t>();

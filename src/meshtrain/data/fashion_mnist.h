@@ -2,7 +2,8 @@
 // the Debian package `dataset-fashion-mnist`. The constructor reads and
 // validates the gzip'd IDX files (blocking; ~0.3 s for the full training set)
 // and keeps the raw bytes (47 MB for the training split); gather() normalises
-// pixels to f32 (x/255 - mean)/std on the fly. Immutable after construction.
+// pixels to f32 (x/255 - mean)/std on the fly (or x/255 with normalize off). Immutable after
+// construction.
 #pragma once
 
 #include <cstdint>
@@ -29,12 +30,17 @@ struct FashionMnistOptions {
   int64_t limit = -1;
   // false: x is f32 [B, 1, 28, 28] (for convolutions); true: x is f32 [B, 784].
   bool flatten = false;
+  // true: pixels are (x/255 - mean) / std; false: x/255 in [0, 1].
+  bool normalize = true;
+  float mean = kFashionMnistMean;
+  float std = kFashionMnistStd;  // > 0
 };
 
 class FashionMnist : public Dataset {
  public:
   // Throws FileError for missing or malformed files (naming the path and, for
-  // a missing file, the Debian package), ConfigError for a bad limit.
+  // a missing file, the Debian package), ConfigError for a bad limit or a
+  // std that is not a positive finite number.
   explicit FashionMnist(FashionMnistOptions options = {});
 
   int64_t size() const override { return static_cast<int64_t>(labels_.size()); }

@@ -11,7 +11,9 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 
+#include "meshtrain/base/output_path.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
 #include "meshtrain/data/loader.h"
@@ -45,6 +47,11 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// A measured value, or JSON null where nothing was measured (never 0).
+nlohmann::json or_null(const std::optional<double>& v) {
+  return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
 
 int64_t peak_rss_bytes() {
@@ -119,6 +126,7 @@ struct Trainer::Impl {
   std::unique_ptr<ParamStore> store;
   std::unique_ptr<DataParallel> dp;
   std::unique_ptr<DataLoader> loader;
+  std::unique_ptr<DataLoader> eval_loader;  // the test split, unshuffled; built when first needed
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<LrSchedule> schedule;
   DynamicLossScaler scaler;
@@ -159,6 +167,7 @@ struct Trainer::Impl {
     comm = group;
     rank = comm->rank();
     world = comm->size();
+    check_outputs();
     kernels(o.exec.backend, o.exec.fast).set_num_threads(o.threads);
     spec.compute = o.precision;
 
@@ -169,7 +178,18 @@ struct Trainer::Impl {
     lo.rank = rank;
     lo.world_size = world;
     lo.shares = o.dist.batch_shares;
+    lo.shuffle = o.shuffle;
+    if (train_data->size() < o.batch_size) {
+      throw ConfigError(
+          fmt::format("train.batch_size: a batch of {} is more than the {} (data.limit_train)",
+                      o.batch_size, train_data->describe()));
+    }
     loader = std::make_unique<DataLoader>(*train_data, lo);
+    if (o.eval_batches < 0) {
+      throw ConfigError(
+          fmt::format("train.eval_batches: must be >= 0 (0 = all), got {}", o.eval_batches));
+    }
+    if (o.eval) eval_loader = make_eval_loader();
     auto [lb, le] = loader->local_range(o.batch_size);
     local_batch = le - lb;
     const int k = o.dist.dp.accumulation_steps;
@@ -274,6 +294,68 @@ struct Trainer::Impl {
   }
 
   bool leader() const { return rank == 0; }
+
+  // Probes every path this rank will write (rank 0: metrics, trace, a
+  // single-file checkpoint; every rank: its shard of a checkpoint
+  // directory) so a bad one fails now, not after training; the ranks agree
+  // so that all of them stop. Then creates the missing parent directories.
+  void check_outputs() {
+    const bool ckpt_file = !o.checkpoint_path.empty() && single_file(o.checkpoint_path);
+    std::exception_ptr err;
+    try {
+      if (leader()) {
+        check_output_path(o.metrics_path, OutputKind::file, "--metrics");
+        check_output_path(o.dist.trace_path, OutputKind::replaced_file, "dist.trace (--trace)");
+        if (ckpt_file) {
+          check_output_path(o.checkpoint_path, OutputKind::replaced_file, "train.checkpoint");
+        }
+      }
+      if (!ckpt_file) {
+        check_output_path(o.checkpoint_path, OutputKind::directory, "train.checkpoint");
+      }
+    } catch (...) {
+      err = std::current_exception();
+    }
+    agree_on_failure(world > 1 ? comm : nullptr, err, o.dist.dp.collective);
+    if (leader()) {
+      create_output_parents(o.metrics_path, "--metrics");
+      create_output_parents(o.dist.trace_path, "dist.trace (--trace)");
+      if (ckpt_file) create_output_parents(o.checkpoint_path, "train.checkpoint");
+    }
+  }
+
+  // The evaluation loader: the test split in file order, each batch of
+  // eval_batch_size split over the ranks.
+  std::unique_ptr<DataLoader> make_eval_loader() const {
+    if (!test_data) {
+      throw ConfigError("train.eval: no test split was given, so there is nothing to evaluate");
+    }
+    if (test_data->size() == 0) {
+      throw ConfigError(fmt::format(
+          "train.eval: the test split has no examples ({}; data.limit_test = 0?), so there is "
+          "nothing to evaluate: set data.limit_test > 0 (-1 = all) or train.eval=false",
+          test_data->describe()));
+    }
+    LoaderOptions lo;
+    lo.batch_size = std::min<int64_t>(o.eval_batch_size, test_data->size());
+    lo.shuffle = false;
+    lo.drop_last = false;
+    lo.rank = rank;
+    lo.world_size = world;
+    try {
+      return std::make_unique<DataLoader>(*test_data, lo);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("train.eval_batch_size {} ({}, {} rank{}): {}",
+                                    o.eval_batch_size, test_data->describe(), world,
+                                    world > 1 ? "s" : "", e.what()));
+    }
+  }
+
+  // Test batches one evaluation covers: the first eval_batches, or all.
+  int64_t eval_steps() const {
+    const int64_t all = eval_loader->steps_per_epoch();
+    return o.eval_batches > 0 ? std::min(o.eval_batches, all) : all;
+  }
 
   // Whole parameters into the store's flat buffer (a no-op but for ZeRO-3,
   // where the store's copy is stale after construction).
@@ -574,18 +656,13 @@ struct Trainer::Impl {
   }
 
   // Each rank evaluates a contiguous slice of every test batch; sums are
-  // combined across ranks.
-  std::pair<double, double> evaluate() {
+  // combined across ranks. Returns {loss, accuracy, examples}.
+  std::tuple<double, double, int64_t> evaluate() {
     sync_store();
-    LoaderOptions lo;
-    lo.batch_size = std::min<int64_t>(o.eval_batch_size, test_data->size());
-    lo.shuffle = false;
-    lo.drop_last = false;
-    lo.rank = rank;
-    lo.world_size = world;
-    DataLoader tl(*test_data, lo);
+    if (!eval_loader) eval_loader = make_eval_loader();
+    const DataLoader& tl = *eval_loader;
     double sums[3] = {0, 0, 0};  // loss * rows, correct, rows
-    for (int64_t s = 0; s < tl.steps_per_epoch(); ++s) {
+    for (int64_t s = 0; s < eval_steps(); ++s) {
       Batch b = tl.batch(0, s);
       const int64_t n = b.size();
       if (n == 0) continue;
@@ -607,7 +684,7 @@ struct Trainer::Impl {
       sums[2] += static_cast<double>(rws);
     }
     comm->all_reduce(sums, sums, 3, DType::f64);
-    return {sums[0] / sums[2], sums[1] / sums[2]};
+    return {sums[0] / sums[2], sums[1] / sums[2], static_cast<int64_t>(sums[2])};
   }
 
   // One optimizer step over K micro-batches; returns the mean loss over the
@@ -663,11 +740,39 @@ struct Trainer::Impl {
     return loss;
   }
 
+  // Evaluates and records the result (metrics line, result, and, after a
+  // whole epoch, a progress message). `epoch` is in steps / steps per
+  // epoch, a float: 1.0 after the first epoch, 0.25 a quarter into it.
+  void record_eval(TrainResult& r, MetricsWriter& metrics, Progress* progress,
+                   int64_t whole_epoch) {
+    auto [tl, ta, n] = evaluate();
+    const double epoch = static_cast<double>(step) / static_cast<double>(loader->steps_per_epoch());
+    metrics.write({{"step", step},
+                   {"epoch", epoch},
+                   {"test_loss", tl},
+                   {"test_accuracy", ta},
+                   {"test_examples", n}});
+    if (progress != nullptr) {
+      progress->message(fmt::format("epoch {}: test loss {:.4f}, test accuracy {:.2f}%{}",
+                                    whole_epoch, tl, 100.0 * ta, eval_scope(n)));
+    }
+    r.test_loss = tl;
+    r.test_accuracy = ta;
+    r.test_examples = n;
+  }
+
+  // " (first N of M test examples)" when train.eval_batches limits it.
+  std::string eval_scope(int64_t n) const {
+    return n < test_data->size()
+               ? fmt::format(" (first {} of {} test examples)", n, test_data->size())
+               : std::string();
+  }
+
   TrainResult run() {
     MetricsWriter metrics(leader() ? o.metrics_path : std::string());
     Progress progress(total_steps, o.log_every, o.progress && leader(), o.progress_tty);
     TrainResult r;
-    std::vector<double> rates;
+    std::vector<double> rates, warmup_rates;
     const int64_t spe = loader->steps_per_epoch();
     const int64_t first = step;
     bool evaluated_last = false;
@@ -687,7 +792,7 @@ struct Trainer::Impl {
       }
       const double dt = sw.seconds();
       const double rate = static_cast<double>(o.batch_size) / dt;
-      if (step - first >= kWarmupSteps) rates.push_back(rate);
+      (step - first >= kWarmupSteps ? rates : warmup_rates).push_back(rate);
       if (step - first == kWarmupSteps) {
         exec->reset_profile();
         dp->reset_stats();
@@ -718,24 +823,14 @@ struct Trainer::Impl {
         break;
       }
       if (o.eval && (step % spe == 0)) {
-        auto [tl, ta] = evaluate();
-        metrics.write({{"epoch", epoch + 1}, {"test_loss", tl}, {"test_accuracy", ta}});
-        progress.message(fmt::format("epoch {}: test loss {:.4f}, test accuracy {:.2f}%", epoch + 1,
-                                     tl, 100.0 * ta));
-        r.test_loss = tl;
-        r.test_accuracy = ta;
+        record_eval(r, metrics, &progress, epoch + 1);
         evaluated_last = true;
       }
       if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) checkpoint_now(r);
     }
     progress.finish();
     if (o.eval && !evaluated_last && step == total_steps && r.stop_signal == 0) {
-      auto [tl, ta] = evaluate();
-      metrics.write({{"epoch", static_cast<double>(step) / static_cast<double>(spe)},
-                     {"test_loss", tl},
-                     {"test_accuracy", ta}});
-      r.test_loss = tl;
-      r.test_accuracy = ta;
+      record_eval(r, metrics, nullptr, 0);
     }
     checkpoint_now(r);
     sync_store();
@@ -747,7 +842,13 @@ struct Trainer::Impl {
     }
 
     r.steps = step;
-    r.samples_per_s = median(rates);
+    r.steps_run = step - first;
+    if (!rates.empty()) {
+      r.samples_per_s = median(rates);
+    } else if (!warmup_rates.empty()) {
+      r.samples_per_s = median(warmup_rates);  // a short run: better than nothing, and flagged
+      r.samples_per_s_includes_warmup = true;
+    }
     double mm_flops = 0, mm_ns = 0;
     int64_t runs = 0;  // executor runs (micro-batches) in this process
     for (const OpProfile& p : exec->profile()) {
@@ -757,19 +858,22 @@ struct Trainer::Impl {
         runs = std::max(runs, p.calls);
       }
     }
-    r.matmul_gflops = mm_ns > 0 ? mm_flops / mm_ns : 0.0;
-    r.matmul_s_per_step =
-        runs > 0 ? mm_ns * 1e-9 / static_cast<double>(runs) * o.dist.dp.accumulation_steps : 0.0;
+    if (mm_ns > 0) r.matmul_gflops = mm_flops / mm_ns;
+    if (runs > 0) {
+      r.matmul_s_per_step = mm_ns * 1e-9 / static_cast<double>(runs) * o.dist.dp.accumulation_steps;
+    }
     r.planned_arena_bytes = exec->memory_plan().arena_bytes;
     r.memory = dp->memory(static_cast<int>(optimizer->state_kinds().size()));
     const DataParallelStats st = dp->stats();
     nlohmann::json summary = {
         {"summary", true},
         {"steps", r.steps},
-        {"final_loss", r.final_loss},
-        {"samples_per_s", r.samples_per_s},
-        {"matmul_gflops", r.matmul_gflops},
-        {"matmul_s_per_step", r.matmul_s_per_step},
+        {"steps_run", r.steps_run},
+        {"final_loss", or_null(r.final_loss)},
+        {"samples_per_s", or_null(r.samples_per_s)},
+        {"samples_per_s_includes_warmup", r.samples_per_s_includes_warmup},
+        {"matmul_gflops", or_null(r.matmul_gflops)},
+        {"matmul_s_per_step", or_null(r.matmul_s_per_step)},
         {"planned_arena_bytes", r.planned_arena_bytes},
         {"allocated_arena_bytes", exec->allocated_arena_bytes()},
         {"param_bytes", store->numel() * 4},
@@ -778,7 +882,8 @@ struct Trainer::Impl {
         {"world_size", world},
         {"zero_stage", o.dist.dp.stage},
         {"comm_wait_s_per_step",
-         st.steps > 0 ? st.wait_seconds / static_cast<double>(st.steps) : 0.0},
+         st.steps > 0 ? nlohmann::json(st.wait_seconds / static_cast<double>(st.steps))
+                      : nlohmann::json(nullptr)},
         {"dp_param_bytes", r.memory.param_bytes},
         {"dp_grad_bytes", r.memory.grad_bytes},
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
@@ -787,8 +892,9 @@ struct Trainer::Impl {
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
     if (r.stop_signal != 0) summary["stopped_by_signal"] = r.stop_signal;
     if (o.eval) {
-      summary["test_loss"] = r.test_loss;
-      summary["test_accuracy"] = r.test_accuracy;
+      summary["test_loss"] = or_null(r.test_loss);
+      summary["test_accuracy"] = or_null(r.test_accuracy);
+      summary["test_examples"] = r.test_examples;
     }
     metrics.write(summary);
     return r;
@@ -808,7 +914,8 @@ const TorchLoadReport* Trainer::init_report() const {
   return impl_->init_report ? &*impl_->init_report : nullptr;
 }
 std::pair<double, double> Trainer::evaluate() {
-  return impl_->evaluate();
+  auto [loss, accuracy, examples] = impl_->evaluate();
+  return {loss, accuracy};
 }
 const Graph& Trainer::train_graph() const {
   return impl_->model.graph;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,11 +72,18 @@ struct TrainerOptions {
   int threads = 1;
   DType precision = DType::f32;  // f32, bf16 (mixed) or f16 (mixed, dynamic loss scaling)
   bool eval = true;              // evaluate on the test split after each epoch
-  int64_t log_every = 50;        // steps between metrics lines
-  bool progress = true;          // progress bar / lines on stderr
-  bool progress_tty = false;     // the bar although stderr is a pipe
-  std::string metrics_path;      // JSON lines; empty: none
-  std::string checkpoint_path;   // written at the end (and every checkpoint_every steps)
+  // > 0: evaluate on only the first this-many test batches of
+  // eval_batch_size (the split in file order, so the same examples every
+  // time, on every rank); 0 = the whole test split.
+  int64_t eval_batches = 0;
+  // Training batches from a seeded permutation per epoch (seed + epoch);
+  // false: file order every epoch.
+  bool shuffle = true;
+  int64_t log_every = 50;       // steps between metrics lines
+  bool progress = true;         // progress bar / lines on stderr
+  bool progress_tty = false;    // the bar although stderr is a pipe
+  std::string metrics_path;     // JSON lines; empty: none
+  std::string checkpoint_path;  // written at the end (and every checkpoint_every steps)
   int64_t checkpoint_every = 0;
   // Start a new run from the weights of a PyTorch-layout safetensors file
   // (train/export.h): every rank reads it. Not applied when resuming (the
@@ -112,14 +120,25 @@ struct TrainerOptions {
   DistOptions dist;
 };
 
+// What a run measured. A value that was not measured in this invocation is
+// absent (nullopt), never 0: no steps ran (resuming a finished run), no
+// evaluation ran (train.eval off, or train.halt_after stopped first).
 struct TrainResult {
-  int64_t steps = 0;
-  double final_loss = 0;  // training loss of the last step
-  double test_loss = 0;
-  double test_accuracy = 0;      // fraction in [0, 1]; next-token accuracy for text
-  double samples_per_s = 0;      // median over steps after warm-up
-  double matmul_gflops = 0;      // matmul FLOPs / matmul time inside training steps
-  double matmul_s_per_step = 0;  // matmul time per training step (mean over the run)
+  int64_t steps = 0;                    // optimizer steps completed, earlier invocations included
+  int64_t steps_run = 0;                // of which this invocation ran
+  std::optional<double> final_loss;     // training loss of the last step
+  std::optional<double> test_loss;      // of the last evaluation
+  std::optional<double> test_accuracy;  // fraction in [0, 1]; next-token accuracy for text
+  int64_t test_examples = 0;            // examples the last evaluation covered
+  // Median over the steps after the first 5 (warm-up: page faults, kernel
+  // selection); a run of 5 steps or fewer falls back to the median of all
+  // its steps and says so in samples_per_s_includes_warmup.
+  std::optional<double> samples_per_s;
+  bool samples_per_s_includes_warmup = false;
+  // Matmul FLOPs / matmul time inside training steps, and matmul time per
+  // step (mean), over the steps after the warm-up (all steps in a short run).
+  std::optional<double> matmul_gflops;
+  std::optional<double> matmul_s_per_step;
   int64_t planned_arena_bytes = 0;
   std::vector<double> losses;  // per step: mean loss over the global batch
   DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
@@ -133,8 +152,13 @@ class Trainer {
  public:
   // Builds the graphs and loaders; throws ConfigError / ShapeError /
   // FileError / CheckpointError for bad options, models or files.
+  // Everything the run will write later (metrics, trace, checkpoint) and
+  // every data / evaluation setting is checked here, before the first step
+  // (collective: a path one rank cannot write fails on every rank); missing
+  // parent directories of those outputs are then created.
   // comm: the data-parallel group (every rank constructs a Trainer with the
-  // same options); nullptr trains in this process alone.
+  // same options); nullptr trains in this process alone. test_data may be
+  // null when options.eval is off (evaluate() then throws ConfigError).
   Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
           std::shared_ptr<const Dataset> test_data, TrainerOptions options,
           Communicator* comm = nullptr);
@@ -148,8 +172,9 @@ class Trainer {
   // values; nullptr when no such file was loaded.
   const TorchLoadReport* init_report() const;
 
-  // Evaluates on the whole test split (each rank a slice, results
-  // combined; collective): {loss, accuracy}.
+  // Evaluates on the test split, or its first eval_batches batches (each
+  // rank a slice of every batch, results combined; collective):
+  // {loss, accuracy}.
   std::pair<double, double> evaluate();
 
   // The training graph (forward + backward) and its executor's memory plan.
