@@ -542,6 +542,12 @@ struct Trainer::Impl {
         save(o.checkpoint_path);
       }
     }
+    if (straggler) {
+      for (const std::string& msg : straggler->summary()) {
+        progress.message("meshtrain: " + msg);
+        metrics.write({{"step", step}, {"straggler", msg}});
+      }
+    }
     progress.finish();
     if (o.eval && !evaluated_last && step == total_steps) {
       auto [tl, ta] = evaluate();
