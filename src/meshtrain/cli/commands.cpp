@@ -8,6 +8,7 @@
 #include <functional>
 #include <thread>
 
+#include "meshtrain/base/plural.h"
 #include "meshtrain/cli/config.h"
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
@@ -74,6 +75,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   }
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
   if (!opts.trace_path.empty()) rc.train.dist.trace_path = opts.trace_path;
+  if (!opts.tensorboard_dir.empty()) rc.train.tensorboard_dir = opts.tensorboard_dir;
   rc.train.progress = !opts.quiet;
 
   // Under an MPI launcher every process is one data-parallel rank.
@@ -93,16 +95,21 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
   auto test_data = open_dataset(rc.data, rc.model, DataSplit::test);
   if (!opts.quiet && leader) {
-    fmt::print(stderr, "meshtrain: training {} on {} ({} rank{}, ZeRO stage {}, {} threads, {})\n",
-               rc.model.kind, train_data->describe(), comm ? comm->size() : 1,
-               comm && comm->size() > 1 ? "s" : "", rc.train.dist.dp.stage, rc.train.threads,
+    fmt::print(stderr, "meshtrain: training {} on {} ({}, ZeRO stage {}, {}, {})\n", rc.model.kind,
+               train_data->describe(), plural(comm ? comm->size() : 1, "rank"),
+               rc.train.dist.dp.stage, plural(rc.train.threads, "thread"),
                dtype_name(rc.train.precision));
   }
   Trainer trainer(rc.model, train_data, test_data, rc.train, comm.get());
   TrainResult r = trainer.run();
   if (!leader) return 0;
-  fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,
-             r.samples_per_s);
+  if (r.tokens_per_s > 0) {
+    fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s, {:.0f} tokens/s (median)\n", r.steps,
+               r.final_loss, r.samples_per_s, r.tokens_per_s);
+  } else {
+    fmt::print("steps {}  final loss {:.4f}  {:.0f} samples/s (median)\n", r.steps, r.final_loss,
+               r.samples_per_s);
+  }
   if (rc.train.eval) {
     fmt::print("final test accuracy: {:.2f}%  (test loss {:.4f})\n", 100.0 * r.test_accuracy,
                r.test_loss);

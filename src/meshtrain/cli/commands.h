@@ -11,8 +11,9 @@ struct CommandOptions {
   std::string config_path;
   std::vector<std::string> overrides;  // "section.key=value"
   std::string metrics_path;
-  std::string trace_path;  // Chrome-trace JSON of every rank (merged)
-  int nproc = 0;           // 0: from the config (dist.nproc)
+  std::string trace_path;       // Chrome-trace JSON of every rank (merged)
+  std::string tensorboard_dir;  // TensorBoard event file directory (train.tensorboard)
+  int nproc = 0;                // 0: from the config (dist.nproc)
   bool quiet = false;
 };
 

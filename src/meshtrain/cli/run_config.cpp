@@ -58,6 +58,7 @@ TrainerOptions read_train(const Config& c) {
   t.eval = c.get_bool("train.eval", true);
   t.log_every = c.get_int("train.log_every", 50, Bounds<int64_t>::positive());
   t.checkpoint_path = c.get_string("train.checkpoint", "");
+  t.tensorboard_dir = c.get_string("train.tensorboard", "");
   t.checkpoint_every = c.get_int("train.checkpoint_every", 0, Bounds<int64_t>::non_negative());
   t.resume_path = c.get_string("train.resume", "");
   t.halt_after = c.get_int("train.halt_after", 0, Bounds<int64_t>::non_negative());

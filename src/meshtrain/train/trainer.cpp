@@ -9,6 +9,7 @@
 #include <map>
 #include <thread>
 
+#include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
 #include "meshtrain/data/loader.h"
@@ -22,6 +23,7 @@
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
+#include "meshtrain/train/tensorboard.h"
 #include "meshtrain/train/timeline.h"
 #include "meshtrain/train/train_state.h"
 
@@ -191,8 +193,8 @@ struct Trainer::Impl {
     if (total_steps <= 0) {
       throw ConfigError(
           fmt::format("train.epochs / train.steps: the run has no steps (epochs {}, "
-                      "steps {}, {} steps per epoch)",
-                      o.epochs, o.max_steps, loader->steps_per_epoch()));
+                      "steps {}, {} per epoch)",
+                      o.epochs, o.max_steps, plural(loader->steps_per_epoch(), "step")));
     }
     LrScheduleOptions so = o.schedule;
     so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
@@ -484,10 +486,16 @@ struct Trainer::Impl {
 
   TrainResult run() {
     MetricsWriter metrics(leader() ? o.metrics_path : std::string());
+    TensorBoardWriter tensorboard(leader() ? o.tensorboard_dir : std::string());
     Progress progress(total_steps, o.log_every, o.progress && leader());
     TrainResult r;
     std::vector<double> rates;
     const int64_t spe = loader->steps_per_epoch();
+    const int64_t epochs = (total_steps + spe - 1) / spe;
+    // Text models predict one token per position: their targets per sample
+    // are the tokens each sample trains on (seq_len); images have one label.
+    const int64_t targets = model.graph.value(model.y).shape.numel() / micro_batch;
+    const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
     const int64_t first = step;
     bool evaluated_last = false;
     const int64_t stop =
@@ -516,6 +524,7 @@ struct Trainer::Impl {
       ++step;
       evaluated_last = false;
       nlohmann::json line = {{"step", step}, {"loss", loss}, {"samples_per_s", rate}, {"lr", lr}};
+      if (tokens_per_sample > 0) line["tokens_per_s"] = rate * tokens_per_sample;
       if (straggler) {
         const double compute = dt - (dp->stats().wait_seconds - wait_before);
         StragglerReport rep = straggler->report(step, compute);
@@ -527,11 +536,24 @@ struct Trainer::Impl {
       }
       if (consistency) consistency->maybe_check(step);
       if (o.dist.after_step) o.dist.after_step(step, rank);
-      if (step % o.log_every == 0 || step == stop) metrics.write(line);
-      progress.update(step - 1, loss, rate, lr);
+      if (step % o.log_every == 0 || step == stop) {
+        metrics.write(line);
+        std::vector<std::pair<std::string, float>> scalars = {
+            {"loss", static_cast<float>(loss)},
+            {"lr", static_cast<float>(lr)},
+            {"samples_per_s", static_cast<float>(rate)}};
+        if (tokens_per_sample > 0) {
+          scalars.emplace_back("tokens_per_s", static_cast<float>(rate * tokens_per_sample));
+        }
+        tensorboard.scalars(step, scalars);
+      }
+      progress.update(
+          ProgressUpdate{step, epoch + 1, epochs, loss, rate, rate * tokens_per_sample, lr});
       if (o.eval && (step % spe == 0)) {
         auto [tl, ta] = evaluate();
         metrics.write({{"epoch", epoch + 1}, {"test_loss", tl}, {"test_accuracy", ta}});
+        tensorboard.scalars(step, {{"test_loss", static_cast<float>(tl)},
+                                   {"test_accuracy", static_cast<float>(ta)}});
         progress.message(fmt::format("epoch {}: test loss {:.4f}, test accuracy {:.2f}%", epoch + 1,
                                      tl, 100.0 * ta));
         r.test_loss = tl;
@@ -554,6 +576,8 @@ struct Trainer::Impl {
       metrics.write({{"epoch", static_cast<double>(step) / static_cast<double>(spe)},
                      {"test_loss", tl},
                      {"test_accuracy", ta}});
+      tensorboard.scalars(
+          step, {{"test_loss", static_cast<float>(tl)}, {"test_accuracy", static_cast<float>(ta)}});
       r.test_loss = tl;
       r.test_accuracy = ta;
     }
@@ -568,6 +592,7 @@ struct Trainer::Impl {
 
     r.steps = step;
     r.samples_per_s = median(rates);
+    r.tokens_per_s = r.samples_per_s * tokens_per_sample;
     double mm_flops = 0, mm_ns = 0;
     int64_t runs = 0;  // executor runs (micro-batches) in this process
     for (const OpProfile& p : exec->profile()) {
@@ -604,6 +629,7 @@ struct Trainer::Impl {
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
         {"precision", std::string(dtype_name(o.precision))}};
+    if (tokens_per_sample > 0) summary["tokens_per_s"] = r.tokens_per_s;
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
     if (o.eval) {
       summary["test_loss"] = r.test_loss;

@@ -72,6 +72,7 @@ struct TrainerOptions {
   int64_t log_every = 50;        // steps between metrics lines
   bool progress = true;          // progress bar / lines on stderr
   std::string metrics_path;      // JSON lines; empty: none
+  std::string tensorboard_dir;   // TensorBoard event file in this directory; empty: none
   std::string checkpoint_path;   // written at the end (and every checkpoint_every steps)
   int64_t checkpoint_every = 0;
   std::string resume_path;  // continue from this checkpoint
@@ -91,6 +92,7 @@ struct TrainResult {
   double test_loss = 0;
   double test_accuracy = 0;      // fraction in [0, 1]; next-token accuracy for text
   double samples_per_s = 0;      // median over steps after warm-up
+  double tokens_per_s = 0;       // text models: samples_per_s x tokens per sample; else 0
   double matmul_gflops = 0;      // matmul FLOPs / matmul time inside training steps
   double matmul_s_per_step = 0;  // matmul time per training step (mean over the run)
   int64_t planned_arena_bytes = 0;
