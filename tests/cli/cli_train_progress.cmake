@@ -1,7 +1,8 @@
 # Progress lines, rates and TensorBoard output through the binary: with stderr
 # not a terminal, the plain lines show the epoch and an ETA; a text model's
 # lines, metrics and summary carry tokens/s next to samples/s (an image
-# model's do not); "1 thread" is singular; --tensorboard writes an event file.
+# model's do not); "1 thread" is singular; --tensorboard writes an event file,
+# and a directory that cannot be created is an error naming it.
 cmake_minimum_required(VERSION 3.25)
 
 function(run_train name)
@@ -89,3 +90,14 @@ endif()
 string(JSON summary_sps GET "${last}" samples_per_s)
 check_ratio("summary" "${summary_sps}" "${summary_tps}")
 message(STATUS "ok: gpt ${sps} samples/s = ${tps} tokens/s; summary ${summary_sps} / ${summary_tps}")
+
+# An event directory that cannot be created: exit status 1, the path named.
+set(bad ${metrics}/tb)  # under a regular file
+execute_process(COMMAND ${MESHTRAIN} train --config ${SRC}/configs/mlp_fashion.toml
+  --set train.steps=2 --set train.eval=false --set train.threads=1 --set data.limit_train=256
+  "--set" "train.checkpoint=\"\"" --tensorboard ${bad}
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 1)
+  message(FATAL_ERROR "bad --tensorboard: expected exit status 1, got ${rc}:\n${out}\n${err}")
+endif()
+expect(bad_tensorboard "${err}" "error: tensorboard directory ${bad}: cannot create it")
