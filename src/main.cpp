@@ -37,6 +37,8 @@ int main(int argc, char** argv) {
                     "Open MPI hostfile: start the --nproc ranks on these machines");
   train->add_option("--trace", opts.trace_path,
                     "write a Chrome-trace JSON timeline of every rank (opens in Perfetto)");
+  train->add_option("--tensorboard", opts.tensorboard_dir,
+                    "write a TensorBoard event file into this directory (train.tensorboard)");
   train->add_flag("--quiet", opts.quiet, "no progress output");
 
   CLI::App* inspect = app.add_subcommand("inspect", "print the model graph and its costs");

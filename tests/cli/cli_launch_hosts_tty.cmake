@@ -31,7 +31,9 @@ execute_process(COMMAND script -q -e -c "${line}" /dev/null
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "run on a pty failed (${rc}):\n${tty}\n${err}")
 endif()
-if(NOT tty MATCHES "\r\\[[^\n]*20/20" OR tty MATCHES "step 20/20")
+# The bar is redrawn in place ("\r[###...] step 20/20"); plain lines start
+# with "step" at the beginning of a line.
+if(NOT tty MATCHES "\r\\[[#.]+\\] step 20/20" OR tty MATCHES "(^|\n)step [0-9]+/20")
   message(FATAL_ERROR "expected rank 0's progress bar on the terminal:\n${tty}")
 endif()
 file(REMOVE ${hosts})

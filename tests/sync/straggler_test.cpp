@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <mutex>
+#include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -23,13 +26,18 @@ LocalWorldOptions world(int size) {
   return o;
 }
 
+// Without persistence and rate limit (announced as soon as a full window
+// says so), unless the tests ask for them.
 StragglerOptions options(int window, int64_t every_steps = 1, double threshold = 1.2,
-                         double recover_threshold = 0) {
+                         double recover_threshold = 0, int persist_windows = 0,
+                         int64_t repeat_gap_steps = 0) {
   StragglerOptions o;
   o.window = window;
   o.every_steps = every_steps;
   o.threshold = threshold;
   o.recover_threshold = recover_threshold;
+  o.persist_windows = persist_windows;
+  o.repeat_gap_steps = repeat_gap_steps;
   return o;
 }
 
@@ -42,8 +50,10 @@ TEST(MedianOf, OddEvenAndUnsorted) {
 
 // Runs `steps` steps on `size` ranks with time(rank, step) and returns rank
 // 0's reports (every rank's reports are checked to be equal).
+// summary, if given, receives rank 0's summary() at the end.
 std::vector<StragglerReport> run_given(int size, int steps, const StragglerOptions& opts,
-                                       double (*time)(int rank, int step)) {
+                                       const std::function<double(int rank, int step)>& time,
+                                       std::vector<std::string>* summary = nullptr) {
   std::mutex mu;
   std::vector<std::vector<StragglerReport>> by_rank(static_cast<size_t>(size));
   LocalWorld::run(world(size), [&](Communicator& comm) {
@@ -51,6 +61,7 @@ std::vector<StragglerReport> run_given(int size, int steps, const StragglerOptio
     std::vector<StragglerReport> mine;
     for (int s = 0; s < steps; ++s) mine.push_back(det.report(100 + s, time(comm.rank(), s)));
     std::lock_guard lock(mu);
+    if (summary != nullptr && comm.rank() == 0) *summary = det.summary();
     by_rank[static_cast<size_t>(comm.rank())] = std::move(mine);
   });
   for (int r = 1; r < size; ++r) {
@@ -191,12 +202,145 @@ TEST(Straggler, SleepingRankIsFoundAndEqualRanksAreNot) {
   }
 }
 
+// Step times of a busy machine: every step jitters (log-normal, 15%), one
+// step in 50 spikes to 4x, and a third of the 20-step windows make one random
+// rank 1.6x slower for the whole window -- sometimes the same rank two windows
+// running, never three. `slow_rank` (if >= 0) is 1.5x slower throughout.
+std::vector<std::vector<double>> busy_machine(int size, int steps, int slow_rank, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::lognormal_distribution<double> jitter(0.0, 0.15);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::uniform_int_distribution<int> pick(0, size - 1);
+  std::vector<std::vector<double>> t(static_cast<size_t>(size),
+                                     std::vector<double>(static_cast<size_t>(steps)));
+  int prev = -1, prev2 = -1;  // ranks slowed in the last two windows (-1: none)
+  for (int block = 0; block * 20 < steps; ++block) {
+    int slowed = -1;
+    if (u(rng) < 1.0 / 3) {
+      slowed = pick(rng);
+      if (slowed == prev && slowed == prev2) slowed = (slowed + 1) % size;
+    }
+    prev2 = prev;
+    prev = slowed;
+    for (int s = block * 20; s < std::min(steps, block * 20 + 20); ++s) {
+      for (int r = 0; r < size; ++r) {
+        double x = 0.020 * jitter(rng);
+        if (u(rng) < 0.02) x *= 4;
+        if (r == slowed) x *= 1.6;
+        if (r == slow_rank) x *= 1.5;
+        t[static_cast<size_t>(r)][static_cast<size_t>(s)] = x;
+      }
+    }
+  }
+  return t;
+}
+
+std::vector<std::string> all_messages(const std::vector<StragglerReport>& reports) {
+  std::vector<std::string> m;
+  for (const auto& r : reports) m.insert(m.end(), r.messages.begin(), r.messages.end());
+  return m;
+}
+
+StragglerOptions defaults() {
+  StragglerOptions o;  // window 20, threshold 1.2, persist 3 windows, gap 200 steps
+  return o;
+}
+
+TEST(Straggler, NoiseOnRandomRanksStaysQuiet) {
+  for (int size : {2, 4}) {
+    for (unsigned seed : {1u, 2u, 3u}) {
+      const auto t = busy_machine(size, 850, -1, seed);
+      const auto time = [&](int r, int s) {
+        return t[static_cast<size_t>(r)][static_cast<size_t>(s)];
+      };
+      std::vector<std::string> summary;
+      const auto reports = run_given(size, 850, defaults(), time, &summary);
+      const auto messages = all_messages(reports);
+      EXPECT_TRUE(messages.empty()) << size << " ranks, seed " << seed << ": " << messages.size()
+                                    << " messages, first: " << messages[0];
+      EXPECT_TRUE(summary.empty()) << summary[0];
+      // The same noise without persistence and rate limit is reported: the
+      // noise is real, the defaults are what keeps it quiet.
+      const auto eager = all_messages(run_given(size, 850, options(20), time));
+      EXPECT_GE(eager.size(), 4u) << size << " ranks, seed " << seed;
+    }
+  }
+}
+
+TEST(Straggler, PersistentStragglerAmidNoiseIsAnnouncedOnce) {
+  for (unsigned seed : {1u, 2u, 3u}) {
+    const auto t = busy_machine(4, 850, 2, seed);
+    std::vector<std::string> summary;
+    const auto reports = run_given(
+        4, 850, defaults(),
+        [&](int r, int s) { return t[static_cast<size_t>(r)][static_cast<size_t>(s)]; }, &summary);
+    std::vector<std::pair<size_t, std::string>> events;
+    for (size_t s = 0; s < reports.size(); ++s) {
+      for (const auto& m : reports[s].messages) events.emplace_back(s, m);
+    }
+    ASSERT_EQ(events.size(), 1u) << "seed " << seed << ": " << events.back().second;
+    EXPECT_EQ(events[0].second.rfind("rank 2 is a straggler: median step", 0), 0u)
+        << events[0].second;
+    // Persistence delays the announcement by three windows, not more: the
+    // first full window is at step 19, then 3 x 20 steps of slow judgements.
+    EXPECT_GE(events[0].first, 79u);
+    EXPECT_LE(events[0].first, 120u);
+    ASSERT_EQ(summary.size(), 1u);
+    EXPECT_NE(summary[0].find("rank 2 was a straggler"), std::string::npos) << summary[0];
+    EXPECT_NE(summary[0].find("not recovered by the end"), std::string::npos) << summary[0];
+  }
+}
+
+TEST(Straggler, PersistenceNeedsSlowJudgementsThroughWholeWindows) {
+  // Window 4, persist 2 windows (8 steps). Rank 1 slow for steps 10-16 (a
+  // burst of 7 steps): judged slow from step 11 (2 of 4 slow: median 20 ms,
+  // 2x) to 18, not long enough. Slow from step 24 on: judged slow from step
+  // 25, announced 8 steps later.
+  const auto reports = run_given(2, 40, options(4, 1, 1.2, 0, 2), [](int rank, int step) {
+    return rank == 1 && ((step >= 10 && step < 17) || step >= 24) ? 0.030 : 0.010;
+  });
+  std::vector<std::pair<size_t, std::string>> events;
+  for (size_t s = 0; s < reports.size(); ++s) {
+    for (const auto& m : reports[s].messages) events.emplace_back(s, m);
+  }
+  ASSERT_EQ(events.size(), 1u) << events[0].second;
+  EXPECT_EQ(events[0].first, 33u);
+  EXPECT_EQ(reports[33].new_stragglers, std::vector<int>{1});
+  EXPECT_EQ(reports[18].stragglers, std::vector<int>{1}) << "slow now, but not persistent";
+  EXPECT_TRUE(reports[18].new_stragglers.empty());
+  EXPECT_TRUE(reports[19].stragglers.empty());
+}
+
+TEST(Straggler, RepeatedAnnouncementsAreRateLimited) {
+  // Rank 1 alternates 10 slow and 10 normal steps; window 2, no persistence:
+  // without a limit every flip is announced, with a 50-step gap at most one
+  // message per 50 steps (at 1, 51, 101, 151), and the last announced state
+  // is the true one.
+  const auto flapping = [](int rank, int step) {
+    return rank == 1 && (step / 10) % 2 == 0 ? 0.030 : 0.010;
+  };
+  const auto unlimited = all_messages(run_given(2, 200, options(2), flapping));
+  EXPECT_EQ(unlimited.size(), 20u);
+  const auto reports = run_given(2, 200, options(2, 1, 1.2, 0, 0, 50), flapping);
+  std::vector<size_t> at;
+  for (size_t s = 0; s < reports.size(); ++s) {
+    if (!reports[s].messages.empty()) at.push_back(s);
+  }
+  ASSERT_GE(at.size(), 2u);
+  for (size_t i = 1; i < at.size(); ++i) EXPECT_GE(at[i] - at[i - 1], 50u) << i;
+  EXPECT_LE(at.size(), 4u);
+  EXPECT_EQ(reports[at.back()].messages[0].rfind("rank 1 recovered", 0), 0u)
+      << reports[at.back()].messages[0];
+}
+
 TEST(Straggler, BadInputIsNamed) {
   LocalWorld::run(world(1), [&](Communicator& comm) {
     EXPECT_THROW(StragglerDetector(comm, options(20, 0)), ConfigError);
     EXPECT_THROW(StragglerDetector(comm, options(0)), ConfigError);
     EXPECT_THROW(StragglerDetector(comm, options(20, 1, 1.0)), ConfigError);
     EXPECT_THROW(StragglerDetector(comm, options(20, 1, 1.5, 1.6)), ConfigError);
+    EXPECT_THROW(StragglerDetector(comm, options(20, 1, 1.5, 0, -1)), ConfigError);
+    EXPECT_THROW(StragglerDetector(comm, options(20, 1, 1.5, 0, 0, -2)), ConfigError);
     StragglerDetector det(comm, options(1));
     EXPECT_THROW(det.report(0, -0.5), ConfigError);
     EXPECT_THROW(det.report(0, std::nan("")), ConfigError);

@@ -4,8 +4,8 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <signal.h>
+#include <cerrno>
 
 #include <atomic>
 #include <chrono>
@@ -15,6 +15,7 @@
 #include <functional>
 #include <thread>
 
+#include "meshtrain/base/plural.h"
 #include "meshtrain/cli/config.h"
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
@@ -158,10 +159,11 @@ void print_summary(const TrainResult& r, const TrainerOptions& o) {
   std::string loss = "n/a", rate = "n/a samples/s";
   if (r.final_loss) loss = fmt::format("{:.4f}", *r.final_loss);
   if (r.samples_per_s) {
-    rate = fmt::format("{:.0f} samples/s (median{})", *r.samples_per_s,
-                       !r.samples_per_s_includes_warmup ? std::string()
-                       : r.steps_run == 1
-                           ? std::string(" of 1 step, warm-up included")
+    rate = fmt::format(
+        "{:.0f} samples/s{} (median{})", *r.samples_per_s,
+        r.tokens_per_s ? fmt::format(", {:.0f} tokens/s", *r.tokens_per_s) : std::string(),
+        !r.samples_per_s_includes_warmup ? std::string()
+        : r.steps_run == 1               ? std::string(" of 1 step, warm-up included")
                            : fmt::format(" of all {} steps, warm-up included", r.steps_run));
   }
   fmt::print("steps {}  final loss {}  {}{}\n", r.steps, loss, rate,
@@ -220,6 +222,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   install_stop_handlers();
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
   if (!opts.trace_path.empty()) rc.train.dist.trace_path = opts.trace_path;
+  if (!opts.tensorboard_dir.empty()) rc.train.tensorboard_dir = opts.tensorboard_dir;
   rc.train.progress = !opts.quiet;
   rc.train.progress_tty = launcher_stderr_is_tty();
 
@@ -244,9 +247,9 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   std::shared_ptr<const Dataset> test_data;
   if (rc.train.eval) test_data = open_dataset(rc.data, rc.model, DataSplit::test);
   if (!opts.quiet && leader) {
-    fmt::print(stderr, "meshtrain: training {} on {} ({} rank{}, ZeRO stage {}, {} threads, {})\n",
-               rc.model.kind, train_data->describe(), comm ? comm->size() : 1,
-               comm && comm->size() > 1 ? "s" : "", rc.train.dist.dp.stage, rc.train.threads,
+    fmt::print(stderr, "meshtrain: training {} on {} ({}, ZeRO stage {}, {}, {})\n", rc.model.kind,
+               train_data->describe(), plural(comm ? comm->size() : 1, "rank"),
+               rc.train.dist.dp.stage, plural(rc.train.threads, "thread"),
                dtype_name(rc.train.precision));
   }
   rc.train.on_notice = [](const std::string& msg) { fmt::print(stderr, "meshtrain: {}\n", msg); };

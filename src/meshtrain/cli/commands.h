@@ -12,9 +12,10 @@ struct CommandOptions {
   std::string config_path;
   std::vector<std::string> overrides;  // "section.key=value"
   std::string metrics_path;
-  std::string trace_path;  // Chrome-trace JSON of every rank (merged)
-  int nproc = 0;           // 0: from the config (dist.nproc)
-  std::string hostfile;    // --hosts: Open MPI hostfile for ranks on many machines
+  std::string trace_path;       // Chrome-trace JSON of every rank (merged)
+  std::string tensorboard_dir;  // TensorBoard event file directory (train.tensorboard)
+  int nproc = 0;                // 0: from the config (dist.nproc)
+  std::string hostfile;         // --hosts: Open MPI hostfile for ranks on many machines
   bool quiet = false;
   // export
   std::string export_checkpoint;  // empty: train.checkpoint of the config

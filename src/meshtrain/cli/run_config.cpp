@@ -77,6 +77,7 @@ TrainerOptions read_train(const Config& c) {
   t.eval_batches = c.get_int("train.eval_batches", 0, Bounds<int64_t>::non_negative());
   t.log_every = c.get_int("train.log_every", 50, Bounds<int64_t>::positive());
   t.checkpoint_path = c.get_string("train.checkpoint", "");
+  t.tensorboard_dir = c.get_string("train.tensorboard", "");
   t.checkpoint_every = c.get_int("train.checkpoint_every", 0, Bounds<int64_t>::non_negative());
   t.checkpoint_keep = c.get_int("train.checkpoint_keep", 0, Bounds<int64_t>::non_negative());
   t.resume_path = c.get_string("train.resume", "");

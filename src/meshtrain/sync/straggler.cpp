@@ -41,9 +41,22 @@ StragglerDetector::StragglerDetector(Communicator& comm, StragglerOptions option
         "straggler detection: recover_threshold must lie in [1, threshold = {}], got {}",
         options_.threshold, options_.recover_threshold));
   }
+  if (options_.persist_windows < 0) {
+    throw ConfigError(fmt::format("straggler detection: persist_windows must be >= 0, got {}",
+                                  options_.persist_windows));
+  }
+  if (options_.repeat_gap_steps == -1) {
+    options_.repeat_gap_steps = 10 * static_cast<int64_t>(options_.window);
+  }
+  if (options_.repeat_gap_steps < 0) {
+    throw ConfigError(fmt::format(
+        "straggler detection: repeat_gap_steps must be >= 0 (or -1 for 10 x window), got {}",
+        options_.repeat_gap_steps));
+  }
   const auto n = static_cast<size_t>(comm_.size());
   window_.resize(n);
   flagged_.assign(n, false);
+  state_.assign(n, RankState{});
 }
 
 StragglerReport StragglerDetector::report(int64_t step, double compute_seconds) {
@@ -111,6 +124,16 @@ void StragglerDetector::judge(StragglerReport& out) {
   }
   out.ratio.assign(n, 1.0);
   if (n < 2) return;
+  const int64_t now = out.steps.back();
+  const int64_t covered = last_judged_ < 0 ? 1 : now - last_judged_;
+  last_judged_ = now;
+  judged_steps_ += covered;
+  // A change of state needs judgements that all disagree with the current
+  // state from a first step to persist_windows windows later. The sliding
+  // median turns once half a window disagrees and turns back once half of it
+  // agrees again, so a burst of slow steps shorter than persist_windows
+  // windows never changes the state.
+  const int64_t persist_steps = static_cast<int64_t>(options_.persist_windows) * options_.window;
   for (size_t r = 0; r < n; ++r) {
     std::vector<double> others;
     for (size_t q = 0; q < n; ++q) {
@@ -125,25 +148,57 @@ void StragglerDetector::judge(StragglerReport& out) {
       ratio = std::numeric_limits<double>::infinity();
     }
     out.ratio[r] = ratio;
-    const auto line = [&](const char* what) {
-      return fmt::format(
-          "rank {} {}: median step {:.1f} ms vs {:.1f} ms for the others ({:.2f}x) "
-          "over the last {} steps",
-          r, what, mine * 1e3, reference * 1e3, ratio, options_.window);
-    };
-    if (ratio > options_.threshold) {
-      out.stragglers.push_back(static_cast<int>(r));
-      if (!flagged_[r]) {
-        flagged_[r] = true;
-        out.new_stragglers.push_back(static_cast<int>(r));
-        out.messages.push_back(line("is a straggler"));
+    if (ratio > options_.threshold) out.stragglers.push_back(static_cast<int>(r));
+
+    RankState& st = state_[r];
+    st.last_ratio = ratio;
+    // Between recover_threshold and threshold neither state is contradicted.
+    const bool disagrees =
+        st.straggler ? ratio <= options_.recover_threshold : ratio > options_.threshold;
+    if (!disagrees) {
+      st.change_since = -1;
+    } else {
+      if (st.change_since < 0) st.change_since = now;
+      if (now - st.change_since >= persist_steps) {
+        st.straggler = !st.straggler;
+        st.change_since = -1;
+        if (st.straggler) st.straggler_since = now;
       }
-    } else if (flagged_[r] && ratio <= options_.recover_threshold) {
-      flagged_[r] = false;
-      out.recovered.push_back(static_cast<int>(r));
-      out.messages.push_back(line("recovered"));
     }
+    if (st.straggler) st.straggler_steps += covered;
+
+    if (st.straggler == flagged_[r]) continue;
+    if (options_.repeat_gap_steps > 0 && st.last_message >= 0 &&
+        now - st.last_message < options_.repeat_gap_steps) {
+      continue;  // announced when the gap ends, if the change still holds
+    }
+    flagged_[r] = st.straggler;
+    st.last_message = now;
+    const std::string what = st.straggler ? "is a straggler" : "recovered";
+    out.messages.push_back(
+        fmt::format("rank {} {}: median step {:.1f} ms vs {:.1f} ms for the others ({:.2f}x) "
+                    "over the last {} steps",
+                    r, what, mine * 1e3, reference * 1e3, ratio, options_.window));
+    (st.straggler ? out.new_stragglers : out.recovered).push_back(static_cast<int>(r));
   }
+}
+
+std::vector<std::string> StragglerDetector::summary() const {
+  std::vector<std::string> lines;
+  for (size_t r = 0; r < state_.size(); ++r) {
+    const RankState& st = state_[r];
+    if (st.straggler_steps == 0) continue;
+    lines.push_back(fmt::format(
+        "straggler summary: rank {} was a straggler (median step over {:.2f}x the others') for "
+        "{} of the {} steps judged; {}",
+        r, options_.threshold, st.straggler_steps, judged_steps_,
+        st.straggler
+            ? fmt::format(
+                  "not recovered by the end (last window {:.2f}x), a straggler since step {}",
+                  st.last_ratio, st.straggler_since)
+            : std::string("recovered")));
+  }
+  return lines;
 }
 
 }  // namespace mt

@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "meshtrain/base/output_path.h"
+#include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
 #include "meshtrain/data/loader.h"
@@ -29,6 +30,7 @@
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/step_checkpoints.h"
+#include "meshtrain/train/tensorboard.h"
 #include "meshtrain/train/timeline.h"
 #include "meshtrain/train/train_state.h"
 
@@ -222,8 +224,8 @@ struct Trainer::Impl {
     if (total_steps <= 0) {
       throw ConfigError(
           fmt::format("train.epochs / train.steps: the run has no steps (epochs {}, "
-                      "steps {}, {} steps per epoch)",
-                      o.epochs, o.max_steps, loader->steps_per_epoch()));
+                      "steps {}, {} per epoch)",
+                      o.epochs, o.max_steps, plural(loader->steps_per_epoch(), "step")));
     }
     LrScheduleOptions so = o.schedule;
     so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
@@ -295,8 +297,8 @@ struct Trainer::Impl {
 
   bool leader() const { return rank == 0; }
 
-  // Probes every path this rank will write (rank 0: metrics, trace, a
-  // single-file checkpoint; every rank: its shard of a checkpoint
+  // Probes every path this rank will write (rank 0: metrics, trace, the
+  // TensorBoard directory, a single-file checkpoint; every rank: its shard of a checkpoint
   // directory) so a bad one fails now, not after training; the ranks agree
   // so that all of them stop. Then creates the missing parent directories.
   void check_outputs() {
@@ -306,6 +308,8 @@ struct Trainer::Impl {
       if (leader()) {
         check_output_path(o.metrics_path, OutputKind::file, "--metrics");
         check_output_path(o.dist.trace_path, OutputKind::replaced_file, "dist.trace (--trace)");
+        check_output_path(o.tensorboard_dir, OutputKind::directory,
+                          "train.tensorboard (--tensorboard)");
         if (ckpt_file) {
           check_output_path(o.checkpoint_path, OutputKind::replaced_file, "train.checkpoint");
         }
@@ -743,8 +747,8 @@ struct Trainer::Impl {
   // Evaluates and records the result (metrics line, result, and, after a
   // whole epoch, a progress message). `epoch` is in steps / steps per
   // epoch, a float: 1.0 after the first epoch, 0.25 a quarter into it.
-  void record_eval(TrainResult& r, MetricsWriter& metrics, Progress* progress,
-                   int64_t whole_epoch) {
+  void record_eval(TrainResult& r, MetricsWriter& metrics, TensorBoardWriter& tensorboard,
+                   Progress* progress, int64_t whole_epoch) {
     auto [tl, ta, n] = evaluate();
     const double epoch = static_cast<double>(step) / static_cast<double>(loader->steps_per_epoch());
     metrics.write({{"step", step},
@@ -752,6 +756,8 @@ struct Trainer::Impl {
                    {"test_loss", tl},
                    {"test_accuracy", ta},
                    {"test_examples", n}});
+    tensorboard.scalars(
+        step, {{"test_loss", static_cast<float>(tl)}, {"test_accuracy", static_cast<float>(ta)}});
     if (progress != nullptr) {
       progress->message(fmt::format("epoch {}: test loss {:.4f}, test accuracy {:.2f}%{}",
                                     whole_epoch, tl, 100.0 * ta, eval_scope(n)));
@@ -770,10 +776,16 @@ struct Trainer::Impl {
 
   TrainResult run() {
     MetricsWriter metrics(leader() ? o.metrics_path : std::string());
+    TensorBoardWriter tensorboard(leader() ? o.tensorboard_dir : std::string());
     Progress progress(total_steps, o.log_every, o.progress && leader(), o.progress_tty);
     TrainResult r;
     std::vector<double> rates, warmup_rates;
     const int64_t spe = loader->steps_per_epoch();
+    const int64_t epochs = (total_steps + spe - 1) / spe;
+    // Text models predict one token per position: their targets per sample
+    // are the tokens each sample trains on (seq_len); images have one label.
+    const int64_t targets = model.graph.value(model.y).shape.numel() / micro_batch;
+    const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
     const int64_t first = step;
     bool evaluated_last = false;
     const int64_t stop =
@@ -802,6 +814,7 @@ struct Trainer::Impl {
       ++step;
       evaluated_last = false;
       nlohmann::json line = {{"step", step}, {"loss", loss}, {"samples_per_s", rate}, {"lr", lr}};
+      if (tokens_per_sample > 0) line["tokens_per_s"] = rate * tokens_per_sample;
       if (straggler) {
         const double compute = dt - (dp->stats().wait_seconds - wait_before);
         StragglerReport rep = straggler->report(step, compute);
@@ -813,8 +826,19 @@ struct Trainer::Impl {
       }
       if (consistency) consistency->maybe_check(step);
       if (o.dist.after_step) o.dist.after_step(step, rank);
-      if (step % o.log_every == 0 || step == stop) metrics.write(line);
-      progress.update(step - 1, loss, rate, lr);
+      if (step % o.log_every == 0 || step == stop) {
+        metrics.write(line);
+        std::vector<std::pair<std::string, float>> scalars = {
+            {"loss", static_cast<float>(loss)},
+            {"lr", static_cast<float>(lr)},
+            {"samples_per_s", static_cast<float>(rate)}};
+        if (tokens_per_sample > 0) {
+          scalars.emplace_back("tokens_per_s", static_cast<float>(rate * tokens_per_sample));
+        }
+        tensorboard.scalars(step, scalars);
+      }
+      progress.update(
+          ProgressUpdate{step, epoch + 1, epochs, loss, rate, rate * tokens_per_sample, lr});
       if (stop_requested && step < stop) {
         // Which signal: the highest any rank saw, so every rank reports alike.
         double sig = o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0;
@@ -823,14 +847,20 @@ struct Trainer::Impl {
         break;
       }
       if (o.eval && (step % spe == 0)) {
-        record_eval(r, metrics, &progress, epoch + 1);
+        record_eval(r, metrics, tensorboard, &progress, epoch + 1);
         evaluated_last = true;
       }
       if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) checkpoint_now(r);
     }
+    if (straggler) {
+      for (const std::string& msg : straggler->summary()) {
+        progress.message("meshtrain: " + msg);
+        metrics.write({{"step", step}, {"straggler", msg}});
+      }
+    }
     progress.finish();
     if (o.eval && !evaluated_last && step == total_steps && r.stop_signal == 0) {
-      record_eval(r, metrics, nullptr, 0);
+      record_eval(r, metrics, tensorboard, nullptr, 0);
     }
     checkpoint_now(r);
     sync_store();
@@ -849,6 +879,8 @@ struct Trainer::Impl {
       r.samples_per_s = median(warmup_rates);  // a short run: better than nothing, and flagged
       r.samples_per_s_includes_warmup = true;
     }
+    if (r.samples_per_s && tokens_per_sample > 0)
+      r.tokens_per_s = *r.samples_per_s * tokens_per_sample;
     double mm_flops = 0, mm_ns = 0;
     int64_t runs = 0;  // executor runs (micro-batches) in this process
     for (const OpProfile& p : exec->profile()) {
@@ -889,6 +921,7 @@ struct Trainer::Impl {
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
         {"precision", std::string(dtype_name(o.precision))}};
+    if (tokens_per_sample > 0) summary["tokens_per_s"] = or_null(r.tokens_per_s);
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
     if (r.stop_signal != 0) summary["stopped_by_signal"] = r.stop_signal;
     if (o.eval) {

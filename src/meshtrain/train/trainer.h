@@ -83,6 +83,7 @@ struct TrainerOptions {
   bool progress = true;         // progress bar / lines on stderr
   bool progress_tty = false;    // the bar although stderr is a pipe
   std::string metrics_path;     // JSON lines; empty: none
+  std::string tensorboard_dir;  // TensorBoard event file in this directory; empty: none
   std::string checkpoint_path;  // written at the end (and every checkpoint_every steps)
   int64_t checkpoint_every = 0;
   // Start a new run from the weights of a PyTorch-layout safetensors file
@@ -135,6 +136,8 @@ struct TrainResult {
   // its steps and says so in samples_per_s_includes_warmup.
   std::optional<double> samples_per_s;
   bool samples_per_s_includes_warmup = false;
+  // Text models: samples_per_s x tokens per sample; absent for other models.
+  std::optional<double> tokens_per_s;
   // Matmul FLOPs / matmul time inside training steps, and matmul time per
   // step (mean), over the steps after the warm-up (all steps in a short run).
   std::optional<double> matmul_gflops;
