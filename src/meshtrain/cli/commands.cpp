@@ -1,7 +1,9 @@
 #include "meshtrain/cli/commands.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -9,6 +11,7 @@
 #include <thread>
 
 #include "meshtrain/cli/config.h"
+#include "meshtrain/cli/config_keys.h"
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
@@ -50,15 +53,58 @@ std::function<void(int64_t, int)> fault_drill(const std::string& spec) {
   };
 }
 
-RunConfig load(const CommandOptions& opts) {
+// The run's configuration. `effective` gets the --print-config text;
+// `empty` says the file held no keys, which is worth a notice: a wrong or
+// truncated file would otherwise train on defaults without a word.
+RunConfig load(const CommandOptions& opts, std::string* effective = nullptr,
+               bool* empty = nullptr) {
   Config c = Config::load(opts.config_path);
   c.set_all(opts.overrides);
-  return read_run_config(c);
+  RunConfig rc = read_run_config(c);
+  if (effective != nullptr) *effective = format_effective_config(c);
+  if (empty != nullptr) *empty = c.source_empty();
+  return rc;
+}
+
+void empty_notice(const CommandOptions& opts) {
+  fmt::print(stderr,
+             "meshtrain: config {} is empty: every key takes its default (meshtrain config "
+             "--list shows them)\n",
+             opts.config_path);
 }
 }  // namespace
 
+std::optional<std::string> unknown_command_message(std::string_view arg,
+                                                   const std::vector<std::string>& commands) {
+  if (arg.empty() || arg.front() == '-') return std::nullopt;
+  if (std::find(commands.begin(), commands.end(), arg) != commands.end()) return std::nullopt;
+  std::string guess;
+  size_t best = std::max<size_t>(2, arg.size() / 3) + 1;
+  for (const std::string& c : commands) {
+    const size_t d = edit_distance(arg, c);
+    if (d < best) {
+      best = d;
+      guess = c;
+    }
+  }
+  return fmt::format("unknown command '{}'{}; commands: {}", arg,
+                     guess.empty() ? "" : fmt::format(" (did you mean '{}'?)", guess),
+                     fmt::join(commands, ", "));
+}
+
+int cmd_config_list(bool markdown) {
+  fmt::print("{}", markdown ? format_key_markdown() : format_key_list());
+  return 0;
+}
+
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
-  RunConfig rc = load(opts);
+  std::string effective;
+  bool empty = false;
+  RunConfig rc = load(opts, &effective, &empty);
+  if (opts.print_config) {
+    fmt::print("{}", effective);
+    return 0;
+  }
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
   if (nproc > 1 && !launched_by_mpi()) {
     std::vector<std::string> args;
@@ -89,6 +135,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   const bool leader = comm == nullptr || comm->rank() == 0;
   if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
+  if (empty && leader) empty_notice(opts);
 
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
   auto test_data = open_dataset(rc.data, rc.model, DataSplit::test);
@@ -112,7 +159,14 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
 }
 
 int cmd_inspect(const CommandOptions& opts) {
-  RunConfig rc = load(opts);
+  std::string effective;
+  bool empty = false;
+  RunConfig rc = load(opts, &effective, &empty);
+  if (opts.print_config) {
+    fmt::print("{}", effective);
+    return 0;
+  }
+  if (empty) empty_notice(opts);
   ModelSpec spec = rc.model;
   spec.compute = rc.train.precision;
   ModelGraph m = build_model(spec, rc.train.batch_size);

@@ -35,11 +35,17 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
                     "trains on text, mlp and cnn on fashion_mnist)",
                     c.source(), d.kind, m.kind));
   }
+  // Both kinds' keys are read (and validated) whatever data.kind says, as
+  // for the model and optimizer keys, so `meshtrain config --list` sees them.
+  const std::string dir = c.get_string("data.dir", kFashionMnistDefaultDir);
+  const std::string path = c.get_string("data.path", kFortunesDefaultDir);
+  const double test_fraction =
+      c.get_double("data.test_fraction", 0.1, Bounds<double>::in(0.0, 0.9));
   if (d.kind == "fashion_mnist") {
-    d.dir = c.get_string("data.dir", kFashionMnistDefaultDir);
+    d.dir = dir;
   } else {
-    d.path = c.get_string("data.path", kFortunesDefaultDir);
-    d.test_fraction = c.get_double("data.test_fraction", 0.1, Bounds<double>::in(0.0, 0.9));
+    d.path = path;
+    d.test_fraction = test_fraction;
   }
   d.limit_train = c.get_int("data.limit_train", -1, Bounds<int64_t>::at_least(-1));
   d.limit_test = c.get_int("data.limit_test", -1, Bounds<int64_t>::at_least(-1));
