@@ -7,6 +7,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <thread>
 
@@ -20,6 +21,7 @@
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/train/training_plan.h"
 
 namespace mt {
 
@@ -64,6 +66,20 @@ RunConfig load(const CommandOptions& opts, std::string* effective = nullptr,
   if (effective != nullptr) *effective = format_effective_config(c);
   if (empty != nullptr) *empty = c.source_empty();
   return rc;
+}
+
+// Ranks of this job on this machine (from the MPI launcher's environment).
+int64_t local_ranks() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+    if (const char* v = std::getenv(name)) {
+      try {
+        const int64_t n = std::stoll(v);
+        if (n > 0) return n;
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  return 1;
 }
 
 void empty_notice(const CommandOptions& opts) {
@@ -137,6 +153,9 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   if (!leader) rc.train.progress = false;
   if (empty && leader) empty_notice(opts);
 
+  // Every rank on this machine plans to fit its share of what is free now.
+  rc.train.memory_limit = available_memory_bytes() / local_ranks();
+
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
   auto test_data = open_dataset(rc.data, rc.model, DataSplit::test);
   if (!opts.quiet && leader) {
@@ -167,23 +186,29 @@ int cmd_inspect(const CommandOptions& opts) {
     return 0;
   }
   if (empty) empty_notice(opts);
-  ModelSpec spec = rc.model;
-  spec.compute = rc.train.precision;
-  ModelGraph m = build_model(spec, rc.train.batch_size);
-  build_backward(m.graph, m.loss);
-  fmt::print("{}", describe(m.graph));
-  Executor ex(m.graph, rc.train.exec);
-  const MemoryPlan& plan = ex.memory_plan();
-  const OpCost cost = graph_cost(m.graph);
-  fmt::print("\nparameters: {} ({})\n", m.graph.param_count(),
-             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"));
-  fmt::print("FLOPs per training step (forward + backward): {}\n", human_count(cost.flops, "FLOP"));
-  fmt::print("planned peak activation memory: {} (without reuse: {})\n",
-             human_count(static_cast<double>(plan.arena_bytes), "B"),
-             human_count(static_cast<double>(plan.unplanned_bytes), "B"));
-  fmt::print("parameters + gradients: {} + {}\n",
-             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"),
-             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"));
+  // The graph, options and memory plan rank 0 of a run of this config gets
+  // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks.
+  const int world = rc.nproc;
+  const BatchSplit split = split_batch(rc.train, 0, world);
+  const TrainingGraph tg = build_training_graph(rc.model, rc.train, split.micro_batch);
+  const TrainingPlan plan = plan_training(tg, rc.model, rc.train, split, 0, world);
+  const Graph& g = tg.model.graph;
+  fmt::print("{}", describe(g));
+  const OpCost cost = graph_cost(g);
+  const int k = rc.train.dist.dp.accumulation_steps;
+  fmt::print("\nparameters: {} ({})\n", g.param_count(),
+             human_count(static_cast<double>(g.param_count()) * 4, "B"));
+  fmt::print("FLOPs per training step (forward + backward): {} per rank ({} micro-step{} of {})\n",
+             human_count(cost.flops * k, "FLOP"), k, k == 1 ? "" : "s", split.micro_batch);
+  fmt::print("planned peak activation memory: {} ({} bytes; without reuse: {})\n",
+             format_bytes(plan.activations.arena_bytes), plan.activations.arena_bytes,
+             format_bytes(plan.activations.unplanned_bytes));
+  fmt::print("{}", plan.describe());
+  const int64_t avail = available_memory_bytes();
+  const int64_t mine = avail / (world > 1 ? world : 1);
+  fmt::print("available memory: {}{} -> {}\n", format_bytes(avail),
+             world > 1 ? fmt::format(" / {} local ranks", world) : "",
+             plan.total_bytes() <= mine ? "fits" : "does NOT fit (meshtrain train will refuse)");
   return 0;
 }
 

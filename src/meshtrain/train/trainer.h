@@ -75,6 +75,11 @@ struct TrainerOptions {
   std::string checkpoint_path;   // written at the end (and every checkpoint_every steps)
   int64_t checkpoint_every = 0;
   std::string resume_path;  // continue from this checkpoint
+  // > 0: bytes this rank may use. The Trainer plans its memory first
+  // (train/training_plan.h) and refuses, with a ConfigError naming the config
+  // values that make the plan big, a run that needs more, before allocating
+  // parameters or activations. 0: no check.
+  int64_t memory_limit = 0;
 
   std::string optimizer = "sgd";
   OptimizerOptions optim;
@@ -93,7 +98,7 @@ struct TrainResult {
   double samples_per_s = 0;      // median over steps after warm-up
   double matmul_gflops = 0;      // matmul FLOPs / matmul time inside training steps
   double matmul_s_per_step = 0;  // matmul time per training step (mean over the run)
-  int64_t planned_arena_bytes = 0;
+  int64_t planned_arena_bytes = 0;  // the training executor's arena (as `meshtrain inspect` shows)
   std::vector<double> losses;  // per step: mean loss over the global batch
   DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
 };
