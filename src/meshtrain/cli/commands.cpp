@@ -70,7 +70,8 @@ RunConfig load(const CommandOptions& opts, std::string* effective = nullptr,
 
 // Ranks of this job on this machine (from the MPI launcher's environment).
 int64_t local_ranks() {
-  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+  for (const char* name :
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
     if (const char* v = std::getenv(name)) {
       try {
         const int64_t n = std::stoll(v);

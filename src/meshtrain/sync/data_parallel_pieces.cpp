@@ -134,8 +134,7 @@ DataParallelMemory DataParallel::memory(int state_kinds) const {
 }
 
 DataParallelMemory DataParallel::expected_memory(const BucketPlan& p,
-                                                 const DataParallelOptions& opt,
-                                                 int state_kinds) {
+                                                 const DataParallelOptions& opt, int state_kinds) {
   DataParallelMemory r;
   r.stage = opt.stage;
   r.world_size = p.world_size();

@@ -162,8 +162,8 @@ struct Trainer::Impl {
     lo.shares = o.dist.batch_shares;
     loader = std::make_unique<DataLoader>(*train_data, lo);
     const BatchSplit split = split_batch(o, rank, world);
-    MT_CHECK_EQ(split.local_batch, loader->local_range(o.batch_size).second -
-                                       loader->local_range(o.batch_size).first);
+    MT_CHECK_EQ(split.local_batch,
+                loader->local_range(o.batch_size).second - loader->local_range(o.batch_size).first);
     local_batch = split.local_batch;
     micro_batch = split.micro_batch;
 

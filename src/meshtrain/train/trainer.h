@@ -98,7 +98,7 @@ struct TrainResult {
   double samples_per_s = 0;      // median over steps after warm-up
   double matmul_gflops = 0;      // matmul FLOPs / matmul time inside training steps
   double matmul_s_per_step = 0;  // matmul time per training step (mean over the run)
-  int64_t planned_arena_bytes = 0;  // the training executor's arena (as `meshtrain inspect` shows)
+  int64_t planned_arena_bytes = 0;
   std::vector<double> losses;  // per step: mean loss over the global batch
   DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
 };

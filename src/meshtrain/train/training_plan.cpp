@@ -96,9 +96,9 @@ int64_t TrainingPlan::total_bytes() const {
 }
 
 std::string TrainingPlan::describe() const {
-  std::string out = fmt::format(
-      "planned memory per rank (rank {} of {}, ZeRO stage {}, micro-batch {}):\n", rank, world,
-      state.stage, batch.micro_batch);
+  std::string out =
+      fmt::format("planned memory per rank (rank {} of {}, ZeRO stage {}, micro-batch {}):\n", rank,
+                  world, state.stage, batch.micro_batch);
   auto line = [&](const char* what, int64_t bytes, const std::string& note = "") {
     out += fmt::format("  {:<34} {:>12}{}\n", what, format_bytes(bytes),
                        note.empty() ? "" : "  (" + note + ")");
@@ -117,9 +117,8 @@ std::string TrainingPlan::describe() const {
   return out;
 }
 
-TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec,
-                           const TrainerOptions& o, const BatchSplit& split, int rank, int world,
-                           int64_t eval_examples) {
+TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec, const TrainerOptions& o,
+                           const BatchSplit& split, int rank, int world, int64_t eval_examples) {
   TrainingPlan p;
   p.rank = rank;
   p.world = world;
@@ -133,9 +132,8 @@ TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec,
     const int64_t bytes = val.shape.numel() * static_cast<int64_t>(dtype_size(val.dtype));
     if (bytes > p.largest_activation_bytes) {
       p.largest_activation_bytes = bytes;
-      p.largest_activation =
-          fmt::format("'{}' {}{} {}", val.name, dtype_name(val.dtype), val.shape.str(),
-                      format_bytes(bytes));
+      p.largest_activation = fmt::format("'{}' {}{} {}", val.name, dtype_name(val.dtype),
+                                         val.shape.str(), format_bytes(bytes));
     }
   }
 

@@ -64,8 +64,8 @@ struct TrainingPlan {
 // Plans from a graph built by build_training_graph. eval_examples: the test
 // split's size when known (evaluation batches are min(eval_batch_size, it)),
 // -1 when not.
-TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec,
-                           const TrainerOptions& o, const BatchSplit& split, int rank, int world,
+TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec, const TrainerOptions& o,
+                           const BatchSplit& split, int rank, int world,
                            int64_t eval_examples = -1);
 // Builds the graph itself.
 TrainingPlan plan_training(const ModelSpec& spec, const TrainerOptions& o, int rank, int world,
