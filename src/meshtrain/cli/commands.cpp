@@ -199,8 +199,10 @@ int cmd_inspect(const CommandOptions& opts) {
   const int k = rc.train.dist.dp.accumulation_steps;
   fmt::print("\nparameters: {} ({})\n", g.param_count(),
              human_count(static_cast<double>(g.param_count()) * 4, "B"));
-  fmt::print("FLOPs per training step (forward + backward): {} per rank ({} micro-step{} of {})\n",
-             human_count(cost.flops * k, "FLOP"), k, k == 1 ? "" : "s", split.micro_batch);
+  fmt::print(
+      "FLOPs per training step (forward + backward): {} per rank ({} micro-step{} of {} "
+      "examples)\n",
+      human_count(cost.flops * k, "FLOP"), k, k == 1 ? "" : "s", split.micro_batch);
   fmt::print("planned peak activation memory: {} ({} bytes; without reuse: {})\n",
              format_bytes(plan.activations.arena_bytes), plan.activations.arena_bytes,
              format_bytes(plan.activations.unplanned_bytes));
