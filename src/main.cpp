@@ -20,6 +20,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"meshtrain: train deep neural networks on one machine or many"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", mt::version_string());
 
   mt::CommandOptions opts;
   auto add_common = [&](CLI::App* sub) {
@@ -40,9 +41,19 @@ int main(int argc, char** argv) {
   train->add_option("--tensorboard", opts.tensorboard_dir,
                     "write a TensorBoard event file into this directory (train.tensorboard)");
   train->add_flag("--quiet", opts.quiet, "no progress output");
+  train->add_flag("--print-config", opts.print_config,
+                  "print the effective configuration (defaults marked) and stop");
 
   CLI::App* inspect = app.add_subcommand("inspect", "print the model graph and its costs");
   add_common(inspect);
+  inspect->add_flag("--print-config", opts.print_config,
+                    "print the effective configuration (defaults marked) and stop");
+
+  CLI::App* config = app.add_subcommand("config", "describe the configuration keys");
+  bool list_keys = false, markdown = false;
+  config->add_flag("--list", list_keys, "every key with type, default, allowed values, meaning")
+      ->required();
+  config->add_flag("--markdown", markdown, "as a Markdown table (README.md's key list)");
 
   CLI::App* exp = app.add_subcommand(
       "export", "write a checkpoint's weights as a PyTorch-layout safetensors file");
@@ -58,6 +69,16 @@ int main(int argc, char** argv) {
   exp->add_option("--logits-out", opts.logits_out, "where (default: OUT with .logits)")
       ->needs(logits_for);
 
+  if (argc > 1) {
+    // CLI11 answers a misspelt command with "A subcommand is required".
+    std::vector<std::string> names;
+    for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+    if (auto msg = mt::unknown_command_message(argv[1], names)) {
+      std::fprintf(stderr, "meshtrain: %s\nRun with --help for more information.\n", msg->c_str());
+      return 2;
+    }
+  }
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -68,6 +89,7 @@ int main(int argc, char** argv) {
     if (train->parsed()) return mt::cmd_train(opts, argc, argv);
     if (inspect->parsed()) return mt::cmd_inspect(opts);
     if (exp->parsed()) return mt::cmd_export(opts);
+    if (config->parsed()) return mt::cmd_config_list(markdown);
   } catch (const mt::InternalError& e) {
     std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
     mt::abort_distributed_job(3);

@@ -2,21 +2,23 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <signal.h>
 #include <unistd.h>
 
-#include <signal.h>
-#include <cerrno>
-
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <thread>
 
 #include "meshtrain/base/plural.h"
 #include "meshtrain/cli/config.h"
+#include "meshtrain/cli/config_keys.h"
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
@@ -25,6 +27,7 @@
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/train/training_plan.h"
 
 namespace mt {
 
@@ -178,15 +181,73 @@ void print_summary(const TrainResult& r, const TrainerOptions& o) {
   }
 }
 
-RunConfig load(const CommandOptions& opts) {
+// The run's configuration. `effective` gets the --print-config text;
+// `empty` says the file held no keys, which is worth a notice: a wrong or
+// truncated file would otherwise train on defaults without a word.
+RunConfig load(const CommandOptions& opts, std::string* effective = nullptr,
+               bool* empty = nullptr) {
   Config c = Config::load(opts.config_path);
   c.set_all(opts.overrides);
-  return read_run_config(c);
+  RunConfig rc = read_run_config(c);
+  if (effective != nullptr) *effective = format_effective_config(c);
+  if (empty != nullptr) *empty = c.source_empty();
+  return rc;
+}
+
+// Ranks of this job on this machine (from the MPI launcher's environment).
+int64_t local_ranks() {
+  for (const char* name :
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"}) {
+    if (const char* v = std::getenv(name)) {
+      try {
+        const int64_t n = std::stoll(v);
+        if (n > 0) return n;
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  return 1;
+}
+
+void empty_notice(const CommandOptions& opts) {
+  fmt::print(stderr,
+             "meshtrain: config {} is empty: every key takes its default (meshtrain config "
+             "--list shows them)\n",
+             opts.config_path);
 }
 }  // namespace
 
+std::optional<std::string> unknown_command_message(std::string_view arg,
+                                                   const std::vector<std::string>& commands) {
+  if (arg.empty() || arg.front() == '-') return std::nullopt;
+  if (std::find(commands.begin(), commands.end(), arg) != commands.end()) return std::nullopt;
+  std::string guess;
+  size_t best = std::max<size_t>(2, arg.size() / 3) + 1;
+  for (const std::string& c : commands) {
+    const size_t d = edit_distance(arg, c);
+    if (d < best) {
+      best = d;
+      guess = c;
+    }
+  }
+  return fmt::format("unknown command '{}'{}; commands: {}", arg,
+                     guess.empty() ? "" : fmt::format(" (did you mean '{}'?)", guess),
+                     fmt::join(commands, ", "));
+}
+
+int cmd_config_list(bool markdown) {
+  fmt::print("{}", markdown ? format_key_markdown() : format_key_list());
+  return 0;
+}
+
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
-  RunConfig rc = load(opts);
+  std::string effective;
+  bool empty = false;
+  RunConfig rc = load(opts, &effective, &empty);
+  if (opts.print_config) {
+    fmt::print("{}", effective);
+    return 0;
+  }
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
   if ((nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi()) {
     check_world(rc, nproc);
@@ -240,6 +301,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   const bool leader = comm == nullptr || comm->rank() == 0;
   if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
+  if (empty && leader) empty_notice(opts);
+
+  // Every rank on this machine plans to fit its share of what is free now.
+  rc.train.memory_limit = available_memory_bytes() / local_ranks();
 
   auto train_data = open_dataset(rc.data, rc.model, DataSplit::train);
   // Without evaluation the test split is not read (text may then give it
@@ -288,24 +353,39 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
 }
 
 int cmd_inspect(const CommandOptions& opts) {
-  RunConfig rc = load(opts);
-  ModelSpec spec = rc.model;
-  spec.compute = rc.train.precision;
-  ModelGraph m = build_model(spec, rc.train.batch_size);
-  build_backward(m.graph, m.loss);
-  fmt::print("{}", describe(m.graph));
-  Executor ex(m.graph, rc.train.exec);
-  const MemoryPlan& plan = ex.memory_plan();
-  const OpCost cost = graph_cost(m.graph);
-  fmt::print("\nparameters: {} ({})\n", m.graph.param_count(),
-             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"));
-  fmt::print("FLOPs per training step (forward + backward): {}\n", human_count(cost.flops, "FLOP"));
-  fmt::print("planned peak activation memory: {} (without reuse: {})\n",
-             human_count(static_cast<double>(plan.arena_bytes), "B"),
-             human_count(static_cast<double>(plan.unplanned_bytes), "B"));
-  fmt::print("parameters + gradients: {} + {}\n",
-             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"),
-             human_count(static_cast<double>(m.graph.param_count()) * 4, "B"));
+  std::string effective;
+  bool empty = false;
+  RunConfig rc = load(opts, &effective, &empty);
+  if (opts.print_config) {
+    fmt::print("{}", effective);
+    return 0;
+  }
+  if (empty) empty_notice(opts);
+  // The graph, options and memory plan rank 0 of a run of this config gets
+  // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks.
+  const int world = rc.nproc;
+  const BatchSplit split = split_batch(rc.train, 0, world);
+  const TrainingGraph tg = build_training_graph(rc.model, rc.train, split.micro_batch);
+  const TrainingPlan plan = plan_training(tg, rc.model, rc.train, split, 0, world);
+  const Graph& g = tg.model.graph;
+  fmt::print("{}", describe(g));
+  const OpCost cost = graph_cost(g);
+  const int k = rc.train.dist.dp.accumulation_steps;
+  fmt::print("\nparameters: {} ({})\n", g.param_count(),
+             human_count(static_cast<double>(g.param_count()) * 4, "B"));
+  fmt::print(
+      "FLOPs per training step (forward + backward): {} per rank ({} micro-step{} of {} "
+      "examples)\n",
+      human_count(cost.flops * k, "FLOP"), k, k == 1 ? "" : "s", split.micro_batch);
+  fmt::print("planned peak activation memory: {} ({} bytes; without reuse: {})\n",
+             format_bytes(plan.activations.arena_bytes), plan.activations.arena_bytes,
+             format_bytes(plan.activations.unplanned_bytes));
+  fmt::print("{}", plan.describe());
+  const int64_t avail = available_memory_bytes();
+  const int64_t mine = avail / (world > 1 ? world : 1);
+  fmt::print("available memory: {}{} -> {}\n", format_bytes(avail),
+             world > 1 ? fmt::format(" / {} local ranks", world) : "",
+             plan.total_bytes() <= mine ? "fits" : "does NOT fit (meshtrain train will refuse)");
   return 0;
 }
 

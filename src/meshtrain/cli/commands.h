@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace mt {
@@ -20,12 +22,26 @@ struct CommandOptions {
   // export
   std::string export_checkpoint;  // empty: train.checkpoint of the config
   std::string export_out;
-  int64_t logits_for = 0;  // > 0: also write the logits of this many test examples
-  std::string logits_out;  // empty: next to export_out
+  int64_t logits_for = 0;     // > 0: also write the logits of this many test examples
+  std::string logits_out;     // empty: next to export_out
+  bool print_config = false;  // print the effective configuration and stop
 };
 
 int cmd_train(const CommandOptions& opts, int argc, char** argv);
 int cmd_inspect(const CommandOptions& opts);
 int cmd_export(const CommandOptions& opts);  // export_command.cpp
+// `meshtrain config --list`: every config key with type, default, allowed
+// values and meaning (markdown: as the Markdown table in README.md).
+int cmd_config_list(bool markdown);
+
+// "meshtrain 0.1.0 (git 62ccd20-dirty)": the project version from CMake and
+// `git describe` at configure time when built from a checkout.
+std::string version_string();
+
+// When `arg` (the first command-line argument) is neither an option nor one
+// of `commands`: a message naming it, the closest command and the list, e.g.
+// "unknown command 'trian' (did you mean 'train'?); commands: train, inspect".
+std::optional<std::string> unknown_command_message(std::string_view arg,
+                                                   const std::vector<std::string>& commands);
 
 }  // namespace mt

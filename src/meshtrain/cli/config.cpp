@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <set>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -90,6 +92,16 @@ std::string trim(std::string_view s) {
   return std::string(s.substr(b, e - b + 1));
 }
 
+// A float in its shortest form that still reads back as a TOML float
+// (1.0, not 1).
+std::string float_text(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
 // A value as the user would write it: "fast" in double quotes, 0.1 in its
 // shortest form (toml++'s printer uses 'fast' and 0.10000000000000001).
 std::string render(const toml::node& n) {
@@ -105,7 +117,7 @@ std::string render(const toml::node& n) {
     case toml::node_type::integer:
       return fmt::format("{}", n.as_integer()->get());
     case toml::node_type::floating_point:
-      return fmt::format("{}", n.as_floating_point()->get());
+      return float_text(n.as_floating_point()->get());
     case toml::node_type::boolean:
       return n.as_boolean()->get() ? "true" : "false";
     case toml::node_type::array: {
@@ -179,6 +191,48 @@ std::string last_part(std::string_view key) {
   return std::string(dot == std::string_view::npos ? key : key.substr(dot + 1));
 }
 
+// Whether a table holds any value other than (empty) tables.
+bool has_value(const toml::table& t) {
+  for (auto&& [k, v] : t) {
+    const toml::table* sub = v.as_table();
+    if (sub == nullptr || has_value(*sub)) return true;
+  }
+  return false;
+}
+
+// A default as the user would write it in TOML.
+std::string toml_literal(int64_t v) {
+  return fmt::format("{}", v);
+}
+std::string toml_literal(double v) {
+  return float_text(v);
+}
+std::string toml_literal(std::string_view v) {
+  std::string out = "\"";
+  for (char c : v) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+template <class T>
+std::string toml_literal(const std::vector<T>& v) {
+  std::vector<std::string> parts;
+  for (const T& e : v) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      parts.push_back(toml_literal(std::string_view(e)));
+    } else {
+      parts.push_back(toml_literal(e));
+    }
+  }
+  return fmt::format("[{}]", fmt::join(parts, ", "));
+}
+
+template <class T>
+std::string allowed_text(const Bounds<T>& b) {
+  return b.min || b.max ? b.describe() : "";
+}
+
 }  // namespace
 
 struct Config::Impl {
@@ -186,6 +240,16 @@ struct Config::Impl {
   std::string source;
   std::vector<std::string> overridden;              // keys set by --set, in order
   mutable std::set<std::string, std::less<>> read;  // keys the program asked for
+  mutable std::vector<KeyInfo> catalogue;           // what the getters said of each key
+  mutable std::set<std::string, std::less<>> catalogued;
+  bool source_empty = true;  // the file or text had no keys
+
+  void note(std::string_view key, std::string type, std::string def, std::string allowed,
+            bool required = false) const {
+    if (!catalogued.emplace(key).second) return;
+    catalogue.push_back(
+        KeyInfo{std::string(key), std::move(type), std::move(def), std::move(allowed), required});
+  }
 
   std::string origin(std::string_view key) const {
     for (const std::string& o : overridden) {
@@ -325,6 +389,7 @@ Config Config::parse(std::string_view toml_text, const std::string& source) {
   c.impl_->source = source;
   try {
     c.impl_->root = toml::parse(toml_text, std::string_view(source));
+    c.impl_->source_empty = !has_value(c.impl_->root);
   } catch (const toml::parse_error& e) {
     throw ConfigError(fmt::format("config {}: TOML parse error at line {}, column {}: {}", source,
                                   e.source().begin.line, e.source().begin.column, e.description()));
@@ -410,16 +475,19 @@ bool Config::has(std::string_view key) const {
 }
 
 int64_t Config::get_int(std::string_view key, int64_t def, const Bounds<int64_t>& bounds) const {
+  impl_->note(key, "integer", toml_literal(def), allowed_text(bounds));
   const toml::node* n = impl_->find(key);
   return n == nullptr ? def : impl_->as_int(key, key, *n, bounds);
 }
 
 double Config::get_double(std::string_view key, double def, const Bounds<double>& bounds) const {
+  impl_->note(key, "number", toml_literal(def), allowed_text(bounds));
   const toml::node* n = impl_->find(key);
   return n == nullptr ? def : impl_->as_double(key, key, *n, bounds);
 }
 
 bool Config::get_bool(std::string_view key, bool def) const {
+  impl_->note(key, "boolean", def ? "true" : "false", "");
   const toml::node* n = impl_->find(key);
   if (n == nullptr) return def;
   if (!n->is_boolean()) {
@@ -429,12 +497,14 @@ bool Config::get_bool(std::string_view key, bool def) const {
 }
 
 std::string Config::get_string(std::string_view key, std::string_view def) const {
+  impl_->note(key, "string", toml_literal(def), "");
   const toml::node* n = impl_->find(key);
   return n == nullptr ? std::string(def) : impl_->as_string(key, key, *n);
 }
 
 std::string Config::get_string(std::string_view key, std::string_view def,
                                const std::vector<std::string>& allowed) const {
+  impl_->note(key, "string", toml_literal(def), fmt::format("{}", fmt::join(allowed, " | ")));
   const toml::node* n = impl_->find(key);
   if (n == nullptr) return std::string(def);
   std::string v = impl_->as_string(key, key, *n);
@@ -449,6 +519,7 @@ std::string Config::get_string(std::string_view key, std::string_view def,
 
 std::vector<int64_t> Config::get_int_list(std::string_view key, std::vector<int64_t> def,
                                           const Bounds<int64_t>& bounds) const {
+  impl_->note(key, "list of integers", toml_literal(def), allowed_text(bounds));
   return impl_->list(key, std::move(def), "integers",
                      [&](const std::string& shown, const toml::node& e) {
                        return impl_->as_int(key, shown, e, bounds);
@@ -457,6 +528,7 @@ std::vector<int64_t> Config::get_int_list(std::string_view key, std::vector<int6
 
 std::vector<double> Config::get_double_list(std::string_view key, std::vector<double> def,
                                             const Bounds<double>& bounds) const {
+  impl_->note(key, "list of numbers", toml_literal(def), allowed_text(bounds));
   return impl_->list(key, std::move(def), "numbers",
                      [&](const std::string& shown, const toml::node& e) {
                        return impl_->as_double(key, shown, e, bounds);
@@ -465,6 +537,7 @@ std::vector<double> Config::get_double_list(std::string_view key, std::vector<do
 
 std::vector<std::string> Config::get_string_list(std::string_view key,
                                                  std::vector<std::string> def) const {
+  impl_->note(key, "list of strings", toml_literal(def), "");
   return impl_->list(key, std::move(def), "strings",
                      [&](const std::string& shown, const toml::node& e) {
                        return impl_->as_string(key, shown, e);
@@ -472,21 +545,48 @@ std::vector<std::string> Config::get_string_list(std::string_view key,
 }
 
 int64_t Config::require_int(std::string_view key, const Bounds<int64_t>& bounds) const {
+  impl_->note(key, "integer", "", allowed_text(bounds), true);
   const toml::node* n = impl_->find(key);
   if (n == nullptr) impl_->fail(key, key, nullptr, "required key is missing");
   return impl_->as_int(key, key, *n, bounds);
 }
 
 double Config::require_double(std::string_view key, const Bounds<double>& bounds) const {
+  impl_->note(key, "number", "", allowed_text(bounds), true);
   const toml::node* n = impl_->find(key);
   if (n == nullptr) impl_->fail(key, key, nullptr, "required key is missing");
   return impl_->as_double(key, key, *n, bounds);
 }
 
 std::string Config::require_string(std::string_view key) const {
+  impl_->note(key, "string", "", "", true);
   const toml::node* n = impl_->find(key);
   if (n == nullptr) impl_->fail(key, key, nullptr, "required key is missing");
   return impl_->as_string(key, key, *n);
+}
+
+const std::vector<KeyInfo>& Config::catalogue() const {
+  return impl_->catalogue;
+}
+
+std::optional<std::string> Config::value_text(std::string_view key) const {
+  const std::vector<std::string> parts = split_key(key);
+  const toml::table* t = &impl_->root;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const toml::node* n = t->get(parts[i]);
+    if (n == nullptr) return std::nullopt;
+    if (i + 1 == parts.size()) {
+      if (n->is_table()) return std::nullopt;
+      return render(*n);
+    }
+    t = n->as_table();
+    if (t == nullptr) return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+bool Config::source_empty() const {
+  return impl_->source_empty;
 }
 
 void Config::mark_used(std::string_view key) const {

@@ -6,8 +6,9 @@
 // Owned by the CLI, which maps it to each component's Options struct in one
 // place; components never see a Config. Loading blocks on file I/O; getters do
 // not. Keys are dotted paths of bare TOML keys ("train.lr"). Getters record
-// which keys were asked for (that is what check_all_used() compares against),
-// so they are const but not thread-safe.
+// which keys were asked for (that is what check_all_used() compares against)
+// and, for `meshtrain config --list`, each key's type, default and allowed
+// values (catalogue()), so they are const but not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +40,16 @@ struct Bounds {
 };
 extern template struct Bounds<int64_t>;
 extern template struct Bounds<double>;
+
+// One key a getter was asked for, as the getter described it: what
+// `meshtrain config --list` prints next to the key's meaning.
+struct KeyInfo {
+  std::string key;      // "train.lr"
+  std::string type;     // "integer", "number", "boolean", "string", "list of integers", ...
+  std::string def;      // the default as TOML text ("0.01", "\"sgd\"", "[]"); "" if required
+  std::string allowed;  // "> 0", "in [0, 1]", "sgd | adamw"; "" for any value
+  bool required = false;
+};
 
 class Config {
  public:
@@ -93,6 +104,19 @@ class Config {
   double require_double(std::string_view key,
                         const Bounds<double>& bounds = Bounds<double>::any()) const;
   std::string require_string(std::string_view key) const;
+
+  // Every key a getter has asked for, in the order first asked (a key asked
+  // for twice keeps its first description). Reading an empty Config through
+  // the program's reader lists every key it knows with its default.
+  const std::vector<KeyInfo>& catalogue() const;
+
+  // The value at `key` as TOML text ("0.05", "\"sgd\"", "[512, 512]"), or
+  // nullopt when absent or a table; does not count as reading it.
+  std::optional<std::string> value_text(std::string_view key) const;
+
+  // Whether the loaded file or text holds no values at all (nothing, comments
+  // only, or empty [section] headers), whatever --set adds.
+  bool source_empty() const;
 
   // Counts `key` and everything under it as read, for sections that another
   // component consumes as a whole.

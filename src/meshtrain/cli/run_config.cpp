@@ -35,29 +35,32 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
                     "trains on text, mlp and cnn on fashion_mnist)",
                     c.source(), d.kind, m.kind));
   }
+  // Both kinds' keys are read (and validated) whatever data.kind says, as
+  // for the model and optimizer keys, so `meshtrain config --list` sees them.
+  const std::string dir = c.get_string("data.dir", kFashionMnistDefaultDir);
+  const std::string path = c.get_string("data.path", kFortunesDefaultDir);
+  const double test_fraction =
+      c.get_double("data.test_fraction", 0.1, Bounds<double>::in(0.0, 0.9));
+  // Images only (text has no normalisation): "mean_std": (x/255 - data.mean)
+  // / data.std, by default the training set's own statistics; "none": x/255.
+  const bool normalize =
+      c.get_string("data.normalize", "mean_std", {"mean_std", "none"}) == "mean_std";
+  const double mean = c.get_double("data.mean", kFashionMnistMean, Bounds<double>::any());
+  const double std = c.get_double("data.std", kFashionMnistStd, Bounds<double>::positive());
+  if (!normalize && (c.has("data.mean") || c.has("data.std"))) {
+    throw ConfigError(
+        fmt::format("config {}: data.mean / data.std are set but data.normalize is \"none\"; set "
+                    "data.normalize = \"mean_std\" to use them",
+                    c.source()));
+  }
   if (d.kind == "fashion_mnist") {
-    d.dir = c.get_string("data.dir", kFashionMnistDefaultDir);
-    // "mean_std": (x/255 - data.mean) / data.std, by default the training
-    // set's own statistics; "none": x/255.
-    d.normalize = c.get_string("data.normalize", "mean_std", {"mean_std", "none"}) == "mean_std";
-    d.mean = c.get_double("data.mean", kFashionMnistMean, Bounds<double>::any());
-    d.std = c.get_double("data.std", kFashionMnistStd, Bounds<double>::positive());
-    if (!d.normalize && (c.has("data.mean") || c.has("data.std"))) {
-      throw ConfigError(
-          fmt::format("config {}: data.mean / data.std are set but data.normalize is \"none\"; set "
-                      "data.normalize = \"mean_std\" to use them",
-                      c.source()));
-    }
+    d.dir = dir;
+    d.normalize = normalize;
+    d.mean = mean;
+    d.std = std;
   } else {
-    for (const char* key : {"data.normalize", "data.mean", "data.std"}) {
-      if (c.has(key)) {
-        throw ConfigError(fmt::format(
-            "config {}: {} applies to fashion_mnist images only, not to data.kind \"text\"",
-            c.source(), key));
-      }
-    }
-    d.path = c.get_string("data.path", kFortunesDefaultDir);
-    d.test_fraction = c.get_double("data.test_fraction", 0.1, Bounds<double>::in(0.0, 0.9));
+    d.path = path;
+    d.test_fraction = test_fraction;
   }
   d.limit_train = c.get_int("data.limit_train", -1, Bounds<int64_t>::at_least(-1));
   d.limit_test = c.get_int("data.limit_test", -1, Bounds<int64_t>::at_least(-1));

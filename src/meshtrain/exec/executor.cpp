@@ -22,6 +22,37 @@ std::string type_of(const Value& v) {
   return fmt::format("{}{}", dtype_name(v.dtype), v.shape.str());
 }
 
+// What the plan must hold for a graph run with `opts`: inputs, parameters
+// and bound gradients live in caller memory; the loss, requested outputs,
+// forward results nobody reads and (unless transient) unbound gradients stay
+// alive to the end. Shared by Executor and plan_memory() so both agree.
+PlanRequest plan_request(const Graph& g, const ExecOptions& opts,
+                         const std::vector<bool>& grad_bound, bool transient_grads) {
+  PlanRequest req;
+  req.recompute = opts.recompute;
+  req.bound.assign(idx(g.num_values()), false);
+  for (ValueId v : g.inputs()) req.bound[idx(v)] = true;
+  for (ValueId v : g.params()) req.bound[idx(v)] = true;
+  for (ValueId v = 0; v < g.num_values(); ++v) {
+    if (grad_bound[idx(v)]) req.bound[idx(v)] = true;
+  }
+  if (g.loss() != kNoValue) req.kept.push_back(g.loss());
+  // A forward result nothing reads (e.g. the loss of a forward-only graph)
+  // is what the caller ran the graph for.
+  std::vector<bool> read(idx(g.num_values()), false);
+  for (const Node& n : g.nodes()) {
+    for (ValueId v : n.inputs) read[idx(v)] = true;
+  }
+  for (const Node& n : g.nodes()) {
+    if (!n.backward && !read[idx(n.outputs[0])]) req.kept.push_back(n.outputs[0]);
+  }
+  for (ValueId v : opts.outputs) req.kept.push_back(v);
+  for (const auto& [param, grad] : g.grads()) {
+    if (!req.bound[idx(grad)] && !transient_grads) req.kept.push_back(grad);
+  }
+  return req;
+}
+
 const char* role_name(ValueRole r) {
   switch (r) {
     case ValueRole::input:
@@ -122,28 +153,11 @@ struct Executor::Impl {
   // the plan, so the plan is rebuilt lazily after such a bind.
   void ensure_plan() {
     if (!plan_dirty) return;
-    PlanRequest req;
-    req.recompute = opts.recompute;
-    req.bound.assign(idx(g.num_values()), false);
-    for (ValueId v : g.inputs()) req.bound[idx(v)] = true;
-    for (ValueId v : g.params()) req.bound[idx(v)] = true;
+    std::vector<bool> grad_bound(idx(g.num_values()), false);
     for (ValueId v = 0; v < g.num_values(); ++v) {
-      if (grad_value[idx(v)] && is_bound[idx(v)]) req.bound[idx(v)] = true;
+      grad_bound[idx(v)] = grad_value[idx(v)] && is_bound[idx(v)];
     }
-    if (g.loss() != kNoValue) req.kept.push_back(g.loss());
-    // A forward result nothing reads (e.g. the loss of a forward-only graph)
-    // is what the caller ran the graph for.
-    std::vector<bool> read(idx(g.num_values()), false);
-    for (const Node& n : g.nodes()) {
-      for (ValueId v : n.inputs) read[idx(v)] = true;
-    }
-    for (const Node& n : g.nodes()) {
-      if (!n.backward && !read[idx(n.outputs[0])]) req.kept.push_back(n.outputs[0]);
-    }
-    for (ValueId v : opts.outputs) req.kept.push_back(v);
-    for (const auto& [param, grad] : g.grads()) {
-      if (!req.bound[idx(grad)] && !transient_grads) req.kept.push_back(grad);
-    }
+    const PlanRequest req = plan_request(g, opts, grad_bound, transient_grads);
     kept_value.assign(idx(g.num_values()), false);
     for (ValueId v : req.kept) kept_value[idx(v)] = true;
 
@@ -462,6 +476,15 @@ Tensor Executor::get(ValueId v) const {
         val.name));
   }
   return m.slot_tensor[idx(v)];
+}
+
+MemoryPlan plan_memory(const Graph& g, const ExecOptions& opts, GradMemory grads) {
+  std::vector<bool> grad_bound(idx(g.num_values()), false);
+  if (grads == GradMemory::bound) {
+    for (const auto& [param, grad] : g.grads()) grad_bound[idx(grad)] = true;
+  }
+  return make_exec_plan(g, plan_request(g, opts, grad_bound, grads == GradMemory::transient))
+      .memory;
 }
 
 const MemoryPlan& Executor::memory_plan() const {

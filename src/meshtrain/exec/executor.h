@@ -54,6 +54,19 @@ struct MemoryPlan {
   double recompute_flops = 0;
 };
 
+// Where the parameter gradients of a training graph live, for planning.
+enum class GradMemory {
+  kept,       // unbound: in the arena, alive to the end of run() (the default)
+  bound,      // bound to caller memory, outside the arena (Executor::bind)
+  transient,  // unbound: in the arena until on_grad_ready returns (set_transient_grads)
+};
+
+// The memory plan an Executor for `g` with `opts` has once its parameter
+// gradients are placed as `grads` says, computed by the same code without
+// building an executor or allocating anything (Executor::memory_plan() then
+// reports the same numbers). For sizing a run before committing to it.
+MemoryPlan plan_memory(const Graph& g, const ExecOptions& opts, GradMemory grads);
+
 // One event of the parameter-residency protocol (Executor::set_param_hooks):
 // `param` is about to be read (acquire) or was read for the last time
 // (release) in the forward phase (forward nodes) or the backward phase

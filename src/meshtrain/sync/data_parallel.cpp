@@ -64,7 +64,7 @@ DataParallel::DataParallel(Communicator& comm, ParamLayout layout, Tensor flat_p
       std::memcpy(dst + b.shard_offset, src + b.chunk_begin[idx(p.rank())], idx(n) * 4);
     }
   }
-  m.bound_grads = stage <= 1 && K == 1;
+  m.bound_grads = grad_memory(m.opt) == GradMemory::bound;
   m.runs.assign(p.buckets().size(), {});
   m.gathered.assign(p.buckets().size(), {});
   m.has_grad.assign(p.layout().size(), false);

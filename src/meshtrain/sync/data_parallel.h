@@ -261,6 +261,14 @@ class DataParallel {
   // Memory per rank; the optimizer state is `state_kinds` f32 tensors per
   // slice (Optimizer::state_kinds().size(); 0 for plain SGD).
   DataParallelMemory memory(int state_kinds) const;
+  // The expected_* part of memory() for a bucket plan and options, before
+  // anything is allocated (what a run will need per rank).
+  static DataParallelMemory expected_memory(const BucketPlan& plan,
+                                            const DataParallelOptions& options, int state_kinds);
+  // Where attach() puts the executor's parameter gradients under `options`:
+  // bound to the full gradient buffer (stages 0-1 without accumulation) or
+  // transient (consumed into buckets as they become ready).
+  static GradMemory grad_memory(const DataParallelOptions& options);
   // Bytes this rank sends and receives on the group per optimizer step
   // (stage 3: per micro-step's gathers times K), by the communicator's own
   // cost functions for the algorithms it will pick; the byte counters must

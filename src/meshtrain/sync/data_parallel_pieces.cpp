@@ -125,18 +125,36 @@ DataParallelMemory DataParallel::memory(int state_kinds) const {
   r.staging_bytes = m.staging.peak_bytes() + bytes(m.accum);
   r.gathered_bytes = m.gather_pool.peak_bytes();
 
+  const DataParallelMemory e = expected_memory(p, m.opt, state_kinds);
+  r.expected_param_bytes = e.expected_param_bytes;
+  r.expected_grad_bytes = e.expected_grad_bytes;
+  r.expected_optimizer_bytes = e.expected_optimizer_bytes;
+  r.expected_buffer_bytes = e.expected_buffer_bytes;
+  return r;
+}
+
+DataParallelMemory DataParallel::expected_memory(const BucketPlan& p,
+                                                 const DataParallelOptions& opt, int state_kinds) {
+  DataParallelMemory r;
+  r.stage = opt.stage;
+  r.world_size = p.world_size();
+  const int N = p.world_size();
   const int64_t P = p.param_numel() * 4;
   const int64_t O = int64_t{state_kinds} * P;
-  r.expected_param_bytes = m.stage() == 3 ? P / N : P;
-  r.expected_grad_bytes = m.stage() >= 2 ? P / N : P;
-  r.expected_optimizer_bytes = m.stage() >= 1 ? O / N : O;
+  r.expected_param_bytes = opt.stage == 3 ? P / N : P;
+  r.expected_grad_bytes = opt.stage >= 2 ? P / N : P;
+  r.expected_optimizer_bytes = opt.stage >= 1 ? O / N : O;
   const int64_t bucket = p.max_bucket_numel() * 4;
-  if (N > 1 && m.stage() >= 2) {
-    const bool all_staged = m.opt.accumulation_steps > 1 || !m.opt.overlap;
+  if (N > 1 && opt.stage >= 2) {
+    const bool all_staged = opt.accumulation_steps > 1 || !opt.overlap;
     r.expected_buffer_bytes = all_staged ? p.flat_numel() * 4 : 2 * bucket;
   }
-  if (N > 1 && m.stage() == 3) r.expected_buffer_bytes += 2 * bucket;
+  if (N > 1 && opt.stage == 3) r.expected_buffer_bytes += 2 * bucket;
   return r;
+}
+
+GradMemory DataParallel::grad_memory(const DataParallelOptions& opt) {
+  return opt.stage <= 1 && opt.accumulation_steps == 1 ? GradMemory::bound : GradMemory::transient;
 }
 
 std::string DataParallelMemory::to_string() const {

@@ -30,7 +30,8 @@ void init_param(Tensor& t, const ParamInit& init, uint64_t seed, const std::stri
 }
 }  // namespace
 
-ParamStore::ParamStore(const Graph& g, uint64_t seed) {
+ParamLayout ParamStore::layout(const Graph& g, int64_t* flat_numel) {
+  ParamLayout l;
   int64_t total = 0;
   for (ValueId id : g.params()) {
     const Value& v = g.value(id);
@@ -38,9 +39,18 @@ ParamStore::ParamStore(const Graph& g, uint64_t seed) {
       throw ShapeError(fmt::format("parameter '{}' is {}: master weights must be f32", v.name,
                                    dtype_name(v.dtype)));
     }
-    entries_.push_back(Entry{v.name, v.shape, total, {}, {}});
-    numel_ += v.shape.numel();
+    l.push_back(ParamLayoutEntry{v.name, v.shape, total});
     total += (v.shape.numel() + kAlignElems - 1) / kAlignElems * kAlignElems;
+  }
+  if (flat_numel != nullptr) *flat_numel = total;
+  return l;
+}
+
+ParamStore::ParamStore(const Graph& g, uint64_t seed) {
+  int64_t total = 0;
+  for (const ParamLayoutEntry& e : layout(g, &total)) {
+    entries_.push_back(Entry{e.name, e.shape, e.offset, {}, {}});
+    numel_ += e.shape.numel();
   }
   values_ = Tensor::zeros({total}, DType::f32);
   grads_ = Tensor::zeros({total}, DType::f32);

@@ -15,6 +15,7 @@
 
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/graph.h"
+#include "meshtrain/sync/buckets.h"
 #include "meshtrain/tensor/tensor.h"
 
 namespace mt {
@@ -30,6 +31,11 @@ class ParamStore {
   };
 
   ParamStore(const Graph& g, uint64_t seed);
+
+  // The layout the store gives g's parameters (names, shapes, offsets in the
+  // flat buffers) and the flat buffers' length in elements, without
+  // allocating or initialising anything.
+  static ParamLayout layout(const Graph& g, int64_t* flat_numel = nullptr);
 
   std::vector<Entry>& entries() { return entries_; }
   const std::vector<Entry>& entries() const { return entries_; }

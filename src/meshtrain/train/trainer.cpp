@@ -33,6 +33,7 @@
 #include "meshtrain/train/tensorboard.h"
 #include "meshtrain/train/timeline.h"
 #include "meshtrain/train/train_state.h"
+#include "meshtrain/train/training_plan.h"
 
 namespace mt {
 
@@ -136,6 +137,7 @@ struct Trainer::Impl {
   Timeline timeline;
   std::unique_ptr<ConsistencyChecker> consistency;
   std::unique_ptr<StragglerDetector> straggler;
+  TrainingPlan plan;        // this rank's memory, planned before allocating
   int64_t local_batch = 0;  // this rank's share of each global batch
   int64_t micro_batch = 0;  // local_batch / accumulation steps
   int64_t total_steps = 0;
@@ -192,29 +194,22 @@ struct Trainer::Impl {
           fmt::format("train.eval_batches: must be >= 0 (0 = all), got {}", o.eval_batches));
     }
     if (o.eval) eval_loader = make_eval_loader();
-    auto [lb, le] = loader->local_range(o.batch_size);
-    local_batch = le - lb;
-    const int k = o.dist.dp.accumulation_steps;
-    if (k < 1 || local_batch % k != 0) {
-      throw ConfigError(fmt::format(
-          "dist.accumulation_steps: rank {} gets {} of each global batch of {} (train.batch_size, "
-          "dist.batch_shares), which {} micro-steps cannot split evenly",
-          rank, local_batch, o.batch_size, k));
-    }
-    micro_batch = local_batch / k;
+    const BatchSplit split = split_batch(o, rank, world);
+    MT_CHECK_EQ(split.local_batch,
+                loader->local_range(o.batch_size).second - loader->local_range(o.batch_size).first);
+    local_batch = split.local_batch;
+    micro_batch = split.micro_batch;
 
-    model = build_model(spec, micro_batch);
-    ValueId objective = model.loss;
-    if (o.precision == DType::f16) {
-      Builder b(model.graph);
-      loss_scale_in = b.input("loss_scale", {}, DType::f32);
-      objective = b.mul(model.loss, loss_scale_in);
-      loss_scale = Tensor::full({}, DType::f32, scaler.scale());
-    }
-    build_backward(model.graph, objective);
-    ExecOptions eo = o.exec;
-    eo.outputs.push_back(model.loss);  // the unscaled loss, for metrics
-    exec = std::make_unique<Executor>(model.graph, eo);
+    // The graph and its memory plan come from training_plan.h, which
+    // `meshtrain inspect` prints; nothing large is allocated before the plan
+    // is checked against the memory this rank may use.
+    TrainingGraph tg = build_training_graph(spec, o, micro_batch);
+    plan = plan_training(tg, spec, o, split, rank, world, test_data ? test_data->size() : -1);
+    if (o.memory_limit > 0) check_memory_fits(plan, spec, o, o.memory_limit);
+    model = std::move(tg.model);
+    loss_scale_in = tg.loss_scale_in;
+    if (loss_scale_in != kNoValue) loss_scale = Tensor::full({}, DType::f32, scaler.scale());
+    exec = std::make_unique<Executor>(model.graph, tg.exec);
     store = std::make_unique<ParamStore>(model.graph, o.seed);
     for (auto& [id, t] : model.constants) exec->bind(id, t);
     if (loss_scale_in != kNoValue) exec->bind(loss_scale_in, loss_scale);
@@ -263,6 +258,7 @@ struct Trainer::Impl {
 
     dp = std::make_unique<DataParallel>(*comm, layout_of(*store), store->flat_values(), o.dist.dp);
     dp->attach(*exec, model.graph);
+    MT_CHECK_EQ(exec->memory_plan().arena_bytes, plan.activations.arena_bytes);
     optimizer->set_norm_reducer(dp->norm_reducer());
     if (!o.resume_path.empty()) resume_optimizer(o.resume_path);
 

@@ -111,6 +111,11 @@ struct TrainerOptions {
   // Notices for the user (which checkpoint a run resumed from, damaged
   // checkpoints skipped), called on rank 0 only; empty: discarded.
   std::function<void(const std::string&)> on_notice;
+  // > 0: bytes this rank may use. The Trainer plans its memory first
+  // (train/training_plan.h) and refuses, with a ConfigError naming the config
+  // values that make the plan big, a run that needs more, before allocating
+  // parameters or activations. 0: no check.
+  int64_t memory_limit = 0;
 
   std::string optimizer = "sgd";
   OptimizerOptions optim;

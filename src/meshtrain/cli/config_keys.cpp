@@ -1,0 +1,226 @@
+#include "meshtrain/cli/config_keys.h"
+
+#include <algorithm>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "meshtrain/cli/run_config.h"
+
+namespace mt {
+
+namespace {
+
+// One line per key that run_config.cpp reads. A new key gets its line here
+// (config_keys_test fails otherwise); defaults, types and allowed values
+// come from the getters, so they are not repeated.
+const std::vector<KeyMeaning> kMeanings = {
+    {"model.kind", "which model to train (gpt trains on text, mlp and cnn on fashion_mnist)"},
+    {"model.hidden", "mlp: widths of the hidden layers"},
+    {"model.conv_channels", "cnn: output channels of each conv-relu-pool block"},
+    {"model.fc", "cnn: width of the hidden layer of the classifier"},
+    {"model.layers", "gpt: transformer blocks"},
+    {"model.d_model", "gpt: width of the residual stream (embedding size)"},
+    {"model.heads", "gpt: attention heads (must divide model.d_model)"},
+    {"model.seq_len",
+     "gpt: context length in tokens (bytes); activation memory grows with its square"},
+
+    {"data.kind", "data set; default text for model.kind gpt, fashion_mnist otherwise"},
+    {"data.dir", "fashion_mnist: directory of the idx(.gz) files (Debian dataset-fashion-mnist)"},
+    {"data.path", "text: a file or a directory of files (Debian fortunes)"},
+    {"data.test_fraction", "text: fraction at the end of the text held out for evaluation"},
+    {"data.limit_train", "use only the first N training examples (text: windows); -1 = all"},
+    {"data.limit_test", "use only the first N test examples (text: windows); -1 = all"},
+    {"data.shuffle",
+     "training batches from a seeded permutation per epoch (train.seed + epoch); false = file "
+     "order"},
+    {"data.normalize",
+     "fashion_mnist: pixels as (x/255 - data.mean) / data.std (mean_std) or x/255 (none)"},
+    {"data.mean", "fashion_mnist: the mean subtracted by data.normalize = mean_std"},
+    {"data.std", "fashion_mnist: the standard deviation divided by data.normalize = mean_std"},
+
+    {"train.epochs", "passes over the training split"},
+    {"train.steps", "> 0: the run is this many optimizer steps (capped by train.epochs)"},
+    {"train.batch_size", "global batch: examples per optimizer step over all ranks together"},
+    {"train.eval_batch_size", "examples per evaluation batch (all ranks together)"},
+    {"train.eval_batches",
+     "> 0: each evaluation covers only the first N test batches (file order); 0 = all"},
+    {"train.seed", "seed of parameter initialisation and data order"},
+    {"train.threads", "threads per rank for the kernels"},
+    {"train.precision", "f32, or mixed precision with bf16 / f16 matmuls and f32 master weights"},
+    {"train.eval", "evaluate on the test split after every epoch and at the end"},
+    {"train.log_every", "steps between metrics lines"},
+    {"train.checkpoint",
+     "checkpoint path written at the end (.safetensors file or a directory); \"\" = none"},
+    {"train.checkpoint_every", "> 0: also write the checkpoint every N steps"},
+    {"train.checkpoint_keep",
+     "> 0: train.checkpoint is a directory of step_NNNNNNNN checkpoints, the newest N kept; 0 = "
+     "each save replaces train.checkpoint"},
+    {"train.resume",
+     "continue from this checkpoint (file or sharded directory, same model exactly), or \"auto\": "
+     "the newest valid one under train.checkpoint; \"\" = fresh run"},
+    {"train.init",
+     "start a new run from a PyTorch-layout safetensors file (meshtrain export); not applied "
+     "when resuming"},
+    {"train.init_partial",
+     "train.init loads only the tensors that match by name and shape, and lists the rest"},
+    {"train.tensorboard",
+     "directory for a TensorBoard event file of the metrics (as --tensorboard); \"\" = none"},
+    {"train.halt_after",
+     "> 0: stop this invocation after N steps without changing the run's schedule"},
+
+    {"optim.name", "optimizer"},
+    {"optim.lr", "peak learning rate"},
+    {"optim.weight_decay", "decoupled weight decay; default 0 for sgd, 0.01 for the others"},
+    {"optim.momentum", "sgd and lars: momentum"},
+    {"optim.nesterov", "sgd: Nesterov momentum"},
+    {"optim.beta1", "adamw and lamb: first-moment decay"},
+    {"optim.beta2", "adamw and lamb: second-moment decay"},
+    {"optim.eps", "adamw and lamb: denominator epsilon; default 1e-6 for lamb, 1e-8 otherwise"},
+    {"optim.trust_coefficient", "lars: trust coefficient of the layer-wise learning rate"},
+    {"optim.schedule", "learning-rate schedule after the warm-up"},
+    {"optim.warmup_steps", "steps of linear warm-up from 0 to optim.lr"},
+    {"optim.min_lr", "cosine: the learning rate at the end of the run"},
+    {"optim.clip_grad_norm", "> 0: clip the global gradient norm to this value"},
+
+    {"exec.backend", "kernels: fast (oneDNN, OpenBLAS, AVX-512) or reference (the oracle)"},
+    {"exec.recompute", "recompute cheap activations in backward instead of keeping them"},
+    {"exec.matmul", "f32 matmul library; measure picks per shape by timing the first calls"},
+    {"exec.conv_layout", "convolution layout; measure picks per shape by timing"},
+
+    {"dist.nproc", "local ranks to start through mpirun (as --nproc)"},
+    {"dist.zero_stage",
+     "0 data parallel, 1 + sharded optimizer state, 2 + sharded gradients, 3 + sharded parameters"},
+    {"dist.bucket_mb", "gradient bucket size in MiB"},
+    {"dist.overlap", "start each bucket's collective during backward"},
+    {"dist.accumulation_steps", "micro-steps per optimizer step (splits each rank's batch)"},
+    {"dist.batch_shares", "per-rank integer shares of the global batch, e.g. [2, 1]; [] = equal"},
+    {"dist.consistency_every",
+     "steps between parameter checksum comparisons across ranks; 0 = never"},
+    {"dist.straggler_report", "report ranks that are persistently slower than the others"},
+    {"dist.straggler_threshold", "a straggler is this many times slower than the others' median"},
+    {"dist.trace", "Chrome-trace JSON timeline of every rank, merged (as --trace); \"\" = none"},
+    {"dist.slowdown", "per-rank factor stretching compute, to stand in for slower devices"},
+    {"dist.fault", "drill: \"kill:RANK@STEP\" or \"stall:RANK@STEP\"; \"\" = none"},
+    {"dist.timeout_s", "deadline of every collective, in seconds"},
+    {"dist.stop_grace_s",
+     "seconds the --nproc launcher gives ranks to stop after SIGINT/SIGTERM before SIGKILL"},
+};
+
+std::string section_of(std::string_view key) {
+  const size_t dot = key.rfind('.');
+  return std::string(dot == std::string_view::npos ? std::string_view() : key.substr(0, dot));
+}
+
+std::string leaf_of(std::string_view key) {
+  const size_t dot = key.rfind('.');
+  return std::string(dot == std::string_view::npos ? key : key.substr(dot + 1));
+}
+
+}  // namespace
+
+const std::vector<KeyMeaning>& key_meanings() {
+  return kMeanings;
+}
+
+std::string_view key_meaning(std::string_view key) {
+  for (const KeyMeaning& m : kMeanings) {
+    if (m.key == key) return m.meaning;
+  }
+  return {};
+}
+
+std::vector<KeyInfo> known_keys() {
+  Config empty;
+  read_run_config(empty);
+  return empty.catalogue();
+}
+
+namespace {
+
+// known_keys() in the table's order, then any key the table lacks (the test
+// keeps that part empty).
+std::vector<KeyInfo> keys_in_table_order() {
+  std::vector<KeyInfo> keys = known_keys();
+  auto rank = [](const std::string& k) {
+    for (size_t i = 0; i < kMeanings.size(); ++i) {
+      if (kMeanings[i].key == k) return i;
+    }
+    return kMeanings.size();
+  };
+  std::stable_sort(keys.begin(), keys.end(),
+                   [&](const KeyInfo& a, const KeyInfo& b) { return rank(a.key) < rank(b.key); });
+  return keys;
+}
+
+std::string md_cell(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '|') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string format_key_markdown() {
+  std::string out = "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
+  for (const KeyInfo& k : keys_in_table_order()) {
+    out += fmt::format("| `{}` | {} | {} | {} | {} |\n", k.key, k.type,
+                       k.required ? "required" : fmt::format("`{}`", k.def),
+                       k.allowed.empty() ? "" : md_cell(k.allowed), md_cell(key_meaning(k.key)));
+  }
+  return out;
+}
+
+std::string format_key_list() {
+  const std::vector<KeyInfo> keys = keys_in_table_order();
+  size_t wk = 3, wt = 4, wd = 7, wa = 7;
+  for (const KeyInfo& k : keys) {
+    wk = std::max(wk, k.key.size());
+    wt = std::max(wt, k.type.size());
+    wd = std::max(wd, k.required ? 8 : k.def.size());
+    wa = std::max(wa, k.allowed.size());
+  }
+  std::string out = fmt::format("{:<{}}  {:<{}}  {:<{}}  {:<{}}  {}\n", "KEY", wk, "TYPE", wt,
+                                "DEFAULT", wd, "ALLOWED", wa, "MEANING");
+  std::string section;
+  for (const KeyInfo& k : keys) {
+    const std::string s = section_of(k.key);
+    if (s != section && !section.empty()) out += "\n";
+    section = s;
+    std::string_view meaning = key_meaning(k.key);
+    out += fmt::format("{:<{}}  {:<{}}  {:<{}}  {:<{}}  {}\n", k.key, wk, k.type, wt,
+                       k.required ? "required" : k.def, wd, k.allowed.empty() ? "-" : k.allowed, wa,
+                       meaning.empty() ? "(no description)" : meaning);
+  }
+  return out;
+}
+
+std::string format_effective_config(const Config& config) {
+  // Sections in the order they were first read, keys in reading order.
+  std::vector<std::string> sections;
+  std::map<std::string, std::vector<const KeyInfo*>> by_section;
+  for (const KeyInfo& k : config.catalogue()) {
+    const std::string s = section_of(k.key);
+    if (by_section.find(s) == by_section.end()) sections.push_back(s);
+    by_section[s].push_back(&k);
+  }
+  std::string out = fmt::format(
+      "# effective configuration from {} and --set; keys marked \"# default\" were not set\n",
+      config.source().empty() ? "(no file)" : config.source());
+  for (const std::string& s : sections) {
+    if (!s.empty()) out += fmt::format("\n[{}]\n", s);
+    for (const KeyInfo* k : by_section[s]) {
+      if (auto v = config.value_text(k->key)) {
+        out += fmt::format("{} = {}\n", leaf_of(k->key), *v);
+      } else if (!k->required) {
+        out += fmt::format("{} = {}  # default\n", leaf_of(k->key), k->def);
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace mt
