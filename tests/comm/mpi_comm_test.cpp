@@ -1,6 +1,7 @@
 // The mpi backend under mpirun (-np 2 and -np 4): every collective with every
 // algorithm, the engine's own included, against closed-form values; byte
-// counters against the stated costs; groups; the mismatch error on every rank;
+// counters against the stated costs and against the peers' counters; what
+// `bench/run comm` times, with its settings; groups; the mismatch error on every rank;
 // and (last, since it leaves its communicator unusable) a timeout that names
 // the rank that never called.
 #include <thread>
@@ -203,6 +204,17 @@ TEST(MpiComm, CountersMatchStatedCosts) {
       c->all_gather(x.data(), y.data(), count, DType::f32, with(a));
       c->reduce_scatter(x.data(), y.data(), count, DType::f32, ReduceOp::sum, with(a));
       const CommCounters got = c->counters();
+      // Rank q's "sent to r" (counted where q wrote or sent) equals r's
+      // "received from q" (counted where r read or received).
+      std::vector<int64_t> sent(n), all(n * n);
+      for (size_t q = 0; q < n; ++q) sent[q] = static_cast<int64_t>(got.by_peer[q].bytes_sent);
+      c->all_gather(sent.data(), all.data(), n, DType::i64);
+      for (size_t q = 0; q < n; ++q) {
+        EXPECT_EQ(all[q * n + static_cast<size_t>(c->rank())],
+                  static_cast<int64_t>(got.by_peer[q].bytes_received))
+            << "bytes rank " << q << " sent to rank " << c->rank() << ", " << algorithm_name(a)
+            << " count " << count;
+      }
       for (Collective k :
            {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter}) {
         const CollectiveCost want = c->cost(k, a, count, DType::f32);
