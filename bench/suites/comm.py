@@ -3,8 +3,9 @@
 comm_bench prints its own JSON lines (one per collective and size, each
 result checked before and after timing, see bench/comm/comm_bench.cpp); this
 suite adds "suite": "comm" where a line lacks it, the CPU (cpu_vendor,
-cpu_model, cpu_isa) and others_cpu (other processes' share of the CPUs over
-the whole comm_bench run, which both sides share), and forwards the rest of its
+cpu_model, cpu_isa) and, to comparison lines, meshtrain_others_cpu =
+peer_others_cpu (other processes' share of the CPUs over the whole
+comm_bench run, in which the two sides alternate), and forwards the rest of its
 output to stderr. mpirun is told the Open MPI transport the mpi tests use
 (pml ob1, btl self,vader: shared memory), and comm_bench reports it on each
 line. --quick sets MT_BENCH_QUICK=1 in comm_bench's environment.
@@ -48,8 +49,10 @@ def run(ctx):
             continue
         line.setdefault("suite", "comm")
         line.update(cpu)
-        # Both sides alternate within one comm_bench run: one figure for both.
-        line["others_cpu"] = r.others_cpu
+        # Both sides alternate sample by sample within one comm_bench run, so
+        # the run's figure is each side's (and the closing table shows it).
+        if "ratio" in line:
+            line["meshtrain_others_cpu"] = line["peer_others_cpu"] = r.others_cpu
         print(json.dumps(line), flush=True)
         ctx.lines.append(line)  # for the closing table
         passed += 1
