@@ -159,8 +159,10 @@ static void copy_blocks_in(CollectiveContext& ctx, ShmChannel& ch, uint64_t g, c
   const size_t lo = k * chunk;
   for (const int& s : ch.peers()) {
     const size_t ss = static_cast<size_t>(s);
-    put(ctx, ch, g, ss * chunk * elem, at(send, (offs[ss] + lo) * elem),
-        clamp_len(blocks[ss], lo, chunk) * elem, std::span<const int>(&s, 1));
+    const size_t len = clamp_len(blocks[ss], lo, chunk);
+    if (len == 0) continue;  // (no pointer past the block)
+    put(ctx, ch, g, ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem,
+        std::span<const int>(&s, 1));
   }
 }
 
@@ -201,16 +203,19 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
       raise(ch, &Control::published, g + 1);
       wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
-    reduce_slots(ctx, ch, g, mine * chunk * elem, at(send, (offs[mine] + lo) * elem),
-                 at(recv, (offs[mine] + lo) * elem), clamp_len(shards[mine], lo, chunk), dtype, op,
-                 divisor, /*publish=*/true, srcs);
+    if (const size_t my_len = clamp_len(shards[mine], lo, chunk); my_len > 0) {
+      reduce_slots(ctx, ch, g, mine * chunk * elem, at(send, (offs[mine] + lo) * elem),
+                   at(recv, (offs[mine] + lo) * elem), my_len, dtype, op, divisor,
+                   /*publish=*/true, srcs);
+    }
     raise(ch, &Control::reduced, g + 1);
     wait_flags(ctx, ch, &Control::reduced, g + 1, ch.peers());
 
     for (int q : ch.peers()) {
       const size_t qq = static_cast<size_t>(q);
-      get(ctx, ch, q, g, qq * chunk * elem, at(recv, (offs[qq] + lo) * elem),
-          clamp_len(shards[qq], lo, chunk) * elem);
+      const size_t len = clamp_len(shards[qq], lo, chunk);
+      if (len > 0)
+        get(ctx, ch, q, g, qq * chunk * elem, at(recv, (offs[qq] + lo) * elem), len * elem);
     }
     raise(ch, &Control::done, g + 1);
   }
@@ -271,9 +276,10 @@ void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* sen
       raise(ch, &Control::published, g + 1);
       wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
-    reduce_slots(ctx, ch, g, mine * chunk * elem, at(send, (offs[mine] + lo) * elem),
-                 at(recv, lo * elem), clamp_len(counts[mine], lo, chunk), dtype, op, divisor,
-                 /*publish=*/false, srcs);
+    if (const size_t my_len = clamp_len(counts[mine], lo, chunk); my_len > 0) {
+      reduce_slots(ctx, ch, g, mine * chunk * elem, at(send, (offs[mine] + lo) * elem),
+                   at(recv, lo * elem), my_len, dtype, op, divisor, /*publish=*/false, srcs);
+    }
     raise(ch, &Control::done, g + 1);
   }
   ch.round += rounds;
