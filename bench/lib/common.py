@@ -103,6 +103,31 @@ def mpi_env():
     return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
+# ISA extensions worth naming on a result line (the ones kernels and copies use).
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "sve")
+
+
+def cpu_context():
+    """{"cpu_vendor", "cpu_model", "cpu_isa"} of this machine from /proc/cpuinfo
+    (the ISA as the architecture and the notable extensions it lists);
+    "unknown" where a field cannot be read."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "model name", "flags", "Features") and key not in info:
+                    info[key] = value.strip()
+    except OSError:
+        pass
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    isa = " ".join([os.uname().machine] + [f for f in ISA_FLAGS if f in flags])
+    return {"cpu_vendor": info.get("vendor_id", "unknown"),
+            "cpu_model": info.get("model name", "unknown"), "cpu_isa": isa}
+
+
 def busy_cpu_seconds():
     """CPU seconds all processes have spent busy since boot (/proc/stat)."""
     with open("/proc/stat") as f:

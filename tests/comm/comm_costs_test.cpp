@@ -18,11 +18,31 @@ struct Case {
   CommAlgorithm algorithm;
 };
 
-// Runs `call` with counters reset and checks the collective's counter and the
-// per-peer totals against `want` (the handshake's bytes count separately).
+// Checks the collective's counter and the per-peer totals against `want`
+// (the handshake's bytes count separately), and that the per-peer books of
+// all ranks agree: what rank r counted as sent to q (where r wrote or sent
+// it) is what q counted as received from r (where q read or received it).
 void expect_counted(Communicator& c, const std::string& key, const CollectiveCost& want,
                     const std::string& what) {
   const CommCounters got = c.counters();
+  const size_t n = static_cast<size_t>(c.size());
+  std::vector<int64_t> mine(2 * n), all(2 * n * n);
+  for (size_t q = 0; q < n; ++q) {
+    mine[2 * q] = static_cast<int64_t>(got.by_peer[q].bytes_sent);
+    mine[2 * q + 1] = static_cast<int64_t>(got.by_peer[q].bytes_received);
+  }
+  c.all_gather(mine.data(), all.data(), 2 * n, DType::i64);
+  for (size_t r = 0; r < n; ++r) {
+    for (size_t q = 0; q < n; ++q) {
+      const int64_t sent = all[r * 2 * n + 2 * q], received = all[q * 2 * n + 2 * r + 1];
+      if (sent != received) {
+        throw std::runtime_error(
+            fmt::format("{} ({} ranks): rank {} counted {} bytes sent to rank {}, which counted "
+                        "{} bytes received from it",
+                        what, n, r, sent, q, received));
+      }
+    }
+  }
   const auto it = got.by_collective.find(key);
   const CollectiveCounter counted =
       it == got.by_collective.end() ? CollectiveCounter{} : it->second;

@@ -1,6 +1,7 @@
 // The mpi backend under mpirun (-np 2 and -np 4): every collective with every
 // algorithm, the engine's own included, against closed-form values; byte
-// counters against the stated costs; groups; the mismatch error on every rank;
+// counters against the stated costs and against the peers' counters; what
+// `bench/run comm` times, with its settings; groups; the mismatch error on every rank;
 // and (last, since it leaves its communicator unusable) a timeout that names
 // the rank that never called.
 #include <thread>
@@ -203,6 +204,17 @@ TEST(MpiComm, CountersMatchStatedCosts) {
       c->all_gather(x.data(), y.data(), count, DType::f32, with(a));
       c->reduce_scatter(x.data(), y.data(), count, DType::f32, ReduceOp::sum, with(a));
       const CommCounters got = c->counters();
+      // Rank q's "sent to r" (counted where q wrote or sent) equals r's
+      // "received from q" (counted where r read or received).
+      std::vector<int64_t> sent(n), all(n * n);
+      for (size_t q = 0; q < n; ++q) sent[q] = static_cast<int64_t>(got.by_peer[q].bytes_sent);
+      c->all_gather(sent.data(), all.data(), n, DType::i64);
+      for (size_t q = 0; q < n; ++q) {
+        EXPECT_EQ(all[q * n + static_cast<size_t>(c->rank())],
+                  static_cast<int64_t>(got.by_peer[q].bytes_received))
+            << "bytes rank " << q << " sent to rank " << c->rank() << ", " << algorithm_name(a)
+            << " count " << count;
+      }
       for (Collective k :
            {Collective::all_reduce, Collective::all_gather, Collective::reduce_scatter}) {
         const CollectiveCost want = c->cost(k, a, count, DType::f32);
@@ -213,6 +225,43 @@ TEST(MpiComm, CountersMatchStatedCosts) {
             << collective_name(k) << " " << algorithm_name(a) << " count " << count;
       }
     }
+  }
+}
+
+// What `bench/run comm` times, checked here with the same settings: the
+// default shared window (comm_bench's MpiOptions unless --shm-bytes), the
+// automatic algorithm, f32, its sizes 4 KiB .. 64 MiB (powers of 4) laid out
+// as comm_bench lays them out; one call of each collective per size, exact.
+TEST(MpiComm, BenchmarkSizesWithTheDefaultWindow) {
+  CommOptions o;
+  o.timeout = std::chrono::milliseconds(120'000);
+  auto c = make_mpi_communicator(o, MpiOptions{});
+  const int r = c->rank();
+  const size_t n = static_cast<size_t>(c->size());
+  const size_t max_count = (size_t{64} << 20) / 4;
+  auto in = make_buffer(DType::f32, max_count);
+  auto out = make_buffer(DType::f32, max_count);
+  fill_input(in, DType::f32, max_count, r);
+  const CommAlgorithm a = CommAlgorithm::automatic;
+  for (size_t count = 1024; count <= max_count; count *= 4) {
+    const size_t block = count / n;
+    c->all_reduce(in.data(), out.data(), count, DType::f32, ReduceOp::sum);
+    check_values(
+        label(*c, "all_reduce", a, DType::f32, count), out, DType::f32, count,
+        [&](size_t i) { return reduced_value(DType::f32, ReduceOp::sum, c->size(), i); }, 0);
+    c->all_gather(in.data(), out.data(), block, DType::f32);
+    check_values(
+        label(*c, "all_gather", a, DType::f32, block), out, DType::f32, block * n,
+        [&](size_t i) { return input_value(DType::f32, static_cast<int>(i / block), i % block); },
+        0);
+    c->reduce_scatter(in.data(), out.data(), block, DType::f32, ReduceOp::sum);
+    check_values(
+        label(*c, "reduce_scatter", a, DType::f32, block), out, DType::f32, block,
+        [&](size_t i) {
+          return reduced_value(DType::f32, ReduceOp::sum, c->size(),
+                               static_cast<size_t>(r) * block + i);
+        },
+        0);
   }
 }
 

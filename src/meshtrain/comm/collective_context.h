@@ -74,7 +74,8 @@ class CollectiveContext {
   // Waits for a native collective started by the caller.
   void wait_request(TransportRequest& req, const std::string& what);
 
-  // Bytes moved through shared memory, counted by the algorithm itself.
+  // Bytes moved through shared memory, counted at the copies into and out of
+  // the window (put / get / reduce_slots in shm_algorithms.cpp).
   void count_sent(int peer, uint64_t bytes);
   void count_received(int peer, uint64_t bytes);
   uint64_t bytes_sent() const { return sent_; }

@@ -19,8 +19,8 @@ namespace mt {
 struct CollectiveCounter {
   uint64_t calls = 0;
   uint64_t payload_bytes = 0;   // the caller's buffer size (all-reduce: the whole buffer)
-  uint64_t bytes_sent = 0;      // to peers, as the algorithm's cost function states
-  uint64_t bytes_received = 0;  // from peers
+  uint64_t bytes_sent = 0;      // to peers, measured as the bytes move (docs/comm.md)
+  uint64_t bytes_received = 0;  // from peers, likewise
   double seconds = 0;           // wall time inside the calls, handshake included
 };
 

@@ -100,21 +100,69 @@ size_t shard_chunk(size_t slot_bytes, int n, size_t elem) {
   return std::max(chunk, align);
 }
 
+// Every byte the algorithms below move between ranks goes through put(),
+// get() or reduce_slots(), and is counted there, as it moves: bytes written
+// into this rank's slot count as sent to each peer that reads them (a region
+// every peer reads counts once per peer), bytes read from a peer's slot as
+// received from that peer. The cost functions state the same numbers
+// independently (tests/comm/comm_costs_test.cpp compares them, and checks
+// that what rank r counted as sent to q is what q counted as received).
+
+// Copies `bytes` from src into this rank's slot of round g at `offset`, for
+// `readers` to read.
+void put(CollectiveContext& ctx, ShmChannel& ch, uint64_t g, size_t offset, const void* src,
+         size_t bytes, std::span<const int> readers) {
+  if (bytes == 0) return;
+  MT_CHECK_LE(offset + bytes, ch.slot_bytes());
+  copy_bytes(ch.slot(ch.rank(), g) + offset, src, bytes);
+  for (int q : readers) ctx.count_sent(q, bytes);
+}
+
+// Copies `bytes` from `owner`'s slot of round g at `offset` into dst.
+void get(CollectiveContext& ctx, ShmChannel& ch, int owner, uint64_t g, size_t offset, void* dst,
+         size_t bytes) {
+  if (bytes == 0) return;
+  MT_CHECK_LE(offset + bytes, ch.slot_bytes());
+  copy_bytes(dst, ch.slot(owner, g) + offset, bytes);
+  ctx.count_received(owner, bytes);
+}
+
+// dst = `own` (op) every peer's `len` elements at `offset` of its round-g
+// slot, in one pass (own first, then the peers by rank, on every rank the
+// same order). With `publish` the result also goes into this rank's slot at
+// `offset`, where every peer reads it. `srcs` is scratch of size() entries.
+void reduce_slots(CollectiveContext& ctx, ShmChannel& ch, uint64_t g, size_t offset,
+                  const void* own, void* dst, size_t len, DType dtype, ReduceOp op, int divisor,
+                  bool publish, std::vector<const void*>& srcs) {
+  if (len == 0) return;
+  const size_t bytes = len * dtype_size(dtype);
+  MT_CHECK_LE(offset + bytes, ch.slot_bytes());
+  srcs[0] = own;
+  size_t i = 1;
+  for (int q : ch.peers()) srcs[i++] = ch.slot(q, g) + offset;
+  reduce_sources(dst, srcs.data(), ch.size(), len, dtype, op, divisor,
+                 publish ? ch.slot(ch.rank(), g) + offset : nullptr);
+  for (int q : ch.peers()) {
+    ctx.count_received(q, bytes);
+    if (publish) ctx.count_sent(q, bytes);
+  }
+}
+
 }  // namespace
 
 // Copies chunk k of every block but this rank's own into this rank's slot for
 // round g (block s at offset s * chunk): the peers' inputs for the blocks
 // they reduce.
-static void copy_blocks_in(ShmChannel& ch, uint64_t g, const void* send,
+static void copy_blocks_in(CollectiveContext& ctx, ShmChannel& ch, uint64_t g, const void* send,
                            std::span<const size_t> blocks, std::span<const size_t> offs,
                            size_t chunk, size_t elem, uint64_t k) {
-  std::byte* my_slot = ch.slot(ch.rank(), g);
   const size_t lo = k * chunk;
-  for (int s = 0; s < ch.size(); ++s) {
+  for (const int& s : ch.peers()) {
     const size_t ss = static_cast<size_t>(s);
     const size_t len = clamp_len(blocks[ss], lo, chunk);
-    if (s == ch.rank() || len == 0) continue;
-    copy_bytes(my_slot + ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem);
+    if (len == 0) continue;  // (no pointer past the block)
+    put(ctx, ch, g, ss * chunk * elem, at(send, (offs[ss] + lo) * elem), len * elem,
+        std::span<const int>(&s, 1));
   }
 }
 
@@ -151,19 +199,14 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
     ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
     if (!staged) {  // else the handshake published round 0
       wait_slot_free(ctx, ch, g);
-      copy_blocks_in(ch, g, send, shards, offs, chunk, elem, k);
+      copy_blocks_in(ctx, ch, g, send, shards, offs, chunk, elem, k);
       raise(ch, &Control::published, g + 1);
       wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
-    const size_t my_len = clamp_len(shards[mine], lo, chunk);
-    if (my_len > 0) {
-      std::byte* out = ch.slot(me, g) + mine * chunk * elem;
-      std::byte* dst = at(recv, (offs[mine] + lo) * elem);
-      srcs[0] = at(send, (offs[mine] + lo) * elem);
-      for (int q = 0, i = 1; q < n; ++q) {
-        if (q != me) srcs[static_cast<size_t>(i++)] = ch.slot(q, g) + mine * chunk * elem;
-      }
-      reduce_sources(dst, srcs.data(), n, my_len, dtype, op, divisor, out);
+    if (const size_t my_len = clamp_len(shards[mine], lo, chunk); my_len > 0) {
+      reduce_slots(ctx, ch, g, mine * chunk * elem, at(send, (offs[mine] + lo) * elem),
+                   at(recv, (offs[mine] + lo) * elem), my_len, dtype, op, divisor,
+                   /*publish=*/true, srcs);
     }
     raise(ch, &Control::reduced, g + 1);
     wait_flags(ctx, ch, &Control::reduced, g + 1, ch.peers());
@@ -171,13 +214,8 @@ void shm_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* send, vo
     for (int q : ch.peers()) {
       const size_t qq = static_cast<size_t>(q);
       const size_t len = clamp_len(shards[qq], lo, chunk);
-      if (len > 0) {
-        copy_bytes(at(recv, (offs[qq] + lo) * elem), ch.slot(q, g) + qq * chunk * elem, len * elem);
-      }
-      // q read this rank's chunk of shard q and its reduced chunk; this rank
-      // read q's chunk of shard `me` and q's reduced chunk.
-      ctx.count_received(q, (my_len + len) * elem);
-      ctx.count_sent(q, (my_len + len) * elem);
+      if (len > 0)
+        get(ctx, ch, q, g, qq * chunk * elem, at(recv, (offs[qq] + lo) * elem), len * elem);
     }
     raise(ch, &Control::done, g + 1);
   }
@@ -206,7 +244,7 @@ bool shm_stage_all_reduce(CollectiveContext& ctx, ShmChannel& ch, const void* se
   const size_t chunk = shard_chunk(ch.slot_bytes(), n, elem);
   if (*std::max_element(shards.begin(), shards.end()) > chunk) return false;
   wait_slot_free(ctx, ch, ch.round);
-  copy_blocks_in(ch, ch.round, send, shards, prefix_offsets(shards), chunk, elem, 0);
+  copy_blocks_in(ctx, ch, ch.round, send, shards, prefix_offsets(shards), chunk, elem, 0);
   return true;
 }
 
@@ -234,21 +272,13 @@ void shm_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const void* sen
     ctx.set_step(static_cast<int64_t>(k), static_cast<int64_t>(rounds));
     if (!staged) {
       wait_slot_free(ctx, ch, g);
-      copy_blocks_in(ch, g, send, counts, offs, chunk, elem, k);
+      copy_blocks_in(ctx, ch, g, send, counts, offs, chunk, elem, k);
       raise(ch, &Control::published, g + 1);
       wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
-    const size_t my_len = clamp_len(counts[mine], lo, chunk);
-    if (my_len > 0) {
-      srcs[0] = at(send, (offs[mine] + lo) * elem);
-      for (int q = 0, i = 1; q < n; ++q) {
-        if (q != me) srcs[static_cast<size_t>(i++)] = ch.slot(q, g) + mine * chunk * elem;
-      }
-      reduce_sources(at(recv, lo * elem), srcs.data(), n, my_len, dtype, op, divisor);
-    }
-    for (int q : ch.peers()) {
-      ctx.count_received(q, my_len * elem);
-      ctx.count_sent(q, clamp_len(counts[static_cast<size_t>(q)], lo, chunk) * elem);
+    if (const size_t my_len = clamp_len(counts[mine], lo, chunk); my_len > 0) {
+      reduce_slots(ctx, ch, g, mine * chunk * elem, at(send, (offs[mine] + lo) * elem),
+                   at(recv, lo * elem), my_len, dtype, op, divisor, /*publish=*/false, srcs);
     }
     raise(ch, &Control::done, g + 1);
   }
@@ -275,7 +305,7 @@ bool shm_stage_reduce_scatterv(CollectiveContext& ctx, ShmChannel& ch, const voi
   const size_t most = *std::max_element(counts.begin(), counts.end());
   if (ch.size() == 1 || most == 0 || most > chunk) return false;
   wait_slot_free(ctx, ch, ch.round);
-  copy_blocks_in(ch, ch.round, send, counts, prefix_offsets(counts), chunk, elem, 0);
+  copy_blocks_in(ctx, ch, ch.round, send, counts, prefix_offsets(counts), chunk, elem, 0);
   return true;
 }
 
@@ -301,16 +331,14 @@ void shm_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* send, v
     const size_t my_len = clamp_len(my_bytes, lo, chunk);
     if (!staged) {
       wait_slot_free(ctx, ch, g);
-      copy_bytes(ch.slot(me, g), own + lo, my_len);
+      put(ctx, ch, g, 0, own + lo, my_len, ch.peers());
       raise(ch, &Control::published, g + 1);
       wait_flags(ctx, ch, &Control::published, g + 1, ch.peers());
     }
     for (int q : ch.peers()) {
       const size_t qq = static_cast<size_t>(q);
-      const size_t len = clamp_len(counts[qq] * elem_bytes, lo, chunk);
-      copy_bytes(at(recv, offs[qq] * elem_bytes + lo), ch.slot(q, g), len);
-      ctx.count_received(q, len);
-      ctx.count_sent(q, my_len);
+      get(ctx, ch, q, g, 0, at(recv, offs[qq] * elem_bytes + lo),
+          clamp_len(counts[qq] * elem_bytes, lo, chunk));
     }
     raise(ch, &Control::done, g + 1);
   }
@@ -333,8 +361,7 @@ bool shm_stage_all_gatherv(CollectiveContext& ctx, ShmChannel& ch, const void* s
   const size_t most = *std::max_element(counts.begin(), counts.end()) * elem_bytes;
   if (ch.size() == 1 || most == 0 || most > ch.slot_bytes()) return false;
   wait_slot_free(ctx, ch, ch.round);
-  copy_bytes(ch.slot(ch.rank(), ch.round), send,
-             counts[static_cast<size_t>(ch.rank())] * elem_bytes);
+  put(ctx, ch, ch.round, 0, send, counts[static_cast<size_t>(ch.rank())] * elem_bytes, ch.peers());
   return true;
 }
 
@@ -357,14 +384,12 @@ void shm_broadcast(CollectiveContext& ctx, ShmChannel& ch, void* buf, size_t byt
     if (me == root) {
       if (!staged) {
         wait_slot_free(ctx, ch, g);
-        copy_bytes(ch.slot(me, g), at(buf, lo), len);
+        put(ctx, ch, g, 0, at(buf, lo), len, ch.peers());
         raise(ch, &Control::published, g + 1);
       }
-      for (int q : ch.peers()) ctx.count_sent(q, len);
     } else {
       if (!staged) wait_flags(ctx, ch, &Control::published, g + 1, from_root);
-      copy_bytes(at(buf, lo), ch.slot(root, g), len);
-      ctx.count_received(root, len);
+      get(ctx, ch, root, g, 0, at(buf, lo), len);
     }
     raise(ch, &Control::done, g + 1);
   }
@@ -383,7 +408,7 @@ bool shm_stage_broadcast(CollectiveContext& ctx, ShmChannel& ch, const void* buf
   if (ch.size() == 1 || bytes == 0 || bytes > ch.slot_bytes()) return false;
   if (ch.rank() == root) {
     wait_slot_free(ctx, ch, ch.round);
-    copy_bytes(ch.slot(root, ch.round), buf, bytes);
+    put(ctx, ch, ch.round, 0, buf, bytes, ch.peers());
   }
   return true;
 }
@@ -414,6 +439,7 @@ void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, vo
   const size_t p = a % 2;
   Control::AgreeLine& mine = ch.control(me).agree[p];
   copy_bytes(mine.record, record, record_bytes);
+  for (int q : ch.peers()) ctx.count_sent(q, record_bytes);  // each peer reads it
   mine.count.store(a + 1, std::memory_order_release);
   auto arrived = [&](int q) {
     return ch.control(q).agree[p].count.load(std::memory_order_acquire) >= a + 1;
@@ -433,9 +459,7 @@ void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, vo
   for (int q = 0; q < ch.size(); ++q) {
     copy_bytes(at(all, static_cast<size_t>(q) * record_bytes), ch.control(q).agree[p].record,
                record_bytes);
-    if (q == me) continue;
-    ctx.count_received(q, record_bytes);
-    ctx.count_sent(q, record_bytes);
+    if (q != me) ctx.count_received(q, record_bytes);
   }
   ch.agreements += 1;
 }
