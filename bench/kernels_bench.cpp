@@ -254,9 +254,9 @@ void register_elementwise() {
         });
     for (const auto& [op, op_name] :
          {std::pair{mt::UnaryOp::gelu, "gelu"}, std::pair{mt::UnaryOp::relu, "relu"}}) {
-      // f32, and bf16 storage (mixed precision's activations).
-      for (const DType dt : {DType::f32, DType::bf16}) {
-        const char* suffix = dt == DType::f32 ? "" : "_bf16";
+      // f32, and bf16 / f16 storage (16-bit activations).
+      for (const DType dt : {DType::f32, DType::bf16, DType::f16}) {
+        const char* suffix = dt == DType::f32 ? "" : dt == DType::bf16 ? "_bf16" : "_f16";
         reg(fmt::format("{}_fwd{}/2048/1024/{}", op_name, suffix, threads), threads,
             benchmark::kMicrosecond, [=, o = op](benchmark::State& st) {
               mt::KernelBackend& k = fast(threads);

@@ -1,5 +1,6 @@
 // The executor: memory reuse, planned == allocated, gradient-ready callbacks,
 // recomputation, backends agreeing, binding errors, profiling.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -207,56 +208,143 @@ TEST(Executor, FastBackendMatchesReference) {
   }
 }
 
-// Runs the mixed-precision graph m on both backends and the f32 graph m32 on
-// the reference, with the same inputs and parameters (matched by name);
-// checks the loss and every parameter gradient (which must be f32) against
-// the f32 run, and returns each backend's gradients by parameter name.
-std::map<std::string, std::map<std::string, Tensor>> expect_near_f32_run(const Model& m,
-                                                                         const Model& m32,
-                                                                         uint64_t seed) {
-  auto bindings32 = testing_models::random_bindings(m32, seed);
-  std::map<ValueId, Tensor> bindings;  // the same tensors, by name in m's graph
-  for (const auto& [id, t] : bindings32) bindings[*m.g.find(m32.g.value(id).name)] = t;
-  Executor exact(m32.g, reference_opts());
-  bind_all(exact, bindings32);
-  exact.run();
-  std::map<std::string, std::map<std::string, Tensor>> grads;
+// ||a - b||_2 / ||b||_2: the difference relative to the tensor's own size
+// (element-wise ratios blow up on the tensor's near-zero entries).
+double rel_norm_diff(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.shape(), b.shape());
+  double d2 = 0, b2 = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double d = a.item(i) - b.item(i);
+    d2 += d * d;
+    b2 += b.item(i) * b.item(i);
+  }
+  return b2 > 0 ? std::sqrt(d2 / b2) : std::sqrt(d2);
+}
+
+// How far a mixed-precision run may drift from its f32 twin, per tensor,
+// relative to the tensor's size. Derivation (errors of random sign, which add
+// in quadrature):
+// - Rounding to the 16-bit compute dtype moves a value by at most u relative:
+//   u = 2^-8 for bf16 (8 significant bits), 2^-11 for f16 (11).
+// - A dot product of length k over rounded operands collects k such errors,
+//   each at most ~u times a term: ~sqrt(k) u times a term. Relative to the
+//   result that is sqrt(k) u when the result is no larger than one term --
+//   the worst case here, a bias gradient summing the batch with
+//   cancellation. k is the longest dot product (a width, or the batch).
+// - Successive stages add their errors in quadrature too: after s matmul
+//   stages a tensor is off by sqrt(s k) u. A gradient follows the forward
+//   path and as many backward stages: s = 2 depth (depth = matmul stages on
+//   the longest forward path).
+// - The loss is a mean over `rows` rows (tokens or samples) whose errors,
+//   each within the forward path's sqrt(depth k) u of a row's loss, are
+//   independent: sqrt(depth k / rows) u.
+// - After a few plain SGD steps a parameter has moved by lr times the sum of
+//   its gradients; their errors do not grow faster than the sum, and the two
+//   runs' trajectories part only to second order, so the movement takes the
+//   gradient bound.
+// The worst measured (both models, bf16 and f16, both backends) is 0.4 of
+// the gradient bound, 0.3 of the movement's and 0.15 of the loss's.
+struct MixedBounds {
+  double u;
+  int depth;
+  int64_t k;
+  int64_t rows;
+  double grad() const { return std::sqrt(static_cast<double>(2 * depth * k)) * u; }
+  double loss() const { return std::sqrt(static_cast<double>(depth * k) / rows) * u; }
+  double update() const { return grad(); }
+};
+
+double unit_roundoff(DType t) {
+  return t == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+}
+
+// Runs the mixed-precision graph m (compute `compute`) on both backends and
+// its f32 twin m32 on the reference, from the same inputs and parameters
+// (matched by name), for kSteps plain SGD steps on f32 master parameters.
+// Checks at every step the loss and every parameter gradient (which must be
+// f32), and after the last step every parameter's movement, against the f32
+// run within `bounds`. Returns each backend's first-step gradients by name.
+std::map<std::string, std::map<std::string, Tensor>> expect_near_f32_run(
+    const Model& m, const Model& m32, uint64_t seed, DType compute, const MixedBounds& bounds) {
+  constexpr int kSteps = 3;
+  constexpr double kLr = 0.1;
+  std::map<std::string, std::map<std::string, Tensor>> first_grads;
   for (const char* backend : {"reference", "fast"}) {
+    auto bindings32 = testing_models::random_bindings(m32, seed);
+    std::map<ValueId, Tensor> bindings;  // copies, by name in m's graph
+    for (const auto& [id, t] : bindings32) bindings[*m.g.find(m32.g.value(id).name)] = t.clone();
+    std::map<std::string, Tensor> start;
+    for (ValueId p : m32.g.params()) start[m32.g.value(p).name] = bindings32.at(p).clone();
     ExecOptions o;
     o.backend = backend;
-    Executor ex(m.g, o);
-    bind_all(ex, bindings);
-    ex.run();
-    // bf16 operands carry ~3 significant digits.
-    EXPECT_NEAR(ex.get(m.loss).item(), exact.get(m32.loss).item(), 2e-2) << backend;
-    for (const auto& [p, gv] : m.g.grads()) {
-      const std::string& name = m.g.value(p).name;
-      EXPECT_EQ(m.g.value(gv).dtype, DType::f32) << name;
-      ValueId p32 = *m32.g.find(name);
-      EXPECT_LE(max_rel_diff(ex.get(gv), exact.get(m32.g.grad_of(p32))), 5e-2)
-          << backend << " " << name;
-      grads[backend][name] = ex.get(gv).clone();
+    Executor exact(m32.g, reference_opts()), ex(m.g, o);
+    for (int step = 0; step < kSteps; ++step) {
+      bind_all(exact, bindings32);
+      bind_all(ex, bindings);
+      exact.run();
+      ex.run();
+      const std::string at = fmt::format("{} {} step {}", backend, dtype_name(compute), step);
+      const double l = ex.get(m.loss).item(), l32 = exact.get(m32.loss).item();
+      EXPECT_LE(std::fabs(l - l32) / std::fabs(l32), bounds.loss())
+          << at << " loss " << l << " vs f32 " << l32;
+      for (const auto& [p, gv] : m.g.grads()) {
+        const std::string& name = m.g.value(p).name;
+        EXPECT_EQ(m.g.value(gv).dtype, DType::f32) << name;
+        const ValueId p32 = *m32.g.find(name);
+        const Tensor g = ex.get(gv), g32 = exact.get(m32.g.grad_of(p32));
+        EXPECT_LE(rel_norm_diff(g, g32), bounds.grad()) << at << " gradient of " << name;
+        if (step == 0) first_grads[backend][name] = g.clone();
+        // Plain SGD on the f32 masters of both runs.
+        Tensor& w = bindings.at(p);
+        Tensor& w32 = bindings32.at(p32);
+        for (int64_t i = 0; i < w.numel(); ++i) {
+          w.set_item(i, w.item(i) - kLr * g.item(i));
+          w32.set_item(i, w32.item(i) - kLr * g32.item(i));
+        }
+      }
+    }
+    for (ValueId p32 : m32.g.params()) {
+      const std::string& name = m32.g.value(p32).name;
+      Tensor moved = bindings.at(*m.g.find(name)).clone(), moved32 = bindings32.at(p32).clone();
+      for (int64_t i = 0; i < moved.numel(); ++i) {
+        moved.set_item(i, moved.item(i) - start.at(name).item(i));
+        moved32.set_item(i, moved32.item(i) - start.at(name).item(i));
+      }
+      EXPECT_LE(rel_norm_diff(moved, moved32), bounds.update())
+          << backend << " " << dtype_name(compute) << ": " << name << " after " << kSteps
+          << " steps";
     }
   }
-  return grads;
+  return first_grads;
 }
 
 TEST(Executor, MixedPrecisionTransformerRunsOnBothBackends) {
-  expect_near_f32_run(testing_models::tiny_transformer(DType::bf16),
-                      testing_models::tiny_transformer(DType::f32), 6);
+  // Longest matmul path: q/k/v, scores, p @ v, output projection, MLP in and
+  // out, tied head = 7; longest dot product: the MLP's 2C = 16; 8 tokens.
+  for (DType t : {DType::bf16, DType::f16}) {
+    expect_near_f32_run(testing_models::tiny_transformer(t),
+                        testing_models::tiny_transformer(DType::f32), 6, t,
+                        MixedBounds{unit_roundoff(t), 7, 16, 8});
+  }
 }
 
-TEST(Executor, Bf16ActivationsMatchF32OnBothBackends) {
-  // Hidden activations (bias add, gelu and their gradients) in bf16; the
-  // parameter gradients come out f32 and near the all-f32 run's.
-  Model m = testing_models::mlp(16, {12, 24, 20, 5}, /*gelu=*/true, true, DType::bf16);
-  int bf16_values = 0;
-  for (ValueId v = 0; v < m.g.num_values(); ++v) bf16_values += m.g.value(v).dtype == DType::bf16;
-  EXPECT_GT(bf16_values, 10);
-  auto grads = expect_near_f32_run(m, testing_models::mlp(16, {12, 24, 20, 5}, true), 8);
-  // Fast and reference round the same f32 results: they agree far closer.
-  for (const auto& [name, g] : grads["fast"]) {
-    EXPECT_LE(max_rel_diff(g, grads["reference"][name]), 2e-2) << name;
+TEST(Executor, SixteenBitActivationsMatchF32OnBothBackends) {
+  // Hidden activations (bias add, gelu and their gradients) in 16 bits; the
+  // parameter gradients come out f32 and near the all-f32 run's. Three
+  // matmul stages; longest dot product 24 (a width; the batch is 16 rows).
+  for (DType t : {DType::bf16, DType::f16}) {
+    Model m = testing_models::mlp(16, {12, 24, 20, 5}, /*gelu=*/true, true, t);
+    int narrow_values = 0;
+    for (ValueId v = 0; v < m.g.num_values(); ++v) narrow_values += m.g.value(v).dtype == t;
+    EXPECT_GT(narrow_values, 10);
+    const MixedBounds bounds{unit_roundoff(t), 3, 24, 16};
+    auto grads =
+        expect_near_f32_run(m, testing_models::mlp(16, {12, 24, 20, 5}, true), 8, t, bounds);
+    // Fast and reference round the same f32 results: each is within the
+    // bound of the other too.
+    for (const auto& [name, g] : grads["fast"]) {
+      EXPECT_LE(rel_norm_diff(g, grads["reference"][name]), bounds.grad()) << name;
+    }
   }
 }
 

@@ -25,9 +25,10 @@ struct Model {
 inline const ParamInit kInit{ParamInit::Kind::normal, 0.3};
 
 // x [batch, widths[0]] -> (matmul + bias, relu or gelu)* -> logits -> cross-entropy.
-// compute bf16: matmul operands in bf16 and hidden activations (bias and
-// activation function included) stored in bf16, logits f32 -- the models'
-// mixed precision.
+// compute bf16 (or f16): matmul operands and hidden activations (bias and
+// activation function included) in that dtype, logits f32 -- the models'
+// bf16 mixed precision (the models keep f16 activations in f32; here they are
+// f16, which checks the 16-bit element-wise paths under f16 too).
 inline Model mlp(int64_t batch, const std::vector<int64_t>& widths, bool gelu = false,
                  bool differentiate = true, DType compute = DType::f32) {
   Model m;
@@ -57,7 +58,7 @@ inline Model mlp(int64_t batch, const std::vector<int64_t>& widths, bool gelu = 
 }
 
 // One pre-norm transformer block with causal attention and a tied head.
-// `compute` is the matmul operand dtype (f32, or bf16 for mixed precision).
+// `compute` is the matmul operand dtype (f32, or bf16/f16 for mixed precision).
 inline Model tiny_transformer(DType compute, bool differentiate = true) {
   const int64_t B = 2, T = 4, C = 8, H = 2, D = C / H, V = 11;
   Model m;

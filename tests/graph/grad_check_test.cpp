@@ -6,12 +6,15 @@
 // differentiates it, runs the executor, and compares every input's gradient
 // with (loss(x + eps) - loss(x - eps)) / (2 eps), element by element. The same
 // table also checks the fast backend against the reference one in f32.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
@@ -262,6 +265,288 @@ TEST_P(GradCheck, FastBackendAgreesWithReferenceInF32) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, GradCheck, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<GradCase>& p) { return p.param.label; });
+
+// ---- Mixed precision ----
+//
+// The rules bf16/f16 graphs add -- matmul with 16-bit operands giving an f32
+// product or (out_dtype) a 16-bit one, gradients carried wide for 16-bit
+// copies of f32 values (GradContext::grad_dtype: backward matmuls with
+// out_dtype, sum_to with a wide dtype for a bias), casts both ways, wide and
+// narrow contributions meeting in autodiff, and the element-wise, softmax and
+// layout rules on 16-bit activations -- checked against central differences.
+// A 16-bit forward pass is too coarse to difference, so each case is built
+// twice by one function: the mixed graph (f32 parameters and loss, 16-bit
+// compute; its gradient is what is checked) and its f64 twin (every dtype
+// f64, casts vanish, out_dtype/dtype name f64), whose loss is differenced on
+// the reference backend. Parameter values are 16-bit numbers, so the casts of
+// the mixed graph are exact and both graphs compute the same function up to
+// the mixed graph's roundings.
+//
+// Tolerance, per element: |analytic - numeric| <= kMixedUlps * u * max|numeric|
+// over the tensor, u the 16-bit unit roundoff (bf16 2^-8, f16 2^-11). In these
+// small cases a gradient element passes through two or three roundings to 16
+// bits (the dy cast, a 16-bit forward product or activation, a 16-bit backward
+// product), each off by at most u relative to the value rounded, and those
+// values are about the size of the tensor's largest gradient; the worst case
+// measured is 1.35 u, so 4 u leaves room while a wrong rule (a missing
+// transpose, sum or scale, a wrong operand) is off by O(1) of max|numeric|.
+constexpr double kMixedUlps = 4;
+
+struct MixedCase {
+  std::string label;
+  // Builds the outputs whose weighted sums form the loss. `wide` is the
+  // parameters' dtype (f32, or f64 in the twin), `narrow` the compute dtype
+  // (bf16/f16, or f64 in the twin). Parameters come from p(name, shape).
+  std::function<std::vector<ValueId>(Builder& b, DType wide, DType narrow,
+                                     const std::function<ValueId(const char*, Shape)>& p)>
+      build;
+  // Backward nodes the mixed graph must contain, so a case keeps exercising
+  // the rule it is for: (op, attribute, value) with value "narrow" or "wide"
+  // standing for the dtype names.
+  std::vector<std::tuple<OpKind, std::string, std::string>> expect;
+};
+
+// y = sum_to(x, shape) summed into `dtype` (the attribute the wide gradient of
+// a 16-bit bias uses).
+ValueId sum_into(Builder& b, ValueId x, const Shape& shape, DType dtype) {
+  return b.graph()
+      .add_node(OpKind::sum_to, b.graph().unique_name("sum_into"), {x},
+                Attrs().set("shape", shape.dims()).set("dtype", std::string(dtype_name(dtype))))
+      .front();
+}
+
+std::vector<MixedCase> mixed_cases() {
+  using O = OpKind;
+  using P = std::function<ValueId(const char*, Shape)>;
+  auto mm_wide = [](bool ta, bool tb, Shape as, Shape bs) {
+    return [=](Builder& b, DType, DType n, const P& p) {
+      return std::vector<ValueId>{b.matmul(b.cast(p("a", as), n), b.cast(p("b", bs), n), ta, tb)};
+    };
+  };
+  // out_dtype given (the narrow dtype; f64 in the twin) on a backward matmul.
+  const std::tuple<O, std::string, std::string> bwd_mm_narrow{O::matmul, "out_dtype", "narrow"};
+  return {
+      // 16-bit copies of f32 values: f32 product; dy cast to 16 bits, gradients
+      // kept f32 (the backward matmuls' natural dtype, no out_dtype).
+      {"matmul_f32_out", mm_wide(false, false, {3, 4}, {4, 5}), {{O::cast, "dtype", "narrow"}}},
+      {"matmul_f32_out_trans_a", mm_wide(true, false, {4, 3}, {4, 5}), {}},
+      {"matmul_f32_out_trans_b", mm_wide(false, true, {3, 4}, {5, 4}), {}},
+      {"matmul_f32_out_trans_ab", mm_wide(true, true, {4, 3}, {5, 4}), {}},
+      {"matmul_f32_out_batched", mm_wide(false, true, {2, 3, 4}, {2, 5, 4}), {}},
+      {"matmul_f32_out_shared_b", mm_wide(true, false, {2, 4, 3}, {4, 5}), {}},
+      // A 16-bit product (out_dtype) feeding a 16-bit bias add and activation,
+      // then a matmul of that 16-bit activation (not a cast: its gradient is a
+      // 16-bit backward matmul) -- the MLP's hidden layer.
+      {"mlp_hidden_layer",
+       [](Builder& b, DType w, DType n, const P& p) {
+         ValueId h =
+             b.matmul(b.cast(p("x", {3, 4}), n), b.cast(p("w1", {4, 6}), n), false, false, n);
+         h = b.gelu(b.add(h, b.cast(p("b1", {6}), n)));
+         ValueId y = b.matmul(h, b.cast(p("w2", {6, 2}), n));
+         return std::vector<ValueId>{b.add(y, b.cast(p("b2", {2}), w))};
+       },
+       {bwd_mm_narrow, {O::sum_to, "dtype", "wide"}}},
+      {"relu_hidden_trans_b",
+       [](Builder& b, DType, DType n, const P& p) {
+         ValueId h =
+             b.matmul(b.cast(p("x", {2, 3, 4}), n), b.cast(p("w1", {5, 4}), n), false, true, n);
+         h = b.relu(b.add(h, b.cast(p("b1", {5}), n)));
+         return std::vector<ValueId>{b.matmul(h, b.cast(p("w2", {3, 5}), n), false, true)};
+       },
+       {bwd_mm_narrow, {O::sum_to, "dtype", "wide"}}},
+      // Causal attention as the GPT wires it: 16-bit q, k, v (reshaped and
+      // permuted in 16 bits), f32 scores and softmax, a 16-bit copy of p, a
+      // 16-bit attention output.
+      {"attention",
+       [](Builder& b, DType, DType n, const P& p) {
+         const int64_t B = 2, T = 3, C = 4, H = 2, D = 2;
+         ValueId x = b.cast(p("x", {B * T, C}), n);
+         auto heads = [&](const char* w) {
+           ValueId v = b.matmul(x, b.cast(p(w, {C, C}), n), false, false, n);
+           v = b.permute(b.reshape(v, {B, T, H, D}), {0, 2, 1, 3});
+           return b.reshape(v, {B * H, T, D});
+         };
+         ValueId q = heads("wq"), k = heads("wk"), v = heads("wv");
+         ValueId s = b.softmax(b.scale(b.matmul(q, k, false, true), 0.7), true);
+         return std::vector<ValueId>{b.matmul(b.cast(s, n), v, false, false, n)};
+       },
+       {bwd_mm_narrow, {O::cast, "dtype", "narrow"}}},
+      // sum_to of a 16-bit x into a wide result, to the last dims and to a scalar.
+      {"sum_to_wide",
+       [](Builder& b, DType w, DType n, const P& p) {
+         ValueId x = b.cast(p("x", {3, 4}), n);
+         return std::vector<ValueId>{sum_into(b, x, {4}, w), sum_into(b, x, {}, w)};
+       },
+       {{O::cast, "dtype", "narrow"}}},
+      // A cast to 16 bits and back around a 16-bit activation: both cast rules
+      // emit a cast (dy arrives in the other dtype).
+      {"cast_round_trip",
+       [](Builder& b, DType w, DType n, const P& p) {
+         return std::vector<ValueId>{b.cast(b.tanh(b.cast(p("x", {4, 5}), n)), w)};
+       },
+       {{O::cast, "dtype", "narrow"}, {O::cast, "dtype", "wide"}}},
+      // One 16-bit copy read by a matmul (f32 gradient) and a 16-bit
+      // activation (16-bit gradient): autodiff widens the latter and adds.
+      {"wide_and_narrow_contributions",
+       [](Builder& b, DType, DType n, const P& p) {
+         ValueId x = b.cast(p("x", {3, 4}), n);
+         return std::vector<ValueId>{b.matmul(x, b.cast(p("w", {4, 2}), n)), b.sigmoid(x),
+                                     b.mul(x, x)};
+       },
+       {{O::cast, "dtype", "wide"}}},
+      // The f16 models' linear layer: f32 activations, 16-bit matmul operands,
+      // f32 bias.
+      {"linear_f32_activations",
+       [](Builder& b, DType w, DType n, const P& p) {
+         ValueId y = b.matmul(b.cast(p("x", {3, 4}), n), b.cast(p("w", {4, 5}), n));
+         y = b.add(y, b.cast(p("b", {5}), w));
+         ValueId z = b.matmul(b.cast(b.tanh(y), n), b.cast(p("w2", {5, 2}), n));
+         return std::vector<ValueId>{b.log_softmax(z)};
+       },
+       {}},
+  };
+}
+
+// One mixed case built with (wide, narrow); loss = sum_i sum(cast(y_i, wide) * W_i).
+struct MixedGraph {
+  Graph g;
+  std::vector<std::string> names;  // parameters, in creation order
+  std::vector<ValueId> params, ws;
+  ValueId loss = kNoValue;
+
+  MixedGraph(const MixedCase& c, DType wide, DType narrow) {
+    Builder b(g);
+    auto p = [&](const char* name, Shape s) {
+      names.push_back(name);
+      params.push_back(b.param(name, s, ParamInit{}, wide));
+      return params.back();
+    };
+    ValueId total = kNoValue;
+    for (ValueId y : c.build(b, wide, narrow, p)) {
+      ValueId w = b.input(fmt::format("w{}", ws.size()), g.value(y).shape, wide);
+      ws.push_back(w);
+      ValueId term = b.sum_to(b.mul(b.cast(y, wide), w), {});
+      total = total == kNoValue ? term : b.add(total, term);
+    }
+    loss = b.name(total, "loss");
+    build_backward(g, loss);
+  }
+};
+
+struct MixedParam {
+  MixedCase c;
+  DType narrow;
+};
+
+void PrintTo(const MixedParam& p, std::ostream* os) {
+  *os << p.c.label << " in " << dtype_name(p.narrow);
+}
+
+class MixedGradCheck : public ::testing::TestWithParam<MixedParam> {};
+
+TEST_P(MixedGradCheck, MatchesCentralDifferencesOfF64Twin) {
+  const MixedCase& c = GetParam().c;
+  const DType narrow = GetParam().narrow;
+  const double u = narrow == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  MixedGraph mixed(c, DType::f32, narrow);
+  MixedGraph twin(c, DType::f64, DType::f64);
+  ASSERT_EQ(mixed.names, twin.names);
+
+  // The rules under test are in the mixed graph, and the twin has no 16 bits.
+  for (const auto& [op, attr, value] : c.expect) {
+    const std::string want(dtype_name(value == "narrow" ? narrow : DType::f32));
+    bool found = false;
+    for (const Node& n : mixed.g.nodes()) {
+      found |= n.backward && n.op == op && n.attrs.has(attr) && n.attrs.s(attr) == want;
+    }
+    EXPECT_TRUE(found) << c.label << ": no backward " << op_name(op) << " with " << attr << " = "
+                       << want;
+  }
+  bool narrow_seen = false;
+  for (ValueId v = 0; v < mixed.g.num_values(); ++v)
+    narrow_seen |= mixed.g.value(v).dtype == narrow;
+  EXPECT_TRUE(narrow_seen) << c.label;
+  for (ValueId v = 0; v < twin.g.num_values(); ++v) {
+    const DType t = twin.g.value(v).dtype;
+    ASSERT_TRUE(t == DType::f64 || t == DType::i32) << c.label << ": twin has " << dtype_name(t);
+  }
+
+  // Same numbers in both: 16-bit values, held in f32 and in f64.
+  std::mt19937_64 rng(std::hash<std::string>{}(c.label));
+  std::uniform_real_distribution<double> dist(-1.0, 1.0);
+  auto draw = [&](const Shape& s) {
+    Tensor t = Tensor::empty(s, DType::f64);
+    for (int64_t i = 0; i < t.numel(); ++i) t.set_item(i, dist(rng));
+    return t.to(narrow).to(DType::f64);
+  };
+  ExecOptions opts;
+  opts.backend = "reference";
+  opts.profile = false;
+  Executor ex_mixed(mixed.g, opts), ex_twin(twin.g, opts);
+  std::vector<Tensor> data;
+  for (size_t i = 0; i < mixed.params.size(); ++i) {
+    data.push_back(draw(mixed.g.value(mixed.params[i]).shape));
+    ex_mixed.bind(mixed.params[i], data.back().to(DType::f32));
+    ex_twin.bind(twin.params[i], data.back());
+  }
+  for (size_t i = 0; i < mixed.ws.size(); ++i) {
+    Tensor w = draw(mixed.g.value(mixed.ws[i]).shape);
+    ex_mixed.bind(mixed.ws[i], w.to(DType::f32));
+    ex_twin.bind(twin.ws[i], w);
+  }
+  ex_mixed.run();
+
+  const double eps = 1e-6;
+  for (size_t i = 0; i < mixed.params.size(); ++i) {
+    const ValueId gv = mixed.g.grad_of(mixed.params[i]);
+    ASSERT_NE(gv, kNoValue) << c.label << ": " << mixed.names[i] << " got no gradient";
+    EXPECT_EQ(mixed.g.value(gv).dtype, DType::f32) << c.label << ": " << mixed.names[i];
+    const Tensor analytic = ex_mixed.get(gv).clone();
+    Tensor& x = data[i];
+    std::vector<double> numeric(static_cast<size_t>(x.numel()));
+    double scale = 0;
+    for (int64_t e = 0; e < x.numel(); ++e) {
+      const double orig = x.item(e);
+      x.set_item(e, orig + eps);
+      ex_twin.run_forward();
+      const double lp = ex_twin.get(twin.loss).item();
+      x.set_item(e, orig - eps);
+      ex_twin.run_forward();
+      const double lm = ex_twin.get(twin.loss).item();
+      x.set_item(e, orig);
+      numeric[static_cast<size_t>(e)] = (lp - lm) / (2 * eps);
+      scale = std::max(scale, std::fabs(numeric[static_cast<size_t>(e)]));
+    }
+    ASSERT_GT(scale, 0) << c.label << ": " << mixed.names[i] << " has a zero gradient";
+    double worst = 0;
+    int64_t at = 0;
+    for (int64_t e = 0; e < x.numel(); ++e) {
+      const double d = std::fabs(analytic.item(e) - numeric[static_cast<size_t>(e)]);
+      if (d > worst) {
+        worst = d;
+        at = e;
+      }
+    }
+    EXPECT_LE(worst, kMixedUlps * u * scale)
+        << c.label << " (" << dtype_name(narrow) << "): d loss / d " << mixed.names[i] << " "
+        << x.desc() << ": max difference " << worst << " (" << worst / (u * scale)
+        << " u of max|grad| " << scale << ") at element " << at << " (analytic "
+        << analytic.item(at) << ", numeric " << numeric[static_cast<size_t>(at)] << ")";
+  }
+}
+
+std::vector<MixedParam> mixed_params() {
+  std::vector<MixedParam> out;
+  for (DType t : {DType::bf16, DType::f16}) {
+    for (const MixedCase& c : mixed_cases()) out.push_back({c, t});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, MixedGradCheck, ::testing::ValuesIn(mixed_params()),
+                         [](const ::testing::TestParamInfo<MixedParam>& p) {
+                           return p.param.c.label + "_" + std::string(dtype_name(p.param.narrow));
+                         });
 
 // Every operator that has a gradient rule in the registry has a case above,
 // so adding a differentiable operator without a check fails here.

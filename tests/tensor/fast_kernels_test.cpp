@@ -222,65 +222,110 @@ TEST_P(FastKernels, MatmulBf16Output) {
   }
 }
 
-TEST_P(FastKernels, ElementwiseOnBf16Storage) {
-  const Shape shape{7, 45};  // not a multiple of the vector width
-  const Tensor x = random_tensor(shape, 50, -3, 3, DType::bf16);
-  const Tensor dy = random_tensor(shape, 51, -1, 1, DType::bf16);
-  // run(backend, output, widen) runs the kernel on the bf16 inputs, or on
-  // their exact f32 widenings when widen is true.
-  auto check = [&](const char* what, auto&& run) {
-    Tensor got = nan_like(shape, DType::bf16), want = nan_like(shape, DType::bf16);
-    run(*fast_, got, false);
-    run(ref_, want, false);
-    expect_close(got.to(DType::f32), want.to(DType::f32), kBf16Rtol, 1e-6, what);
-    // Exactly the f32 kernel on the widened inputs, rounded once.
-    Tensor wide = nan_like(shape, DType::f32);
-    run(*fast_, wide, true);
-    EXPECT_EQ(std::memcmp(got.raw(), wide.to(DType::bf16).raw(), got.nbytes()), 0) << what;
-  };
-  auto in = [](const Tensor& t, bool widen) { return widen ? t.to(DType::f32) : t; };
-  for (UnaryOp op : {UnaryOp::relu, UnaryOp::gelu, UnaryOp::tanh, UnaryOp::sigmoid}) {
-    check("unary", [&](KernelBackend& k, Tensor& y, bool w) { k.unary(op, in(x, w), y); });
-    check("unary_backward", [&](KernelBackend& k, Tensor& dx, bool w) {
-      k.unary_backward(op, in(x, w), Tensor(), in(dy, w), dx);
-    });
-  }
-  const Tensor bias = random_tensor({45}, 52, -1, 1, DType::bf16);
-  const Tensor scalar = random_tensor({}, 53, 0.5, 1, DType::bf16);
-  for (BinaryOp op : {BinaryOp::add, BinaryOp::sub, BinaryOp::mul, BinaryOp::div}) {
-    check("binary same shape",
-          [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(dy, w), c); });
-    check("binary bias",
-          [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(bias, w), c); });
-    check("binary scalar",
-          [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(scalar, w), c); });
-  }
-  // The reference rounds the f32 result once.
-  Tensor wide = Tensor::empty(shape, DType::f32), narrow = Tensor::empty(shape, DType::bf16);
-  ref_.unary(UnaryOp::gelu, x.to(DType::f32), wide);
-  ref_.unary(UnaryOp::gelu, x, narrow);
-  EXPECT_EQ(std::memcmp(narrow.raw(), wide.to(DType::bf16).raw(), narrow.nbytes()), 0);
+// One unit in the last place of f16 (11 significant bits), as kBf16Rtol is
+// bf16's.
+constexpr double kF16Rtol = 1.0 / 1024;
+
+double ulp_rtol(DType t) {
+  return t == DType::bf16 ? kBf16Rtol : kF16Rtol;
 }
 
-TEST_P(FastKernels, SumToFromBf16IntoBf16OrF32) {
-  const Tensor x = random_tensor({300, 45}, 60, -1, 1, DType::bf16);
-  Tensor want = Tensor::empty({45}, DType::f32);
-  ref_.sum_to(x.to(DType::f32), want);
-  for (DType out : {DType::f32, DType::bf16}) {
-    Tensor got = nan_like({45}, out), ref_got = nan_like({45}, out);
-    fast_->sum_to(x, got);
-    ref_.sum_to(x, ref_got);
-    const double rtol = out == DType::f32 ? 1e-5 : kBf16Rtol;
-    expect_close(got.to(DType::f32), want, rtol, 1e-5,
-                 fmt::format("sum_to bf16 -> {}", dtype_name(out)));
-    expect_close(ref_got.to(DType::f32), want, rtol, 1e-5, "reference sum_to bf16");
+// bf16 and f16 storage: the fast kernels load and store 16 bits and compute in
+// f32, as the reference does.
+TEST_P(FastKernels, ElementwiseOn16BitStorage) {
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const Shape shape{7, 45};  // not a multiple of the vector width
+    const Tensor x = random_tensor(shape, 50, -3, 3, dt);
+    const Tensor dy = random_tensor(shape, 51, -1, 1, dt);
+    // run(backend, output, widen) runs the kernel on the 16-bit inputs, or on
+    // their exact f32 widenings when widen is true.
+    auto check = [&](const std::string& what, auto&& run) {
+      const std::string label = what + " " + std::string(dtype_name(dt));
+      Tensor got = nan_like(shape, dt), want = nan_like(shape, dt);
+      run(*fast_, got, false);
+      run(ref_, want, false);
+      expect_close(got.to(DType::f32), want.to(DType::f32), ulp_rtol(dt), 1e-6, label);
+      // Exactly the f32 kernel on the widened inputs, rounded once.
+      Tensor wide = nan_like(shape, DType::f32);
+      run(*fast_, wide, true);
+      EXPECT_EQ(std::memcmp(got.raw(), wide.to(dt).raw(), got.nbytes()), 0) << label;
+    };
+    auto in = [](const Tensor& t, bool widen) { return widen ? t.to(DType::f32) : t; };
+    for (UnaryOp op : {UnaryOp::relu, UnaryOp::gelu, UnaryOp::tanh, UnaryOp::sigmoid}) {
+      check("unary", [&](KernelBackend& k, Tensor& y, bool w) { k.unary(op, in(x, w), y); });
+      check("unary_backward", [&](KernelBackend& k, Tensor& dx, bool w) {
+        k.unary_backward(op, in(x, w), Tensor(), in(dy, w), dx);
+      });
+    }
+    const Tensor bias = random_tensor({45}, 52, -1, 1, dt);
+    const Tensor scalar = random_tensor({}, 53, 0.5, 1, dt);
+    for (BinaryOp op : {BinaryOp::add, BinaryOp::sub, BinaryOp::mul, BinaryOp::div}) {
+      check("binary same shape",
+            [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(dy, w), c); });
+      check("binary bias",
+            [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(bias, w), c); });
+      check("binary scalar",
+            [&](KernelBackend& k, Tensor& c, bool w) { k.binary(op, in(x, w), in(scalar, w), c); });
+    }
+    // The reference rounds the f32 result once.
+    Tensor wide = Tensor::empty(shape, DType::f32), narrow = Tensor::empty(shape, dt);
+    ref_.unary(UnaryOp::gelu, x.to(DType::f32), wide);
+    ref_.unary(UnaryOp::gelu, x, narrow);
+    EXPECT_EQ(std::memcmp(narrow.raw(), wide.to(dt).raw(), narrow.nbytes()), 0);
   }
-  Tensor all = nan_like({}, DType::f32), all_want = Tensor::empty({}, DType::f32);
-  fast_->sum_to(x, all);
-  ref_.sum_to(x.to(DType::f32), all_want);
-  expect_close(all, all_want, 1e-5, 1e-4, "sum_to bf16 -> f32 scalar");
-  Tensor bad = Tensor::empty({45}, DType::f16);
-  EXPECT_THROW(fast_->sum_to(x, bad), ShapeError);
+}
+
+// f16 stores round like f32_to_f16 at the edges of its range: subnormal
+// results, overflow to inf, and inf/NaN passing through.
+TEST_P(FastKernels, F16StorageRangeEdges) {
+  const std::vector<float> vals{6.0e-8f, -3.0e-6f, 1.0e-5f, 6.1e-5f, 65504.0f, 65520.0f,
+                                -7.0e4f, kInf,     -kInf,   kNaN,    0.0f,     -0.0f,
+                                1.0f,    3.0e-7f,  2.0e4f,  -1.5f,   0.333f};
+  const Shape shape{static_cast<int64_t>(vals.size())};
+  Tensor x32 = Tensor::empty(shape, DType::f32);
+  for (size_t i = 0; i < vals.size(); ++i) x32.data<float>()[i] = vals[i];
+  // x * 1 + 0 and x * 3 move values across the subnormal and overflow edges.
+  const Tensor x = x32.to(DType::f16);
+  for (double factor : {1.0, 3.0, 1.0 / 3}) {
+    const Tensor f = Tensor::full({}, DType::f16, factor);
+    Tensor got = nan_like(shape, DType::f16), want = nan_like(shape, DType::f16);
+    fast_->binary(BinaryOp::mul, x, f, got);
+    ref_.binary(BinaryOp::mul, x, f, want);
+    for (int64_t i = 0; i < got.numel(); ++i) {
+      const double g = got.item(i), w = want.item(i);
+      if (std::isnan(w)) {
+        EXPECT_TRUE(std::isnan(g)) << "element " << i << " times " << factor;
+      } else {
+        EXPECT_EQ(got.data<f16>()[i].bits, want.data<f16>()[i].bits)
+            << "element " << i << " (" << vals[static_cast<size_t>(i)] << ") times " << factor
+            << ": fast " << g << ", reference " << w;
+      }
+    }
+  }
+}
+
+TEST_P(FastKernels, SumToFrom16BitInto16BitOrF32) {
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const Tensor x = random_tensor({300, 45}, 60, -1, 1, dt);
+    Tensor want = Tensor::empty({45}, DType::f32);
+    ref_.sum_to(x.to(DType::f32), want);
+    for (DType out : {DType::f32, dt}) {
+      Tensor got = nan_like({45}, out), ref_got = nan_like({45}, out);
+      fast_->sum_to(x, got);
+      ref_.sum_to(x, ref_got);
+      const double rtol = out == DType::f32 ? 1e-5 : ulp_rtol(dt);
+      const std::string what = fmt::format("sum_to {} -> {}", dtype_name(dt), dtype_name(out));
+      expect_close(got.to(DType::f32), want, rtol, 1e-5, what);
+      expect_close(ref_got.to(DType::f32), want, rtol, 1e-5, "reference " + what);
+    }
+    Tensor all = nan_like({}, DType::f32), all_want = Tensor::empty({}, DType::f32);
+    fast_->sum_to(x, all);
+    ref_.sum_to(x.to(DType::f32), all_want);
+    expect_close(all, all_want, 1e-5, 1e-4, fmt::format("sum_to {} -> f32 scalar", dtype_name(dt)));
+    // Into neither x's dtype nor f32.
+    Tensor bad = Tensor::empty({45}, dt == DType::bf16 ? DType::f16 : DType::bf16);
+    EXPECT_THROW(fast_->sum_to(x, bad), ShapeError);
+  }
 }
 
 TEST_P(FastKernels, MatmulRejectsBadShapes) {

@@ -118,12 +118,12 @@ constexpr int64_t kSumBlockRows = 64;
 
 namespace {
 
-// x is f32 or bf16 (the storage types these kernels load and store; they
+// x is f32, bf16 or f16 (the storage types these kernels load and store; they
 // compute in f32), `like` has its dtype and shape.
 void require_storage(const char* kernel, const char* name, const Tensor& t) {
   require_defined(kernel, name, t);
-  if (t.dtype() != DType::f32 && t.dtype() != DType::bf16) {
-    fail(kernel, "{} {} has an unsupported dtype (expected f32 or bf16)", name, t.desc());
+  if (t.dtype() != DType::f32 && t.dtype() != DType::bf16 && t.dtype() != DType::f16) {
+    fail(kernel, "{} {} has an unsupported dtype (expected f32, bf16 or f16)", name, t.desc());
   }
 }
 void require_like(const char* kernel, const char* name, const Tensor& t, const char* ref_name,
@@ -139,12 +139,18 @@ inline float to_float(float v) {
 inline float to_float(bf16 v) {
   return bf16_to_f32(v);
 }
+inline float to_float(f16 v) {
+  return f16_to_f32(v);
+}
 
-// Calls f(float{}) or f(bf16{}) for an f32 / bf16 dtype (checked earlier).
+// Calls f(float{}), f(bf16{}) or f(f16{}) for an f32 / bf16 / f16 dtype
+// (checked earlier).
 template <class F>
 void visit_storage(DType t, F&& f) {
   if (t == DType::bf16) {
     f(bf16{});
+  } else if (t == DType::f16) {
+    f(f16{});
   } else {
     f(float{});
   }
@@ -259,7 +265,7 @@ void sum_to(const Tensor& x, Tensor& y, int threads) {
   const char* K = "sum_to";
   require_storage(K, "x", x);
   require_storage(K, "y", y);
-  // y has x's dtype, or is f32 for a bf16 x (a bias gradient kept wide).
+  // y has x's dtype, or is f32 for a 16-bit x (a bias gradient kept wide).
   if (y.dtype() != x.dtype() && y.dtype() != DType::f32) {
     fail(K, "dtypes differ: x {} vs y {} (y must be x's dtype or f32)", x.desc(), y.desc());
   }

@@ -30,13 +30,14 @@ bool f32_inputs(std::initializer_list<const Tensor*> ts) {
   return true;
 }
 
-// True when every defined tensor in `ts` is f32, or every one is bf16 (the
-// storage types of the element-wise kernels), and the first one is defined.
-bool f32_or_bf16_inputs(std::initializer_list<const Tensor*> ts) {
+// True when every defined tensor in `ts` is f32, or every one is bf16, or
+// every one is f16 (the storage types of the element-wise kernels), and the
+// first one is defined.
+bool elementwise_storage(std::initializer_list<const Tensor*> ts) {
   const Tensor* first = *ts.begin();
   if (!first->defined()) return false;
   const DType t = first->dtype();
-  if (t != DType::f32 && t != DType::bf16) return false;
+  if (t != DType::f32 && t != DType::bf16 && t != DType::f16) return false;
   for (const Tensor* x : ts) {
     if (x->defined() && x->dtype() != t) return false;
   }
@@ -93,18 +94,18 @@ class FastBackend final : public KernelBackend {
   }
 
   void unary(UnaryOp op, const Tensor& x, Tensor& y) override {
-    if (!f32_or_bf16_inputs({&x, &y})) return fallback_.unary(op, x, y);
+    if (!elementwise_storage({&x, &y})) return fallback_.unary(op, x, y);
     fast::unary(op, x, y, threads());
   }
   void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& dy,
                       Tensor& dx) override {
-    if (!f32_or_bf16_inputs({&x, &y, &dy, &dx})) {
+    if (!elementwise_storage({&x, &y, &dy, &dx})) {
       return fallback_.unary_backward(op, x, y, dy, dx);
     }
     fast::unary_backward(op, x, y, dy, dx, threads());
   }
   void binary(BinaryOp op, const Tensor& a, const Tensor& b, Tensor& c) override {
-    if (!f32_or_bf16_inputs({&a, &b, &c})) return fallback_.binary(op, a, b, c);
+    if (!elementwise_storage({&a, &b, &c})) return fallback_.binary(op, a, b, c);
     fast::binary(op, a, b, c, threads());
   }
   void scale(const Tensor& x, Tensor& y, double alpha, double beta) override {
@@ -112,10 +113,11 @@ class FastBackend final : public KernelBackend {
     fast::scale(x, y, alpha, beta, threads());
   }
   void sum_to(const Tensor& x, Tensor& y) override {
-    // A bf16 x may sum into an f32 y.
-    const bool wide_y =
-        x.defined() && y.defined() && x.dtype() == DType::bf16 && y.dtype() == DType::f32;
-    if (!wide_y && !f32_or_bf16_inputs({&x, &y})) return fallback_.sum_to(x, y);
+    // A 16-bit x may sum into an f32 y.
+    const bool wide_y = x.defined() && y.defined() &&
+                        (x.dtype() == DType::bf16 || x.dtype() == DType::f16) &&
+                        y.dtype() == DType::f32;
+    if (!wide_y && !elementwise_storage({&x, &y})) return fallback_.sum_to(x, y);
     fast::sum_to(x, y, threads());
   }
   void cast(const Tensor& x, Tensor& y) override {

@@ -1,8 +1,9 @@
 // The fast CPU kernel backend: oneDNN (convolution, bf16/f16 matmul), OpenBLAS
 // or oneDNN for f32 matmul (chosen per shape by measurement), and vectorised,
 // OpenMP-parallel element-wise, normalisation, loss, embedding and pooling
-// kernels. It computes f32 (and bf16/f16 matmul inputs with an f32 output)
-// itself and hands every other dtype to `fallback`, which must outlive it.
+// kernels. It computes f32, bf16/f16 matmul inputs (with an f32 or 16-bit
+// output) and bf16/f16 storage for unary, unary_backward, binary and sum_to
+// itself, and hands every other dtype to `fallback`, which must outlive it.
 //
 // Semantics are exactly those of the reference backend (see
 // backends/reference/reference_backend.h), within float tolerance.

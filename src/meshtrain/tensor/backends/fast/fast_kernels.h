@@ -17,6 +17,8 @@
 namespace mt::fast {
 
 // ---- element-wise and layout (f32 unless noted) ----
+// unary, unary_backward, binary and sum_to also take bf16 or f16 storage
+// (computed in f32, rounded once); sum_to may sum a 16-bit x into an f32 y.
 void unary(UnaryOp op, const Tensor& x, Tensor& y, int threads);
 void unary_backward(UnaryOp op, const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx,
                     int threads);

@@ -1,5 +1,5 @@
 // A minimal f32 vector type for the fast backend's element-wise kernels (which
-// also load and store bf16, computing in f32): 16
+// also load and store bf16 and f16, computing in f32): 16
 // lanes of AVX-512 when the compiler targets it (-march=native on this
 // project's machines), otherwise one lane of plain float, so every kernel is
 // written once and stays portable. exp/tanh are polynomial approximations on
@@ -109,6 +109,32 @@ struct VecF {
       for (int64_t i = 0; i < n; ++i) p[i].bits = buf[i];
     }
   }
+  // f16 storage through AVX-512F's conversion instructions (vcvtph2ps /
+  // vcvtps2ph): loads widen exactly, stores round to nearest even with
+  // subnormals and overflow to inf exact, bit for bit as f16_to_f32 /
+  // f32_to_f16 except for NaN payloads (a NaN stays a quiet NaN). Tails go
+  // through a buffer, as for bf16.
+  [[gnu::always_inline]] static VecF load(const f16* p, int64_t n = kWidth) {
+    __m256i h;
+    if (n == kWidth) {
+      h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    } else {
+      alignas(32) uint16_t buf[kWidth] = {};
+      for (int64_t i = 0; i < n; ++i) buf[i] = p[i].bits;
+      h = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+    }
+    return VecF(_mm512_maskz_cvtph_ps(kAll, h));
+  }
+  [[gnu::always_inline]] void store(f16* p, int64_t n = kWidth) const {
+    const __m256i h = _mm512_maskz_cvtps_ph(kAll, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (n == kWidth) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    } else {
+      alignas(32) uint16_t buf[kWidth];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf), h);
+      for (int64_t i = 0; i < n; ++i) p[i].bits = buf[i];
+    }
+  }
   // Horizontal sum / maximum, halving the width each step (GCC 12's
   // _mm512_reduce_* trip -Wmaybe-uninitialized).
   float reduce_add() const {
@@ -210,6 +236,8 @@ struct VecF {
   void store(float* p, int64_t /*n*/ = 1) const { *p = v; }
   static VecF load(const bf16* p, int64_t /*n*/ = 1) { return VecF(bf16_to_f32(*p)); }
   void store(bf16* p, int64_t /*n*/ = 1) const { *p = f32_to_bf16(v); }
+  static VecF load(const f16* p, int64_t /*n*/ = 1) { return VecF(f16_to_f32(*p)); }
+  void store(f16* p, int64_t /*n*/ = 1) const { *p = f32_to_f16(v); }
   float reduce_add() const { return v; }
   float reduce_max() const { return v; }
 
