@@ -250,9 +250,9 @@ TEST(StepCheckpoints, KeepTheNewestNAndResumeAutoFindsTheNewestValid) {
 TEST(StepCheckpoints, PruneCountsOnlyCompleteOnesAndNeverTheNewSave) {
   TempDir dir;
   const std::string root = dir.file("r");
+  const Tensor a = Tensor::full({2}, DType::f32, 1);  // a piece points into it
   for (int s : {1, 2, 3, 5}) {
-    const std::vector<ShardPiece> pieces = {
-        full_piece("param/a", Tensor::full({2}, DType::f32, 1))};
+    const std::vector<ShardPiece> pieces = {full_piece("param/a", a)};
     save_sharded(nullptr, step_checkpoint_path(root, s), pieces, {{"step", std::to_string(s)}});
   }
   fs::create_directories(step_checkpoint_path(root, 4));  // incomplete, older than the new one
