@@ -216,7 +216,11 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, DataParallelMpi, ::testing::Values("sgd", "
 //     x positions). One process adds them in one order; N ranks add n/N each
 //     and then the N partial sums in the collective's order (all-reduce under
 //     ZeRO-0, reduce-scatter under 1-3: the stages differ from each other
-//     too), and the fast kernels may block B/N rows differently from B. Two
+//     too), and the fast kernels may block B/N rows differently from B --
+//     or run on another engine: the fast backend picks OpenBLAS or oneDNN
+//     per matmul shape (and a conv layout) by timing the first calls, which
+//     alternate between them, so even two single-process runs in one
+//     process can differ in the last bits (measured: 5.7e-6 here). Two
 //     orders of an n-term sum differ by up to n u sum|c_i| (Higham, Accuracy
 //     and Stability of Numerical Algorithms, 4.2), typically sqrt(n) u
 //     sum|c_i| (independent roundings): a relative gradient difference
