@@ -360,6 +360,10 @@ TEST_P(ModelsMpi, EveryStageMatchesSingleProcessEveryStepOnTheFastBackend) {
     o.schedule.lr *= 1.001;
     const test::Divergence off =
         test::compare(s, run_recorded(s, data, o, nullptr).params, want.params);
+    if (world().rank() == 0) {
+      std::printf("%s %s, one process, learning rate 0.1%% off: worst relative error %.3g\n",
+                  c.model.c_str(), c.optimizer.c_str(), off.worst);
+    }
     EXPECT_GT(off.worst, 3 * tol) << "learning rate 0.1% off: worst " << off.worst;
   }
   for (int stage = 0; stage <= 3; ++stage) {
