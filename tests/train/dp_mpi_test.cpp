@@ -3,6 +3,9 @@
 // accumulation, matches the single-process run on the same global batch step
 // by step (the loss of every step) and in the final parameters, within 1e-5
 // relative. Each rank computes the single-process reference itself.
+// GptCnn/ModelsMpi: the GPT and the CNN through the Trainer on the fast
+// backend, AdamW and SGD + momentum, ZeRO 0-3, per tensor after every step,
+// within a tolerance derived below (before ModelCase).
 #include <gtest/gtest.h>
 
 #include <algorithm>
