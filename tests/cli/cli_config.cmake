@@ -3,12 +3,9 @@
 # checked for its exit status and its message.
 cmake_minimum_required(VERSION 3.25)
 
+include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
 function(run expect_rc)
-  execute_process(COMMAND ${MESHTRAIN} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
-    ERROR_VARIABLE err)
-  if(NOT rc EQUAL expect_rc)
-    message(FATAL_ERROR "meshtrain ${ARGN}: exit ${rc}, expected ${expect_rc}:\n${out}\n${err}")
-  endif()
+  expect_run(RC ${expect_rc} TIMEOUT 120 COMMAND ${MESHTRAIN} ${ARGN})
   set(out "${out}" PARENT_SCOPE)
   set(err "${err}" PARENT_SCOPE)
 endfunction()

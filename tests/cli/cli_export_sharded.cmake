@@ -7,12 +7,9 @@ file(MAKE_DIRECTORY ${dir})
 set(common --config ${SRC}/configs/mlp_fashion.toml --set train.threads=1 --set train.eval=false
   --set data.limit_train=256 --set data.limit_test=64 "--set" "model.hidden=[32]")
 
+include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
 function(run)
-  execute_process(COMMAND ${MESHTRAIN} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
-    ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "exit ${rc}: ${ARGN}\n${out}\n${err}")
-  endif()
+  expect_run(RC 0 TIMEOUT 280 COMMAND ${MESHTRAIN} ${ARGN})
   set(out "${out}${err}" PARENT_SCOPE)
 endfunction()
 

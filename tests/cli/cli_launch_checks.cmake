@@ -7,19 +7,11 @@ cmake_minimum_required(VERSION 3.25)
 set(base train --config ${SRC}/configs/mlp_fashion.toml --quiet --set train.threads=1
   --set train.steps=2 --set train.eval=false "--set" "train.checkpoint=\"\"")
 
+include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
+# Rejected before any rank started: no MPI banner, no training output.
 function(expect rc_want pattern)
-  execute_process(COMMAND ${MESHTRAIN} ${base} ${ARGN}
-    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
-  if(NOT rc EQUAL rc_want)
-    message(FATAL_ERROR "${ARGN}: exit ${rc}, expected ${rc_want}:\n${out}\n${err}")
-  endif()
-  if(NOT err MATCHES "${pattern}")
-    message(FATAL_ERROR "${ARGN}: stderr does not match '${pattern}':\n${err}")
-  endif()
-  # Rejected before any rank started: no MPI banner, no training output.
-  if(err MATCHES "MPI_ABORT|mpirun|training ")
-    message(FATAL_ERROR "${ARGN}: a rank or mpirun ran:\n${out}\n${err}")
-  endif()
+  expect_run(RC ${rc_want} TIMEOUT 60 STDERR "${pattern}" NOT_OUTPUT "MPI_ABORT|mpirun|training "
+    COMMAND ${MESHTRAIN} ${base} ${ARGN})
 endfunction()
 
 expect(2 "--nproc: Value 0 not in range 1 to 1024" --nproc 0)
@@ -38,13 +30,11 @@ expect(1 "error: --hosts /nonexistent/hosts: cannot read the hostfile"
   --nproc 2 --hosts /nonexistent/hosts)
 # More ranks than cores (taskset leaves one) warns; an mpirun that cannot be
 # started is an error naming it.
-execute_process(COMMAND taskset -c 0 ${CMAKE_COMMAND} -E env MESHTRAIN_MPIRUN=/nonexistent/mpirun
-    ${MESHTRAIN} ${base} --nproc 2
-  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
-if(NOT rc EQUAL 1 OR NOT err MATCHES "warning: 2 ranks on 1 core: they share cores"
-   OR NOT err MATCHES "error: cannot start /nonexistent/mpirun to launch 2 ranks: No such file")
-  message(FATAL_ERROR "missing mpirun: exit ${rc}:\n${out}\n${err}")
-endif()
+expect_run(RC 1 TIMEOUT 60
+  STDERR "warning: 2 ranks on 1 core: they share cores"
+         "error: cannot start /nonexistent/mpirun to launch 2 ranks: No such file"
+  COMMAND taskset -c 0 ${CMAKE_COMMAND} -E env MESHTRAIN_MPIRUN=/nonexistent/mpirun
+    ${MESHTRAIN} ${base} --nproc 2)
 # One process (world size 1).
 expect(1 "error: dist.batch_shares: 2 shares \\[1, 2\\] given for 1 rank " --set "dist.batch_shares=[1,2]")
 expect(1 "error: dist.fault: \"stall:1@0\" names rank 1, but the job has 1 rank \\(0..0\\)"

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <numeric>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -18,6 +19,7 @@
 #include "meshtrain/base/output_path.h"
 #include "meshtrain/comm/backends/local/local_world.h"
 #include "meshtrain/data/fashion_mnist.h"
+#include "meshtrain/train/param_store.h"
 #include "meshtrain/train/trainer.h"
 
 namespace mt {
@@ -413,6 +415,78 @@ TEST(TrainerOutputs, ShuffleOffTrainsInFileOrder) {
       } else {
         EXPECT_EQ(calls[s], file_order) << "step " << s;
       }
+    }
+  }
+}
+
+// The replica consistency check cannot apply under ZeRO-3 (no two ranks hold
+// the same parameter values): the run says so once, on rank 0, instead of
+// leaving the check off silently; under stages 0-2 it checks and says
+// nothing, and with dist.consistency_every = 0 the user turned it off.
+TEST(TrainerOutputs, ConsistencyCheckSaysWhenZero3MakesItInapplicable) {
+  struct Case {
+    int stage;
+    int64_t every;
+    bool notice;
+  };
+  for (const Case c : {Case{3, 2, true}, Case{2, 2, false}, Case{0, 2, false}, Case{3, 0, false}}) {
+    Fixture f = small_mlp();
+    f.opts.max_steps = 2;
+    f.opts.exec.backend = "reference";
+    f.opts.dist.dp.stage = c.stage;
+    f.opts.dist.consistency_every = c.every;
+    std::mutex mu;
+    std::vector<std::pair<int, std::string>> notices;
+    LocalWorld::run(world(2), [&](Communicator& comm) {
+      TrainerOptions o = f.opts;
+      o.on_notice = [&, rank = comm.rank()](const std::string& m) {
+        std::lock_guard<std::mutex> lock(mu);
+        notices.emplace_back(rank, m);
+      };
+      Trainer(f.spec, f.train, f.test, o, &comm).run();
+    });
+    const std::string what = fmt::format("stage {}, consistency_every {}", c.stage, c.every);
+    if (!c.notice) {
+      EXPECT_TRUE(notices.empty()) << what << ": " << notices.front().second;
+      continue;
+    }
+    ASSERT_EQ(notices.size(), 1u) << what;
+    EXPECT_EQ(notices[0].first, 0) << what;
+    EXPECT_EQ(notices[0].second,
+              "dist.consistency_every = 2: replica checksums are not compared under ZeRO-3 "
+              "(dist.zero_stage = 3): each rank holds a different shard of the parameters, so "
+              "there are no replicas to compare")
+        << what;
+  }
+}
+
+// ... and under stage 0 the check does run inside training: one float
+// changed on rank 1 after step 1 stops both ranks at the next check (step 2)
+// with the error naming the tensor.
+TEST(TrainerOutputs, ConsistencyCheckCatchesADivergedReplicaInTraining) {
+  Fixture f = small_mlp();
+  f.opts.max_steps = 4;
+  f.opts.exec.backend = "reference";
+  f.opts.dist.consistency_every = 2;
+  const auto errors = LocalWorld::run_collect(world(2), [&](Communicator& comm) {
+    TrainerOptions o = f.opts;
+    Trainer* self = nullptr;
+    o.dist.after_step = [&](int64_t step, int rank) {
+      if (step == 1 && rank == 1) self->params().flat_values().data<float>()[3] += 1e-3f;
+    };
+    Trainer t(f.spec, f.train, f.test, o, &comm);
+    self = &t;
+    t.run();
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  for (const std::exception_ptr& e : errors) {
+    ASSERT_TRUE(e) << "a rank finished although the replicas differ";
+    try {
+      std::rethrow_exception(e);
+    } catch (const MismatchError& m) {
+      EXPECT_NE(std::string(m.what()).find("parameter divergence at step 2: 'fc1.w'"),
+                std::string::npos)
+          << m.what();
     }
   }
 }

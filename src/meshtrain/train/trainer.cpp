@@ -283,6 +283,14 @@ struct Trainer::Impl {
       ConsistencyOptions co;
       co.every_steps = o.dist.consistency_every;
       consistency = std::make_unique<ConsistencyChecker>(*comm, std::move(named), co);
+    } else if (world > 1 && o.dist.consistency_every > 0) {
+      // Under ZeRO-3 no two ranks hold the same parameter values, so there
+      // is nothing to compare; say so rather than skip the check silently.
+      notice(fmt::format(
+          "dist.consistency_every = {}: replica checksums are not compared under ZeRO-3 "
+          "(dist.zero_stage = 3): each rank holds a different shard of the parameters, so "
+          "there are no replicas to compare",
+          o.dist.consistency_every));
     }
     if (world > 1 && o.dist.straggler_report) {
       StragglerOptions so2;
