@@ -9,14 +9,17 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/comm/backends/mpi/mpi_runtime.h"
 
 namespace mt {
 
@@ -91,7 +94,17 @@ void abort_distributed_job(int exit_code) {
   MPI_Finalized(&finalized);
   if (!initialized || finalized) return;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (size > 1) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  if (size <= 1) return;
+  if (MpiRuntime::instance().peer_lost()) {
+    // A peer process is gone (it was killed, or crashed). The launcher ends
+    // the job with the status of the first rank it sees end abnormally; give
+    // it a moment to see the dead one first, so the job's exit status is that
+    // rank's own (137 for SIGKILL, docs/errors.md), not this rank's 1. The
+    // launcher usually kills this process within that moment; the error is
+    // already printed.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+  }
+  MPI_Abort(MPI_COMM_WORLD, exit_code);
 }
 
 bool launcher_stderr_is_tty() {
