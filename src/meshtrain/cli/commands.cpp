@@ -241,7 +241,9 @@ std::optional<Plan> run_plan(const CommandOptions& opts, const RunConfig& rc, in
   } else {
     const ShorthandModel sm{rc.model.kind,
                             rc.model.kind == "gpt" ? rc.model.d_model / rc.model.heads : 1};
-    plan = expand_shorthand(rc.parallel, sm, m.graph, world);
+    ParallelShorthand sh = rc.parallel;
+    sh.batch_shares = rc.train.dist.batch_shares;
+    plan = expand_shorthand(sh, sm, m.graph, world);
     where = "parallel";
   }
   validate_plan(plan, m.graph, world, rc.train.batch_size, where);

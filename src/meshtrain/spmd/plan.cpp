@@ -447,7 +447,31 @@ std::string plan_to_json(const Plan& plan) {
   j["schedule"] = schedule_name(plan.schedule);
   j["virtual_stages"] = plan.virtual_stages;
   j["sequence_parallel"] = plan.sequence_parallel;
-  return j.dump(2) + "\n";
+  // One line per mesh axis, value and stage, so the file reads (and diffs)
+  // like a table; the same JSON as j.dump().
+  std::string out = "{\n";
+  bool first = true;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    out += first ? "" : ",\n";
+    first = false;
+    out += fmt::format("  {}: ", Json(it.key()).dump());
+    const Json& v = it.value();
+    if ((v.is_array() || v.is_object()) && !v.empty()) {
+      const bool obj = v.is_object();
+      out += obj ? "{\n" : "[\n";
+      bool first_item = true;
+      for (auto e = v.begin(); e != v.end(); ++e) {
+        out += first_item ? "    " : ",\n    ";
+        first_item = false;
+        if (obj) out += Json(e.key()).dump() + ": ";
+        out += e.value().dump();
+      }
+      out += obj ? "\n  }" : "\n  ]";
+    } else {
+      out += v.dump();
+    }
+  }
+  return out + "\n}\n";
 }
 
 void write_plan(const Plan& plan, const std::string& path) {

@@ -66,12 +66,13 @@ std::vector<int64_t> split_sizes(int64_t n, int parts, const std::vector<int64_t
   }
   MT_CHECK_EQ(ratios.size(), static_cast<size_t>(parts));
   const int64_t total = std::accumulate(ratios.begin(), ratios.end(), int64_t{0});
-  // Boundaries at the cumulative ratio, rounded to the nearest unit (half up),
-  // so the pieces sum to n exactly and the rounding error never accumulates.
+  // Boundaries at the cumulative ratio, rounded down to a whole unit (as
+  // data/loader.h's shard_bounds splits a batch by shares), so the pieces
+  // sum to n exactly and the rounding never accumulates.
   int64_t cum = 0, prev = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     cum += ratios[i];
-    const int64_t boundary = (units * cum * 2 + total) / (2 * total);
+    const int64_t boundary = units * cum / total;
     sizes[i] = (boundary - prev) * unit;
     prev = boundary;
   }

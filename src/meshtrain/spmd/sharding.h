@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "meshtrain/spmd/mesh.h"
@@ -24,6 +25,10 @@ struct DimSharding {
   std::vector<int64_t> ratios;  // empty = even; else one positive ratio per axis coordinate
   int64_t unit = 1;             // pieces are whole multiples of this many elements
 
+  // Split over `axis` (evenly when `ratios` is empty).
+  static DimSharding over(std::string axis, std::vector<int64_t> ratios = {}, int64_t unit = 1) {
+    return DimSharding{std::move(axis), std::move(ratios), unit};
+  }
   bool split() const { return !axis.empty(); }
   bool operator==(const DimSharding&) const = default;
 };
@@ -53,7 +58,8 @@ struct Box {
 
 // Splits `n` elements into `parts` pieces of whole `unit`s: evenly when
 // `ratios` is empty (n / unit must be a multiple of parts), else in
-// proportion to the ratios, each boundary rounded to the nearest unit.
+// proportion to the ratios, each boundary rounded down to a whole unit (as
+// shard_bounds() splits a batch by dist.batch_shares).
 // Returns the piece sizes (sum n). Precondition: what validate_sharding
 // checks (unit divides n; even: parts divides n / unit; ratios: one per
 // part, positive, and no piece empty).

@@ -193,9 +193,26 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
   }
   plan.sequence_parallel = sh.sp;
 
-  // The batch is split over dp (also when dp = 1, so the plan says so).
-  for (const char* in : {"x", "y"}) {
-    if (g.find(in)) plan.set_spec(in, ShardingSpec{{DimSharding{"dp", {}, 1}}, {}});
+  // The batch is split over dp (also when dp = 1, so the plan says so), as
+  // the data loader splits it: by dist.batch_shares, or in equal shares
+  // rounded down when dp does not divide it. y holds `unit` labels per
+  // example (the gpt's seq_len tokens), so it splits at the same examples.
+  std::vector<int64_t> shares = sh.batch_shares;
+  if (!shares.empty() && static_cast<int>(shares.size()) != dp) {
+    throw ConfigError(fmt::format(
+        "dist.batch_shares: {} shares [{}] for a data-parallel degree of {} (one share per "
+        "data-parallel rank)",
+        shares.size(), fmt::join(shares, ", "), dp));
+  }
+  const auto x = g.find("x");
+  if (x) {
+    const int64_t batch = g.value(*x).shape[0];
+    if (shares.empty() && batch % dp != 0) shares.assign(static_cast<size_t>(dp), 1);
+    plan.set_spec("x", ShardingSpec{{DimSharding{"dp", shares, 1}}, {}});
+    if (const auto y = g.find("y"); y && g.value(*y).shape[0] % batch == 0) {
+      plan.set_spec("y",
+                    ShardingSpec{{DimSharding{"dp", shares, g.value(*y).shape[0] / batch}}, {}});
+    }
   }
   if (sh.tp > 1) tensor_parallel_specs(plan, sh, model, g);
 

@@ -11,7 +11,8 @@
 //        row, ...), the head continuing the alternation.
 //   cnn: convolutions replicated, the classifier's fc1 column- and head
 //        row-parallel.
-// Inputs x and y are split along the batch over dp. Pipeline stages cut the
+// Inputs x and y are split along the batch over dp, as the data loader
+// splits it (dist.batch_shares as ratios). Pipeline stages cut the
 // model's layers (gpt: its blocks, the embeddings joining the first stage
 // and the final norm the last) by stage_layers, or else into runs of equal
 // forward FLOPs as the graph's cost facts count them.
@@ -36,6 +37,9 @@ struct ParallelShorthand {
   int virtual_stages = 1;
   std::vector<int64_t> tp_ratios;     // empty: even; else one per tp rank
   std::vector<int64_t> stage_layers;  // empty: balanced; else layers per (virtual) stage
+  // Not a [parallel] key: dist.batch_shares, the data-parallel split of the
+  // batch (one share per dp rank; empty = equal).
+  std::vector<int64_t> batch_shares;
 };
 
 // What the expansion needs to know about the model beyond its graph.
