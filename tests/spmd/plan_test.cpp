@@ -96,6 +96,8 @@ TEST(Plan, DataParallelOnly) {
   Plan p;
   p.mesh = Mesh({{"dp", 2}});
   p.set_spec("x", ShardingSpec{{DimSharding::over("dp")}, {}});
+  EXPECT_FALSE(p.data_parallel_only(m.graph));  // y replicated: both ranks read all labels
+  p.set_spec("y", ShardingSpec{{DimSharding::over("dp")}, {}});
   EXPECT_TRUE(p.data_parallel_only(m.graph));
   p.set_spec("fc1.w", ShardingSpec{{DimSharding::over("dp")}, {}});
   EXPECT_FALSE(p.data_parallel_only(m.graph));
@@ -103,6 +105,26 @@ TEST(Plan, DataParallelOnly) {
   q.mesh = Mesh({{"dp", 2}});
   q.microbatches = 2;
   EXPECT_FALSE(q.data_parallel_only(m.graph));
+  // Replicated parameters over a second axis: two ranks would read the same
+  // examples, which is not what data parallelism does.
+  Plan r;
+  r.mesh = Mesh({{"dp", 2}, {"tp", 2}});
+  r.set_spec("x", ShardingSpec{{DimSharding::over("dp")}, {}});
+  r.set_spec("y", ShardingSpec{{DimSharding::over("dp")}, {}});
+  EXPECT_FALSE(r.data_parallel_only(m.graph));
+  r.mesh = Mesh({{"dp", 2}, {"tp", 1}});
+  EXPECT_TRUE(r.data_parallel_only(m.graph));
+  // A pp axis without stages is an error naming the mismatch.
+  Plan s;
+  s.mesh = Mesh({{"pp", 2}});
+  try {
+    validate_plan(s, m.graph, 2, 8, "plan");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(),
+                 "plan: stages: the mesh's pp axis has size 2 but the plan lists 0 stages "
+                 "(expected 2: pp x virtual_stages)");
+  }
 }
 
 TEST(Plan, BadPlansAreRejectedNamingKeyAndExpectation) {

@@ -22,6 +22,7 @@
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
+#include "meshtrain/data/loader.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
@@ -326,6 +327,30 @@ void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world
         beyond_data_parallel(*plan, g), plan->mesh.describe(),
         write && !opts.write_plan_path.empty() ? ", and it was written to " + opts.write_plan_path
                                                : ""));
+  }
+  // Data parallelism reads the batch as the loader splits it (by
+  // dist.batch_shares); a plan that splits it otherwise would silently
+  // train on other examples than it says.
+  const auto x = g.find("x");
+  const int64_t batch = g.value(*x).shape[0];
+  std::vector<int64_t> shares = rc.train.dist.batch_shares;
+  if (shares.empty()) shares.assign(static_cast<size_t>(world), 1);
+  const std::vector<int64_t> bounds = shard_bounds(batch, shares);
+  for (int r = 0; r < world; ++r) {
+    const Box b = local_box(g.value(*x).shape, plan->spec("x"), plan->mesh, r);
+    if (b.begin[0] != bounds[static_cast<size_t>(r)] ||
+        b.end[0] != bounds[static_cast<size_t>(r) + 1]) {
+      throw ConfigError(fmt::format(
+          "{}: values.x: rank {} would read examples [{}, {}) of each batch of {}, but data "
+          "parallelism gives it [{}, {}) (dist.batch_shares {}); make the plan's batch ratios "
+          "and dist.batch_shares agree",
+          opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path, r,
+          b.begin[0], b.end[0], batch, bounds[static_cast<size_t>(r)],
+          bounds[static_cast<size_t>(r) + 1],
+          rc.train.dist.batch_shares.empty()
+              ? std::string("equal")
+              : fmt::format("[{}]", fmt::join(rc.train.dist.batch_shares, ", "))));
+    }
   }
 }
 

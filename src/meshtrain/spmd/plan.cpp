@@ -76,6 +76,13 @@ int Plan::pipeline_stages() const {
 bool Plan::data_parallel_only(const Graph& g) const {
   if (pipeline_stages() > 1 || stages.size() > 1 || microbatches != 1 || sequence_parallel)
     return false;
+  // One axis of more than one rank at most: the data-parallel one.
+  std::string dp_axis;
+  for (const MeshAxis& a : mesh.axes()) {
+    if (a.size == 1) continue;
+    if (!dp_axis.empty()) return false;
+    dp_axis = a.name;
+  }
   for (const auto& [name, s] : specs) {
     if (!s.partial.empty()) return false;
     const auto id = g.find(name);
@@ -85,6 +92,12 @@ bool Plan::data_parallel_only(const Graph& g) const {
     }
     for (size_t d = 1; d < s.dims.size(); ++d) {
       if (s.dims[d].split()) return false;
+    }
+  }
+  // Every rank reads its own slice of the batch, as data parallelism does.
+  if (!dp_axis.empty()) {
+    for (const char* in : {"x", "y"}) {
+      if (g.find(in) && spec(in).dim(0).axis != dp_axis) return false;
     }
   }
   return true;
@@ -122,6 +135,14 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
   }
 
   const int v = plan.virtual_stages;
+  if (plan.mesh.axis_size("pp") > 1 &&
+      static_cast<int>(plan.stages.size()) != plan.mesh.axis_size("pp") * std::max(1, v)) {
+    throw ConfigError(fmt::format(
+        "{}: stages: the mesh's pp axis has size {} but the plan lists {} stage{} (expected {}: "
+        "pp x virtual_stages)",
+        where, plan.mesh.axis_size("pp"), plan.stages.size(), plan.stages.size() == 1 ? "" : "s",
+        plan.mesh.axis_size("pp") * std::max(1, v)));
+  }
   if (v < 1) throw ConfigError(fmt::format("{}: virtual_stages: {} (expected >= 1)", where, v));
   if (!plan.stages.empty()) {
     const int n = static_cast<int>(plan.stages.size());
