@@ -70,7 +70,7 @@ run(0 "steps 2  final loss" "" train ${mlp} ${quick} --plan ${dir}/dp.json)
 
 # A data-parallel plan whose batch split is not the loader's is refused.
 run(0 "wrote the plan" "" inspect ${mlp} --set dist.nproc=2 --write-plan ${dir}/dp2.json)
-run(1 "" "error: plan ${dir}/dp2.json: values.x: rank 0 would read examples \\[0, 64\\) of each batch of 128, but data parallelism gives it \\[0, 85\\) \\(dist.batch_shares \\[2, 1\\]\\)"
+run(1 "" "error: plan ${dir}/dp2.json: values.x: rank 0 would read rows \\[0, 64\\) of 128, but data parallelism gives it \\[0, 85\\) \\(dist.batch_shares \\[2, 1\\]\\)"
   train ${mlp} ${quick} --nproc 2 --plan ${dir}/dp2.json "--set" "dist.batch_shares=[2,1]")
 
 # Bad plans, each before any step, naming the key and what was expected.

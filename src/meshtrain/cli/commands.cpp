@@ -270,6 +270,11 @@ std::string beyond_data_parallel(const Plan& plan, const Graph& g) {
       break;
     }
   }
+  if (why.empty()) {
+    why.push_back(
+        "a mesh whose ranks do not each read their own slice of the batch over one "
+        "axis");
+  }
   return fmt::format("{}", fmt::join(why, ", "));
 }
 
@@ -331,22 +336,26 @@ void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world
   // Data parallelism reads the batch as the loader splits it (by
   // dist.batch_shares); a plan that splits it otherwise would silently
   // train on other examples than it says.
-  const auto x = g.find("x");
-  const int64_t batch = g.value(*x).shape[0];
+  const int64_t batch = g.value(*g.find("x")).shape[0];
   std::vector<int64_t> shares = rc.train.dist.batch_shares;
   if (shares.empty()) shares.assign(static_cast<size_t>(world), 1);
   const std::vector<int64_t> bounds = shard_bounds(batch, shares);
-  for (int r = 0; r < world; ++r) {
-    const Box b = local_box(g.value(*x).shape, plan->spec("x"), plan->mesh, r);
-    if (b.begin[0] != bounds[static_cast<size_t>(r)] ||
-        b.end[0] != bounds[static_cast<size_t>(r) + 1]) {
+  for (const char* in : {"x", "y"}) {
+    const auto id = g.find(in);
+    if (!id) continue;
+    const Shape& shape = g.value(*id).shape;
+    const int64_t per = shape[0] / batch;  // gpt: seq_len labels per example
+    for (int r = 0; r < world; ++r) {
+      const Box b = local_box(shape, plan->spec(in), plan->mesh, r);
+      const int64_t lo = bounds[static_cast<size_t>(r)] * per;
+      const int64_t hi = bounds[static_cast<size_t>(r) + 1] * per;
+      if (b.begin[0] == lo && b.end[0] == hi) continue;
       throw ConfigError(fmt::format(
-          "{}: values.x: rank {} would read examples [{}, {}) of each batch of {}, but data "
-          "parallelism gives it [{}, {}) (dist.batch_shares {}); make the plan's batch ratios "
-          "and dist.batch_shares agree",
-          opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path, r,
-          b.begin[0], b.end[0], batch, bounds[static_cast<size_t>(r)],
-          bounds[static_cast<size_t>(r) + 1],
+          "{}: values.{}: rank {} would read rows [{}, {}) of {}, but data parallelism gives it "
+          "[{}, {}) (dist.batch_shares {}); make the plan's batch ratios and dist.batch_shares "
+          "agree",
+          opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path, in, r,
+          b.begin[0], b.end[0], shape[0], lo, hi,
           rc.train.dist.batch_shares.empty()
               ? std::string("equal")
               : fmt::format("[{}]", fmt::join(rc.train.dist.batch_shares, ", "))));
