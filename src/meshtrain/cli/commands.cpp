@@ -315,7 +315,8 @@ namespace {
 // step (every rank checks it, so a bad plan fails everywhere, no hang);
 // `write` writes it for --write-plan. Only data-parallel plans run today:
 // anything more is refused, never run as data parallelism instead.
-void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world, bool write) {
+void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world, bool write,
+                      bool announce) {
   Graph g;
   const std::optional<Plan> plan = run_plan(opts, rc, world, &g);
   if (!plan) return;
@@ -361,6 +362,13 @@ void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world
               : fmt::format("[{}]", fmt::join(rc.train.dist.batch_shares, ", "))));
     }
   }
+  if (announce) {
+    fmt::print(stderr,
+               "meshtrain: {}: mesh {} is data parallelism; it runs as [dist] data "
+               "parallelism (ZeRO stage {})\n",
+               opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path,
+               plan->mesh.describe(), rc.train.dist.dp.stage);
+  }
 }
 
 }  // namespace
@@ -377,7 +385,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   const bool launcher = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
   if (launcher) {
     check_world(rc, nproc);
-    check_train_plan(opts, rc, nproc, /*write=*/true);
+    check_train_plan(opts, rc, nproc, /*write=*/true, /*announce=*/false);
     LaunchOptions lo;
     lo.nproc = nproc;
     lo.stop_grace = std::chrono::seconds(rc.stop_grace_s);
@@ -429,7 +437,8 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   const bool leader = comm == nullptr || comm->rank() == 0;
   // Under the --nproc launcher the plan was written before the ranks started
   // (it does not pass --write-plan on).
-  check_train_plan(opts, rc, comm ? comm->size() : 1, /*write=*/leader);
+  check_train_plan(opts, rc, comm ? comm->size() : 1, /*write=*/leader,
+                   /*announce=*/leader && !opts.quiet);
   if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
   if (empty && leader) empty_notice(opts);
