@@ -41,11 +41,20 @@ int main(int argc, char** argv) {
   train->add_option("--tensorboard", opts.tensorboard_dir,
                     "write a TensorBoard event file into this directory (train.tensorboard)");
   train->add_flag("--quiet", opts.quiet, "no progress output");
+  train->add_option("--plan", opts.plan_path,
+                    "parallel plan JSON (docs/plan.md) instead of the config's [parallel]; only "
+                    "data-parallel plans execute so far");
+  train->add_option("--write-plan", opts.write_plan_path,
+                    "write the expanded parallel plan as JSON to this file");
   train->add_flag("--print-config", opts.print_config,
                   "print the effective configuration (defaults marked) and stop");
 
   CLI::App* inspect = app.add_subcommand("inspect", "print the model graph and its costs");
   add_common(inspect);
+  inspect->add_option("--plan", opts.plan_path,
+                      "parallel plan JSON (docs/plan.md): print each rank's part of it");
+  inspect->add_option("--write-plan", opts.write_plan_path,
+                      "write the expanded parallel plan ([parallel] or --plan) as JSON and stop");
   inspect->add_flag("--print-config", opts.print_config,
                     "print the effective configuration (defaults marked) and stop");
 

@@ -22,10 +22,13 @@
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
+#include "meshtrain/data/loader.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
+#include "meshtrain/spmd/plan.h"
+#include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -209,6 +212,72 @@ int64_t local_ranks() {
   return 1;
 }
 
+// The run's parallel plan: --plan's file, else the config's [parallel]
+// shorthand expanded for this model; nullopt when neither is given. Either
+// way it is checked against the model's graph (at the global batch) and the
+// world before anything runs.
+std::optional<Plan> run_plan(const CommandOptions& opts, const RunConfig& rc, int world,
+                             Graph* graph_out = nullptr) {
+  if (opts.plan_path.empty() && !rc.parallel_given && opts.write_plan_path.empty())
+    return std::nullopt;
+  if (!opts.plan_path.empty() && rc.parallel_given) {
+    throw ConfigError(fmt::format(
+        "--plan {} and the config's [parallel] section both describe the plan; use one of them",
+        opts.plan_path));
+  }
+  ModelSpec spec = rc.model;
+  spec.compute = DType::f32;  // names and shapes do not depend on it
+  ModelGraph m = build_model(spec, rc.train.batch_size);
+  Plan plan;
+  std::string where;
+  if (!opts.plan_path.empty()) {
+    plan = load_plan(opts.plan_path);
+    where = fmt::format("plan {}", opts.plan_path);
+    if (!plan.model.empty() && plan.model != rc.model.kind) {
+      throw ConfigError(
+          fmt::format("{}: model: the plan was written for model.kind {}, this run "
+                      "trains {}",
+                      where, plan.model, rc.model.kind));
+    }
+  } else {
+    const ShorthandModel sm{rc.model.kind,
+                            rc.model.kind == "gpt" ? rc.model.d_model / rc.model.heads : 1};
+    ParallelShorthand sh = rc.parallel;
+    sh.batch_shares = rc.train.dist.batch_shares;
+    plan = expand_shorthand(sh, sm, m.graph, world);
+    where = "parallel";
+  }
+  validate_plan(plan, m.graph, world, rc.train.batch_size, where);
+  if (graph_out != nullptr) *graph_out = std::move(m.graph);
+  return plan;
+}
+
+// Why `plan` is more than data parallelism, for the error that says the
+// runtime cannot execute it yet.
+std::string beyond_data_parallel(const Plan& plan, const Graph& g) {
+  std::vector<std::string> why;
+  if (plan.pipeline_stages() > 1)
+    why.push_back(fmt::format("{} pipeline stages", plan.pipeline_stages()));
+  if (plan.microbatches > 1) why.push_back(fmt::format("{} micro-batches", plan.microbatches));
+  if (plan.sequence_parallel) why.push_back("sequence parallelism");
+  for (const auto& [name, s] : plan.specs) {
+    const auto id = g.find(name);
+    const bool input = id && g.value(*id).role == ValueRole::input;
+    bool split_beyond_batch = !s.partial.empty();
+    for (size_t d = input ? 1 : 0; d < s.dims.size(); ++d) split_beyond_batch |= s.dims[d].split();
+    if (split_beyond_batch) {
+      why.push_back(fmt::format("{} is {}", name, s.describe()));
+      break;
+    }
+  }
+  if (why.empty()) {
+    why.push_back(
+        "a mesh whose ranks do not each read their own slice of the batch over one "
+        "axis");
+  }
+  return fmt::format("{}", fmt::join(why, ", "));
+}
+
 void empty_notice(const CommandOptions& opts) {
   fmt::print(stderr,
              "meshtrain: config {} is empty: every key takes its default (meshtrain config "
@@ -240,6 +309,70 @@ int cmd_config_list(bool markdown) {
   return 0;
 }
 
+namespace {
+
+// train --plan / [parallel] / --write-plan: the plan is checked before any
+// step (every rank checks it, so a bad plan fails everywhere, no hang);
+// `write` writes it for --write-plan. Only data-parallel plans run today:
+// anything more is refused, never run as data parallelism instead.
+void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world, bool write,
+                      bool announce) {
+  Graph g;
+  const std::optional<Plan> plan = run_plan(opts, rc, world, &g);
+  if (!plan) return;
+  if (write && !opts.write_plan_path.empty()) {
+    write_plan(*plan, opts.write_plan_path);
+    fmt::print(stderr, "meshtrain: wrote the plan to {}\n", opts.write_plan_path);
+  }
+  if (!plan->data_parallel_only(g)) {
+    throw ConfigError(fmt::format(
+        "{}: this plan ({}; mesh {}) needs tensor or pipeline parallelism, which the runtime "
+        "does not execute yet (only data-parallel plans run; `meshtrain inspect` shows the "
+        "plan{})",
+        opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path,
+        beyond_data_parallel(*plan, g), plan->mesh.describe(),
+        write && !opts.write_plan_path.empty() ? ", and it was written to " + opts.write_plan_path
+                                               : ""));
+  }
+  // Data parallelism reads the batch as the loader splits it (by
+  // dist.batch_shares); a plan that splits it otherwise would silently
+  // train on other examples than it says.
+  const int64_t batch = g.value(*g.find("x")).shape[0];
+  std::vector<int64_t> shares = rc.train.dist.batch_shares;
+  if (shares.empty()) shares.assign(static_cast<size_t>(world), 1);
+  const std::vector<int64_t> bounds = shard_bounds(batch, shares);
+  for (const char* in : {"x", "y"}) {
+    const auto id = g.find(in);
+    if (!id) continue;
+    const Shape& shape = g.value(*id).shape;
+    const int64_t per = shape[0] / batch;  // gpt: seq_len labels per example
+    for (int r = 0; r < world; ++r) {
+      const Box b = local_box(shape, plan->spec(in), plan->mesh, r);
+      const int64_t lo = bounds[static_cast<size_t>(r)] * per;
+      const int64_t hi = bounds[static_cast<size_t>(r) + 1] * per;
+      if (b.begin[0] == lo && b.end[0] == hi) continue;
+      throw ConfigError(fmt::format(
+          "{}: values.{}: rank {} would read rows [{}, {}) of {}, but data parallelism gives it "
+          "[{}, {}) (dist.batch_shares {}); make the plan's batch ratios and dist.batch_shares "
+          "agree",
+          opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path, in, r,
+          b.begin[0], b.end[0], shape[0], lo, hi,
+          rc.train.dist.batch_shares.empty()
+              ? std::string("equal")
+              : fmt::format("[{}]", fmt::join(rc.train.dist.batch_shares, ", "))));
+    }
+  }
+  if (announce) {
+    fmt::print(stderr,
+               "meshtrain: {}: mesh {} is data parallelism; it runs as [dist] data "
+               "parallelism (ZeRO stage {})\n",
+               opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path,
+               plan->mesh.describe(), rc.train.dist.dp.stage);
+  }
+}
+
+}  // namespace
+
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   std::string effective;
   bool empty = false;
@@ -249,8 +382,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     return 0;
   }
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
-  if ((nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi()) {
+  const bool launcher = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
+  if (launcher) {
     check_world(rc, nproc);
+    check_train_plan(opts, rc, nproc, /*write=*/true, /*announce=*/false);
     LaunchOptions lo;
     lo.nproc = nproc;
     lo.stop_grace = std::chrono::seconds(rc.stop_grace_s);
@@ -269,9 +404,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     std::vector<std::string> args;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--nproc" || a == "--hosts") {
+      if (a == "--nproc" || a == "--hosts" || a == "--write-plan") {
         ++i;  // skip its value
-      } else if (a.rfind("--nproc=", 0) != 0 && a.rfind("--hosts=", 0) != 0) {
+      } else if (a.rfind("--nproc=", 0) != 0 && a.rfind("--hosts=", 0) != 0 &&
+                 a.rfind("--write-plan=", 0) != 0) {
         args.push_back(a);
       }
     }
@@ -299,6 +435,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   }
   check_world(rc, comm ? comm->size() : 1);
   const bool leader = comm == nullptr || comm->rank() == 0;
+  // Under the --nproc launcher the plan was written before the ranks started
+  // (it does not pass --write-plan on).
+  check_train_plan(opts, rc, comm ? comm->size() : 1, /*write=*/leader,
+                   /*announce=*/leader && !opts.quiet);
   if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
   if (empty && leader) empty_notice(opts);
@@ -361,6 +501,13 @@ int cmd_inspect(const CommandOptions& opts) {
     return 0;
   }
   if (empty) empty_notice(opts);
+  Graph plan_graph;
+  const std::optional<Plan> pplan = run_plan(opts, rc, rc.nproc, &plan_graph);
+  if (pplan && !opts.write_plan_path.empty()) {
+    write_plan(*pplan, opts.write_plan_path);
+    fmt::print("wrote the plan to {}\n", opts.write_plan_path);
+    return 0;
+  }
   // The graph, options and memory plan rank 0 of a run of this config gets
   // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks.
   const int world = rc.nproc;
@@ -386,6 +533,15 @@ int cmd_inspect(const CommandOptions& opts) {
   fmt::print("available memory: {}{} -> {}\n", format_bytes(avail),
              world > 1 ? fmt::format(" / {} local ranks", world) : "",
              plan.total_bytes() <= mine ? "fits" : "does NOT fit (meshtrain train will refuse)");
+  if (pplan) {
+    fmt::print("\nparallel plan ({}; the memory plan above is data parallelism's):\n{}",
+               opts.plan_path.empty() ? std::string("from [parallel]") : opts.plan_path,
+               describe_plan(*pplan, plan_graph));
+    if (!pplan->data_parallel_only(plan_graph)) {
+      fmt::print("executing this plan is not implemented yet ({}); meshtrain train refuses it\n",
+                 beyond_data_parallel(*pplan, plan_graph));
+    }
+  }
   return 0;
 }
 

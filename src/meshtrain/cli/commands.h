@@ -25,6 +25,10 @@ struct CommandOptions {
   int64_t logits_for = 0;     // > 0: also write the logits of this many test examples
   std::string logits_out;     // empty: next to export_out
   bool print_config = false;  // print the effective configuration and stop
+  // Parallel plans (spmd/plan.h): --plan FILE instead of the [parallel]
+  // shorthand; --write-plan PATH writes the expanded plan (inspect: and stops).
+  std::string plan_path;
+  std::string write_plan_path;
 };
 
 int cmd_train(const CommandOptions& opts, int argc, char** argv);

@@ -105,6 +105,22 @@ const std::vector<KeyMeaning> kMeanings = {
     {"dist.timeout_s", "deadline of every collective, in seconds"},
     {"dist.stop_grace_s",
      "seconds the --nproc launcher gives ranks to stop after SIGINT/SIGTERM before SIGKILL"},
+    {"parallel.dp", "data-parallel degree of the plan; 0 = the ranks left: dist.nproc / (tp * pp)"},
+    {"parallel.tp",
+     "tensor-parallel degree (Megatron column/row splits; executing tp > 1 is not implemented "
+     "yet: inspect and --write-plan show the plan)"},
+    {"parallel.pp",
+     "pipeline stages (executing pp > 1 is not implemented yet: inspect and --write-plan show "
+     "the plan)"},
+    {"parallel.sp", "sequence parallelism in the layer-norm regions over the tp axis (gpt)"},
+    {"parallel.microbatches", "micro-batches per step through the pipeline (pp > 1)"},
+    {"parallel.schedule", "pipeline schedule"},
+    {"parallel.virtual_stages",
+     "model chunks per pipeline stage (schedule interleaved needs >= 2, the others 1)"},
+    {"parallel.tp_ratios",
+     "per-tp-rank integer shares of every tensor-parallel split, e.g. [2, 1]; [] = even"},
+    {"parallel.stage_layers",
+     "layers (gpt: transformer blocks) per pipeline stage, e.g. [3, 1]; [] = balanced by FLOPs"},
 };
 
 std::string section_of(std::string_view key) {

@@ -127,6 +127,24 @@ TrainerOptions read_train(const Config& c) {
   return t;
 }
 
+ParallelShorthand read_parallel(const Config& c) {
+  ParallelShorthand p;
+  p.dp = static_cast<int>(c.get_int("parallel.dp", 0, Bounds<int64_t>::in(0, kMaxRanks)));
+  p.tp = static_cast<int>(c.get_int("parallel.tp", 1, Bounds<int64_t>::in(1, kMaxRanks)));
+  p.pp = static_cast<int>(c.get_int("parallel.pp", 1, Bounds<int64_t>::in(1, kMaxRanks)));
+  p.sp = c.get_bool("parallel.sp", false);
+  p.microbatches =
+      static_cast<int>(c.get_int("parallel.microbatches", 1, Bounds<int64_t>::in(1, 65536)));
+  p.schedule = parse_schedule_kind(
+      c.get_string("parallel.schedule", "1f1b", {"gpipe", "1f1b", "interleaved", "zero_bubble"}),
+      "parallel.schedule");
+  p.virtual_stages =
+      static_cast<int>(c.get_int("parallel.virtual_stages", 1, Bounds<int64_t>::in(1, 1024)));
+  p.tp_ratios = c.get_int_list("parallel.tp_ratios", {}, Bounds<int64_t>::positive());
+  p.stage_layers = c.get_int_list("parallel.stage_layers", {}, Bounds<int64_t>::non_negative());
+  return p;
+}
+
 }  // namespace
 
 RunConfig read_run_config(const Config& c) {
@@ -166,6 +184,8 @@ RunConfig read_run_config(const Config& c) {
   r.timeout_s = c.get_int("dist.timeout_s", 300, Bounds<int64_t>::positive());
   d.dp.collective.timeout = std::chrono::milliseconds(r.timeout_s * 1000);
   r.stop_grace_s = c.get_int("dist.stop_grace_s", 10, Bounds<int64_t>::in(1, 3600));
+  r.parallel = read_parallel(c);
+  r.parallel_given = c.has("parallel");
   c.check_all_used();
   return r;
 }

@@ -9,6 +9,7 @@
 #include "meshtrain/cli/config.h"
 #include "meshtrain/data/dataset.h"
 #include "meshtrain/models/model.h"
+#include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/trainer.h"
 
 namespace mt {
@@ -42,6 +43,10 @@ struct RunConfig {
   // Fault drill: "kill:RANK@STEP" (the rank dies abruptly after that step)
   // or "stall:RANK@STEP" (it stops responding); empty = none.
   std::string fault;
+  // [parallel]: the plan shorthand (spmd/shorthand.h); `parallel_given`
+  // when the config names any parallel.* key.
+  ParallelShorthand parallel;
+  bool parallel_given = false;
 };
 
 // Reads every known key; throws ConfigError for wrong values and, at the end,

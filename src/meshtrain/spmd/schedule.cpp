@@ -1,0 +1,382 @@
+#include "meshtrain/spmd/schedule.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "meshtrain/base/error.h"
+
+namespace mt {
+
+std::string_view schedule_name(ScheduleKind k) {
+  switch (k) {
+    case ScheduleKind::gpipe:
+      return "gpipe";
+    case ScheduleKind::one_f_one_b:
+      return "1f1b";
+    case ScheduleKind::interleaved:
+      return "interleaved";
+    case ScheduleKind::zero_bubble:
+      return "zero_bubble";
+  }
+  return "?";
+}
+
+ScheduleKind parse_schedule_kind(std::string_view name, std::string_view where) {
+  for (ScheduleKind k : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved,
+                         ScheduleKind::zero_bubble}) {
+    if (schedule_name(k) == name) return k;
+  }
+  throw ConfigError(
+      fmt::format("{}: unknown schedule \"{}\" (expected gpipe, 1f1b, interleaved or zero_bubble)",
+                  where, name));
+}
+
+std::string_view action_name(ActionKind k) {
+  switch (k) {
+    case ActionKind::forward:
+      return "F";
+    case ActionKind::backward:
+      return "B";
+    case ActionKind::backward_input:
+      return "BI";
+    case ActionKind::backward_weight:
+      return "BW";
+    case ActionKind::send_activation:
+      return "send_act";
+    case ActionKind::recv_activation:
+      return "recv_act";
+    case ActionKind::send_grad:
+      return "send_grad";
+    case ActionKind::recv_grad:
+      return "recv_grad";
+  }
+  return "?";
+}
+
+bool PipelineAction::is_compute() const {
+  return kind == ActionKind::forward || kind == ActionKind::backward ||
+         kind == ActionKind::backward_input || kind == ActionKind::backward_weight;
+}
+
+std::string describe(const PipelineAction& a) {
+  std::string s = fmt::format("{}{}@{}", action_name(a.kind), a.microbatch, a.stage);
+  if (a.kind == ActionKind::send_activation || a.kind == ActionKind::send_grad)
+    s += fmt::format("->{}", a.peer);
+  if (a.kind == ActionKind::recv_activation || a.kind == ActionKind::recv_grad)
+    s += fmt::format("<-{}", a.peer);
+  return s;
+}
+
+void check_schedule(ScheduleKind kind, int p, int m, int v, std::string_view where) {
+  if (p < 1) throw ConfigError(fmt::format("{}: {} pipeline stages (expected >= 1)", where, p));
+  if (m < 1) throw ConfigError(fmt::format("{}.microbatches: {} (expected >= 1)", where, m));
+  if (v < 1) throw ConfigError(fmt::format("{}.virtual_stages: {} (expected >= 1)", where, v));
+  const std::string_view name = schedule_name(kind);
+  if (kind == ScheduleKind::interleaved) {
+    if (v < 2) {
+      throw ConfigError(fmt::format(
+          "{}.virtual_stages: schedule interleaved needs at least 2 virtual stages per stage, "
+          "got {}",
+          where, v));
+    }
+    if (m % p != 0) {
+      throw ConfigError(
+          fmt::format("{}.microbatches: schedule interleaved with {} stages needs a multiple of {} "
+                      "micro-batches (each round sends {} through every model chunk), got {}",
+                      where, p, p, p, m));
+    }
+    return;
+  }
+  if (v != 1) {
+    throw ConfigError(fmt::format(
+        "{}.virtual_stages: {} virtual stages need schedule interleaved (schedule {} runs one "
+        "stage per rank{})",
+        where, v, name,
+        kind == ScheduleKind::zero_bubble ? "; the V-shaped ZBV is not implemented yet" : ""));
+  }
+  if ((kind == ScheduleKind::one_f_one_b || kind == ScheduleKind::zero_bubble) && m < p) {
+    throw ConfigError(fmt::format(
+        "{}.microbatches: schedule {} with {} stages needs at least {} micro-batches (one "
+        "per stage to fill the pipeline), got {}",
+        where, name, p, p, m));
+  }
+}
+
+namespace {
+
+struct Compute {
+  ActionKind kind;
+  int mb;
+  int stage;
+};
+
+// Wraps each stage's compute order with the send / recv its neighbours need.
+PipelineSchedule with_transfers(ScheduleKind kind, int p, int m, int v,
+                                const std::vector<std::vector<Compute>>& order) {
+  PipelineSchedule s;
+  s.kind = kind;
+  s.stages = p;
+  s.microbatches = m;
+  s.virtual_stages = v;
+  s.actions.resize(static_cast<size_t>(p));
+  const int last = p * v - 1;
+  for (int r = 0; r < p; ++r) {
+    auto& out = s.actions[static_cast<size_t>(r)];
+    for (const Compute& c : order[static_cast<size_t>(r)]) {
+      auto add = [&](ActionKind k, int peer) { out.push_back({k, c.mb, c.stage, peer}); };
+      const int prev = c.stage > 0 ? s.owner(c.stage - 1) : -1;
+      const int next = c.stage < last ? s.owner(c.stage + 1) : -1;
+      if (c.kind == ActionKind::forward) {
+        if (prev >= 0 && prev != r) add(ActionKind::recv_activation, prev);
+        add(c.kind, -1);
+        if (next >= 0 && next != r) add(ActionKind::send_activation, next);
+      } else if (c.kind == ActionKind::backward_weight) {
+        add(c.kind, -1);
+      } else {
+        if (next >= 0 && next != r) add(ActionKind::recv_grad, next);
+        add(c.kind, -1);
+        if (prev >= 0 && prev != r) add(ActionKind::send_grad, prev);
+      }
+    }
+  }
+  return s;
+}
+
+std::vector<std::vector<Compute>> gpipe_order(int p, int m) {
+  std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    for (int i = 0; i < m; ++i) o[static_cast<size_t>(r)].push_back({ActionKind::forward, i, r});
+    for (int i = 0; i < m; ++i) o[static_cast<size_t>(r)].push_back({ActionKind::backward, i, r});
+  }
+  return o;
+}
+
+// 1F1B (PipeDream-flush, as Megatron runs it): p-1-r warm-up forwards, then
+// alternate one forward and one backward, then the remaining backwards.
+std::vector<std::vector<Compute>> one_f_one_b_order(int p, int m) {
+  std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& l = o[static_cast<size_t>(r)];
+    const int warm = std::min(p - 1 - r, m);
+    for (int i = 0; i < warm; ++i) l.push_back({ActionKind::forward, i, r});
+    const int steady = m - warm;
+    for (int i = 0; i < steady; ++i) {
+      l.push_back({ActionKind::forward, warm + i, r});
+      l.push_back({ActionKind::backward, i, r});
+    }
+    for (int i = steady; i < m; ++i) l.push_back({ActionKind::backward, i, r});
+  }
+  return o;
+}
+
+// Interleaved 1F1B (Narayanan et al. 2021, Megatron's ordering): the k-th
+// forward of a stage is micro-batch (k / (p*v)) * p + k % p on its model
+// chunk (k % (p*v)) / p; backwards walk the chunks in reverse. Warm-up is
+// 2 (p-1-r) + (v-1) p forwards (all of them when m == p).
+std::vector<std::vector<Compute>> interleaved_order(int p, int m, int v) {
+  std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
+  const int total = m * v;
+  auto item = [&](int k, bool forward, int r) {
+    const int in_group = k % (p * v);
+    int chunk = in_group / p;
+    if (!forward) chunk = v - 1 - chunk;
+    const int mb = (k / (p * v)) * p + k % p;
+    return Compute{forward ? ActionKind::forward : ActionKind::backward, mb, chunk * p + r};
+  };
+  for (int r = 0; r < p; ++r) {
+    auto& l = o[static_cast<size_t>(r)];
+    int warm = m == p ? total : std::min(total, 2 * (p - 1 - r) + (v - 1) * p);
+    for (int k = 0; k < warm; ++k) l.push_back(item(k, true, r));
+    const int steady = total - warm;
+    for (int k = 0; k < steady; ++k) {
+      l.push_back(item(warm + k, true, r));
+      l.push_back(item(k, false, r));
+    }
+    for (int k = steady; k < total; ++k) l.push_back(item(k, false, r));
+  }
+  return o;
+}
+
+// Zero-bubble ZB-H1 (Qi et al. 2023), built greedily in unit time: each free
+// stage runs, in order of preference, the next input-gradient pass whose
+// output gradient has arrived, the next forward (at most p-r micro-batches
+// between forward and input-gradient, 1F1B's warm-up, so activation memory
+// stays bounded), and otherwise a pending weight-gradient pass, which
+// nothing downstream waits for and so fills what would be a bubble. A stage
+// holding more than p-1-r pending weight passes runs one first.
+std::vector<std::vector<Compute>> zero_bubble_order(int p, int m) {
+  std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
+  constexpr int kNever = 1 << 30;
+  std::vector<std::vector<int>> f_done(static_cast<size_t>(p), std::vector<int>(m, kNever));
+  auto bi_done = f_done;
+  std::vector<int> next_f(p, 0), next_b(p, 0), next_w(p, 0), free_at(p, 0);
+  int remaining = 3 * m * p;
+  for (int t = 0; remaining > 0; ++t) {
+    MT_CHECK(t < 10 * (3 * m + p) + 10, "zero-bubble construction did not finish");
+    for (int r = 0; r < p; ++r) {
+      const size_t ru = static_cast<size_t>(r);
+      if (free_at[ru] > t) continue;
+      const int b = next_b[ru], f = next_f[ru], w = next_w[ru];
+      const bool b_ready = b < m && f_done[ru][static_cast<size_t>(b)] <= t &&
+                           (r == p - 1 || bi_done[ru + 1][static_cast<size_t>(b)] <= t);
+      const bool f_ready =
+          f < m && f - b < p - r && (r == 0 || f_done[ru - 1][static_cast<size_t>(f)] <= t);
+      const bool w_ready = w < b;
+      const bool w_urgent = w_ready && (b - w) > p - 1 - r;
+      Compute c{};
+      if (w_urgent) {
+        c = {ActionKind::backward_weight, w, r};
+        ++next_w[ru];
+      } else if (b_ready) {
+        c = {ActionKind::backward_input, b, r};
+        bi_done[ru][static_cast<size_t>(b)] = t + 1;
+        ++next_b[ru];
+      } else if (f_ready) {
+        c = {ActionKind::forward, f, r};
+        f_done[ru][static_cast<size_t>(f)] = t + 1;
+        ++next_f[ru];
+      } else if (w_ready) {
+        c = {ActionKind::backward_weight, w, r};
+        ++next_w[ru];
+      } else {
+        continue;
+      }
+      o[ru].push_back(c);
+      free_at[ru] = t + 1;
+      --remaining;
+    }
+  }
+  return o;
+}
+
+}  // namespace
+
+PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v) {
+  check_schedule(kind, p, m, v, "schedule");
+  switch (kind) {
+    case ScheduleKind::gpipe:
+      return with_transfers(kind, p, m, 1, gpipe_order(p, m));
+    case ScheduleKind::one_f_one_b:
+      return with_transfers(kind, p, m, 1, one_f_one_b_order(p, m));
+    case ScheduleKind::interleaved:
+      return with_transfers(kind, p, m, v, interleaved_order(p, m, v));
+    case ScheduleKind::zero_bubble:
+      return with_transfers(kind, p, m, 1, zero_bubble_order(p, m));
+  }
+  MT_CHECK(false, "unknown schedule kind");
+  return {};
+}
+
+ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs) {
+  const int p = s.stages, last = s.virtual_count() - 1;
+  // Finish time of each compute action: key (kind, micro-batch, virtual stage).
+  // A whole backward also counts as its input-gradient part.
+  std::map<std::tuple<int, int, int>, double> done;
+  auto key = [](ActionKind k, int mb, int st) {
+    return std::make_tuple(static_cast<int>(k), mb, st);
+  };
+  auto finished = [&](ActionKind k, int mb, int st) -> const double* {
+    auto it = done.find(key(k, mb, st));
+    return it == done.end() ? nullptr : &it->second;
+  };
+  ScheduleSimulation sim;
+  sim.busy.assign(static_cast<size_t>(p), 0.0);
+  sim.peak_in_flight.assign(static_cast<size_t>(p), 0);
+  sim.start.resize(static_cast<size_t>(p));
+  std::vector<size_t> pos(static_cast<size_t>(p), 0);
+  std::vector<double> now(static_cast<size_t>(p), 0.0);
+  std::vector<int> in_flight(static_cast<size_t>(p), 0);
+  for (int r = 0; r < p; ++r)
+    sim.start[static_cast<size_t>(r)].assign(s.actions[static_cast<size_t>(r)].size(), -1.0);
+  for (;;) {
+    bool progress = false, all_done = true;
+    for (int r = 0; r < p; ++r) {
+      const size_t ru = static_cast<size_t>(r);
+      const auto& list = s.actions[ru];
+      while (pos[ru] < list.size()) {
+        const PipelineAction& a = list[pos[ru]];
+        if (!a.is_compute()) {
+          ++pos[ru];
+          progress = true;
+          continue;
+        }
+        std::vector<const double*> deps;
+        double cost = 0;
+        switch (a.kind) {
+          case ActionKind::forward:
+            cost = costs.forward;
+            if (a.stage > 0)
+              deps.push_back(finished(ActionKind::forward, a.microbatch, a.stage - 1));
+            break;
+          case ActionKind::backward:
+          case ActionKind::backward_input:
+            cost = a.kind == ActionKind::backward ? costs.backward_input + costs.backward_weight
+                                                  : costs.backward_input;
+            deps.push_back(finished(ActionKind::forward, a.microbatch, a.stage));
+            if (a.stage < last)
+              deps.push_back(finished(ActionKind::backward_input, a.microbatch, a.stage + 1));
+            break;
+          case ActionKind::backward_weight:
+            cost = costs.backward_weight;
+            deps.push_back(finished(ActionKind::backward_input, a.microbatch, a.stage));
+            break;
+          default:
+            break;
+        }
+        double start = now[ru];
+        bool ready = true;
+        for (const double* d : deps) {
+          if (d == nullptr) {
+            ready = false;
+            break;
+          }
+          start = std::max(start, *d);
+        }
+        if (!ready) break;
+        const double end = start + cost;
+        sim.start[ru][pos[ru]] = start;
+        now[ru] = end;
+        sim.busy[ru] += cost;
+        if (a.kind == ActionKind::backward) {
+          done[key(ActionKind::backward_input, a.microbatch, a.stage)] = end;
+        }
+        done[key(a.kind, a.microbatch, a.stage)] = end;
+        if (a.kind == ActionKind::forward) ++in_flight[ru];
+        if (a.kind == ActionKind::backward || a.kind == ActionKind::backward_weight)
+          --in_flight[ru];
+        sim.peak_in_flight[ru] = std::max(sim.peak_in_flight[ru], in_flight[ru]);
+        ++pos[ru];
+        progress = true;
+      }
+      if (pos[ru] < list.size()) all_done = false;
+    }
+    if (all_done) break;
+    if (!progress) {
+      std::string stuck;
+      for (int r = 0; r < p; ++r) {
+        const size_t ru = static_cast<size_t>(r);
+        if (pos[ru] < s.actions[ru].size())
+          stuck += fmt::format(" stage {} at {};", r, describe(s.actions[ru][pos[ru]]));
+      }
+      throw InternalError(fmt::format("pipeline schedule {} (p={}, m={}, v={}) deadlocks:{}",
+                                      schedule_name(s.kind), p, s.microbatches, s.virtual_stages,
+                                      stuck));
+    }
+  }
+  for (double t : now) sim.makespan = std::max(sim.makespan, t);
+  double busy = 0;
+  for (double b : sim.busy) busy += b;
+  sim.idle_fraction = sim.makespan > 0 ? 1.0 - busy / (p * sim.makespan) : 0.0;
+  return sim;
+}
+
+double formula_idle_fraction(ScheduleKind kind, int p, int m, int v) {
+  const double pm1 = p - 1;
+  if (kind == ScheduleKind::interleaved) return pm1 / (static_cast<double>(v) * m + pm1);
+  return pm1 / (m + pm1);
+}
+
+}  // namespace mt

@@ -1,0 +1,119 @@
+// Pipeline schedules as pure functions: for p physical stages, m
+// micro-batches, v virtual stages per physical stage and a kind, the ordered
+// list of actions each physical stage performs in one optimizer step
+// (forward / backward of micro-batch i on virtual stage s, the backward split
+// into input-gradient and weight-gradient parts for zero-bubble, and the
+// send / recv of activations and gradients between stages), plus a
+// simulator that runs those lists with per-action costs and dependencies and
+// reports the makespan and the idle ("bubble") fraction.
+//
+// The runtime executes these lists; the planner's simulator reuses them.
+// Nothing here blocks or communicates.
+//
+// Virtual stage s (0 .. p*v-1) runs on physical stage s % p: with v = 2 and
+// p = 4, physical stage 0 holds virtual stages 0 and 4 (Megatron's model
+// chunks). With v = 1 virtual and physical stages coincide.
+//
+// Bubbles with unit-cost actions (forward 1, backward 2 = input 1 + weight 1),
+// as the simulator measures them and tests/spmd/schedule_test.cpp checks:
+//   gpipe, 1f1b:   (p-1) / (m+p-1)
+//   interleaved:   (p-1) / (v*m+p-1): the warm-up and cool-down still take
+//                  p-1 slots each, but a slot is now one chunk (1/v of the
+//                  stage's work), so the idle time is 1/v of 1F1B's.
+//   zero_bubble:   below 1F1B's: weight-gradient passes, which nothing
+//                  waits for, fill the slots 1F1B leaves idle (ZB-H1's
+//                  warm-up, as 1F1B's; the deferred weight passes keep at
+//                  most 2p micro-batches' inputs, against 1F1B's p). Not
+//                  down to ZB-H1's ideal (p-1)/(3m+p-1): p=4, m=8 gives
+//                  0.200 against 1F1B's 0.273 and the ideal's 0.111.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mt {
+
+enum class ScheduleKind { gpipe, one_f_one_b, interleaved, zero_bubble };
+
+// "gpipe", "1f1b", "interleaved", "zero_bubble".
+std::string_view schedule_name(ScheduleKind k);
+// Throws ConfigError naming `where` and listing the kinds.
+ScheduleKind parse_schedule_kind(std::string_view name, std::string_view where);
+
+enum class ActionKind {
+  forward,
+  backward,         // the whole backward (input and weight gradients)
+  backward_input,   // zero-bubble: the gradient w.r.t. the stage's input
+  backward_weight,  // zero-bubble: the gradient w.r.t. the stage's weights
+  send_activation,  // the output of forward(i, s) to the owner of s+1
+  recv_activation,  // the input of forward(i, s) from the owner of s-1
+  send_grad,        // the input gradient of stage s to the owner of s-1
+  recv_grad,        // the output gradient of stage s from the owner of s+1
+};
+std::string_view action_name(ActionKind k);
+
+struct PipelineAction {
+  ActionKind kind = ActionKind::forward;
+  int microbatch = 0;
+  int stage = 0;  // virtual stage
+  int peer = -1;  // send/recv: the other physical stage
+  bool is_compute() const;
+  bool operator==(const PipelineAction&) const = default;
+};
+// "F3@1", "B3@1", "BI3@1", "BW3@1", "send_act3@1->2", "recv_grad3@1<-2".
+std::string describe(const PipelineAction& a);
+
+struct PipelineSchedule {
+  ScheduleKind kind = ScheduleKind::gpipe;
+  int stages = 1;                                    // physical stages p
+  int microbatches = 1;                              // m
+  int virtual_stages = 1;                            // v (model chunks per physical stage)
+  std::vector<std::vector<PipelineAction>> actions;  // per physical stage, in order
+
+  int virtual_count() const { return stages * virtual_stages; }
+  int owner(int virtual_stage) const { return virtual_stage % stages; }
+};
+
+// Throws ConfigError when (kind, p, m, v) cannot be scheduled, naming the
+// keys (`where` prefixes them, e.g. "parallel" or "plan x.json") and what is
+// expected: v must be 1 except for interleaved (which needs v >= 2);
+// 1f1b and zero_bubble need m >= p, interleaved m a multiple of p.
+void check_schedule(ScheduleKind kind, int stages, int microbatches, int virtual_stages,
+                    std::string_view where);
+
+// The actions of every physical stage. Call check_schedule() first.
+PipelineSchedule make_schedule(ScheduleKind kind, int stages, int microbatches,
+                               int virtual_stages = 1);
+
+// Time units of each compute action (backward = input + weight).
+struct ActionCosts {
+  double forward = 1.0;
+  double backward_input = 1.0;
+  double backward_weight = 1.0;
+};
+
+struct ScheduleSimulation {
+  double makespan = 0;
+  std::vector<double> busy;                // per physical stage
+  std::vector<int> peak_in_flight;         // per physical stage: micro-batch chunks whose
+                                           // activations are held (forward done, backward
+                                           // or weight pass not yet)
+  std::vector<std::vector<double>> start;  // per stage, per action (-1 for send/recv)
+  double idle_fraction = 0;                // 1 - sum(busy) / (p * makespan)
+};
+
+// Runs each stage's list in order; a compute action starts when its stage
+// is free and its inputs exist: forward(i, s) after forward(i, s-1);
+// backward / backward_input(i, s) after forward(i, s) and the backward
+// (input) of (i, s+1); backward_weight(i, s) after backward_input(i, s).
+// Send/recv take no time (their order is what the runtime follows).
+// Throws InternalError naming the stuck stages if the lists deadlock or an
+// action's input is never produced.
+ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs = {});
+
+// The closed-form bubble of gpipe / 1f1b / interleaved (above); for
+// zero_bubble, 1F1B's (an upper bound).
+double formula_idle_fraction(ScheduleKind kind, int stages, int microbatches, int virtual_stages);
+
+}  // namespace mt

@@ -1,0 +1,94 @@
+# Parallel plans through the binary (no rank starts): inspect prints the
+# mesh, per-rank coordinates and groups, specs with local shapes, stages and
+# the schedule; --write-plan writes the plan and --plan reads it back; train
+# runs a data-parallel plan and refuses tensor / pipeline plans (exit 1,
+# naming why), and bad plans are rejected before any step naming the key.
+cmake_minimum_required(VERSION 3.25)
+set(mlp --config ${SRC}/configs/mlp_fashion.toml)
+set(gpt --config ${SRC}/configs/gpt_text.toml --set model.layers=2 --set model.d_model=32
+  --set model.seq_len=8 --set train.batch_size=8)
+set(quick --quiet --set train.threads=1 --set train.steps=2 --set train.eval=false
+  "--set" "train.checkpoint=\"\"")
+set(dir ${OUT}/cli_plan)
+file(REMOVE_RECURSE ${dir})
+file(MAKE_DIRECTORY ${dir})
+
+function(run rc_want out_pattern err_pattern)
+  execute_process(COMMAND ${MESHTRAIN} ${ARGN}
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+  if(NOT rc EQUAL rc_want)
+    message(FATAL_ERROR "${ARGN}: exit ${rc}, expected ${rc_want}:\n${out}\n${err}")
+  endif()
+  if(NOT out MATCHES "${out_pattern}")
+    message(FATAL_ERROR "${ARGN}: stdout does not match '${out_pattern}':\n${out}\n${err}")
+  endif()
+  if(NOT err MATCHES "${err_pattern}")
+    message(FATAL_ERROR "${ARGN}: stderr does not match '${err_pattern}':\n${err}")
+  endif()
+  if(rc EQUAL 1 AND (err MATCHES "MPI_ABORT|mpirun" OR out MATCHES "steps [0-9]"))
+    message(FATAL_ERROR "${ARGN}: a rank or a step ran:\n${out}\n${err}")
+  endif()
+endfunction()
+
+# Under a plain mpirun every rank checks the plan and the job ends with
+# exit status 1 and the error, no hang (label "mpi").
+if(MPIRUN)
+  execute_process(COMMAND ${MPIRUN} --allow-run-as-root --oversubscribe --bind-to none -np 2
+      ${MESHTRAIN} train ${mlp} ${quick} --set parallel.tp=2
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+  if(NOT rc EQUAL 1 OR NOT err MATCHES "error: parallel: this plan \\(fc1.w is \\[-, tp\\]; mesh dp=1 x tp=2\\) needs tensor or pipeline parallelism")
+    message(FATAL_ERROR "mpirun -np 2 with tp=2: exit ${rc}:\n${out}\n${err}")
+  endif()
+  return()
+endif()
+
+# inspect with the shorthand: GPT on 8 ranks, pp=2 x dp=2 x tp=2.
+run(0 "mesh: pp=2 x dp=2 x tp=2 \\(8 ranks.*rank 5: pp=1 dp=0 tp=1; groups: pp \\[1, 5\\]; dp \\[5, 7\\]; tp \\[4, 5\\].*block1.attn.q.w \\[32, 32\\] f32: \\[-, tp unit 8\\].*ranks 5,7: \\[32, 16\\] \\[0:32, 16:32\\] 2048 B.*stage 1 \\(ranks 4,5,6,7\\): block1 ln_f.*stage 0: F0@0 send_act0@0->1 F1@0.*idle fraction 0.2000.*executing this plan is not implemented yet" ""
+  inspect ${gpt} --set dist.nproc=8 --set parallel.tp=2 --set parallel.pp=2
+  --set parallel.microbatches=4)
+# --write-plan writes it and stops; --plan reads it back (same mesh and stages).
+run(0 "wrote the plan to ${dir}/tp.json" ""
+  inspect ${gpt} --set dist.nproc=8 --set parallel.tp=2 --set parallel.pp=2
+  --set parallel.microbatches=4 --write-plan ${dir}/tp.json)
+file(READ ${dir}/tp.json tp_json)
+if(NOT tp_json MATCHES "\"block0.attn.q.w\": {\"dims\":\\[null,{\"axis\":\"tp\",\"unit\":8}\\]}")
+  message(FATAL_ERROR "tp.json lacks the column split of q:\n${tp_json}")
+endif()
+run(0 "mesh: pp=2 x dp=2 x tp=2.*stage 1 \\(ranks 4,5,6,7\\): block1 ln_f" ""
+  inspect ${gpt} --set dist.nproc=8 --plan ${dir}/tp.json)
+# train refuses it (after writing it for --write-plan), before any rank starts.
+run(1 "" "error: plan ${dir}/tp.json: this plan \\(2 pipeline stages, 4 micro-batches, wte is \\[tp\\]; mesh pp=2 x dp=2 x tp=2\\) needs tensor or pipeline parallelism, which the runtime does not execute yet"
+  train ${gpt} ${quick} --nproc 8 --plan ${dir}/tp.json)
+run(1 "" "wrote the plan to ${dir}/again.json.*error: parallel: this plan.*tp.*does not execute yet.*written to ${dir}/again.json"
+  train ${gpt} ${quick} --set parallel.tp=2 --nproc 2 --write-plan ${dir}/again.json)
+if(NOT EXISTS ${dir}/again.json)
+  message(FATAL_ERROR "train --write-plan did not write ${dir}/again.json")
+endif()
+# A data-parallel plan runs as today's data parallelism.
+run(0 "wrote the plan to ${dir}/dp.json" "" inspect ${mlp} --write-plan ${dir}/dp.json)
+run(0 "steps 2  final loss" "" train ${mlp} ${quick} --plan ${dir}/dp.json)
+
+# A data-parallel plan whose batch split is not the loader's is refused.
+run(0 "wrote the plan" "" inspect ${mlp} --set dist.nproc=2 --write-plan ${dir}/dp2.json)
+run(1 "" "error: plan ${dir}/dp2.json: values.x: rank 0 would read rows \\[0, 64\\) of 128, but data parallelism gives it \\[0, 85\\) \\(dist.batch_shares \\[2, 1\\]\\)"
+  train ${mlp} ${quick} --nproc 2 --plan ${dir}/dp2.json "--set" "dist.batch_shares=[2,1]")
+
+# Bad plans, each before any step, naming the key and what was expected.
+run(1 "" "error: parallel: mesh: mesh dp=2 has 2 devices but the job has 1 rank .*--nproc 2"
+  train ${mlp} ${quick} --set parallel.dp=2)
+run(1 "" "error: --plan ${dir}/dp.json and the config's \\[parallel\\] section both describe the plan"
+  train ${mlp} ${quick} --set parallel.dp=1 --plan ${dir}/dp.json)
+run(1 "" "error: tensor wte: dimension 0 \\(size 256\\) is split evenly over axis tp of size 3, which does not divide it \\(expected a multiple of 3, or ratios for an uneven split\\)"
+  inspect ${gpt} --set dist.nproc=3 --set parallel.tp=3)
+file(WRITE ${dir}/typo.json "{\"mesh\": [{\"name\": \"dp\", \"size\": 1}], \"values\": {\"fc1.wt\": {}}}")
+run(1 "" "error: plan ${dir}/typo.json: values.fc1.wt: the model's graph has no value of that name \\(did you mean 'fc1.w'\\?\\)"
+  train ${mlp} ${quick} --plan ${dir}/typo.json)
+file(WRITE ${dir}/empty_stage.json "{\"mesh\": [{\"name\": \"pp\", \"size\": 2}], \"microbatches\": 2, \"stages\": [{\"layers\": [\"fc1\", \"fc2\", \"head\"]}, {\"layers\": []}]}")
+run(1 "" "error: plan ${dir}/empty_stage.json: stages\\[1\\]: stage 1 has no layers"
+  train ${mlp} ${quick} --nproc 2 --plan ${dir}/empty_stage.json)
+run(1 "" "error: parallel.microbatches: schedule 1f1b with 2 stages needs at least 2 micro-batches \\(one per stage to fill the pipeline\\), got 1"
+  inspect ${mlp} --set dist.nproc=2 --set parallel.pp=2)
+run(1 "" "error: parallel.tp_ratios: 3 ratios \\[2, 1, 1\\] for tp = 2 \\(expected 2, one per tp rank\\)"
+  inspect ${mlp} --set dist.nproc=2 --set parallel.tp=2 "--set" "parallel.tp_ratios=[2,1,1]")
+run(1 "" "error: --plan /nonexistent/plan.json: cannot read the plan file"
+  inspect ${mlp} --plan /nonexistent/plan.json)

@@ -1,0 +1,262 @@
+#include "meshtrain/spmd/schedule.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "meshtrain/base/error.h"
+
+namespace mt {
+namespace {
+
+constexpr ScheduleKind kAll[] = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
+                                 ScheduleKind::interleaved, ScheduleKind::zero_bubble};
+
+// An independent check of a schedule's lists (not through simulate()):
+// every (micro-batch, virtual stage) is forwarded once and backwarded once
+// (or has one input- and one weight-gradient pass), on the stage that owns
+// it; every send has exactly one matching recv on the peer; on each stage a
+// recv comes before the compute that needs it and a send after the compute
+// that produced it.
+void check_lists(const PipelineSchedule& s) {
+  SCOPED_TRACE(fmt::format("{} p={} m={} v={}", schedule_name(s.kind), s.stages, s.microbatches,
+                           s.virtual_stages));
+  const int S = s.virtual_count(), m = s.microbatches;
+  const bool split = s.kind == ScheduleKind::zero_bubble;
+  std::map<std::tuple<int, int, int>, int> count;  // (kind, mb, stage)
+  std::map<std::tuple<int, int, int, int, int>, int> sends,
+      recvs;  // (what, mb, from-stage, src, dst)
+  for (int r = 0; r < s.stages; ++r) {
+    const auto& l = s.actions[static_cast<size_t>(r)];
+    for (size_t i = 0; i < l.size(); ++i) {
+      const PipelineAction& a = l[i];
+      if (a.is_compute()) {
+        EXPECT_EQ(s.owner(a.stage), r) << describe(a);
+        ++count[{static_cast<int>(a.kind), a.microbatch, a.stage}];
+        continue;
+      }
+      // The compute the transfer belongs to is the neighbour in the list.
+      auto find = [&](ActionKind k, bool before) {
+        if (before) {
+          for (size_t j = 0; j < i; ++j)
+            if (l[j].kind == k && l[j].microbatch == a.microbatch && l[j].stage == a.stage)
+              return true;
+        } else {
+          for (size_t j = i + 1; j < l.size(); ++j)
+            if (l[j].kind == k && l[j].microbatch == a.microbatch && l[j].stage == a.stage)
+              return true;
+        }
+        return false;
+      };
+      const ActionKind back = split ? ActionKind::backward_input : ActionKind::backward;
+      switch (a.kind) {
+        case ActionKind::send_activation:
+          EXPECT_TRUE(find(ActionKind::forward, true)) << describe(a);
+          ++sends[{0, a.microbatch, a.stage, r, a.peer}];
+          EXPECT_EQ(a.peer, s.owner(a.stage + 1));
+          break;
+        case ActionKind::recv_activation:
+          EXPECT_TRUE(find(ActionKind::forward, false)) << describe(a);
+          ++recvs[{0, a.microbatch, a.stage - 1, a.peer, r}];
+          break;
+        case ActionKind::send_grad:
+          EXPECT_TRUE(find(back, true)) << describe(a);
+          ++sends[{1, a.microbatch, a.stage, r, a.peer}];
+          EXPECT_EQ(a.peer, s.owner(a.stage - 1));
+          break;
+        case ActionKind::recv_grad:
+          EXPECT_TRUE(find(back, false)) << describe(a);
+          ++recvs[{1, a.microbatch, a.stage + 1, a.peer, r}];
+          break;
+        default:
+          break;
+      }
+    }
+  }
+  EXPECT_EQ(sends, recvs);
+  for (const auto& [k, n] : sends) EXPECT_EQ(n, 1);
+  for (int i = 0; i < m; ++i) {
+    for (int st = 0; st < S; ++st) {
+      EXPECT_EQ((count[{static_cast<int>(ActionKind::forward), i, st}]), 1) << i << "@" << st;
+      if (split) {
+        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward_input), i, st}]), 1);
+        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward_weight), i, st}]), 1);
+        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward), i, st}]), 0);
+      } else {
+        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward), i, st}]), 1) << i << "@" << st;
+      }
+    }
+  }
+  int total = 0;
+  for (const auto& [k, n] : count) total += n;
+  EXPECT_EQ(total, m * S * (split ? 3 : 2));
+}
+
+// The simulated start times respect every dependency (checked here from
+// the times, independently of how simulate() orders its work).
+void check_times(const PipelineSchedule& s, const ScheduleSimulation& sim, const ActionCosts& c) {
+  std::map<std::tuple<int, int, int>, std::pair<double, double>>
+      when;  // kind, mb, st -> start, end
+  for (int r = 0; r < s.stages; ++r) {
+    double last_end = 0;
+    const auto& l = s.actions[static_cast<size_t>(r)];
+    for (size_t i = 0; i < l.size(); ++i) {
+      const PipelineAction& a = l[i];
+      if (!a.is_compute()) continue;
+      const double st = sim.start[static_cast<size_t>(r)][i];
+      const double cost = a.kind == ActionKind::forward    ? c.forward
+                          : a.kind == ActionKind::backward ? c.backward_input + c.backward_weight
+                          : a.kind == ActionKind::backward_input ? c.backward_input
+                                                                 : c.backward_weight;
+      EXPECT_GE(st, last_end - 1e-9) << "stage " << r << " overlaps itself at " << describe(a);
+      last_end = st + cost;
+      when[{static_cast<int>(a.kind), a.microbatch, a.stage}] = {st, st + cost};
+    }
+  }
+  const int last = s.virtual_count() - 1;
+  auto end_of = [&](ActionKind k, int mb, int st) {
+    auto it = when.find({static_cast<int>(k), mb, st});
+    return it == when.end() ? -1.0 : it->second.second;
+  };
+  for (const auto& [key, t] : when) {
+    const auto [k, mb, st] = key;
+    const ActionKind kind = static_cast<ActionKind>(k);
+    const ActionKind back =
+        s.kind == ScheduleKind::zero_bubble ? ActionKind::backward_input : ActionKind::backward;
+    if (kind == ActionKind::forward && st > 0) {
+      EXPECT_GE(t.first, end_of(kind, mb, st - 1));
+    }
+    if (kind == ActionKind::backward || kind == ActionKind::backward_input) {
+      EXPECT_GE(t.first, end_of(ActionKind::forward, mb, st));
+      if (st < last) {
+        EXPECT_GE(t.first, end_of(back, mb, st + 1));
+      }
+    }
+    if (kind == ActionKind::backward_weight) {
+      EXPECT_GE(t.first, end_of(ActionKind::backward_input, mb, st));
+    }
+  }
+}
+
+TEST(Schedule, EveryScheduleIsCompleteAndRespectsDependencies) {
+  for (ScheduleKind k : kAll) {
+    for (int p = 1; p <= 4; ++p) {
+      for (int m = 1; m <= 9; ++m) {
+        for (int v : {1, 2, 3}) {
+          try {
+            check_schedule(k, p, m, v, "t");
+          } catch (const ConfigError&) {
+            continue;
+          }
+          const PipelineSchedule s = make_schedule(k, p, m, v);
+          check_lists(s);
+          const ScheduleSimulation sim = simulate(s);
+          check_times(s, sim, {});
+          // Busy time is the work, whatever the order.
+          for (double b : sim.busy) EXPECT_DOUBLE_EQ(b, 3.0 * m * v);
+        }
+      }
+    }
+  }
+}
+
+TEST(Schedule, GpipeAndOneFOneBBubbleIsTheFormula) {
+  for (int p = 1; p <= 6; ++p) {
+    for (int m = p; m <= 16; ++m) {
+      const double want = static_cast<double>(p - 1) / (m + p - 1);
+      const auto g = simulate(make_schedule(ScheduleKind::gpipe, p, m));
+      const auto f = simulate(make_schedule(ScheduleKind::one_f_one_b, p, m));
+      EXPECT_NEAR(g.idle_fraction, want, 1e-12) << "gpipe p=" << p << " m=" << m;
+      EXPECT_NEAR(f.idle_fraction, want, 1e-12) << "1f1b p=" << p << " m=" << m;
+      EXPECT_NEAR(formula_idle_fraction(ScheduleKind::gpipe, p, m, 1), want, 1e-12);
+      // Other costs: the bubble is still (p-1) slots of forward + backward.
+      const ActionCosts c{1.0, 1.5, 0.75};
+      EXPECT_NEAR(simulate(make_schedule(ScheduleKind::one_f_one_b, p, m), c).idle_fraction, want,
+                  1e-12);
+      // 1F1B holds at most p - stage micro-batches; GPipe holds all m.
+      for (int s = 0; s < p; ++s) {
+        EXPECT_LE(f.peak_in_flight[static_cast<size_t>(s)], p - s);
+        EXPECT_EQ(g.peak_in_flight[static_cast<size_t>(s)], m);
+      }
+    }
+  }
+}
+
+TEST(Schedule, InterleavedBubbleShrinksByTheVirtualStages) {
+  for (int p : {2, 3, 4}) {
+    for (int v : {2, 3, 4}) {
+      for (int m = p; m <= 4 * p; m += p) {
+        const auto sim = simulate(make_schedule(ScheduleKind::interleaved, p, m, v));
+        const double want = static_cast<double>(p - 1) / (v * m + p - 1);
+        EXPECT_NEAR(sim.idle_fraction, want, 1e-12) << "p=" << p << " m=" << m << " v=" << v;
+        EXPECT_LT(sim.idle_fraction, formula_idle_fraction(ScheduleKind::one_f_one_b, p, m, 1));
+      }
+    }
+  }
+}
+
+TEST(Schedule, ZeroBubbleBeatsOneFOneB) {
+  for (int p = 2; p <= 6; ++p) {
+    for (int m = p; m <= 3 * p; ++m) {
+      const auto z = simulate(make_schedule(ScheduleKind::zero_bubble, p, m));
+      const auto f = simulate(make_schedule(ScheduleKind::one_f_one_b, p, m));
+      EXPECT_LT(z.idle_fraction, f.idle_fraction - 1e-9) << "p=" << p << " m=" << m;
+      // Never below ZB-H1's ideal (weight passes cannot fill the warm-up).
+      EXPECT_GE(z.idle_fraction, static_cast<double>(p - 1) / (3 * m + p - 1) - 1e-12);
+      for (int held : z.peak_in_flight) EXPECT_LE(held, 2 * p);
+    }
+  }
+  const auto z = simulate(make_schedule(ScheduleKind::zero_bubble, 4, 8));
+  EXPECT_NEAR(z.idle_fraction, 0.2, 1e-12);  // the figure docs/plan.md quotes
+}
+
+TEST(Schedule, OneStageHasNoBubbleAndNoTransfers) {
+  for (ScheduleKind k : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
+    const PipelineSchedule s = make_schedule(k, 1, 3);
+    EXPECT_EQ(simulate(s).idle_fraction, 0.0);
+    for (const PipelineAction& a : s.actions[0]) EXPECT_TRUE(a.is_compute());
+  }
+}
+
+TEST(Schedule, DescribesActions) {
+  const PipelineSchedule s = make_schedule(ScheduleKind::one_f_one_b, 2, 2);
+  std::vector<std::string> d;
+  for (const PipelineAction& a : s.actions[1]) d.push_back(describe(a));
+  EXPECT_EQ(d, (std::vector<std::string>{"recv_act0@1<-0", "F0@1", "B0@1", "send_grad0@1->0",
+                                         "recv_act1@1<-0", "F1@1", "B1@1", "send_grad1@1->0"}));
+}
+
+std::string schedule_error(ScheduleKind k, int p, int m, int v) {
+  try {
+    check_schedule(k, p, m, v, "parallel");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Schedule, RequirementsNameTheKeyAndTheNeed) {
+  EXPECT_EQ(schedule_error(ScheduleKind::one_f_one_b, 4, 2, 1),
+            "parallel.microbatches: schedule 1f1b with 4 stages needs at least 4 micro-batches "
+            "(one per stage to fill the pipeline), got 2");
+  EXPECT_EQ(schedule_error(ScheduleKind::zero_bubble, 3, 2, 1),
+            "parallel.microbatches: schedule zero_bubble with 3 stages needs at least 3 "
+            "micro-batches (one per stage to fill the pipeline), got 2");
+  EXPECT_EQ(schedule_error(ScheduleKind::interleaved, 4, 6, 2),
+            "parallel.microbatches: schedule interleaved with 4 stages needs a multiple of 4 "
+            "micro-batches (each round sends 4 through every model chunk), got 6");
+  EXPECT_EQ(schedule_error(ScheduleKind::interleaved, 2, 4, 1),
+            "parallel.virtual_stages: schedule interleaved needs at least 2 virtual stages per "
+            "stage, got 1");
+  EXPECT_EQ(schedule_error(ScheduleKind::gpipe, 2, 4, 2),
+            "parallel.virtual_stages: 2 virtual stages need schedule interleaved (schedule gpipe "
+            "runs one stage per rank)");
+  EXPECT_EQ(schedule_error(ScheduleKind::gpipe, 4, 1, 1), "no error");
+  EXPECT_THROW(parse_schedule_kind("1F1B", "parallel.schedule"), ConfigError);
+  EXPECT_EQ(parse_schedule_kind("zero_bubble", "x"), ScheduleKind::zero_bubble);
+}
+
+}  // namespace
+}  // namespace mt
