@@ -26,6 +26,7 @@
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
+#include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -240,6 +241,33 @@ int cmd_config_list(bool markdown) {
   return 0;
 }
 
+namespace {
+
+// OpenBLAS reads OPENBLAS_CORETYPE once, when the library loads (before
+// main), so choosing its kernels means starting this program again with the
+// variable set. Done before any rank starts or MPI initialises; the process
+// keeps its id, so a launcher never notices. The probe in the fast backend
+// then checks the new kernels compute right (and drops them if not).
+void reexec_for_openblas(const std::string& policy, bool quiet, char** argv) {
+  const char* marker = std::getenv(kCoretypeReexecVar);
+  const CoretypeAdvice a = advise_openblas_coretype(
+      policy, cpu_info(), openblas_corename(), std::getenv("OPENBLAS_CORETYPE"), marker != nullptr);
+  if (!a.note.empty() && !quiet) fmt::print(stderr, "meshtrain: note: {}\n", a.note);
+  if (a.set_to.empty()) return;
+  setenv("OPENBLAS_CORETYPE", a.set_to.c_str(), 1);
+  setenv(kCoretypeReexecVar, openblas_corename().c_str(), 1);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  execv("/proc/self/exe", argv);
+  // Still here: carry on with the kernels OpenBLAS chose.
+  fmt::print(stderr, "meshtrain: note: could not restart with OPENBLAS_CORETYPE={}: {}\n", a.set_to,
+             std::strerror(errno));
+  unsetenv("OPENBLAS_CORETYPE");
+  unsetenv(kCoretypeReexecVar);
+}
+
+}  // namespace
+
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   std::string effective;
   bool empty = false;
@@ -248,6 +276,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     fmt::print("{}", effective);
     return 0;
   }
+  if (rc.train.exec.backend == "fast") reexec_for_openblas(rc.openblas_coretype, opts.quiet, argv);
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
   if ((nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi()) {
     check_world(rc, nproc);
@@ -315,7 +344,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     fmt::print(stderr, "meshtrain: training {} on {} ({}, ZeRO stage {}, {}, {})\n", rc.model.kind,
                train_data->describe(), plural(comm ? comm->size() : 1, "rank"),
                rc.train.dist.dp.stage, plural(rc.train.threads, "thread"),
-               dtype_name(rc.train.precision));
+               rc.train.precision_auto ? "precision auto" : dtype_name(rc.train.precision));
   }
   rc.train.on_notice = [](const std::string& msg) { fmt::print(stderr, "meshtrain: {}\n", msg); };
   rc.train.stop_signal = &g_stop_signal;

@@ -42,6 +42,9 @@ struct RunConfig {
   // Fault drill: "kill:RANK@STEP" (the rank dies abruptly after that step)
   // or "stall:RANK@STEP" (it stops responding); empty = none.
   std::string fault;
+  // exec.openblas_coretype: "auto", "best" or "keep" (tensor/machine.h,
+  // advise_openblas_coretype); acted on by cmd_train before anything runs.
+  std::string openblas_coretype = "auto";
 };
 
 // Reads every known key; throws ConfigError for wrong values and, at the end,

@@ -205,8 +205,13 @@ CoretypeAdvice advise_openblas_coretype(std::string_view policy, const CpuInfo& 
   }
   if (have < 0 && policy != "best") return a;  // an unknown name may be newer than our table
   a.set_to = best;
-  a.note = fmt::format("OpenBLAS chose {} on a CPU with {}: restarting with OPENBLAS_CORETYPE={}",
-                       what, cpu.isa_flags(), best);
+  const bool from_env = env_coretype != nullptr && *env_coretype != '\0';
+  a.note = fmt::format(
+      "OpenBLAS {} {}{} on a CPU with {}: restarting with OPENBLAS_CORETYPE={}",
+      from_env ? "runs" : "chose", what,
+      from_env ? fmt::format(" (OPENBLAS_CORETYPE={} from the environment)", env_coretype)
+               : std::string(),
+      cpu.isa_flags(), best);
   return a;
 }
 
