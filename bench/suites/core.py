@@ -7,8 +7,11 @@ PyTorch torch.compile one after the other, then prints, per peer mode:
 At 1 thread it also prints sgemm_peak (GFLOP/s of the big square SGEMM, with
 the bf16 GEMM peak beside it) and
 mlp_train_matmul_gflops (meshtrain's matmul rate inside the MLP step), and
-<model>_bf16_vs_f32_* lines for meshtrain's own bf16 against its f32 (MLP, GPT),
-with the matmuls' own speed-up inside the step (the bound on the whole step's).
+<model>_bf16_vs_f32_* and <model>_auto_vs_f32_throughput lines for meshtrain's
+own bf16 and train.precision = auto against its f32 (MLP, GPT), with the
+matmuls' own speed-up inside the step, the bound the machine allows
+(from the f32 step's matmul share and the bf16/f32 GEMM ratio measured on the
+model's shapes) and the fraction of it reached.
 """
 
 import meshtrain
@@ -185,26 +188,61 @@ def matmul_fields(bf, f32, batch):
             "matmul_speedup": ratio(f_mm, b_mm), "f32_matmul_share": share}
 
 
+def precision_bound(f32_share, gemm_ratio, floor=None):
+    """The most the step can speed up when only its matmuls change speed:
+    1 / ((1 - s) + s / r), s = the matmuls' share of the f32 step, r = the
+    bf16/f32 GEMM rate ratio measured on the model's shapes (the run's
+    precision_decision). `floor` 1.0 for auto, which may keep f32."""
+    if not f32_share or not gemm_ratio:
+        return None
+    b = 1.0 / ((1.0 - f32_share) + f32_share / gemm_ratio)
+    return round(max(b, floor) if floor else b, 3)
+
+
 def bf16_lines(ctx, model, steps, warmup, setup, f32):
-    bf = run_meshtrain(ctx, model, 1, steps, warmup, precision="bf16")
+    """<model>_bf16_vs_f32_* and <model>_auto_vs_f32_throughput: meshtrain's
+    own mixed precision (as configured, and train.precision = auto) against
+    its f32, with the bound and the decision the auto run took."""
+    for precision in ("bf16", "auto"):
+        bf = run_meshtrain(ctx, model, 1, steps, warmup, precision=precision)
+        precision_line(ctx, model, steps, warmup, setup, f32, bf, precision)
+
+
+def precision_line(ctx, model, steps, warmup, setup, f32, bf, precision):
     plan = PLAN[model]
     seq, batch = setup["seq"], setup["batch"]
     error = "; ".join(e for e in (f32.error, bf.error) if e) or None
     common = {"peer_name": "meshtrain f32", "model": model, "threads": 1,
               "batch": batch, "steps": steps, "warmup": warmup,
               "meshtrain_others_cpu": bf.others_cpu, "peer_others_cpu": f32.others_cpu}
+    for key in ("cpu", "isa"):
+        if bf.get(key):
+            common[key] = bf.get(key)
     b_rate = bf.samples_per_s * seq if bf.samples_per_s else None
     f_rate = f32.samples_per_s * seq if f32.samples_per_s else None
     b_fast, f_fast = bf.fast_samples_per_s(warmup), f32.fast_samples_per_s(warmup)
     b_fast = b_fast * seq if b_fast else None
     f_fast = f_fast * seq if f_fast else None
-    line = {"name": f"{model}_bf16_vs_f32_throughput", "unit": plan["unit"],
+    mm = matmul_fields(bf, f32, batch)
+    decision = bf.get("precision_decision") or {}
+    gemm_ratio = decision.get("bf16_over_f32")
+    bound = precision_bound(mm["f32_matmul_share"], gemm_ratio,
+                            1.0 if precision == "auto" else None)
+    line = {"name": f"{model}_{precision}_vs_f32_throughput", "unit": plan["unit"],
             "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common,
             "meshtrain_fast": b_fast, "peer_fast": f_fast, "ratio_fast": ratio(b_fast, f_fast),
-            **matmul_fields(bf, f32, batch)}
+            **mm, "precision_chosen": decision.get("chosen"),
+            "bf16_over_f32_gemm_model_shapes": round(gemm_ratio, 3) if gemm_ratio else None,
+            "bound": bound,
+            "fraction_of_bound": ratio(ratio(b_rate, f_rate), bound),
+            "bound_note": "1/((1-s)+s/r): s = matmul share of the f32 step, r = bf16/f32 GEMM "
+                          "rate on the model's shapes at 1 thread (precision_decision)"
+                          + ("; auto: at least 1 (it may keep f32)" if precision == "auto" else "")}
     if error:
         line["error"] = error
     ctx.emit(line)
+    if precision != "bf16":
+        return
     line = {"name": f"{model}_bf16_vs_f32_peak_rss", "unit": "MiB",
             "meshtrain": mib(bf.maxrss_kib), "peer": mib(f32.maxrss_kib),
             "ratio": ratio(f32.maxrss_kib, bf.maxrss_kib), **common}
