@@ -188,6 +188,27 @@ def matmul_fields(bf, f32, batch):
             "matmul_speedup": ratio(f_mm, b_mm), "f32_matmul_share": share}
 
 
+def op_profile_line(ctx, model, threads, setup, mt):
+    """<model>_op_profile: where meshtrain's f32 step time goes (ms per step
+    by operator kind, from the summary's op_profile_ms_per_step; `value` is
+    the median step time)."""
+    prof = mt.get("op_profile_ms_per_step")
+    if ctx.args.peer_only or not prof or not mt.samples_per_s:
+        return
+    step_ms = 1e3 * setup["batch"] / mt.samples_per_s
+    ops = {k: round(v, 3) for k, v in sorted(prof.items(), key=lambda kv: -kv[1]) if v >= 0.005}
+    share = {k: round(v / step_ms, 4) for k, v in ops.items()}
+    line = {"name": f"{model}_op_profile", "unit": "ms/step", "value": round(step_ms, 3),
+            "threads": threads, "model": model, "batch": setup["batch"], "ms_per_step": ops,
+            "share_of_step": share, "meshtrain_others_cpu": mt.others_cpu,
+            "note": "executor time per operator kind (forward and backward; matmul_batched = "
+                    "attention's), optimizer = the optimizer step with gradient sync"}
+    for key in ("cpu", "isa"):
+        if mt.get(key):
+            line[key] = mt.get(key)
+    ctx.emit(line)
+
+
 def precision_bound(f32_share, gemm_ratio, floor=None):
     """The most the step can speed up when only its matmuls change speed:
     1 / ((1 - s) + s / r), s = the matmuls' share of the f32 step, r = the
@@ -262,6 +283,7 @@ def run(ctx):
         setup = meshtrain.peer_setup(model, PLAN[model]["batch"])
         for threads in threads_list:
             mt = run_meshtrain(ctx, model, threads, steps, warmup)
+            op_profile_line(ctx, model, threads, setup, mt)
             peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup, setup["args"])
                      for mode in ("eager", "compile")}
             compare(ctx, model, threads, steps, warmup, setup, mt, peers)

@@ -151,6 +151,10 @@ struct Trainer::Impl {
   bool stop_requested = false;               // a stop request reached every rank this step
   std::optional<TorchLoadReport> init_report;
   PrecisionDecision precision;  // decided once at start-up
+  // Time in the optimizer step (gradient sync included) since the profile
+  // was last reset, for the summary's op_profile.
+  double optimizer_seconds = 0;
+  int64_t optimizer_steps = 0;
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
        TrainerOptions opts, Communicator* group)
@@ -468,8 +472,9 @@ struct Trainer::Impl {
     if (measure) notice(precision.reason);
   }
 
-  nlohmann::json precision_json() const;  // the summary's precision_decision
-  nlohmann::json engines_json() const;    // the summary's matmul_engines
+  nlohmann::json precision_json() const;   // the summary's precision_decision
+  nlohmann::json engines_json() const;     // the summary's matmul_engines
+  nlohmann::json op_profile_json() const;  // the summary's op_profile_ms_per_step
 
   void notice(const std::string& msg) const {
     if (leader() && o.on_notice) o.on_notice(msg);
@@ -767,6 +772,7 @@ struct Trainer::Impl {
     }
     const double lr = schedule->lr_at(step);
     auto span = timeline.span("optimizer", "optimizer");
+    Stopwatch optimizer_sw;
     dp->step([&](std::span<ParamSlice> slices) {
       std::vector<ParamRef> refs;
       refs.reserve(slices.size());
@@ -779,6 +785,8 @@ struct Trainer::Impl {
       if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, dp->norm_reducer());
       optimizer->step(refs, lr);
     });
+    optimizer_seconds += optimizer_sw.seconds();
+    ++optimizer_steps;
     return loss;
   }
 
@@ -846,6 +854,8 @@ struct Trainer::Impl {
       if (step - first == kWarmupSteps) {
         exec->reset_profile();
         dp->reset_stats();
+        optimizer_seconds = 0;
+        optimizer_steps = 0;
       }
       r.losses.push_back(loss);
       r.final_loss = loss;
@@ -962,7 +972,8 @@ struct Trainer::Impl {
         {"precision_decision", precision_json()},
         {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},
         {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
-        {"matmul_engines", engines_json()}};
+        {"matmul_engines", engines_json()},
+        {"op_profile_ms_per_step", op_profile_json()}};
     if (tokens_per_sample > 0) summary["tokens_per_s"] = or_null(r.tokens_per_s);
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
     if (r.stop_signal != 0) summary["stopped_by_signal"] = r.stop_signal;
@@ -986,6 +997,32 @@ nlohmann::json Trainer::Impl::precision_json() const {
     j["bf16_matmul_gflops_1t"] = precision.bf16_gflops;
     j["bf16_over_f32"] = precision.bf16_over_f32();
     j["measure_s"] = precision.seconds;
+  }
+  return j;
+}
+
+// Executor time per optimizer step by operator kind after warm-up (forward
+// and backward together; batched matmuls -- attention's -- apart from the
+// 2-D ones), and the optimizer step (with gradient sync and clipping).
+nlohmann::json Trainer::Impl::op_profile_json() const {
+  std::map<std::string, int> rank_of;  // node name -> rank of its first input
+  for (const Node& n : model.graph.nodes()) {
+    if (!n.inputs.empty()) rank_of[n.name] = model.graph.value(n.inputs[0]).shape.rank();
+  }
+  std::map<std::string, double> ns;
+  int64_t runs = 0;
+  for (const OpProfile& p : exec->profile()) {
+    std::string kind(op_name(p.op));
+    if (p.op == OpKind::matmul && rank_of[p.name] >= 3) kind = "matmul_batched";
+    ns[kind] += static_cast<double>(p.total_ns);
+    runs = std::max(runs, p.calls);
+  }
+  nlohmann::json j = nlohmann::json::object();
+  if (runs == 0) return j;
+  const double per_step = 1e-6 / static_cast<double>(runs) * o.dist.dp.accumulation_steps;
+  for (const auto& [kind, t] : ns) j[kind] = t * per_step;
+  if (optimizer_steps > 0) {
+    j["optimizer"] = optimizer_seconds * 1e3 / static_cast<double>(optimizer_steps);
   }
   return j;
 }
