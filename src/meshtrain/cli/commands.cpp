@@ -248,11 +248,23 @@ namespace {
 // variable set. Done before any rank starts or MPI initialises; the process
 // keeps its id, so a launcher never notices. The probe in the fast backend
 // then checks the new kernels compute right (and drops them if not).
-void reexec_for_openblas(const std::string& policy, bool quiet, char** argv) {
+// True in a process started by an MPI launcher as rank 0, or not started by one.
+bool first_rank_or_alone() {
+  if (!launched_by_mpi()) return true;
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"}) {
+    if (const char* r = std::getenv(v)) return std::string(r) == "0";
+  }
+  return false;
+}
+
+// `launching`: this process is about to start the ranks through mpirun
+// (they inherit the environment and print the note themselves, rank 0 only).
+void reexec_for_openblas(const std::string& policy, bool quiet, bool launching, char** argv) {
   const char* marker = std::getenv(kCoretypeReexecVar);
   const CoretypeAdvice a = advise_openblas_coretype(
       policy, cpu_info(), openblas_corename(), std::getenv("OPENBLAS_CORETYPE"), marker != nullptr);
-  if (!a.note.empty() && !quiet) fmt::print(stderr, "meshtrain: note: {}\n", a.note);
+  const bool say = !quiet && (launching ? !a.set_to.empty() : first_rank_or_alone());
+  if (!a.note.empty() && say) fmt::print(stderr, "meshtrain: note: {}\n", a.note);
   if (a.set_to.empty()) return;
   setenv("OPENBLAS_CORETYPE", a.set_to.c_str(), 1);
   setenv(kCoretypeReexecVar, openblas_corename().c_str(), 1);
@@ -276,8 +288,11 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     fmt::print("{}", effective);
     return 0;
   }
-  if (rc.train.exec.backend == "fast") reexec_for_openblas(rc.openblas_coretype, opts.quiet, argv);
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
+  if (rc.train.exec.backend == "fast") {
+    const bool launching = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
+    reexec_for_openblas(rc.openblas_coretype, opts.quiet, launching, argv);
+  }
   if ((nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi()) {
     check_world(rc, nproc);
     LaunchOptions lo;
