@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/train/param_store.h"
@@ -238,26 +239,52 @@ TEST(Trainer, PrecisionAutoKeepsF32WhenBf16MatmulsMeasureSlower) {
   EXPECT_NE(notices[0].find("slower than f32"), std::string::npos) << notices[0];
 }
 
+Fixture small_gpt() {
+  Fixture f;
+  f.spec.kind = "gpt";
+  f.spec.layers = 2;
+  f.spec.d_model = 32;
+  f.spec.heads = 2;
+  f.spec.seq_len = 16;
+  ByteTextOptions d;
+  d.seq_len = 16;
+  d.limit = 256;
+  f.train = std::make_shared<ByteText>(d);
+  d.split = DataSplit::test;
+  d.limit = 16;
+  f.test = std::make_shared<ByteText>(d);
+  f.opts.batch_size = 8;
+  f.opts.progress = false;
+  f.opts.eval = false;
+  f.opts.optimizer = "adamw";
+  return f;
+}
+
 TEST(Trainer, RunsPinnedToEachMatmulEngineGiveTheSameLosses) {
+  // The MLP (2-D matmuls) and a GPT (attention's batched matmuls, transposed
+  // operands, a shared weight in the tied head).
   const fs::path dir = temp_dir("pinned_engines");
-  std::vector<std::vector<double>> losses;
-  for (MatmulEngineChoice e : {MatmulEngineChoice::onednn, MatmulEngineChoice::openblas}) {
-    Fixture f = small_mlp();
-    f.opts.exec.fast.f32_matmul = e;
-    f.opts.max_steps = 12;
-    f.opts.metrics_path = (dir / "m.jsonl").string();
-    Trainer t(f.spec, f.train, f.test, f.opts);
-    losses.push_back(t.run().losses);
-    // Every f32 signature ran on the pinned engine, and the summary says so.
-    const nlohmann::json eng = summary_of(dir / "m.jsonl").at("matmul_engines").at("f32");
-    ASSERT_FALSE(eng.empty());
-    for (const auto& [sig, name] : eng.items()) {
-      EXPECT_EQ(name, e == MatmulEngineChoice::onednn ? "onednn" : "openblas") << sig;
+  for (const char* model : {"mlp", "gpt"}) {
+    std::vector<std::vector<double>> losses;
+    for (MatmulEngineChoice e : {MatmulEngineChoice::onednn, MatmulEngineChoice::openblas}) {
+      Fixture f = std::string(model) == "mlp" ? small_mlp() : small_gpt();
+      f.opts.exec.fast.f32_matmul = e;
+      f.opts.max_steps = 12;
+      f.opts.metrics_path = (dir / "m.jsonl").string();
+      Trainer t(f.spec, f.train, f.test, f.opts);
+      losses.push_back(t.run().losses);
+      // Every f32 signature ran on the pinned engine, and the summary says so.
+      const nlohmann::json eng = summary_of(dir / "m.jsonl").at("matmul_engines").at("f32");
+      ASSERT_FALSE(eng.empty()) << model;
+      for (const auto& [sig, name] : eng.items()) {
+        EXPECT_EQ(name, e == MatmulEngineChoice::onednn ? "onednn" : "openblas") << model << sig;
+      }
     }
-  }
-  ASSERT_EQ(losses[0].size(), losses[1].size());
-  for (size_t i = 0; i < losses[0].size(); ++i) {
-    EXPECT_NEAR(losses[0][i], losses[1][i], 1e-4 * std::abs(losses[0][i])) << "step " << i;
+    ASSERT_EQ(losses[0].size(), losses[1].size());
+    for (size_t i = 0; i < losses[0].size(); ++i) {
+      EXPECT_NEAR(losses[0][i], losses[1][i], 1e-4 * std::abs(losses[0][i]))
+          << model << " step " << i;
+    }
   }
 }
 
