@@ -83,13 +83,25 @@ def sgemm_peak(ctx):
             return {"value": best[1], "source": f"kernels_bench {best[0]}",
                     "peer_torch_mm_2048_gflops": mm,
                     "bf16_peak_gflops": bf16[1] if bf16 else None,
-                    "bf16_source": f"kernels_bench {bf16[0]}" if bf16 else None}
+                    "bf16_source": f"kernels_bench {bf16[0]}" if bf16 else None,
+                    **kernels_bench_machine(r.stdout)}
         why = r.failure() if not r.ok else "no square sgemm case with a GFLOP/s counter"
         ctx.log(f"kernels_bench: {why}; falling back to torch.mm")
     out = {"value": mm, "source": f"torch.mm 2048x2048x2048 (fallback: {why})"}
     if mm_err:
         out["error"] = mm_err
     return out
+
+
+def kernels_bench_machine(stdout):
+    """cpu, isa, onednn_isa and openblas_core from kernels_bench's JSON context."""
+    import json
+
+    try:
+        context = json.loads(stdout).get("context", {})
+    except json.JSONDecodeError:
+        return {}
+    return {k: context[k] for k in ("cpu", "isa", "onednn_isa", "openblas_core") if k in context}
 
 
 def pick_square_sgemm(stdout, kind="sgemm"):
@@ -291,7 +303,8 @@ def run(ctx):
                 peak = sgemm_peak(ctx)
                 line = {"name": "sgemm_peak", "unit": "GFLOP/s", "value": peak["value"],
                         "threads": 1, "source": peak["source"]}
-                for key in ("peer_torch_mm_2048_gflops", "bf16_peak_gflops", "bf16_source"):
+                for key in ("peer_torch_mm_2048_gflops", "bf16_peak_gflops", "bf16_source",
+                            "cpu", "isa", "onednn_isa", "openblas_core"):
                     if key in peak:
                         line[key] = peak[key]
                 if peak.get("bf16_peak_gflops") and peak["value"]:
