@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "meshtrain/comm/backends/local/local_world.h"
 #include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
 #include "meshtrain/tensor/kernels.h"
@@ -237,6 +238,30 @@ TEST(Trainer, PrecisionAutoKeepsF32WhenBf16MatmulsMeasureSlower) {
   ASSERT_FALSE(notices.empty());
   EXPECT_NE(notices[0].find("warning:"), std::string::npos) << notices[0];
   EXPECT_NE(notices[0].find("slower than f32"), std::string::npos) << notices[0];
+}
+
+bool has_bf16_values(const Graph& g) {
+  for (int v = 0; v < g.num_values(); ++v) {
+    if (g.value(v).dtype == DType::bf16) return true;
+  }
+  return false;
+}
+
+TEST(Trainer, PrecisionAutoRanksFollowRankZerosMeasurement) {
+  // Rank 1's hook would make it keep f32 on its own; the graphs must agree,
+  // so every rank takes rank 0's decision (bf16 here).
+  std::vector<int> bf16(2, -1);
+  LocalWorld::run(2, [&](Communicator& c) {
+    Fixture f = small_mlp();
+    f.opts.precision_auto = true;
+    f.opts.bf16_rate_factor_for_testing = c.rank() == 0 ? 100.0 : 0.01;
+    f.opts.max_steps = 2;
+    Trainer t(f.spec, f.train, f.test, f.opts, &c);
+    t.run();
+    bf16[static_cast<size_t>(c.rank())] = has_bf16_values(t.train_graph()) ? 1 : 0;
+  });
+  EXPECT_EQ(bf16[0], 1);
+  EXPECT_EQ(bf16[1], 1);
 }
 
 Fixture small_gpt() {
