@@ -28,6 +28,7 @@
 
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
 #include "meshtrain/tensor/kernels.h"
+#include "meshtrain/tensor/machine.h"
 
 namespace {
 
@@ -334,6 +335,12 @@ int main(int argc, char** argv) {
   register_matmuls();
   register_convs();
   register_elementwise();
+  // The machine and its engines, in the JSON's "context" beside the rates.
+  const mt::CpuInfo& cpu = mt::cpu_info();
+  benchmark::AddCustomContext("cpu", cpu.vendor + " " + cpu.model);
+  benchmark::AddCustomContext("isa", cpu.isa_flags());
+  benchmark::AddCustomContext("onednn_isa", mt::onednn_isa());
+  benchmark::AddCustomContext("openblas_core", mt::openblas_core_description());
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

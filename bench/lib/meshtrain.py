@@ -3,7 +3,12 @@
 Contract with the CLI: `--metrics FILE` writes JSON lines, one per logged step
 ({"step", "loss", "samples_per_s", "lr"}) and at the end one line
 {"summary": true, "samples_per_s": <median over steps after warm-up>,
- "matmul_gflops", "planned_arena_bytes", "allocated_arena_bytes"}.
+ "matmul_gflops", "planned_arena_bytes", "allocated_arena_bytes",
+ "cpu": "<vendor> <model name>", "isa": "<flags>; onednn <ISA>",
+ "matmul_engines": {"openblas_core", "onednn_isa", "f32": {signature: engine},
+                    "dropped": {engine: reason}},
+ "precision_decision": {"requested", "chosen", "reason", "amx",
+                        "f32_matmul_gflops_1t", "bf16_matmul_gflops_1t", "bf16_over_f32"}}.
 samples_per_s counts samples of the global batch (for GPT a sample is one
 sequence of seq_len tokens). A run with --nproc N > 1 must also carry
 "world_size": N in its summary (the dp suite refuses it otherwise).

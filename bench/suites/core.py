@@ -7,8 +7,11 @@ PyTorch torch.compile one after the other, then prints, per peer mode:
 At 1 thread it also prints sgemm_peak (GFLOP/s of the big square SGEMM, with
 the bf16 GEMM peak beside it) and
 mlp_train_matmul_gflops (meshtrain's matmul rate inside the MLP step), and
-<model>_bf16_vs_f32_* lines for meshtrain's own bf16 against its f32 (MLP, GPT),
-with the matmuls' own speed-up inside the step (the bound on the whole step's).
+<model>_bf16_vs_f32_* and <model>_auto_vs_f32_throughput lines for meshtrain's
+own bf16 and train.precision = auto against its f32 (MLP, GPT), with the
+matmuls' own speed-up inside the step, the bound the machine allows
+(from the f32 step's matmul share and the bf16/f32 GEMM ratio measured on the
+model's shapes) and the fraction of it reached.
 """
 
 import meshtrain
@@ -80,13 +83,25 @@ def sgemm_peak(ctx):
             return {"value": best[1], "source": f"kernels_bench {best[0]}",
                     "peer_torch_mm_2048_gflops": mm,
                     "bf16_peak_gflops": bf16[1] if bf16 else None,
-                    "bf16_source": f"kernels_bench {bf16[0]}" if bf16 else None}
+                    "bf16_source": f"kernels_bench {bf16[0]}" if bf16 else None,
+                    **kernels_bench_machine(r.stdout)}
         why = r.failure() if not r.ok else "no square sgemm case with a GFLOP/s counter"
         ctx.log(f"kernels_bench: {why}; falling back to torch.mm")
     out = {"value": mm, "source": f"torch.mm 2048x2048x2048 (fallback: {why})"}
     if mm_err:
         out["error"] = mm_err
     return out
+
+
+def kernels_bench_machine(stdout):
+    """cpu, isa, onednn_isa and openblas_core from kernels_bench's JSON context."""
+    import json
+
+    try:
+        context = json.loads(stdout).get("context", {})
+    except json.JSONDecodeError:
+        return {}
+    return {k: context[k] for k in ("cpu", "isa", "onednn_isa", "openblas_core") if k in context}
 
 
 def pick_square_sgemm(stdout, kind="sgemm"):
@@ -185,26 +200,82 @@ def matmul_fields(bf, f32, batch):
             "matmul_speedup": ratio(f_mm, b_mm), "f32_matmul_share": share}
 
 
+def op_profile_line(ctx, model, threads, setup, mt):
+    """<model>_op_profile: where meshtrain's f32 step time goes (ms per step
+    by operator kind, from the summary's op_profile_ms_per_step; `value` is
+    the median step time)."""
+    prof = mt.get("op_profile_ms_per_step")
+    if ctx.args.peer_only or not prof or not mt.samples_per_s:
+        return
+    step_ms = 1e3 * setup["batch"] / mt.samples_per_s
+    ops = {k: round(v, 3) for k, v in sorted(prof.items(), key=lambda kv: -kv[1]) if v >= 0.005}
+    share = {k: round(v / step_ms, 4) for k, v in ops.items()}
+    line = {"name": f"{model}_op_profile", "unit": "ms/step", "value": round(step_ms, 3),
+            "threads": threads, "model": model, "batch": setup["batch"], "ms_per_step": ops,
+            "share_of_step": share, "meshtrain_others_cpu": mt.others_cpu,
+            "note": "executor time per operator kind (forward and backward; matmul_batched = "
+                    "attention's), optimizer = the optimizer step with gradient sync"}
+    for key in ("cpu", "isa"):
+        if mt.get(key):
+            line[key] = mt.get(key)
+    ctx.emit(line)
+
+
+def precision_bound(f32_share, gemm_ratio, floor=None):
+    """The most the step can speed up when only its matmuls change speed:
+    1 / ((1 - s) + s / r), s = the matmuls' share of the f32 step, r = the
+    bf16/f32 GEMM rate ratio measured on the model's shapes (the run's
+    precision_decision). `floor` 1.0 for auto, which may keep f32."""
+    if not f32_share or not gemm_ratio:
+        return None
+    b = 1.0 / ((1.0 - f32_share) + f32_share / gemm_ratio)
+    return round(max(b, floor) if floor else b, 3)
+
+
 def bf16_lines(ctx, model, steps, warmup, setup, f32):
-    bf = run_meshtrain(ctx, model, 1, steps, warmup, precision="bf16")
+    """<model>_bf16_vs_f32_* and <model>_auto_vs_f32_throughput: meshtrain's
+    own mixed precision (as configured, and train.precision = auto) against
+    its f32, with the bound and the decision the auto run took."""
+    for precision in ("bf16", "auto"):
+        bf = run_meshtrain(ctx, model, 1, steps, warmup, precision=precision)
+        precision_line(ctx, model, steps, warmup, setup, f32, bf, precision)
+
+
+def precision_line(ctx, model, steps, warmup, setup, f32, bf, precision):
     plan = PLAN[model]
     seq, batch = setup["seq"], setup["batch"]
     error = "; ".join(e for e in (f32.error, bf.error) if e) or None
     common = {"peer_name": "meshtrain f32", "model": model, "threads": 1,
               "batch": batch, "steps": steps, "warmup": warmup,
               "meshtrain_others_cpu": bf.others_cpu, "peer_others_cpu": f32.others_cpu}
+    for key in ("cpu", "isa"):
+        if bf.get(key):
+            common[key] = bf.get(key)
     b_rate = bf.samples_per_s * seq if bf.samples_per_s else None
     f_rate = f32.samples_per_s * seq if f32.samples_per_s else None
     b_fast, f_fast = bf.fast_samples_per_s(warmup), f32.fast_samples_per_s(warmup)
     b_fast = b_fast * seq if b_fast else None
     f_fast = f_fast * seq if f_fast else None
-    line = {"name": f"{model}_bf16_vs_f32_throughput", "unit": plan["unit"],
+    mm = matmul_fields(bf, f32, batch)
+    decision = bf.get("precision_decision") or {}
+    gemm_ratio = decision.get("bf16_over_f32")
+    bound = precision_bound(mm["f32_matmul_share"], gemm_ratio,
+                            1.0 if precision == "auto" else None)
+    line = {"name": f"{model}_{precision}_vs_f32_throughput", "unit": plan["unit"],
             "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common,
             "meshtrain_fast": b_fast, "peer_fast": f_fast, "ratio_fast": ratio(b_fast, f_fast),
-            **matmul_fields(bf, f32, batch)}
+            **mm, "precision_chosen": decision.get("chosen"),
+            "bf16_over_f32_gemm_model_shapes": round(gemm_ratio, 3) if gemm_ratio else None,
+            "bound": bound,
+            "fraction_of_bound": ratio(ratio(b_rate, f_rate), bound),
+            "bound_note": "1/((1-s)+s/r): s = matmul share of the f32 step, r = bf16/f32 GEMM "
+                          "rate on the model's shapes at 1 thread (precision_decision)"
+                          + ("; auto: at least 1 (it may keep f32)" if precision == "auto" else "")}
     if error:
         line["error"] = error
     ctx.emit(line)
+    if precision != "bf16":
+        return
     line = {"name": f"{model}_bf16_vs_f32_peak_rss", "unit": "MiB",
             "meshtrain": mib(bf.maxrss_kib), "peer": mib(f32.maxrss_kib),
             "ratio": ratio(f32.maxrss_kib, bf.maxrss_kib), **common}
@@ -224,6 +295,7 @@ def run(ctx):
         setup = meshtrain.peer_setup(model, PLAN[model]["batch"])
         for threads in threads_list:
             mt = run_meshtrain(ctx, model, threads, steps, warmup)
+            op_profile_line(ctx, model, threads, setup, mt)
             peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup, setup["args"])
                      for mode in ("eager", "compile")}
             compare(ctx, model, threads, steps, warmup, setup, mt, peers)
@@ -231,7 +303,8 @@ def run(ctx):
                 peak = sgemm_peak(ctx)
                 line = {"name": "sgemm_peak", "unit": "GFLOP/s", "value": peak["value"],
                         "threads": 1, "source": peak["source"]}
-                for key in ("peer_torch_mm_2048_gflops", "bf16_peak_gflops", "bf16_source"):
+                for key in ("peer_torch_mm_2048_gflops", "bf16_peak_gflops", "bf16_source",
+                            "cpu", "isa", "onednn_isa", "openblas_core"):
                     if key in peak:
                         line[key] = peak[key]
                 if peak.get("bf16_peak_gflops") and peak["value"]:

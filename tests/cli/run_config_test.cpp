@@ -65,6 +65,24 @@ TEST(RunConfig, KernelChoicesMapAndAreChecked) {
   EXPECT_NE(e.find("exec.conv_layout"), std::string::npos) << e;
 }
 
+TEST(RunConfig, PrecisionAutoAndOpenBlasCoretypeAreReadAndChecked) {
+  RunConfig rc = read_run_config(Config::parse("[train]\nprecision = \"auto\"\n", "t.toml"));
+  EXPECT_TRUE(rc.train.precision_auto);
+  EXPECT_EQ(rc.train.precision, DType::f32);  // planned as f32 until the trainer decides
+  EXPECT_EQ(rc.openblas_coretype, "auto");
+  rc = read_run_config(Config::parse(
+      "[train]\nprecision = \"bf16\"\n[exec]\nopenblas_coretype = \"keep\"\n", "t.toml"));
+  EXPECT_FALSE(rc.train.precision_auto);
+  EXPECT_EQ(rc.train.precision, DType::bf16);
+  EXPECT_EQ(rc.openblas_coretype, "keep");
+  std::string e = error_of("[exec]\nopenblas_coretype = \"SkylakeX\"\n");
+  EXPECT_NE(e.find("exec.openblas_coretype"), std::string::npos) << e;
+  EXPECT_NE(e.find("best"), std::string::npos) << e;
+  e = error_of("[train]\nprecision = \"fastest\"\n");
+  EXPECT_NE(e.find("train.precision"), std::string::npos) << e;
+  EXPECT_NE(e.find("auto"), std::string::npos) << e;
+}
+
 TEST(RunConfig, ModelAndDataMustFit) {
   std::string e = error_of("[model]\nkind = \"mlp\"\n[data]\nkind = \"text\"\n");
   EXPECT_NE(e.find("data.kind"), std::string::npos) << e;

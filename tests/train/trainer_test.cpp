@@ -7,7 +7,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
+#include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
+#include "meshtrain/tensor/kernels.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/trainer.h"
 
@@ -170,6 +175,141 @@ TEST(Trainer, MixedPrecisionTrains) {
     Trainer t(f.spec, f.train, f.test, f.opts);
     TrainResult r = t.run();
     EXPECT_LT(r.losses.back(), 0.75 * r.losses.front()) << dtype_name(p);
+  }
+}
+
+// The summary line of a run's metrics file.
+nlohmann::json summary_of(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  nlohmann::json j = nlohmann::json::parse(last);
+  EXPECT_TRUE(j.value("summary", false)) << last;
+  return j;
+}
+
+TEST(Trainer, PrecisionAutoKeepsF32WhenBf16MatmulsMeasureSlower) {
+  // The test hook halves the measured bf16 rate, as on an Intel CPU whose bf16
+  // dot product has half the FMA ports; auto then keeps f32 and says why.
+  const fs::path dir = temp_dir("precision_auto");
+  for (double factor : {0.25, 100.0}) {
+    Fixture f = small_mlp();
+    f.opts.precision_auto = true;
+    f.opts.bf16_rate_factor_for_testing = factor;
+    f.opts.max_steps = 2;
+    f.opts.metrics_path = (dir / "m.jsonl").string();
+    std::vector<std::string> notices;
+    f.opts.on_notice = [&](const std::string& m) { notices.push_back(m); };
+    Trainer t(f.spec, f.train, f.test, f.opts);
+    t.run();
+    const nlohmann::json s = summary_of(dir / "m.jsonl");
+    const nlohmann::json& d = s.at("precision_decision");
+    const bool slower = factor < 1.0;
+    EXPECT_EQ(s.at("precision"), slower ? "f32" : "bf16") << d.dump();
+    EXPECT_EQ(d.at("requested"), "auto");
+    EXPECT_EQ(d.at("chosen"), slower ? "f32" : "bf16");
+    EXPECT_GT(d.at("f32_matmul_gflops_1t").get<double>(), 0.0);
+    EXPECT_EQ(d.at("bf16_over_f32").get<double>() < 1.1, slower) << d.dump();
+    const std::string want = slower ? "train.precision = \"auto\" chose f32: bf16 matmuls run at"
+                                    : "train.precision = \"auto\" chose bf16";
+    ASSERT_FALSE(notices.empty());
+    EXPECT_NE(notices[0].find(want), std::string::npos) << notices[0];
+    if (slower) {
+      EXPECT_NE(notices[0].find("matmuls stay f32"), std::string::npos) << notices[0];
+    }
+    // The machine and the engines are named beside it.
+    EXPECT_FALSE(s.at("cpu").get<std::string>().empty());
+    EXPECT_FALSE(s.at("isa").get<std::string>().empty());
+    EXPECT_FALSE(s.at("matmul_engines").at("openblas_core").get<std::string>().empty());
+  }
+  // bf16 as configured keeps its meaning, with a warning when it is slower.
+  Fixture f = small_mlp();
+  f.opts.precision = DType::bf16;
+  f.opts.bf16_rate_factor_for_testing = 0.25;
+  f.opts.max_steps = 2;
+  f.opts.metrics_path = (dir / "m.jsonl").string();
+  std::vector<std::string> notices;
+  f.opts.on_notice = [&](const std::string& m) { notices.push_back(m); };
+  Trainer t(f.spec, f.train, f.test, f.opts);
+  t.run();
+  EXPECT_EQ(summary_of(dir / "m.jsonl").at("precision"), "bf16");
+  ASSERT_FALSE(notices.empty());
+  EXPECT_NE(notices[0].find("warning:"), std::string::npos) << notices[0];
+  EXPECT_NE(notices[0].find("slower than f32"), std::string::npos) << notices[0];
+}
+
+bool has_bf16_values(const Graph& g) {
+  for (int v = 0; v < g.num_values(); ++v) {
+    if (g.value(v).dtype == DType::bf16) return true;
+  }
+  return false;
+}
+
+TEST(Trainer, PrecisionAutoRanksFollowRankZerosMeasurement) {
+  // Rank 1's hook would make it keep f32 on its own; the graphs must agree,
+  // so every rank takes rank 0's decision (bf16 here).
+  std::vector<int> bf16(2, -1);
+  LocalWorld::run(2, [&](Communicator& c) {
+    Fixture f = small_mlp();
+    f.opts.precision_auto = true;
+    f.opts.bf16_rate_factor_for_testing = c.rank() == 0 ? 100.0 : 0.01;
+    f.opts.max_steps = 2;
+    Trainer t(f.spec, f.train, f.test, f.opts, &c);
+    t.run();
+    bf16[static_cast<size_t>(c.rank())] = has_bf16_values(t.train_graph()) ? 1 : 0;
+  });
+  EXPECT_EQ(bf16[0], 1);
+  EXPECT_EQ(bf16[1], 1);
+}
+
+Fixture small_gpt() {
+  Fixture f;
+  f.spec.kind = "gpt";
+  f.spec.layers = 2;
+  f.spec.d_model = 32;
+  f.spec.heads = 2;
+  f.spec.seq_len = 16;
+  ByteTextOptions d;
+  d.seq_len = 16;
+  d.limit = 256;
+  f.train = std::make_shared<ByteText>(d);
+  d.split = DataSplit::test;
+  d.limit = 16;
+  f.test = std::make_shared<ByteText>(d);
+  f.opts.batch_size = 8;
+  f.opts.progress = false;
+  f.opts.eval = false;
+  f.opts.optimizer = "adamw";
+  return f;
+}
+
+TEST(Trainer, RunsPinnedToEachMatmulEngineGiveTheSameLosses) {
+  // The MLP (2-D matmuls) and a GPT (attention's batched matmuls, transposed
+  // operands, a shared weight in the tied head).
+  const fs::path dir = temp_dir("pinned_engines");
+  for (const char* model : {"mlp", "gpt"}) {
+    std::vector<std::vector<double>> losses;
+    for (MatmulEngineChoice e : {MatmulEngineChoice::onednn, MatmulEngineChoice::openblas}) {
+      Fixture f = std::string(model) == "mlp" ? small_mlp() : small_gpt();
+      f.opts.exec.fast.f32_matmul = e;
+      f.opts.max_steps = 12;
+      f.opts.metrics_path = (dir / "m.jsonl").string();
+      Trainer t(f.spec, f.train, f.test, f.opts);
+      losses.push_back(t.run().losses);
+      // Every f32 signature ran on the pinned engine, and the summary says so.
+      const nlohmann::json eng = summary_of(dir / "m.jsonl").at("matmul_engines").at("f32");
+      ASSERT_FALSE(eng.empty()) << model;
+      for (const auto& [sig, name] : eng.items()) {
+        EXPECT_EQ(name, e == MatmulEngineChoice::onednn ? "onednn" : "openblas") << model << sig;
+      }
+    }
+    ASSERT_EQ(losses[0].size(), losses[1].size());
+    for (size_t i = 0; i < losses[0].size(); ++i) {
+      EXPECT_NEAR(losses[0][i], losses[1][i], 1e-4 * std::abs(losses[0][i]))
+          << model << " step " << i;
+    }
   }
 }
 

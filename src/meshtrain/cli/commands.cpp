@@ -29,6 +29,7 @@
 #include "meshtrain/graph/print.h"
 #include "meshtrain/spmd/plan.h"
 #include "meshtrain/spmd/shorthand.h"
+#include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -371,6 +372,41 @@ void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world
   }
 }
 
+// OpenBLAS reads OPENBLAS_CORETYPE once, when the library loads (before
+// main), so choosing its kernels means starting this program again with the
+// variable set. Done before any rank starts or MPI initialises; the process
+// keeps its id, so a launcher never notices. The probe in the fast backend
+// then checks the new kernels compute right (and drops them if not).
+// True in a process started by an MPI launcher as rank 0, or not started by one.
+bool first_rank_or_alone() {
+  if (!launched_by_mpi()) return true;
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"}) {
+    if (const char* r = std::getenv(v)) return std::string(r) == "0";
+  }
+  return false;
+}
+
+// `launching`: this process is about to start the ranks through mpirun
+// (they inherit the environment and print the note themselves, rank 0 only).
+void reexec_for_openblas(const std::string& policy, bool quiet, bool launching, char** argv) {
+  const char* marker = std::getenv(kCoretypeReexecVar);
+  const CoretypeAdvice a = advise_openblas_coretype(
+      policy, cpu_info(), openblas_corename(), std::getenv("OPENBLAS_CORETYPE"), marker != nullptr);
+  const bool say = !quiet && (launching ? !a.set_to.empty() : first_rank_or_alone());
+  if (!a.note.empty() && say) fmt::print(stderr, "meshtrain: note: {}\n", a.note);
+  if (a.set_to.empty()) return;
+  setenv("OPENBLAS_CORETYPE", a.set_to.c_str(), 1);
+  setenv(kCoretypeReexecVar, openblas_corename().c_str(), 1);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  execv("/proc/self/exe", argv);
+  // Still here: carry on with the kernels OpenBLAS chose.
+  fmt::print(stderr, "meshtrain: note: could not restart with OPENBLAS_CORETYPE={}: {}\n", a.set_to,
+             std::strerror(errno));
+  unsetenv("OPENBLAS_CORETYPE");
+  unsetenv(kCoretypeReexecVar);
+}
+
 }  // namespace
 
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
@@ -382,6 +418,10 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     return 0;
   }
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
+  if (rc.train.exec.backend == "fast") {
+    const bool launching = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
+    reexec_for_openblas(rc.openblas_coretype, opts.quiet, launching, argv);
+  }
   const bool launcher = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
   if (launcher) {
     check_world(rc, nproc);
@@ -455,7 +495,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     fmt::print(stderr, "meshtrain: training {} on {} ({}, ZeRO stage {}, {}, {})\n", rc.model.kind,
                train_data->describe(), plural(comm ? comm->size() : 1, "rank"),
                rc.train.dist.dp.stage, plural(rc.train.threads, "thread"),
-               dtype_name(rc.train.precision));
+               rc.train.precision_auto ? "precision auto" : dtype_name(rc.train.precision));
   }
   rc.train.on_notice = [](const std::string& msg) { fmt::print(stderr, "meshtrain: {}\n", msg); };
   rc.train.stop_signal = &g_stop_signal;

@@ -47,7 +47,9 @@ const std::vector<KeyMeaning> kMeanings = {
      "> 0: each evaluation covers only the first N test batches (file order); 0 = all"},
     {"train.seed", "seed of parameter initialisation and data order"},
     {"train.threads", "threads per rank for the kernels"},
-    {"train.precision", "f32, or mixed precision with bf16 / f16 matmuls and f32 master weights"},
+    {"train.precision",
+     "f32, or mixed precision with bf16 / f16 matmuls and f32 master weights; auto: bf16 where "
+     "its matmuls measure faster than f32 on this machine at start-up, else f32"},
     {"train.eval", "evaluate on the test split after every epoch and at the end"},
     {"train.log_every", "steps between metrics lines"},
     {"train.checkpoint",
@@ -87,6 +89,9 @@ const std::vector<KeyMeaning> kMeanings = {
     {"exec.recompute", "recompute cheap activations in backward instead of keeping them"},
     {"exec.matmul", "f32 matmul library; measure picks per shape by timing the first calls"},
     {"exec.conv_layout", "convolution layout; measure picks per shape by timing"},
+    {"exec.openblas_coretype",
+     "auto: restart with OPENBLAS_CORETYPE set when OpenBLAS chose kernels below the CPU's "
+     "(an environment's setting is kept); best: even over the environment's; keep: never"},
 
     {"dist.nproc", "local ranks to start through mpirun (as --nproc)"},
     {"dist.zero_stage",

@@ -75,7 +75,12 @@ TrainerOptions read_train(const Config& c) {
   t.eval_batch_size = c.get_int("train.eval_batch_size", 1000, Bounds<int64_t>::positive());
   t.seed = static_cast<uint64_t>(c.get_int("train.seed", 1, Bounds<int64_t>::non_negative()));
   t.threads = static_cast<int>(c.get_int("train.threads", 1, Bounds<int64_t>::in(1, 256)));
-  t.precision = parse_dtype(c.get_string("train.precision", "f32", {"f32", "bf16", "f16"}));
+  const std::string precision =
+      c.get_string("train.precision", "f32", {"f32", "bf16", "f16", "auto"});
+  // "auto" is decided by the trainer at start-up (train/precision.h); f32
+  // until then (the larger memory plan of the two it may pick).
+  t.precision_auto = precision == "auto";
+  t.precision = t.precision_auto ? DType::f32 : parse_dtype(precision);
   t.eval = c.get_bool("train.eval", true);
   t.eval_batches = c.get_int("train.eval_batches", 0, Bounds<int64_t>::non_negative());
   t.log_every = c.get_int("train.log_every", 50, Bounds<int64_t>::positive());
@@ -151,6 +156,7 @@ RunConfig read_run_config(const Config& c) {
   RunConfig r;
   r.model = read_model(c);
   r.data = read_data(c, r.model);
+  r.openblas_coretype = c.get_string("exec.openblas_coretype", "auto", {"auto", "best", "keep"});
   r.train = read_train(c);
   r.train.shuffle = c.get_bool("data.shuffle", true);
   if (r.train.eval && r.data.limit_test == 0) {

@@ -47,6 +47,9 @@ struct RunConfig {
   // when the config names any parallel.* key.
   ParallelShorthand parallel;
   bool parallel_given = false;
+  // exec.openblas_coretype: "auto", "best" or "keep" (tensor/machine.h,
+  // advise_openblas_coretype); acted on by cmd_train before anything runs.
+  std::string openblas_coretype = "auto";
 };
 
 // Reads every known key; throws ConfigError for wrong values and, at the end,

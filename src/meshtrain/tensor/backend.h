@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "meshtrain/tensor/tensor.h"
@@ -46,12 +47,26 @@ struct Pool2dParams {
   int64_t pad_h = 0, pad_w = 0;
 };
 
+// What a backend decided about its engines, for logs and the metrics
+// summary (KernelBackend::engine_report).
+struct EngineReport {
+  // Per f32 matmul signature seen on the calling thread ("128x512x784 nn t1",
+  // M x N x K, transposes of a and b, threads; "b4" prefix when batched):
+  // the engine serving it ("onednn", "openblas", "undecided" while timing).
+  std::vector<std::pair<std::string, std::string>> matmul;
+  // Engines the correctness probe dropped, each with the reason.
+  std::vector<std::pair<std::string, std::string>> dropped;
+  std::string blas_core;  // OpenBLAS's core type (machine.h), "" if unused
+};
+
 class KernelBackend {
  public:
   virtual ~KernelBackend() = default;
   virtual std::string name() const = 0;
   // Threads used inside one kernel call (OpenMP / oneDNN / OpenBLAS).
   virtual void set_num_threads(int n) = 0;
+  // Engine choices so far (see EngineReport); empty for a single-engine backend.
+  virtual EngineReport engine_report() { return {}; }
 
   // ---- linear algebra ----
   // a: [M,K] (or [K,M] if trans_a), b: [K,N] (or [N,K] if trans_b), c: [M,N].

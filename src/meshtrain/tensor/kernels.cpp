@@ -4,6 +4,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include <fmt/ranges.h>
@@ -25,10 +26,11 @@ KernelBackend& reference_instance() {
 // one. One instance per options, created on first use and kept for the process.
 KernelBackend& fast_instance(const FastBackendOptions& o) {
   static std::mutex mu;
-  static std::map<std::pair<MatmulEngineChoice, ConvLayoutChoice>, std::unique_ptr<KernelBackend>>
+  static std::map<std::tuple<MatmulEngineChoice, ConvLayoutChoice, MatmulEngineFault>,
+                  std::unique_ptr<KernelBackend>>
       instances;
   std::lock_guard<std::mutex> lock(mu);
-  auto& slot = instances[{o.f32_matmul, o.conv_layout}];
+  auto& slot = instances[{o.f32_matmul, o.conv_layout, o.faulty_engine_for_testing}];
   if (!slot) slot = make_fast_backend(reference_instance(), o);
   return *slot;
 }

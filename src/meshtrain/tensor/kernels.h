@@ -25,6 +25,9 @@ enum class MatmulEngineChoice : uint8_t {
   openblas,  // always OpenBLAS sgemm
 };
 
+// Test hook of FastBackendOptions: which f32 matmul engine computes wrong results.
+enum class MatmulEngineFault : uint8_t { none, onednn, openblas };
+
 // Which memory layout convolutions run in.
 enum class ConvLayoutChoice : uint8_t {
   measure,  // time both on the first calls of each shape, keep the faster
@@ -35,9 +38,18 @@ enum class ConvLayoutChoice : uint8_t {
 // "measure" picks by timing, so on a machine where two choices run about
 // equally fast a run may pick differently from the last one, and its float
 // results differ in the last bits; pin both for bitwise-repeatable runs.
+//
+// Every f32 matmul engine is checked against the reference backend when the
+// backend is made (a few small GEMMs of awkward shapes; see
+// backends/fast/matmul_engine.h): one that computes wrong results is dropped
+// with the reason in engine_report(), and pinning it is a ConfigError.
 struct FastBackendOptions {
   MatmulEngineChoice f32_matmul = MatmulEngineChoice::measure;
   ConvLayoutChoice conv_layout = ConvLayoutChoice::measure;
+  // Test hook: this engine's f32 results come out wrong (one element off,
+  // as a library misdetecting the CPU may compute), so tests can watch the
+  // correctness probe drop it. `none` outside tests.
+  MatmulEngineFault faulty_engine_for_testing = MatmulEngineFault::none;
 };
 
 // The process-wide instance of a backend (one per distinct FastBackendOptions

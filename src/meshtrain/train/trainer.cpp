@@ -23,10 +23,12 @@
 #include "meshtrain/sync/consistency.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/kernels.h"
+#include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/checkpoint_match.h"
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
+#include "meshtrain/train/precision.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/step_checkpoints.h"
@@ -148,6 +150,11 @@ struct Trainer::Impl {
   int64_t saved_step = -1;                   // the step of the last checkpoint written
   bool stop_requested = false;               // a stop request reached every rank this step
   std::optional<TorchLoadReport> init_report;
+  PrecisionDecision precision;  // decided once at start-up
+  // Time in the optimizer step (gradient sync included) since the profile
+  // was last reset, for the summary's op_profile.
+  double optimizer_seconds = 0;
+  int64_t optimizer_steps = 0;
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
        TrainerOptions opts, Communicator* group)
@@ -203,6 +210,7 @@ struct Trainer::Impl {
     // The graph and its memory plan come from training_plan.h, which
     // `meshtrain inspect` prints; nothing large is allocated before the plan
     // is checked against the memory this rank may use.
+    decide_precision_once();
     TrainingGraph tg = build_training_graph(spec, o, micro_batch);
     plan = plan_training(tg, spec, o, split, rank, world, test_data ? test_data->size() : -1);
     if (o.memory_limit > 0) check_memory_fits(plan, spec, o, o.memory_limit);
@@ -436,6 +444,45 @@ struct Trainer::Impl {
     throw CheckpointError(
         fmt::format("checkpoint {}: metadata '{}' is missing or not a number", path, key));
   }
+
+  // Measures f32 against bf16 matmuls on this model's training shapes where
+  // the configured precision asks for it (train/precision.h), and makes every
+  // rank follow rank 0's choice.
+  void decide_precision_once() {
+    const std::string requested =
+        o.precision_auto ? std::string("auto") : std::string(dtype_name(o.precision));
+    const bool measure = o.precision_auto || o.precision == DType::bf16;
+    std::vector<MatmulUse> uses;
+    if (measure && rank == 0) {
+      ModelSpec f32_spec = spec;
+      f32_spec.compute = DType::f32;
+      TrainerOptions f32_o = o;
+      f32_o.precision = DType::f32;
+      uses = matmul_uses(build_training_graph(f32_spec, f32_o, micro_batch).model.graph);
+    }
+    precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
+                                 o.bf16_rate_factor_for_testing);
+    if (measure && world > 1) {
+      Tensor t = Tensor::empty({4}, DType::f64);
+      t.data<double>()[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
+      t.data<double>()[1] = precision.f32_gflops;
+      t.data<double>()[2] = precision.bf16_gflops;
+      t.data<double>()[3] = precision.measured ? 1.0 : 0.0;
+      comm->broadcast(t, 0);
+      precision.measured = t.data<double>()[3] != 0.0;
+      precision.f32_gflops = t.data<double>()[1];
+      precision.bf16_gflops = t.data<double>()[2];
+      apply_precision_policy(precision);
+      precision.chosen = t.data<double>()[0] != 0.0 ? DType::bf16 : DType::f32;
+    }
+    o.precision = precision.chosen;
+    spec.compute = precision.chosen;
+    if (measure) notice(precision.reason);
+  }
+
+  nlohmann::json precision_json() const;   // the summary's precision_decision
+  nlohmann::json engines_json() const;     // the summary's matmul_engines
+  nlohmann::json op_profile_json() const;  // the summary's op_profile_ms_per_step
 
   void notice(const std::string& msg) const {
     if (leader() && o.on_notice) o.on_notice(msg);
@@ -733,6 +780,7 @@ struct Trainer::Impl {
     }
     const double lr = schedule->lr_at(step);
     auto span = timeline.span("optimizer", "optimizer");
+    Stopwatch optimizer_sw;
     dp->step([&](std::span<ParamSlice> slices) {
       std::vector<ParamRef> refs;
       refs.reserve(slices.size());
@@ -745,6 +793,8 @@ struct Trainer::Impl {
       if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, dp->norm_reducer());
       optimizer->step(refs, lr);
     });
+    optimizer_seconds += optimizer_sw.seconds();
+    ++optimizer_steps;
     return loss;
   }
 
@@ -812,6 +862,8 @@ struct Trainer::Impl {
       if (step - first == kWarmupSteps) {
         exec->reset_profile();
         dp->reset_stats();
+        optimizer_seconds = 0;
+        optimizer_steps = 0;
       }
       r.losses.push_back(loss);
       r.final_loss = loss;
@@ -924,7 +976,12 @@ struct Trainer::Impl {
         {"dp_grad_bytes", r.memory.grad_bytes},
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
-        {"precision", std::string(dtype_name(o.precision))}};
+        {"precision", std::string(dtype_name(o.precision))},
+        {"precision_decision", precision_json()},
+        {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},
+        {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
+        {"matmul_engines", engines_json()},
+        {"op_profile_ms_per_step", op_profile_json()}};
     if (tokens_per_sample > 0) summary["tokens_per_s"] = or_null(r.tokens_per_s);
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
     if (r.stop_signal != 0) summary["stopped_by_signal"] = r.stop_signal;
@@ -937,6 +994,58 @@ struct Trainer::Impl {
     return r;
   }
 };
+
+nlohmann::json Trainer::Impl::precision_json() const {
+  nlohmann::json j = {{"requested", precision.requested},
+                      {"chosen", std::string(dtype_name(precision.chosen))},
+                      {"reason", precision.reason},
+                      {"amx", precision.amx}};
+  if (precision.measured) {
+    j["f32_matmul_gflops_1t"] = precision.f32_gflops;
+    j["bf16_matmul_gflops_1t"] = precision.bf16_gflops;
+    j["bf16_over_f32"] = precision.bf16_over_f32();
+    j["measure_s"] = precision.seconds;
+  }
+  return j;
+}
+
+// Executor time per optimizer step by operator kind after warm-up (forward
+// and backward together; batched matmuls -- attention's -- apart from the
+// 2-D ones), and the optimizer step (with gradient sync and clipping).
+nlohmann::json Trainer::Impl::op_profile_json() const {
+  std::map<std::string, int> rank_of;  // node name -> rank of its first input
+  for (const Node& n : model.graph.nodes()) {
+    if (!n.inputs.empty()) rank_of[n.name] = model.graph.value(n.inputs[0]).shape.rank();
+  }
+  std::map<std::string, double> ns;
+  int64_t runs = 0;
+  for (const OpProfile& p : exec->profile()) {
+    std::string kind(op_name(p.op));
+    if (p.op == OpKind::matmul && rank_of[p.name] >= 3) kind = "matmul_batched";
+    ns[kind] += static_cast<double>(p.total_ns);
+    runs = std::max(runs, p.calls);
+  }
+  nlohmann::json j = nlohmann::json::object();
+  if (runs == 0) return j;
+  const double per_step = 1e-6 / static_cast<double>(runs) * o.dist.dp.accumulation_steps;
+  for (const auto& [kind, t] : ns) j[kind] = t * per_step;
+  if (optimizer_steps > 0) {
+    j["optimizer"] = optimizer_seconds * 1e3 / static_cast<double>(optimizer_steps);
+  }
+  return j;
+}
+
+nlohmann::json Trainer::Impl::engines_json() const {
+  const EngineReport r = kernels(o.exec.backend, o.exec.fast).engine_report();
+  nlohmann::json shapes = nlohmann::json::object(), dropped = nlohmann::json::object();
+  for (const auto& [sig, engine] : r.matmul) shapes[sig] = engine;
+  for (const auto& [engine, why] : r.dropped) dropped[engine] = why;
+  return {{"backend", o.exec.backend},
+          {"openblas_core", r.blas_core},
+          {"onednn_isa", onednn_isa()},
+          {"f32", shapes},
+          {"dropped", dropped}};
+}
 
 Trainer::Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
                  std::shared_ptr<const Dataset> test_data, TrainerOptions options,

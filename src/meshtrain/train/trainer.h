@@ -71,7 +71,13 @@ struct TrainerOptions {
   uint64_t seed = 1;
   int threads = 1;
   DType precision = DType::f32;  // f32, bf16 (mixed) or f16 (mixed, dynamic loss scaling)
-  bool eval = true;              // evaluate on the test split after each epoch
+  // train.precision = "auto": measure f32 and bf16 matmuls on the model's
+  // shapes at start-up and pick the faster (train/precision.h); `precision`
+  // is then ignored. bf16 is measured too, to warn when it is slower here.
+  bool precision_auto = false;
+  // Test hook: scales the measured bf16 matmul rate (1 outside tests).
+  double bf16_rate_factor_for_testing = 1.0;
+  bool eval = true;  // evaluate on the test split after each epoch
   // > 0: evaluate on only the first this-many test batches of
   // eval_batch_size (the split in file order, so the same examples every
   // time, on every rank); 0 = the whole test split.

@@ -15,6 +15,8 @@
 #include "meshtrain/tensor/backends/fast/fast_kernels.h"
 #include "meshtrain/tensor/backends/fast/matmul_engine.h"
 #include "meshtrain/tensor/backends/fast/onednn_context.h"
+#include "meshtrain/tensor/backends/reference/reference_backend.h"
+#include "meshtrain/tensor/machine.h"
 
 namespace mt {
 
@@ -56,8 +58,8 @@ bool any_empty(std::initializer_list<const Tensor*> ts) {
 // buffers, so threads calling one backend at once (ranks run as threads)
 // never share mutable state.
 struct ThreadEngines {
-  explicit ThreadEngines(const FastBackendOptions& o)
-      : matmul(ctx, o.f32_matmul), conv(ctx, o.conv_layout) {}
+  ThreadEngines(const FastBackendOptions& o, const fast::MatmulTrust& trust)
+      : matmul(ctx, o.f32_matmul, trust, o.faulty_engine_for_testing), conv(ctx, o.conv_layout) {}
   fast::OneDnnContext ctx;
   fast::MatmulEngine matmul;
   fast::ConvEngine conv;
@@ -73,9 +75,33 @@ class FastBackend final : public KernelBackend {
   FastBackend(KernelBackend& fallback, const FastBackendOptions& options)
       : fallback_(fallback), options_(options) {
     set_num_threads(1);
+    // No engine computes for anyone before it has shown it computes right.
+    ReferenceBackend oracle;
+    trust_ = fast::probe_matmul_engines(oracle, options_.faulty_engine_for_testing);
+    auto refuse = [&](const char* engine, const std::string& why) {
+      throw ConfigError(fmt::format(
+          "exec.matmul = {}: the {} f32 matmul failed the correctness probe on this machine "
+          "(OpenBLAS core {}): {}; use exec.matmul = \"measure\" to run the engines that pass",
+          engine, engine, openblas_core_description(), why));
+    };
+    if (options_.f32_matmul == MatmulEngineChoice::onednn && !trust_.onednn) {
+      refuse("onednn", trust_.onednn_reason);
+    }
+    if (options_.f32_matmul == MatmulEngineChoice::openblas && !trust_.openblas) {
+      refuse("openblas", trust_.openblas_reason);
+    }
   }
 
   std::string name() const override { return "fast"; }
+
+  EngineReport engine_report() override {
+    EngineReport r;
+    r.matmul = engines().matmul.report();
+    if (!trust_.onednn) r.dropped.emplace_back("onednn", trust_.onednn_reason);
+    if (!trust_.openblas) r.dropped.emplace_back("openblas", trust_.openblas_reason);
+    r.blas_core = openblas_core_description();
+    return r;
+  }
 
   void set_num_threads(int n) override {
     if (n < 1) {
@@ -88,7 +114,10 @@ class FastBackend final : public KernelBackend {
   }
 
   void matmul(const Tensor& a, const Tensor& b, Tensor& c, const MatmulParams& p) override {
-    if (!fast::MatmulEngine::supports(a, b, c)) return fallback_.matmul(a, b, c, p);
+    // With both engines dropped only the (slow, correct) fallback is left.
+    if (!fast::MatmulEngine::supports(a, b, c) || (!trust_.onednn && !trust_.openblas)) {
+      return fallback_.matmul(a, b, c, p);
+    }
     apply_threads();
     engines().matmul.run(a, b, c, p, threads());
   }
@@ -244,12 +273,13 @@ class FastBackend final : public KernelBackend {
   ThreadEngines& engines() {
     thread_local std::unordered_map<uint64_t, std::unique_ptr<ThreadEngines>> per_thread;
     std::unique_ptr<ThreadEngines>& e = per_thread[id_];
-    if (!e) e = std::make_unique<ThreadEngines>(options_);
+    if (!e) e = std::make_unique<ThreadEngines>(options_, trust_);
     return *e;
   }
 
   KernelBackend& fallback_;
   const FastBackendOptions options_;
+  fast::MatmulTrust trust_;  // set once in the constructor
   const uint64_t id_ = next_backend_id.fetch_add(1);
   std::atomic<int> threads_{1};
 };

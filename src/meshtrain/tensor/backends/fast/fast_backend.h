@@ -5,6 +5,11 @@
 // output) and bf16/f16 storage for unary, unary_backward, binary and sum_to
 // itself, and hands every other dtype to `fallback`, which must outlive it.
 //
+// Before any engine computes, the constructor checks each f32 matmul engine
+// against the reference backend on small awkward GEMMs and drops one that
+// computes wrong results (matmul_engine.h; engine_report() says why;
+// pinning a dropped engine throws ConfigError).
+//
 // Semantics are exactly those of the reference backend (see
 // backends/reference/reference_backend.h), within float tolerance.
 //

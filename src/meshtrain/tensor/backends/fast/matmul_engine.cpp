@@ -6,8 +6,12 @@
 
 #include <bit>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <span>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "meshtrain/tensor/backends/fast/fast_common.h"
 #include "meshtrain/tensor/backends/fast/fast_kernels.h"
@@ -55,8 +59,22 @@ Tensor widened(const Tensor& t, int threads) {
 
 }  // namespace
 
-MatmulEngine::MatmulEngine(OneDnnContext& ctx, MatmulEngineChoice f32_choice)
-    : ctx_(ctx), f32_choice_(f32_choice) {}
+MatmulEngine::MatmulEngine(OneDnnContext& ctx, MatmulEngineChoice f32_choice, MatmulTrust trust,
+                           MatmulEngineFault fault)
+    : ctx_(ctx), f32_choice_(f32_choice), trust_(std::move(trust)), fault_(fault) {
+  // The backend refuses to pin a dropped engine (ConfigError) before this.
+  MT_CHECK(trust_.onednn || trust_.openblas, "matmul: no trusted f32 engine");
+  MT_CHECK(f32_choice_ != MatmulEngineChoice::onednn || trust_.onednn,
+           "matmul: oneDNN pinned but dropped");
+  MT_CHECK(f32_choice_ != MatmulEngineChoice::openblas || trust_.openblas,
+           "matmul: OpenBLAS pinned but dropped");
+}
+
+void MatmulEngine::inject_fault(Engine e, Tensor& c) const {
+  const bool hit = (fault_ == MatmulEngineFault::onednn && e == Engine::onednn) ||
+                   (fault_ == MatmulEngineFault::openblas && e == Engine::openblas);
+  if (hit && c.numel() > 0) c.data<float>()[c.numel() / 2] += 1.0f;
+}
 
 MatmulEngine::~MatmulEngine() = default;
 
@@ -126,7 +144,7 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
 
   Plan& plan = plan_for(key_of(a.dtype(), c.dtype(), d, p, threads), d, a.dtype(), c.dtype(), p);
   if (a.dtype() != DType::f32) {
-    if (plan.prim) {
+    if (plan.prim && trust_.onednn) {
       run_onednn(plan, a, b, c);
     } else if (c.dtype() == DType::f32) {
       // No half-precision kernel on this CPU: the f32 product is exact for these inputs.
@@ -139,14 +157,15 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
     return;
   }
   Engine e = plan.engine;
-  if (f32_choice_ == MatmulEngineChoice::onednn) e = Engine::onednn;
-  if (f32_choice_ == MatmulEngineChoice::openblas) e = Engine::openblas;
+  if (f32_choice_ == MatmulEngineChoice::onednn || !trust_.openblas) e = Engine::onednn;
+  if (f32_choice_ == MatmulEngineChoice::openblas || !trust_.onednn) e = Engine::openblas;
   if (e != Engine::undecided) {
     if (e == Engine::onednn) {
       run_onednn(plan, a, b, c);
     } else {
       run_openblas(d, a, b, c, p);
     }
+    inject_fault(e, c);
     return;
   }
   // Undecided: alternate engines and keep each one's best time. Primitive
@@ -159,6 +178,7 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
     run_openblas(d, a, b, c, p);
   }
   const double t = trial_clock(threads) - t0;
+  inject_fault(use_onednn ? Engine::onednn : Engine::openblas, c);
   double& best = use_onednn ? plan.best_onednn : plan.best_openblas;
   best = std::min(best, t);
   if (++plan.trials == 2 * kTrials) {
@@ -228,14 +248,128 @@ void MatmulEngine::run_openblas(const Dims& d, const Tensor& a, const Tensor& b,
 
 const char* MatmulEngine::chosen_engine(const Tensor& a, const Tensor& b, const MatmulParams& p,
                                         int threads) const {
-  if (a.dtype() != DType::f32) return "onednn";
-  if (f32_choice_ == MatmulEngineChoice::onednn) return "onednn";
-  if (f32_choice_ == MatmulEngineChoice::openblas) return "openblas";
+  if (a.dtype() != DType::f32) return trust_.onednn ? "onednn" : "openblas";
+  if (f32_choice_ == MatmulEngineChoice::onednn || !trust_.openblas) return "onednn";
+  if (f32_choice_ == MatmulEngineChoice::openblas || !trust_.onednn) return "openblas";
   Dims d = matmul_dims(a, b, p);
   fold_batch(d, p);
   auto it = plans_.find(key_of(a.dtype(), DType::f32, d, p, threads));
   if (it == plans_.end() || it->second->engine == Engine::undecided) return "undecided";
   return it->second->engine == Engine::onednn ? "onednn" : "openblas";
+}
+
+std::vector<std::pair<std::string, std::string>> MatmulEngine::report() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [key, plan] : plans_) {
+    if (key.in != DType::f32) continue;
+    std::string sig =
+        key.batch > 1 ? fmt::format("b{}{} ", key.batch, key.shared_b ? "s" : "") : std::string();
+    sig += fmt::format("{}x{}x{} {}{} t{}", key.m, key.n, key.k, key.trans_a ? 't' : 'n',
+                       key.trans_b ? 't' : 'n', key.threads);
+    Engine e = plan->engine;
+    if (f32_choice_ == MatmulEngineChoice::onednn || !trust_.openblas) e = Engine::onednn;
+    if (f32_choice_ == MatmulEngineChoice::openblas || !trust_.onednn) e = Engine::openblas;
+    out.emplace_back(std::move(sig), e == Engine::onednn     ? "onednn"
+                                     : e == Engine::openblas ? "openblas"
+                                                             : "undecided");
+  }
+  return out;
+}
+
+namespace {
+
+// One probe case: c = alpha op(a) op(b) + beta c, batched when batch > 0.
+struct ProbeCase {
+  int64_t batch, m, n, k;
+  bool trans_a, trans_b, shared_b;
+  float alpha, beta;
+};
+
+Tensor probe_tensor(const Shape& s, uint64_t seed) {
+  Tensor t = Tensor::empty(s, DType::f32);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    p[i] = static_cast<float>(static_cast<double>(x >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  }
+  return t;
+}
+
+Tensor abs_of(const Tensor& t) {
+  Tensor out = Tensor::empty(t.shape(), DType::f32);
+  for (int64_t i = 0; i < t.numel(); ++i) out.data<float>()[i] = std::abs(t.data<float>()[i]);
+  return out;
+}
+
+// "" when `engine` matches `oracle` on every case, else what went wrong.
+std::string probe_one(MatmulEngine& engine, KernelBackend& oracle) {
+  static const ProbeCase cases[] = {
+      {0, 1, 1, 1, false, false, false, 1.0f, 0.0f},
+      {0, 7, 13, 5, false, false, false, 1.0f, 0.0f},
+      {0, 37, 29, 53, true, false, false, 0.5f, 1.0f},
+      {0, 17, 33, 300, false, true, false, 1.0f, 0.0f},
+      {0, 65, 31, 129, true, true, false, -1.5f, 0.25f},
+      {0, 100, 96, 1, false, false, false, 1.0f, 0.0f},
+      {3, 9, 11, 6, false, false, false, 1.0f, 0.0f},
+      {3, 12, 10, 19, true, true, false, 1.0f, 0.0f},
+      {4, 5, 7, 8, false, false, true, 1.0f, 0.0f},
+  };
+  uint64_t seed = 1;
+  for (const ProbeCase& pc : cases) {
+    const Shape sa = pc.trans_a ? Shape{pc.k, pc.m} : Shape{pc.m, pc.k};
+    const Shape sb = pc.trans_b ? Shape{pc.n, pc.k} : Shape{pc.k, pc.n};
+    auto batched = [&](const Shape& s, bool shared) {
+      return pc.batch > 0 && !shared ? Shape{pc.batch, s[0], s[1]} : s;
+    };
+    const Tensor a = probe_tensor(batched(sa, false), seed++);
+    const Tensor b = probe_tensor(batched(sb, pc.shared_b), seed++);
+    const Tensor c0 = probe_tensor(batched(Shape{pc.m, pc.n}, false), seed++);
+    const MatmulParams p{pc.trans_a, pc.trans_b, pc.alpha, pc.beta};
+    Tensor got = c0.clone(), want = c0.clone();
+    engine.run(a, b, got, p, 1);
+    oracle.matmul(a, b, want, p);
+    // Scale of each element: |alpha| sum |a||b| + |beta c|.
+    Tensor scale = abs_of(c0);
+    oracle.matmul(abs_of(a), abs_of(b), scale,
+                  MatmulParams{pc.trans_a, pc.trans_b, std::abs(pc.alpha), std::abs(pc.beta)});
+    const double rel = static_cast<double>(pc.k + 2) * 0x1.0p-22;
+    for (int64_t i = 0; i < got.numel(); ++i) {
+      const double g = got.data<float>()[i], w = want.data<float>()[i];
+      const double tol = rel * scale.data<float>()[i];
+      if (!(std::abs(g - w) <= tol)) {
+        return fmt::format(
+            "{}M={} N={} K={} trans_a={} trans_b={} alpha={} beta={}: element {} is {} where the "
+            "reference backend gives {} (tolerance {:.3g})",
+            pc.batch > 0 ? fmt::format("batch={}{} ", pc.batch, pc.shared_b ? " (shared b)" : "")
+                         : std::string(),
+            pc.m, pc.n, pc.k, pc.trans_a, pc.trans_b, pc.alpha, pc.beta, i, g, w, tol);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+MatmulTrust probe_matmul_engines(KernelBackend& oracle, MatmulEngineFault fault) {
+  MatmulTrust t;
+  OneDnnContext ctx;
+  // Each probe pins one engine; the other is nominally trusted so the
+  // constructor's checks hold.
+  {
+    MatmulEngine e(ctx, MatmulEngineChoice::onednn, {}, fault);
+    t.onednn_reason = probe_one(e, oracle);
+  }
+  {
+    MatmulEngine e(ctx, MatmulEngineChoice::openblas, {}, fault);
+    t.openblas_reason = probe_one(e, oracle);
+  }
+  t.onednn = t.onednn_reason.empty();
+  t.openblas = t.openblas_reason.empty();
+  return t;
 }
 
 }  // namespace mt::fast

@@ -18,6 +18,17 @@
 // (trial_clock in fast_common.h). oneDNN primitives are created once per
 // signature and cached.
 //
+// Trust (MatmulTrust, probe_matmul_engines): before an engine serves any
+// call, the backend runs it on a few small GEMMs of awkward shapes (odd
+// sizes, every transpose, alpha and beta, batches, a shared b, K = 1 and
+// K = 300) and compares with the reference backend. An element passes when
+// |c - ref| <= (K + 2) * 2^-22 * (|alpha| sum_k |a_ik b_kj| + |beta c_ij|)
+// (a few times f32's error bound for a K-term sum; a wrong kernel is off by
+// O(1) of that scale). An engine that fails is dropped with the reason --
+// some OpenBLAS builds compute wrong results on CPUs they do not know -- and
+// measured choices never pick it; bf16/f16 matmuls then widen to f32 when
+// oneDNN is the one dropped.
+//
 // Owned by the fast backend; blocks until c is written; one calling thread
 // per instance.
 #pragma once
@@ -27,6 +38,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "meshtrain/tensor/backend.h"
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
@@ -35,6 +49,16 @@
 
 namespace mt::fast {
 
+// Which f32 engines passed the correctness probe; a dropped one has its reason.
+struct MatmulTrust {
+  bool onednn = true, openblas = true;
+  std::string onednn_reason, openblas_reason;
+};
+
+// Probes both engines against `oracle` (the reference backend), with `fault`
+// injected (tests); never throws for a wrong engine, only reports it.
+MatmulTrust probe_matmul_engines(KernelBackend& oracle, MatmulEngineFault fault);
+
 class MatmulEngine {
  public:
   // Timed calls per engine while a signature is undecided.
@@ -42,7 +66,8 @@ class MatmulEngine {
   // OpenBLAS must take less than this fraction of oneDNN's time to be chosen.
   static constexpr double kOpenBlasMargin = 0.9;
 
-  MatmulEngine(OneDnnContext& ctx, MatmulEngineChoice f32_choice);
+  MatmulEngine(OneDnnContext& ctx, MatmulEngineChoice f32_choice, MatmulTrust trust = {},
+               MatmulEngineFault fault = MatmulEngineFault::none);
   ~MatmulEngine();
   MatmulEngine(const MatmulEngine&) = delete;
   MatmulEngine& operator=(const MatmulEngine&) = delete;
@@ -58,6 +83,8 @@ class MatmulEngine {
   // "openblas" or "undecided" (for benchmarks and tests).
   const char* chosen_engine(const Tensor& a, const Tensor& b, const MatmulParams& p,
                             int threads) const;
+  // Every f32 signature seen so far and its engine (EngineReport::matmul).
+  std::vector<std::pair<std::string, std::string>> report() const;
 
  private:
   // Problem sizes after validation; batch folded into m when b is shared and
@@ -88,8 +115,13 @@ class MatmulEngine {
   void run_openblas(const Dims& d, const Tensor& a, const Tensor& b, Tensor& c,
                     const MatmulParams& p);
 
+  // The test hook: perturbs c after the faulty engine ran.
+  void inject_fault(Engine e, Tensor& c) const;
+
   OneDnnContext& ctx_;
   MatmulEngineChoice f32_choice_;
+  MatmulTrust trust_;
+  MatmulEngineFault fault_;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

@@ -1,0 +1,160 @@
+// The start-up precision decision (see precision.h).
+#include "meshtrain/train/precision.h"
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/tensor/backends/fast/fast_backend.h"
+#include "meshtrain/tensor/kernels.h"
+#include "meshtrain/tensor/machine.h"
+
+namespace mt {
+
+namespace {
+
+// As the engines' trials (fast_common.h): the calling thread's CPU time at
+// one thread (robust to neighbours on a shared machine), wall time otherwise.
+double clock_s(int threads) {
+  if (threads == 1) {
+    timespec ts{};
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+      return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+    }
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+Tensor filled(const Shape& s, DType t, float v) {
+  Tensor x = Tensor::full(s, DType::f32, v);
+  if (t == DType::f32) return x;
+  Tensor y = Tensor::empty(s, t);
+  convert(x, y);
+  return y;
+}
+
+// Best of three warm calls, in seconds.
+double time_matmul(KernelBackend& k, const MatmulUse& u, DType t, int threads) {
+  const Tensor a = filled(u.a, t, 0.5f), b = filled(u.b, t, 0.25f);
+  Tensor c = Tensor::empty(u.c, DType::f32);
+  const MatmulParams p{u.trans_a, u.trans_b, 1.0f, 0.0f};
+  k.matmul(a, b, c, p);  // primitive creation, first touch
+  double best = 1e300;
+  for (int i = 0; i < 3; ++i) {
+    const double t0 = clock_s(threads);
+    k.matmul(a, b, c, p);
+    best = std::min(best, clock_s(threads) - t0);
+  }
+  return std::max(best, 1e-9);
+}
+
+}  // namespace
+
+std::vector<MatmulUse> matmul_uses(const Graph& g) {
+  std::map<std::tuple<std::vector<int64_t>, std::vector<int64_t>, bool, bool>, MatmulUse> uses;
+  for (const Node& n : g.nodes()) {
+    if (n.op != OpKind::matmul) continue;
+    const Value& a = g.value(n.inputs[0]);
+    const Value& b = g.value(n.inputs[1]);
+    const Value& c = g.value(n.outputs[0]);
+    const bool ta = n.attrs.b_or("trans_a", false), tb = n.attrs.b_or("trans_b", false);
+    MatmulUse& u = uses[{a.shape.dims(), b.shape.dims(), ta, tb}];
+    if (u.calls == 0) {
+      u.a = a.shape;
+      u.b = b.shape;
+      u.c = c.shape;
+      u.trans_a = ta;
+      u.trans_b = tb;
+      const int64_t k = ta ? a.shape[-2] : a.shape[-1];
+      u.flops = 2.0 * static_cast<double>(c.shape.numel()) * static_cast<double>(k);
+    }
+    ++u.calls;
+  }
+  std::vector<MatmulUse> out;
+  for (auto& [key, u] : uses) out.push_back(std::move(u));
+  return out;
+}
+
+void apply_precision_policy(PrecisionDecision& d) {
+  const double r = d.bf16_over_f32();
+  const std::string rates =
+      d.measured ? fmt::format(
+                       "bf16 matmuls run at {:.2f}x f32 on this model's shapes ({:.1f} vs "
+                       "{:.1f} GFLOP/s, oneDNN {}{})",
+                       r, d.bf16_gflops, d.f32_gflops, d.isa, d.amx ? ", AMX" : "")
+                 : std::string();
+  if (d.requested == "auto" && !d.measured) {
+    d.chosen = DType::f32;
+    d.reason =
+        "train.precision = \"auto\" chose f32: nothing measured (no matmuls, or not the "
+        "fast backend)";
+  } else if (d.requested == "f32" || d.requested == "f16") {
+    d.chosen = d.requested == "f32" ? DType::f32 : DType::f16;
+    d.reason = fmt::format("{} as configured", d.requested);
+  } else if (d.requested == "bf16") {
+    d.chosen = DType::bf16;
+    d.reason = !d.measured ? std::string("bf16 as configured")
+               : r < 1.0   ? fmt::format(
+                                 "warning: {}: bf16 as configured is slower than f32 here "
+                                   "(train.precision = \"auto\" would keep matmuls in f32)",
+                                 rates)
+                         : fmt::format("bf16 as configured; {}", rates);
+  } else if (d.requested == "auto") {
+    if (r >= PrecisionDecision::kMinGain) {
+      d.chosen = DType::bf16;
+      d.reason = fmt::format("train.precision = \"auto\" chose bf16: {}", rates);
+    } else {
+      d.chosen = DType::f32;
+      d.reason = fmt::format(
+          "train.precision = \"auto\" chose f32: {}, below the {:.2f}x that pays for the casts; "
+          "matmuls stay f32",
+          rates, PrecisionDecision::kMinGain);
+    }
+  } else {
+    throw ConfigError(
+        fmt::format("train.precision: expected f32, bf16, f16 or auto, got {}", d.requested));
+  }
+}
+
+PrecisionDecision decide_precision(const std::string& requested, const std::vector<MatmulUse>& uses,
+                                   const std::string& backend, const FastBackendOptions& fast,
+                                   double bf16_rate_factor_for_testing) {
+  PrecisionDecision d;
+  d.requested = requested;
+  d.isa = onednn_isa();
+  d.amx = cpu_info().amx && d.isa == "avx512_core_amx";
+  if ((requested == "bf16" || requested == "auto") && backend == "fast") {
+    // A private instance, so the training backend's engine choices and its
+    // report list only what training runs; one thread, timed in the thread's
+    // CPU time, so neighbours on a shared machine do not skew the ratio (the
+    // ratio is a property of the core: FMA ports for bf16 vs f32).
+    const std::unique_ptr<KernelBackend> owned = make_fast_backend(kernels("reference"), fast);
+    KernelBackend& k = *owned;
+    const int threads = 1;
+    const double t0 = clock_s(0);
+    double flops = 0, f32_s = 0, bf16_s = 0;
+    for (const MatmulUse& u : uses) {
+      const auto calls = static_cast<double>(u.calls);
+      flops += u.flops * calls;
+      f32_s += time_matmul(k, u, DType::f32, threads) * calls;
+      bf16_s += time_matmul(k, u, DType::bf16, threads) * calls;
+    }
+    if (flops > 0) {
+      d.measured = true;
+      d.f32_gflops = flops / f32_s * 1e-9;
+      d.bf16_gflops = flops / bf16_s * 1e-9 * bf16_rate_factor_for_testing;
+    }
+    d.seconds = clock_s(0) - t0;
+  }
+  apply_precision_policy(d);
+  return d;
+}
+
+}  // namespace mt

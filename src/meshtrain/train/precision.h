@@ -1,0 +1,66 @@
+// Mixed precision that never makes training slower: at start-up the trainer
+// times this machine's f32 and bf16 matmuls on the model's own training-step
+// shapes (forward and backward, each once warm and at best of 3) and decides.
+//
+//   train.precision = "auto": bf16 when its matmuls run at least kMinGain
+//                     times the f32 rate (the gain must pay for the casts
+//                     mixed precision adds), else f32;
+//                     "bf16": bf16 as configured, with a warning when its
+//                     matmuls are slower here (Intel without AMX: the bf16
+//                     dot-product instruction has half the FMA ports);
+//                     "f32" / "f16": as configured, nothing measured.
+//
+// The decision, the two rates and the reason go to the log and the metrics
+// summary (precision_decision). Under data parallelism rank 0 measures and
+// every rank follows it (the graphs must agree). Blocks for the measurement
+// (tens of milliseconds for the models shipped, at most a second for large ones).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "meshtrain/graph/graph.h"
+#include "meshtrain/tensor/backend.h"
+#include "meshtrain/tensor/kernels.h"
+
+namespace mt {
+
+// One distinct matmul of a training step and how often a step runs it.
+struct MatmulUse {
+  Shape a, b, c;
+  bool trans_a = false, trans_b = false;
+  int64_t calls = 0;
+  double flops = 0;  // per call
+};
+
+// The distinct f32 matmuls of `g` (a training graph: forward and backward).
+std::vector<MatmulUse> matmul_uses(const Graph& g);
+
+struct PrecisionDecision {
+  static constexpr double kMinGain = 1.1;
+  std::string requested;  // "f32", "bf16", "f16" or "auto"
+  DType chosen = DType::f32;
+  bool measured = false;
+  // Over the step's matmuls, flop-weighted, at one thread.
+  double f32_gflops = 0, bf16_gflops = 0;
+  double seconds = 0;  // the measurement's own time
+  std::string isa;     // oneDNN's ISA ("avx512_core_amx" where AMX runs bf16)
+  bool amx = false;
+  std::string reason;  // one line for the log
+  double bf16_over_f32() const { return f32_gflops > 0 ? bf16_gflops / f32_gflops : 0.0; }
+};
+
+// bf16_rate_factor_for_testing scales the measured bf16 rate (a test makes
+// bf16 look slower with 0.5); 1 outside tests.
+// `backend` and `fast`: the training's kernel backend and options; only the
+// fast backend is measured (on a private instance, at one thread: the ratio
+// is the core's).
+PrecisionDecision decide_precision(const std::string& requested, const std::vector<MatmulUse>& uses,
+                                   const std::string& backend, const FastBackendOptions& fast,
+                                   double bf16_rate_factor_for_testing = 1.0);
+
+// The decision for "f32" / "bf16" / "f16" / "auto" once the rates are known
+// (pure: the policy above).
+void apply_precision_policy(PrecisionDecision& d);
+
+}  // namespace mt
