@@ -49,6 +49,7 @@ struct OpCase {
   std::vector<int64_t> sizes;  // pieces (all_gather / reduce_scatter), one per rank
   int64_t dim = 0;
   Objective objective = Objective::sum_of_losses;
+  int64_t concat_dim = 0;  // all_to_all
 };
 
 void PrintTo(const OpCase& c, std::ostream* os) {
@@ -61,7 +62,7 @@ void PrintTo(const OpCase& c, std::ostream* os) {
 Shape input_shape(const OpCase& c, int r) {
   int64_t along = 3;
   if (c.op == OpKind::all_gather) along = c.sizes[static_cast<size_t>(r)];
-  if (c.op == OpKind::reduce_scatter) {
+  if (c.op == OpKind::reduce_scatter || c.op == OpKind::all_to_all) {
     along = 0;
     for (int64_t s : c.sizes) along += s;
   }
@@ -77,6 +78,8 @@ ValueId apply(Builder& b, const OpCase& c, ValueId x, int r) {
       return b.all_gather(x, 0, c.dim, c.sizes, r);
     case OpKind::reduce_scatter:
       return b.reduce_scatter(x, 0, c.dim, c.sizes, r);
+    case OpKind::all_to_all:
+      return b.all_to_all(x, 0, c.dim, c.concat_dim, c.sizes, r);
     case OpKind::copy_to_group:
       return b.copy_to_group(x, 0);
     case OpKind::reduce_from_group:
@@ -106,6 +109,12 @@ std::vector<OpCase> cases() {
     out.push_back({label("all_gather_dim1_uneven"), O::all_gather, n, uneven, 1});
     out.push_back({label("reduce_scatter_dim0_even"), O::reduce_scatter, n, even, 0});
     out.push_back({label("reduce_scatter_dim1_uneven"), O::reduce_scatter, n, uneven, 1});
+    out.push_back(
+        {label("all_to_all_dim0_to_dim1"), O::all_to_all, n, even, 0, J::sum_of_losses, 1});
+    out.push_back(
+        {label("all_to_all_dim1_to_dim0"), O::all_to_all, n, even, 1, J::sum_of_losses, 0});
+    out.push_back(
+        {label("all_to_all_dim1_to_dim1"), O::all_to_all, n, even, 1, J::sum_of_losses, 1});
     out.push_back({label("copy_to_group"), O::copy_to_group, n, {}, 0, J::replicated_input});
     out.push_back({label("reduce_from_group"), O::reduce_from_group, n, {}, 0, J::replicated_loss});
   }
@@ -129,8 +138,39 @@ double input_value(int r, int64_t i) {
   return static_cast<double>(100 * (r + 1) + i);
 }
 
+// all_to_all on rank r: element m of y (the shape of x with dim / n and
+// concat_dim x n) comes from rank q = m[concat_dim] / piece extent there, at
+// m with concat_dim reduced modulo that extent and dim shifted to piece r.
+std::vector<float> expected_all_to_all(const OpCase& c, int r) {
+  const std::vector<int64_t> xs = input_shape(c, 0).dims();
+  std::vector<int64_t> ps = xs;
+  const auto d = static_cast<size_t>(c.dim), cd = static_cast<size_t>(c.concat_dim);
+  ps[d] = c.sizes[0];
+  std::vector<int64_t> ys = ps;
+  ys[cd] *= c.ranks;
+  int64_t count = 1;
+  for (int64_t e : ys) count *= e;
+  std::vector<float> y;
+  for (int64_t j = 0; j < count; ++j) {
+    std::vector<int64_t> m(ys.size());
+    int64_t rest = j;
+    for (size_t k = ys.size(); k-- > 0;) {
+      m[k] = rest % ys[k];
+      rest /= ys[k];
+    }
+    const int q = static_cast<int>(m[cd] / ps[cd]);
+    m[cd] %= ps[cd];
+    m[d] += r * c.sizes[0];
+    int64_t flat = 0;
+    for (size_t k = 0; k < xs.size(); ++k) flat = flat * xs[k] + m[k];
+    y.push_back(static_cast<float>(input_value(q, flat)));
+  }
+  return y;
+}
+
 // The closed form of each op's output on rank r, from every rank's input.
 std::vector<float> expected(const OpCase& c, int r) {
+  if (c.op == OpKind::all_to_all) return expected_all_to_all(c, r);
   const int n = c.ranks;
   std::vector<Shape> shapes;
   for (int q = 0; q < n; ++q) shapes.push_back(input_shape(c, q));
@@ -313,7 +353,7 @@ TEST(CollectiveCases, CoverEveryCollectiveOperator) {
     for (const OpCase& c : cases()) covered = covered || c.op == op;
     EXPECT_TRUE(covered) << op_name(op) << " has no case";
   }
-  EXPECT_EQ(found, 5);
+  EXPECT_EQ(found, 6);
 }
 
 // ---- groups ----

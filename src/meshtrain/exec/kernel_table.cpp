@@ -172,6 +172,7 @@ KernelFn lookup(OpKind op) {
     case OpKind::all_gather:
     case OpKind::reduce_scatter:
     case OpKind::reduce_from_group:
+    case OpKind::all_to_all:
       return nullptr;
   }
   return nullptr;

@@ -73,6 +73,9 @@ class Builder {
                      int64_t rank);
   ValueId reduce_scatter(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
                          int64_t rank);
+  // Even pieces: x's extent along dim is sizes[0] x the group size.
+  ValueId all_to_all(ValueId x, int64_t group, int64_t dim, int64_t concat_dim,
+                     std::vector<int64_t> sizes, int64_t rank);
   ValueId copy_to_group(ValueId x, int64_t group);      // Megatron's f
   ValueId reduce_from_group(ValueId x, int64_t group);  // Megatron's g
 

@@ -11,6 +11,8 @@
 //   all_reduce      y_r = sum_q x_q            dx_q = sum_r dy_r  (all_reduce)
 //   all_gather      y_r = concat_q x_q         dx_q = piece q of sum_r dy_r  (reduce_scatter)
 //   reduce_scatter  y_q = piece q of sum_r x_r dx_r = concat_q dy_q  (all_gather)
+//   all_to_all      y_r = concat_q (piece r of x_q along dim) along concat_dim
+//                                              dx = all_to_all(dy) with dim and concat_dim swapped
 //   copy_to_group   (f) x replicated, y_r = x: dx = sum_r dy_r  (g, an all-reduce)
 //   reduce_from_group (g) y = sum_q x_q replicated, the loss reads it once
 //                   (every rank computes the same loss; L counts it once):
@@ -38,6 +40,9 @@ struct CollectiveAttrs {
   int64_t dim = 0;
   std::vector<int64_t> sizes;
   int64_t rank = 0;
+  // all_to_all: x is split along `dim` into even pieces (sizes[q] goes to
+  // group rank q); the pieces received join along `concat_dim`.
+  int64_t concat_dim = 0;
 
   Attrs to_attrs(OpKind op) const;
   static CollectiveAttrs of(const Node& n);
@@ -53,7 +58,8 @@ bool communicates(OpKind op);
 // Bytes of the buffer the node's forward hands to the communicator, as the
 // communicator's per-collective `payload_bytes` counter records them: the
 // buffer (all_reduce, g), the gathered output (all_gather), the input that is
-// reduced and scattered (reduce_scatter); 0 for f and every other operator.
+// reduced and scattered (reduce_scatter) or exchanged (all_to_all); 0 for f
+// and every other operator.
 double collective_payload_bytes(const Graph& g, const Node& n);
 
 }  // namespace mt

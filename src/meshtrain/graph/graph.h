@@ -69,6 +69,7 @@ enum class OpKind : uint16_t {
   reduce_scatter,     // y = this rank's piece (along dim) of the sum over the group
   copy_to_group,      // Megatron's f: y = x; backward all-reduces (x is replicated)
   reduce_from_group,  // Megatron's g: y = sum over the group, replicated; backward identity
+  all_to_all,  // piece q of x along dim goes to rank q; the received pieces join along concat_dim
 };
 
 // activation: produced by a forward node; grad: produced by a backward node.

@@ -2,7 +2,9 @@
 // and the typed attributes. They do no arithmetic the FLOP count sees (the
 // reduction inside a collective is comm's cost); what they move is in
 // collective_payload_bytes() and, per algorithm, in comm's cost functions.
+#include <algorithm>
 #include <numeric>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -15,7 +17,7 @@ namespace mt {
 namespace {
 
 bool pieces_op(OpKind op) {
-  return op == OpKind::all_gather || op == OpKind::reduce_scatter;
+  return op == OpKind::all_gather || op == OpKind::reduce_scatter || op == OpKind::all_to_all;
 }
 
 double no_flops(const Graph&, const Node&) {
@@ -78,6 +80,30 @@ std::vector<ValueType> infer_reduce_scatter(const InferContext& c) {
   return {{Shape(dims), c.dtype(0)}};
 }
 
+// Even pieces only: with uneven ones a rank's received shape would depend on
+// the other ranks' graphs.
+std::vector<ValueType> infer_all_to_all(const InferContext& c) {
+  const CollectiveAttrs a = checked_attrs(c);
+  std::vector<int64_t> dims = c.shape(0).dims();
+  if (a.concat_dim < 0 || a.concat_dim >= c.shape(0).rank()) {
+    c.fail(fmt::format("concat_dim {} is not a dimension of x", a.concat_dim));
+  }
+  const auto d = static_cast<size_t>(a.dim);
+  for (int64_t s : a.sizes) {
+    if (s != a.sizes[0]) {
+      c.fail(fmt::format("sizes [{}] are uneven; all_to_all takes even pieces only",
+                         fmt::join(a.sizes, ", ")));
+    }
+  }
+  if (dims[d] != sum_of(a.sizes)) {
+    c.fail(fmt::format("x has {} along dim {}, but sizes [{}] add up to {}", dims[d], a.dim,
+                       fmt::join(a.sizes, ", "), sum_of(a.sizes)));
+  }
+  dims[d] = a.sizes[0];
+  dims[static_cast<size_t>(a.concat_dim)] *= a.group_size();
+  return {{Shape(dims), c.dtype(0)}};
+}
+
 // Each rule emits the transposed collective over the same group (and pieces).
 void emit_transpose(GradContext& c, OpKind op) {
   const CollectiveAttrs a = CollectiveAttrs::of(c.node());
@@ -93,6 +119,17 @@ void grad_all_gather(GradContext& c) {
 void grad_reduce_scatter(GradContext& c) {
   emit_transpose(c, OpKind::all_gather);
 }
+// dy is split along the forward's concat_dim (rank q's piece goes back to
+// rank q) and the pieces join along the forward's dim.
+void grad_all_to_all(GradContext& c) {
+  CollectiveAttrs a = CollectiveAttrs::of(c.node());
+  a.dim = std::exchange(a.concat_dim, a.dim);
+  const int64_t n = std::max<int64_t>(a.group_size(), 1);
+  const int64_t along = c.value(c.dy()).shape.dims()[static_cast<size_t>(a.dim)];
+  a.sizes.assign(static_cast<size_t>(n), along / n);
+  c.give(0, c.emit(OpKind::all_to_all, c.name(0), {c.dy()}, a.to_attrs(OpKind::all_to_all)));
+}
+
 void grad_copy_to_group(GradContext& c) {
   emit_transpose(c, OpKind::reduce_from_group);
 }
@@ -117,6 +154,7 @@ Attrs CollectiveAttrs::to_attrs(OpKind op) const {
   Attrs a;
   a.set("group", group);
   if (pieces_op(op)) a.set("dim", dim).set("sizes", sizes).set("rank", rank);
+  if (op == OpKind::all_to_all) a.set("concat_dim", concat_dim);
   return a;
 }
 
@@ -128,6 +166,7 @@ CollectiveAttrs CollectiveAttrs::of(const Node& n) {
     a.sizes = n.attrs.ints("sizes");
     a.rank = n.attrs.i("rank");
   }
+  if (n.op == OpKind::all_to_all) a.concat_dim = n.attrs.i("concat_dim");
   return a;
 }
 
@@ -138,6 +177,7 @@ bool is_group_op(OpKind op) {
     case OpKind::reduce_scatter:
     case OpKind::copy_to_group:
     case OpKind::reduce_from_group:
+    case OpKind::all_to_all:
       return true;
     default:
       return false;
@@ -156,6 +196,7 @@ double collective_payload_bytes(const Graph& g, const Node& n) {
     case OpKind::all_reduce:
     case OpKind::reduce_from_group:
     case OpKind::reduce_scatter:
+    case OpKind::all_to_all:
       return bytes(n.inputs[0]);
     case OpKind::all_gather:
       return bytes(n.outputs[0]);
@@ -175,6 +216,7 @@ void register_collective_ops(std::vector<OpDef>& t) {
   t.push_back(f);
   t.push_back(
       def(OpKind::reduce_from_group, "reduce_from_group", infer_same, grad_reduce_from_group));
+  t.push_back(def(OpKind::all_to_all, "all_to_all", infer_all_to_all, grad_all_to_all));
 }
 
 }  // namespace mt

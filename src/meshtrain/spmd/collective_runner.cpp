@@ -65,6 +65,7 @@ struct CommCollectiveRunner::Pending {
   bool unpack = false;
   Pieces pieces;
   Tensor staging, out;
+  Tensor send_staging;  // all_to_all along an inner dim: x's pieces rank-major
 };
 
 CommCollectiveRunner::CommCollectiveRunner(Communicator& world,
@@ -140,7 +141,8 @@ CollectiveHandle CommCollectiveRunner::start(const CollectiveCall& call) {
                                         in.dtype(), ReduceOp::sum, opts_);
       break;
     case OpKind::all_gather:
-    case OpKind::reduce_scatter: {
+    case OpKind::reduce_scatter:
+    case OpKind::all_to_all: {
       const CollectiveAttrs& a = call.attrs;
       if (a.group_size() != comm.size() || a.rank != comm.rank()) {
         throw ConfigError(fmt::format(
@@ -150,8 +152,36 @@ CollectiveHandle CommCollectiveRunner::start(const CollectiveCall& call) {
             comm.rank(), comm.size(), a.group, fmt::join(ranks_of(a.group), ", ")));
       }
       const bool gather = call.op == OpKind::all_gather;
-      p->pieces = pieces_of(gather ? out.shape() : in.shape(), a);
       const size_t elem = dtype_size(in.dtype());
+      if (call.op == OpKind::all_to_all) {
+        // Pack x's pieces along dim rank-major, exchange equal blocks, and
+        // join the received blocks along concat_dim.
+        const Pieces send = pieces_of(in.shape(), a);
+        const void* src = in.raw();
+        if (!send.contiguous()) {
+          p->send_staging = Tensor::empty(in.shape(), in.dtype());
+          shuffle(send, elem, static_cast<const char*>(in.raw()),
+                  static_cast<char*>(p->send_staging.raw()), true);
+          src = p->send_staging.raw();
+        }
+        CollectiveAttrs joined = a;
+        joined.dim = a.concat_dim;
+        const int64_t n = a.group_size();
+        joined.sizes.assign(static_cast<size_t>(n),
+                            out.shape().dims()[static_cast<size_t>(a.concat_dim)] / n);
+        p->pieces = pieces_of(out.shape(), joined);
+        void* dst = out.raw();
+        if (!p->pieces.contiguous()) {
+          p->staging = Tensor::empty(out.shape(), out.dtype());
+          p->out = out;
+          p->unpack = true;
+          dst = p->staging.raw();
+        }
+        p->handle = comm.all_to_all_async(src, dst, send.counts.empty() ? 0 : send.counts[0],
+                                          in.dtype(), opts_);
+        break;
+      }
+      p->pieces = pieces_of(gather ? out.shape() : in.shape(), a);
       if (gather) {
         void* dst = out.raw();
         if (!p->pieces.contiguous()) {
@@ -218,6 +248,13 @@ CollectiveCost CommCollectiveRunner::cost_of(const Graph& g, const Node& n) cons
       const size_t total = std::accumulate(p.counts.begin(), p.counts.end(), size_t{0});
       const Collective c = gather ? Collective::all_gatherv : Collective::reduce_scatterv;
       return comm.cost(c, algorithm(c, total * elem), total, x.dtype, p.counts);
+    }
+    case OpKind::all_to_all: {
+      const Pieces p = pieces_of(x.shape, a);
+      const size_t per_rank = p.counts.empty() ? 0 : p.counts[0];
+      return comm.cost(Collective::all_to_all,
+                       algorithm(Collective::all_to_all, per_rank * p.counts.size() * elem),
+                       per_rank, x.dtype);
     }
     default:
       return {};
