@@ -2,7 +2,8 @@
 // on the `local` communicator (ranks as threads), 2 to 4 ranks:
 // - forward results bitwise equal to the closed form (integer-valued data,
 //   so every sum is exact), even and uneven pieces, outer and inner dims,
-//   sub-groups of the world;
+//   sub-groups of the world, with and without shared memory; the group's
+//   byte counters equal each node's cost facts;
 // - every gradient rule against central finite differences of the global
 //   function in f64. The global objective follows graph/collective.h: the sum
 //   of every rank's loss, each rank's input its own variable (all_reduce,
@@ -29,6 +30,7 @@
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/builder.h"
 #include "meshtrain/graph/collective.h"
+#include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/op_registry.h"
 #include "meshtrain/spmd/collective_runner.h"
 
@@ -234,8 +236,9 @@ TEST_P(CollectiveForward, BitwiseEqualToTheClosedForm) {
       ExecOptions o;
       o.backend = "reference";
       o.outputs = {y};
-      o.collectives = std::make_shared<CommCollectiveRunner>(
+      auto runner = std::make_shared<CommCollectiveRunner>(
           comm, std::vector<std::vector<int>>{all_ranks(c.ranks)});
+      o.collectives = runner;
       Executor ex(g, o);
       Tensor xt = Tensor::empty(g.value(x).shape, DType::f32);
       for (int64_t i = 0; i < xt.numel(); ++i) xt.set_item(i, input_value(r, i));
@@ -248,6 +251,25 @@ TEST_P(CollectiveForward, BitwiseEqualToTheClosedForm) {
         EXPECT_EQ(std::memcmp(yt.raw(), want.data(), want.size() * sizeof(float)), 0)
             << c.label << " rank " << r << " shm " << shm;
       }
+      // The group's byte counters equal the node's cost facts: payload from
+      // graph/cost.h, wire bytes from comm's cost of the algorithm used.
+      const Node& node = g.node(g.value(y).producer);
+      const CommCounters counters = runner->comm_of(0)->counters();
+      if (!communicates(node.op)) {
+        EXPECT_EQ(counters.total_sent(), 0u);
+        return;
+      }
+      const char* kind = node.op == OpKind::all_gather       ? "all_gatherv"
+                         : node.op == OpKind::reduce_scatter ? "reduce_scatterv"
+                         : node.op == OpKind::all_to_all     ? "all_to_all"
+                                                             : "all_reduce";
+      ASSERT_EQ(counters.by_collective.count(kind), 1u) << counters.to_json();
+      const CollectiveCounter& k = counters.by_collective.at(kind);
+      const CollectiveCost cost = runner->cost_of(g, node);
+      EXPECT_EQ(k.calls, 2u);
+      EXPECT_EQ(k.payload_bytes, 2 * static_cast<uint64_t>(op_cost(g, node).comm_bytes));
+      EXPECT_EQ(k.bytes_sent, 2 * cost.bytes_sent) << "rank " << r;
+      EXPECT_EQ(k.bytes_received, 2 * cost.bytes_received) << "rank " << r;
     });
   }
 }
