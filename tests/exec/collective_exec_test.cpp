@@ -78,6 +78,27 @@ TEST(CollectiveExec, StartsInPlaceAndWaitsBeforeTheFirstReader) {
   EXPECT_EQ(runner->calls[0].op, OpKind::all_reduce);
 }
 
+// Built after an independent node, the collective still starts right after
+// its input, but never ahead of an earlier collective.
+TEST(CollectiveExec, StartsAsSoonAsItsInputIsWrittenInGraphOrder) {
+  Graph g;
+  Builder b(g);
+  ValueId p = b.param("p", {4}, ParamInit{});
+  ValueId q = b.param("q", {4}, ParamInit{});
+  ValueId x = b.name(b.scale(p, 2.0), "x");
+  ValueId z = b.name(b.relu(q), "z");
+  ValueId u = b.name(b.tanh(q), "u");
+  ValueId y1 = b.name(b.all_reduce(z, 0), "y1");  // input written by z
+  ValueId y2 = b.name(b.all_reduce(x, 0), "y2");  // input ready at once, but y1 comes first
+  b.name(b.add(b.name(b.add(y1, y2), "s"), u), "out");
+  ExecOptions o;
+  o.backend = "reference";
+  o.collectives = std::make_shared<RecordingRunner>();
+  Executor ex(g, o);
+  EXPECT_EQ(step_names(ex), (std::vector<std::string>{"x", "z", "y1", "y2", "u", "y1/wait",
+                                                      "y2/wait", "s", "out"}));
+}
+
 TEST(CollectiveExec, WithoutReadersTheWaitComesAtTheEnd) {
   Graph g;
   Builder b(g);

@@ -3,13 +3,12 @@
 // layer implements it over a Communicator (spmd/collective_runner.h); tests
 // may implement it over anything.
 //
-// The executor calls start() when the node's turn in the schedule comes (its
-// inputs are ready) and wait() right before the first step that reads one of
-// its outputs (or at the end of the run), so communication overlaps the
-// compute scheduled between the two. The memory plan keeps the node's input
-// and output buffers alive from start() to wait(); the runner must not touch
-// them after wait() returns. Every start() is followed by exactly one wait()
-// with its handle before run() returns (also when a later step throws, so no
+// The executor calls start() as soon as the node's inputs are written (in
+// the graph's order of collectives, which every rank shares) and wait() right before the first step
+// that reads one of its outputs (or at the end of the run), so communication overlaps the compute
+// scheduled between the two. The memory plan keeps the node's input and output buffers alive from
+// start() to wait(); the runner must not touch them after wait() returns. Every start() is followed
+// by exactly one wait() with its handle before run() returns (also when a later step throws, so no
 // call is left in flight over executor memory); waits may come in another
 // order than the starts when the graph reads a later result first.
 // Called from the executor's thread only.

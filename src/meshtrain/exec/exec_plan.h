@@ -26,7 +26,9 @@ struct PlanSlot {
 };
 
 // A collective node (graph/collective.h communicates()) becomes two steps: a
-// start at the node's place, and a wait right before the first step that
+// start right after the step that writes its last input (but after every
+// earlier collective's start: the graph's collective order is kept, as all
+// ranks must issue them in one order), and a wait right before the first step that
 // reads one of its outputs (or at the end). The wait step lists the node's
 // inputs and outputs as `in` (and no `out`), so the lifetimes keep every
 // in-flight buffer alive from start to wait.

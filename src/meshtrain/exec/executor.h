@@ -9,8 +9,9 @@
 // caller binds is written straight into that memory; one it does not bind is
 // planned in the arena and kept alive until the end of run().
 //
-// A collective node runs as a start step at its place in the schedule and a
-// wait step right before its first reader (exec_plan.h); the runner in
+// A collective node runs as a start step as soon as its inputs are written
+// (keeping the graph's order of collectives) and a wait step right before
+// its first reader (exec_plan.h); the runner in
 // ExecOptions::collectives does the communication, and compute between the
 // two overlaps it. The profile lists the wait as "<node>/wait".
 //
