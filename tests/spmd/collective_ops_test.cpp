@@ -248,7 +248,8 @@ TEST_P(CollectiveForward, BitwiseEqualToTheClosedForm) {
         const Tensor yt = ex.get(y);
         const std::vector<float> want = expected(c, r);
         ASSERT_EQ(static_cast<size_t>(yt.numel()), want.size()) << "rank " << r;
-        EXPECT_EQ(std::memcmp(yt.raw(), want.data(), want.size() * sizeof(float)), 0)
+        EXPECT_TRUE(want.empty() ||
+                    std::memcmp(yt.raw(), want.data(), want.size() * sizeof(float)) == 0)
             << c.label << " rank " << r << " shm " << shm;
       }
       // The group's byte counters equal the node's cost facts: payload from
