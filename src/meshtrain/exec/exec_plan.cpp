@@ -4,6 +4,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/exec/memory_planner.h"
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/op_registry.h"
 
@@ -69,6 +70,79 @@ std::vector<PlanStep> insert_recomputation(const Graph& g, const PlanRequest& re
   return steps;
 }
 
+// Moves each collective up to just after the step that writes the last of
+// its inputs (so communication starts as soon as it can), but never above
+// an earlier collective: every rank must issue a group's collectives in the
+// same order, and the graph's order is the one all ranks share.
+std::vector<PlanStep> hoist_collectives(const Graph& g, std::vector<PlanStep> steps) {
+  std::vector<PlanStep> out;
+  size_t floor = 0;  // just past the last collective placed
+  for (PlanStep& st : steps) {
+    if (st.recompute || !communicates(g.node(st.node).op)) {
+      out.push_back(std::move(st));
+      continue;
+    }
+    size_t pos = floor;
+    for (size_t k = out.size(); k-- > floor;) {
+      bool writes = false;
+      for (int o : out[k].out) {
+        for (int in : st.in) writes = writes || o == in;
+      }
+      if (writes) {
+        pos = k + 1;
+        break;
+      }
+    }
+    out.insert(out.begin() + static_cast<std::ptrdiff_t>(pos), std::move(st));
+    floor = pos + 1;
+  }
+  return out;
+}
+
+// Splits each collective into a start step at its place and a wait step
+// right before the first later step that reads an output (or a view of one),
+// or at the end when nothing reads it. Runs after views are marked, so a
+// reader of a view (whose in[] names the view's slot) is found by its root.
+std::vector<PlanStep> split_collectives(const Graph& g, const ExecPlan& p,
+                                        std::vector<PlanStep> steps) {
+  std::vector<PlanStep> out;
+  struct Pending {
+    int start;  // index in `out`
+    std::vector<int> outputs;
+  };
+  std::vector<Pending> pending;
+  auto emit_wait = [&](const Pending& pd) {
+    PlanStep w = out[idx(pd.start)];
+    w.start = false;
+    w.wait = true;
+    w.started = pd.start;
+    w.in.insert(w.in.end(), w.out.begin(), w.out.end());
+    w.out.clear();
+    out.push_back(std::move(w));
+  };
+  for (PlanStep& st : steps) {
+    // Wait for every in-flight collective this step reads, in start order.
+    for (size_t k = 0; k < pending.size();) {
+      bool reads = false;
+      for (int in : st.in) {
+        for (int o : pending[k].outputs) reads = reads || p.root(in) == o;
+      }
+      if (reads) {
+        emit_wait(pending[k]);
+        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        ++k;
+      }
+    }
+    const bool coll = !st.recompute && communicates(g.node(st.node).op);
+    if (coll) st.start = true;
+    out.push_back(std::move(st));
+    if (coll) pending.push_back({static_cast<int>(out.size()) - 1, out.back().out});
+  }
+  for (const Pending& pd : pending) emit_wait(pd);
+  return out;
+}
+
 }  // namespace
 
 ExecPlan make_exec_plan(const Graph& g, const PlanRequest& req) {
@@ -101,6 +175,7 @@ ExecPlan make_exec_plan(const Graph& g, const PlanRequest& req) {
       p.slots[idx(st.out[0])].view_of = p.root(st.in[0]);
     }
   }
+  p.steps = split_collectives(g, p, hoist_collectives(g, std::move(p.steps)));
 
   // Lifetimes: reads of a view keep its root alive.
   const int nsteps = static_cast<int>(p.steps.size());

@@ -25,10 +25,20 @@ struct PlanSlot {
   int64_t offset = -1;  // arena offset (root slots in the arena only)
 };
 
+// A collective node (graph/collective.h communicates()) becomes two steps: a
+// start right after the step that writes its last input (but after every
+// earlier collective's start: the graph's collective order is kept, as all
+// ranks must issue them in one order), and a wait right before the first step that
+// reads one of its outputs (or at the end). The wait step lists the node's
+// inputs and outputs as `in` (and no `out`), so the lifetimes keep every
+// in-flight buffer alive from start to wait.
 struct PlanStep {
   NodeId node = kNoNode;
   bool recompute = false;  // a re-run of a forward node for backward readers
   bool view = false;       // output 0 is a view of input 0: no kernel runs
+  bool start = false;      // starts a collective (the runner, not a kernel)
+  bool wait = false;       // waits for the collective started at step `started`
+  int started = -1;
   std::vector<int> in, out;
 };
 

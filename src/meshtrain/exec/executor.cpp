@@ -8,6 +8,7 @@
 #include "meshtrain/base/timer.h"
 #include "meshtrain/exec/exec_plan.h"
 #include "meshtrain/exec/kernel_table.h"
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/tensor/kernels.h"
 
@@ -172,7 +173,7 @@ struct Executor::Impl {
     ready_params.assign(plan.steps.size(), {});
     for (size_t s = 0; s < plan.steps.size(); ++s) {
       const PlanStep& st = plan.steps[s];
-      if (st.recompute) continue;
+      if (st.recompute || st.start) continue;  // a collective's result is ready at its wait
       for (ValueId out : g.node(st.node).outputs) {
         for (const auto& [param, grad] : g.grads()) {
           if (grad == out) ready_params[s].push_back(param);
@@ -184,9 +185,9 @@ struct Executor::Impl {
       for (const PlanStep& st : plan.steps) {
         const Node& n = g.node(st.node);
         OpProfile p;
-        p.name = st.recompute ? "recompute/" + n.name : n.name;
+        p.name = st.recompute ? "recompute/" + n.name : st.wait ? n.name + "/wait" : n.name;
         p.op = n.op;
-        p.flops = op_cost(g, n).flops;
+        p.flops = st.wait ? 0 : op_cost(g, n).flops;
         prof.push_back(p);
       }
     }
@@ -281,10 +282,61 @@ struct Executor::Impl {
     }
   }
 
+  // Before any step runs: a collective without a runner is an error.
+  void check_collectives(bool forward_only) const {
+    if (opts.collectives) return;
+    for (const PlanStep& st : plan.steps) {
+      if (!st.start || (forward_only && step_backward(st))) continue;
+      const Node& n = g.node(st.node);
+      throw ConfigError(fmt::format(
+          "executor: node '{}' ({}, group {}) is a collective, but no CollectiveRunner was given "
+          "(ExecOptions::collectives)",
+          n.name, op_name(n.op), n.attrs.i("group")));
+    }
+  }
+
+  CollectiveCall collective_call(size_t s) const {
+    const PlanStep& st = plan.steps[s];
+    const Node& n = g.node(st.node);
+    CollectiveCall c;
+    c.op = n.op;
+    c.node = n.name;
+    c.attrs = CollectiveAttrs::of(n);
+    c.in = step_in[s];
+    c.out = step_out[s];
+    return c;
+  }
+
   void execute(bool forward_only) {
     ensure_plan();
     check_bound(forward_only);
+    check_collectives(forward_only);
     ensure_tensors();
+    // Started collectives, by start step; each is waited for exactly once,
+    // also when a step throws (the runner must not outlive its buffers' use).
+    struct InFlight {
+      Impl& m;
+      std::vector<std::pair<int, CollectiveHandle>> calls;
+      explicit InFlight(Impl& impl) : m(impl) {}
+      CollectiveHandle take(int start) {
+        for (auto it = calls.begin(); it != calls.end(); ++it) {
+          if (it->first != start) continue;
+          CollectiveHandle h = it->second;
+          calls.erase(it);
+          return h;
+        }
+        MT_CHECK(false, "executor: no collective in flight from step {}", start);
+        return {};
+      }
+      ~InFlight() {
+        for (auto& [start, h] : calls) {
+          try {
+            m.opts.collectives->wait(h);
+          } catch (...) {  // the step's own error is the one to report
+          }
+        }
+      }
+    } in_flight(*this);
     // Set first so that on_grad_ready callbacks may get() finished gradients.
     ran = true;
     backward_ran = !forward_only;
@@ -315,7 +367,12 @@ struct Executor::Impl {
       }
       const bool timed = opts.profile || static_cast<bool>(node_cb);
       const int64_t t0 = timed ? now_ns() : 0;
-      if (!st.view) {
+      if (st.start) {
+        in_flight.calls.emplace_back(static_cast<int>(s),
+                                     opts.collectives->start(collective_call(s)));
+      } else if (st.wait) {
+        opts.collectives->wait(in_flight.take(st.started));
+      } else if (!st.view) {
         try {
           kernel[idx(st.node)](*backend, n, step_in[s], step_out[s]);
         } catch (const ShapeError& e) {
@@ -362,7 +419,9 @@ Executor::Executor(const Graph& g, ExecOptions opts) : impl_(std::make_unique<Im
       throw ConfigError(fmt::format("executor: output id {} is not a value of the graph", v));
     }
   }
-  for (const Node& n : g.nodes()) m.kernel.push_back(kernel_for(n.op));
+  for (const Node& n : g.nodes()) {
+    m.kernel.push_back(communicates(n.op) ? nullptr : kernel_for(n.op));
+  }
   m.ensure_plan();
 }
 

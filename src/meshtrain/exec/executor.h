@@ -9,6 +9,12 @@
 // caller binds is written straight into that memory; one it does not bind is
 // planned in the arena and kept alive until the end of run().
 //
+// A collective node runs as a start step as soon as its inputs are written
+// (keeping the graph's order of collectives) and a wait step right before
+// its first reader (exec_plan.h); the runner in
+// ExecOptions::collectives does the communication, and compute between the
+// two overlaps it. The profile lists the wait as "<node>/wait".
+//
 // run() executes every node once (recomputed nodes twice), timing each. The
 // executor keeps its own copy of the graph. Not thread-safe; one executor per
 // rank.
@@ -20,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "meshtrain/exec/collective_runner.h"
 #include "meshtrain/graph/graph.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/tensor.h"
@@ -41,6 +48,12 @@ struct ExecOptions {
   // Threads per kernel call, passed to the backend's set_num_threads (which
   // is process-wide); 0 leaves the backend's setting alone.
   int num_threads = 0;
+  // Runs the graph's collective nodes (graph/collective.h). A graph with a
+  // collective that communicates and no runner fails in run() with a
+  // ConfigError naming the node, even for a group of one rank: the executor
+  // cannot know a group's size, and silently treating a collective as the
+  // identity would hide a missing runner. f (copy_to_group) needs none.
+  std::shared_ptr<CollectiveRunner> collectives;
 };
 
 struct MemoryPlan {

@@ -166,6 +166,14 @@ KernelFn lookup(OpKind op) {
       return [](KernelBackend&, const Node& n, In, Out out) { out[0].fill(n.attrs.f("value")); };
     case OpKind::broadcast_to:
       return broadcast_to;
+    case OpKind::copy_to_group:  // identity forward: a view, or this copy into caller memory
+      return reshape_copy;
+    case OpKind::all_reduce:  // these move data between ranks: the CollectiveRunner runs them
+    case OpKind::all_gather:
+    case OpKind::reduce_scatter:
+    case OpKind::reduce_from_group:
+    case OpKind::all_to_all:
+      return nullptr;
   }
   return nullptr;
 }

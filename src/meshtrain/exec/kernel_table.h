@@ -14,7 +14,8 @@ namespace mt {
 using KernelFn = void (*)(KernelBackend& k, const Node& n, const std::vector<Tensor>& in,
                           std::vector<Tensor>& out);
 
-// Throws InternalError for an OpKind without a kernel.
+// Throws InternalError for an OpKind without a kernel (the collectives that
+// communicate have none: the executor hands them to its CollectiveRunner).
 KernelFn kernel_for(OpKind op);
 
 }  // namespace mt

@@ -1,5 +1,7 @@
 #include "meshtrain/graph/builder.h"
 
+#include "meshtrain/graph/collective.h"
+
 #include <fmt/format.h>
 
 namespace mt {
@@ -145,6 +147,44 @@ ValueId Builder::fill(const Shape& shape, DType dtype, double value) {
                     .set("shape", shape.dims())
                     .set("dtype", std::string(dtype_name(dtype)))
                     .set("value", value));
+}
+
+namespace {
+Attrs group_attrs(int64_t group, OpKind op) {
+  CollectiveAttrs a;
+  a.group = group;
+  return a.to_attrs(op);
+}
+}  // namespace
+
+ValueId Builder::all_reduce(ValueId x, int64_t group) {
+  return append(OpKind::all_reduce, {x}, group_attrs(group, OpKind::all_reduce));
+}
+
+ValueId Builder::all_gather(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                            int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
+  return append(OpKind::all_gather, {x}, a.to_attrs(OpKind::all_gather));
+}
+
+ValueId Builder::reduce_scatter(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                                int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
+  return append(OpKind::reduce_scatter, {x}, a.to_attrs(OpKind::reduce_scatter));
+}
+
+ValueId Builder::all_to_all(ValueId x, int64_t group, int64_t dim, int64_t concat_dim,
+                            std::vector<int64_t> sizes, int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, concat_dim};
+  return append(OpKind::all_to_all, {x}, a.to_attrs(OpKind::all_to_all));
+}
+
+ValueId Builder::copy_to_group(ValueId x, int64_t group) {
+  return append(OpKind::copy_to_group, {x}, group_attrs(group, OpKind::copy_to_group));
+}
+
+ValueId Builder::reduce_from_group(ValueId x, int64_t group) {
+  return append(OpKind::reduce_from_group, {x}, group_attrs(group, OpKind::reduce_from_group));
 }
 
 }  // namespace mt

@@ -65,6 +65,19 @@ class Builder {
   ValueId broadcast_to(ValueId x, const Shape& shape);
   // A constant tensor, refilled on every run.
   ValueId fill(const Shape& shape, DType dtype, double value);
+  // Collectives over group `group` (graph/collective.h says what each means
+  // and differentiates to). sizes: every group rank's piece along dim; rank:
+  // this rank's position in the group.
+  ValueId all_reduce(ValueId x, int64_t group);
+  ValueId all_gather(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                     int64_t rank);
+  ValueId reduce_scatter(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                         int64_t rank);
+  // Even pieces: x's extent along dim is sizes[0] x the group size.
+  ValueId all_to_all(ValueId x, int64_t group, int64_t dim, int64_t concat_dim,
+                     std::vector<int64_t> sizes, int64_t rank);
+  ValueId copy_to_group(ValueId x, int64_t group);      // Megatron's f
+  ValueId reduce_from_group(ValueId x, int64_t group);  // Megatron's g
 
   // Renames the operator that produced v (scoped), instead of its automatic
   // "<op>_<n>", and returns v:  ValueId logits = b.name(b.matmul(h, w), "logits");

@@ -1,5 +1,6 @@
 #include "meshtrain/graph/cost.h"
 
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/graph/op_registry.h"
 
 namespace mt {
@@ -19,6 +20,7 @@ OpCost op_cost(const Graph& g, const Node& n) {
     for (ValueId v : n.inputs) c.bytes += nbytes(g.value(v));
     for (ValueId v : n.outputs) c.bytes += nbytes(g.value(v));
   }
+  c.comm_bytes = collective_payload_bytes(g, n);
   return c;
 }
 
@@ -28,6 +30,7 @@ OpCost graph_cost(const Graph& g) {
     OpCost c = op_cost(g, n);
     total.flops += c.flops;
     total.bytes += c.bytes;
+    total.comm_bytes += c.comm_bytes;
   }
   return total;
 }

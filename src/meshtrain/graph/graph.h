@@ -61,6 +61,15 @@ enum class OpKind : uint16_t {
   // added after the first skeleton (appended so existing values keep their numbers)
   fill,          // no inputs; attrs: shape, dtype (name), value. Seeds d loss = 1.
   broadcast_to,  // attrs: shape (x's shape is a suffix of it, or x is a scalar); backward of sum_to
+  // collectives over the ranks of a group (graph/collective.h; exec runs them
+  // through a CollectiveRunner). attrs: group, and for all_gather /
+  // reduce_scatter also dim, sizes (per group rank), rank (position in the group)
+  all_reduce,         // y = sum of x over the group
+  all_gather,         // y = x of every group rank, joined along dim
+  reduce_scatter,     // y = this rank's piece (along dim) of the sum over the group
+  copy_to_group,      // Megatron's f: y = x; backward all-reduces (x is replicated)
+  reduce_from_group,  // Megatron's g: y = sum over the group, replicated; backward identity
+  all_to_all,  // piece q of x along dim goes to rank q; the received pieces join along concat_dim
 };
 
 // activation: produced by a forward node; grad: produced by a backward node.
