@@ -273,16 +273,22 @@ class Context:
                 return "-"
             return f"{v:.3g}" if isinstance(v, float) and abs(v) < 100 else f"{v:.0f}"
         print(f"\n{'name':30s} {'thr':>3s} {'peer':34s} {'meshtrain':>10s} {'peer':>10s} "
-              f"{'ratio':>6s} {'fast':>6s} {'busy':>9s}", file=sys.stderr)
+              f"{'ratio':>6s} {'fast':>6s} {'busy':>9s} {'matmul GF/s':>11s}", file=sys.stderr)
         for ln in rows:
             thr = ln.get("threads", ln.get("processes", ""))
             busy = "/".join(fmt(ln.get(k)) for k in ("meshtrain_others_cpu", "peer_others_cpu"))
+            mm_keys = ("meshtrain_matmul_gflops", "peer_matmul_gflops")
+            mm = ("/".join(fmt(ln.get(k)) for k in mm_keys)
+                  if "meshtrain_matmul_gflops" in ln else "")
             print(f"{ln['name'][:30]:30s} {str(thr):>3s} {str(ln.get('peer_name'))[:34]:34s} "
                   f"{fmt(ln.get('meshtrain')):>10s} {fmt(ln.get('peer')):>10s} "
-                  f"{fmt(ln.get('ratio')):>6s} {fmt(ln.get('ratio_fast')):>6s} {busy:>9s}"
+                  f"{fmt(ln.get('ratio')):>6s} {fmt(ln.get('ratio_fast')):>6s} {busy:>9s} {mm:>11s}"
                   + ("  ERROR" if ln.get("error") else ""), file=sys.stderr)
         print("(ratio > 1: meshtrain better; fast: p90 step rates; busy: others' CPU share "
-              "during meshtrain/peer)", file=sys.stderr)
+              "during meshtrain/peer; matmul: meshtrain/peer GFLOP/s)", file=sys.stderr)
+        cpu = self.line_context
+        print(f"CPU: {cpu.get('cpu_vendor')} {cpu.get('cpu_model')} ({cpu.get('cpu_isa')})",
+              file=sys.stderr)
 
     def log(self, msg):
         t = time.monotonic() - self.started
@@ -446,7 +452,8 @@ class Context:
             if res is None:
                 out = {"peer_matmul_error": r.failure()}
             else:
-                out = {k: v for k, v in res.items() if k.startswith("peer_") and k != "peer_threads"}
+                out = {k: v for k, v in res.items()
+                       if k.startswith("peer_") and k != "peer_threads"}
                 self.log(f"peer torch matmuls of the {model} step at {threads} thread(s): "
                          f"{out.get('peer_matmul_gflops') or 0:.1f} GFLOP/s "
                          f"({out.get('peer_engines')})")

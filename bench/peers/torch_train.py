@@ -224,7 +224,9 @@ def torch_context():
         return m.group(1).strip() if m else None
 
     blas = find(r"BLAS_INFO=([^,\s]+)")
-    mkl = find(r"Math Kernel Library Version ([0-9.]+)") if torch.backends.mkl.is_available() else None
+    mkl = None
+    if torch.backends.mkl.is_available():
+        mkl = find(r"Math Kernel Library Version ([0-9.]+)")
     onednn = find(r"MKL-DNN (v[^\s]+)") if torch.backends.mkldnn.is_available() else None
     try:
         capability = torch.backends.cpu.get_cpu_capability()

@@ -1,4 +1,4 @@
-"""Accuracy of the shipped configs trained to their documented lengths (f32 and bf16) vs PyTorch on the same data and schedule.
+"""Shipped configs trained to their documented lengths (f32, bf16): test accuracy vs PyTorch.
 
 Trains, one after the other:
   mlp  configs/mlp_fashion.toml, 5 epochs, 1 process (train.threads of the config)
@@ -104,7 +104,8 @@ def peer_args(ctx, model):
         section, _, field = key.partition(".")
         if section == "train" and field in ("epochs", "steps"):
             t[field] = int(value)
-    args = ["--model", model, "--epochs", str(t.get("epochs", 1)), "--steps", str(t.get("steps", 0)),
+    args = ["--model", model, "--epochs", str(t.get("epochs", 1)),
+            "--steps", str(t.get("steps", 0)),
             "--batch", str(t.get("batch_size", 128)),
             "--eval-batch", str(t.get("eval_batch_size", 1000)), "--seed", str(t.get("seed", 1))]
     if model == "gpt":

@@ -263,7 +263,8 @@ def mixed_lines(ctx, model, steps, warmup, setup, f32, precision="bf16"):
             "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common,
             "meshtrain_fast": b_fast, "peer_fast": f_fast, "ratio_fast": ratio(b_fast, f_fast),
             "meshtrain_matmul_gflops": bf.get("matmul_gflops"),
-            "peer_matmul_gflops": f32.get("matmul_gflops"), **matmul_fields(bf, f32, batch, precision),
+            "peer_matmul_gflops": f32.get("matmul_gflops"),
+            **matmul_fields(bf, f32, batch, precision),
             **meshtrain_engine_context(bf.summary)}
     if error:
         line["error"] = error
