@@ -271,7 +271,9 @@ def mixed_lines(ctx, model, steps, warmup, setup, f32, precision="bf16"):
     ctx.emit(line)
     line = {"name": f"{model}_{precision}_vs_f32_peak_rss", "unit": "MiB",
             "meshtrain": mib(bf.maxrss_kib), "peer": mib(f32.maxrss_kib),
-            "ratio": ratio(f32.maxrss_kib, bf.maxrss_kib), **common}
+            "ratio": ratio(f32.maxrss_kib, bf.maxrss_kib), **common,
+            "meshtrain_planned_arena_bytes": bf.get("planned_arena_bytes"),
+            "peer_planned_arena_bytes": f32.get("planned_arena_bytes")}
     if error:
         line["error"] = error
     ctx.emit(line)
