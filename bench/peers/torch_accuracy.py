@@ -33,8 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torch_train import VOCAB, build_model, set_threads, torch_context  # noqa: E402
 
@@ -81,6 +79,8 @@ def parse_args(argv):
 
 def read_idx(path):
     """An idx(.gz) file as a numpy array (u8 images or labels)."""
+    import numpy as np
+
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rb") as f:
         data = f.read()
@@ -98,6 +98,7 @@ def idx_file(directory, stem):
 
 
 def fashion(a, split):
+    import numpy as np
     import torch
 
     prefix = "train" if split == "train" else "t10k"
@@ -111,6 +112,7 @@ def fashion(a, split):
 
 def text_windows(a, split):
     """(inputs, targets) of every window of the split, as meshtrain's ByteText."""
+    import numpy as np
     import torch
 
     path = Path(a.text)
