@@ -128,6 +128,64 @@ def cpu_context():
             "cpu_model": info.get("model name", "unknown"), "cpu_isa": isa}
 
 
+# Where the two sides' bytes travel, for the transport fields of comparison
+# lines. One process moves none; meshtrain's ranks run under `meshtrain train
+# --nproc` (cli/launch.cpp: mpirun --mca btl self,vader), the PyTorch peer's
+# under DistributedDataParallel over gloo.
+SINGLE_PROCESS = "none (one process)"
+MESHTRAIN_MPI = ("Open MPI{version}, btl self,vader (shared memory): collectives chosen by size "
+                 "among an MPI-3 shared-memory window (MPI_Win_allocate_shared, 1 MiB per rank), "
+                 "ring / halving-doubling over MPI point-to-point and Open MPI's own")
+PEER_GLOO = "gloo over TCP on 127.0.0.1 (loopback)"
+
+
+def mpi_version():
+    """" x.y.z" of the mpirun on PATH, or "" when it cannot be asked."""
+    try:
+        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True,
+                             timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    words = out.split()
+    return next((" " + w for w in words if w[:1].isdigit()), "")
+
+
+def transport_context(distributed):
+    """{"meshtrain_transport", "peer_transport"} of a line: what carries the
+    bytes between ranks on each side (a one-process line moves none)."""
+    if not distributed:
+        return {"meshtrain_transport": SINGLE_PROCESS, "peer_transport": SINGLE_PROCESS}
+    return {"meshtrain_transport": MESHTRAIN_MPI.format(version=mpi_version()),
+            "peer_transport": PEER_GLOO}
+
+
+# Summary keys by which meshtrain may name the kernel libraries it chose
+# (the engine choice itself is the fast backend's business).
+ENGINE_KEYS = ("engines", "engine", "matmul_engine", "matmul_engines", "conv_engine",
+               "matmul_library", "cpu_engines")
+
+
+def meshtrain_engine_context(summary, exec_matmul="measure"):
+    """{"meshtrain_engines": text}: the engines meshtrain's run reports in its
+    summary line when it does (any of ENGINE_KEYS), else what its
+    configuration allows (exec.matmul) and that the run did not say which it
+    picked. OPENBLAS_CORETYPE, which pins OpenBLAS's kernels, is named when
+    set."""
+    reported = {k: summary[k] for k in ENGINE_KEYS if summary and summary.get(k) is not None}
+    if reported:
+        text = "; ".join(f"{k}: {v if isinstance(v, str) else json.dumps(v)}"
+                         for k, v in reported.items())
+    elif exec_matmul == "measure":
+        text = ("f32 matmul oneDNN or OpenBLAS, picked per shape by timing (exec.matmul=measure; "
+                "the run does not report which), convolution oneDNN, element-wise AVX-512")
+    else:
+        text = f"f32 matmul {exec_matmul}, convolution oneDNN, element-wise AVX-512"
+    core = os.environ.get("OPENBLAS_CORETYPE")
+    if core:
+        text += f"; OPENBLAS_CORETYPE={core}"
+    return {"meshtrain_engines": text}
+
+
 def busy_cpu_seconds():
     """CPU seconds all processes have spent busy since boot (/proc/stat)."""
     with open("/proc/stat") as f:
@@ -175,6 +233,15 @@ class Context:
         self.idle_budget_s = 4 * self.idle_wait_s  # for the whole suite
         self._built = set()
         self._torch_python = None
+        # Merged into every line emit() prints (a line's own fields win): the
+        # CPU, so no figure goes out without the machine that produced it.
+        # Suites add their own (transport, engines) with add_context().
+        self.line_context = cpu_context()
+        self._peer_matmul = {}
+
+    def add_context(self, fields):
+        """Adds fields to every line printed from now on (see line_context)."""
+        self.line_context.update({k: v for k, v in fields.items() if v is not None})
 
     # ---- output -----------------------------------------------------------
 
@@ -186,6 +253,8 @@ class Context:
             if isinstance(v, float):
                 v = round(v, 4) if abs(v) < 100 else round(v, 1)
             out[k] = v
+        for k, v in self.line_context.items():
+            out.setdefault(k, v)
         # The box is shared: the 1-minute load average, taken as the line is
         # printed (right after its runs), tells a reader how noisy it was.
         out["loadavg_1m"] = round(os.getloadavg()[0], 2)
@@ -204,16 +273,22 @@ class Context:
                 return "-"
             return f"{v:.3g}" if isinstance(v, float) and abs(v) < 100 else f"{v:.0f}"
         print(f"\n{'name':30s} {'thr':>3s} {'peer':34s} {'meshtrain':>10s} {'peer':>10s} "
-              f"{'ratio':>6s} {'fast':>6s} {'busy':>9s}", file=sys.stderr)
+              f"{'ratio':>6s} {'fast':>6s} {'busy':>9s} {'matmul GF/s':>11s}", file=sys.stderr)
         for ln in rows:
             thr = ln.get("threads", ln.get("processes", ""))
             busy = "/".join(fmt(ln.get(k)) for k in ("meshtrain_others_cpu", "peer_others_cpu"))
+            mm_keys = ("meshtrain_matmul_gflops", "peer_matmul_gflops")
+            mm = ("/".join(fmt(ln.get(k)) for k in mm_keys)
+                  if "meshtrain_matmul_gflops" in ln else "")
             print(f"{ln['name'][:30]:30s} {str(thr):>3s} {str(ln.get('peer_name'))[:34]:34s} "
                   f"{fmt(ln.get('meshtrain')):>10s} {fmt(ln.get('peer')):>10s} "
-                  f"{fmt(ln.get('ratio')):>6s} {fmt(ln.get('ratio_fast')):>6s} {busy:>9s}"
+                  f"{fmt(ln.get('ratio')):>6s} {fmt(ln.get('ratio_fast')):>6s} {busy:>9s} {mm:>11s}"
                   + ("  ERROR" if ln.get("error") else ""), file=sys.stderr)
         print("(ratio > 1: meshtrain better; fast: p90 step rates; busy: others' CPU share "
-              "during meshtrain/peer)", file=sys.stderr)
+              "during meshtrain/peer; matmul: meshtrain/peer GFLOP/s)", file=sys.stderr)
+        cpu = self.line_context
+        print(f"CPU: {cpu.get('cpu_vendor')} {cpu.get('cpu_model')} ({cpu.get('cpu_isa')})",
+              file=sys.stderr)
 
     def log(self, msg):
         t = time.monotonic() - self.started
@@ -362,3 +437,25 @@ class Context:
         r = self.run([self.torch_python(), PEERS / "torch_train.py", *args], env, name, timeout_s)
         lines = r.json_lines()
         return (lines[-1] if r.ok and lines else None), r
+
+    def peer_matmul(self, model, threads, setup_args):
+        """The peer's matrix-product rate on `model`'s own shapes at `threads`
+        threads (torch_train.py --matmul-probe: the mm/addmm/bmm calls of one
+        eager training step, forward and backward, timed again on the same
+        shapes and strides), with the peer's BLAS context; a dict of
+        peer_* fields, {"peer_matmul_error": why} when the probe failed.
+        Measured once per (model, threads) and suite."""
+        key = (model, threads)
+        if key not in self._peer_matmul:
+            res, r = self.peer(["--model", model, "--threads", str(threads), "--matmul-probe",
+                                *setup_args], threads, f"torch-mm-{model}-t{threads}")
+            if res is None:
+                out = {"peer_matmul_error": r.failure()}
+            else:
+                out = {k: v for k, v in res.items()
+                       if k.startswith("peer_") and k != "peer_threads"}
+                self.log(f"peer torch matmuls of the {model} step at {threads} thread(s): "
+                         f"{out.get('peer_matmul_gflops') or 0:.1f} GFLOP/s "
+                         f"({out.get('peer_engines')})")
+            self._peer_matmul[key] = out
+        return self._peer_matmul[key]

@@ -61,6 +61,10 @@ def parse_args(argv):
     p.add_argument("--world", type=int, default=1, help="data-parallel processes")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--matmul-probe", action="store_true",
+                   help="instead of timing training: record the matrix products of one eager "
+                        "training step (forward and backward) and time torch's kernels on "
+                        "exactly those shapes and strides; prints their GFLOP/s")
     m = p.add_argument_group("model (defaults: the benchmark models)")
     m.add_argument("--hidden", type=int_list, default=[512, 512], help="MLP hidden sizes")
     m.add_argument("--conv-channels", type=int_list, default=[32, 64], help="CNN conv channels")
@@ -204,6 +208,118 @@ def make_batches(a, batch, count, gen):
     return out
 
 
+def torch_context():
+    """What the peer computes with: torch version, the BLAS its f32 matrix
+    products go through (BLAS_INFO of torch.__config__.show(): mkl, openblas,
+    ...), MKL's and oneDNN's versions as the build reports them, and the CPU
+    kernel level torch dispatches to (torch.backends.cpu.get_cpu_capability())."""
+    import re
+
+    import torch
+
+    show = torch.__config__.show()
+
+    def find(pattern):
+        m = re.search(pattern, show)
+        return m.group(1).strip() if m else None
+
+    blas = find(r"BLAS_INFO=([^,\s]+)")
+    mkl = None
+    if torch.backends.mkl.is_available():
+        mkl = find(r"Math Kernel Library Version ([0-9.]+)")
+    onednn = find(r"MKL-DNN (v[^\s]+)") if torch.backends.mkldnn.is_available() else None
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except AttributeError:
+        capability = None
+    parts = [f"BLAS {blas or 'unknown'}" + (f" (MKL {mkl})" if blas == "mkl" and mkl else "")]
+    if onednn:
+        parts.append(f"oneDNN {onednn}")
+    return {"peer_blas": blas, "peer_mkl_version": mkl, "peer_onednn_version": onednn,
+            "peer_cpu_capability": capability,
+            "peer_engines": ", ".join(parts) + f"; kernels for {capability or 'unknown'}"}
+
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def matmul_probe(a, model, opt, batch):
+    """Records the matrix products (aten mm, addmm, bmm, baddbmm) one eager
+    training step of `model` runs, forward and backward, then times each of
+    them again on fresh tensors of the same shapes and strides (transposed
+    operands stay transposed). Returns {"peer_matmul_gflops": FLOPs / time
+    over all of them, median of 5 passes, ...}. These are the GEMMs under the
+    peer's layers; attention inside scaled_dot_product_attention is a fused
+    kernel, not counted here."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    def spec(t):
+        return (tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket.__name__ in MATMUL_OPS:
+                calls.append((func, [spec(x) for x in args], dict(kwargs)))
+            return func(*args, **kwargs)
+
+    x, y = batch
+    opt.zero_grad(set_to_none=True)
+    with Recorder():
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+
+    def flops(func, specs):
+        name = func.overloadpacket.__name__
+        mats = [s for s in specs if isinstance(s, tuple) and len(s) == 3 and len(s[0]) >= 2]
+        p, q = mats[-2][0], mats[-1][0]  # the two factors (addmm/baddbmm: after the bias)
+        if name in ("mm", "addmm"):
+            return 2.0 * p[0] * p[1] * q[1]
+        return 2.0 * p[0] * p[1] * p[2] * q[2]
+
+    gen = torch.Generator().manual_seed(7)
+    replay = []
+    for func, specs, kwargs in calls:
+        args = []
+        for s in specs:
+            if isinstance(s, tuple) and len(s) == 3 and isinstance(s[2], torch.dtype):
+                t = torch.empty_strided(s[0], s[1], dtype=s[2])
+                t.copy_(torch.rand(s[0], generator=gen) - 0.5)
+                args.append(t)
+            else:
+                args.append(s)
+        replay.append((func, args, kwargs, flops(func, specs)))
+    total_flops = sum(r[3] for r in replay)
+    if not replay:
+        return {"peer_matmul_gflops": None, "peer_matmul_calls": 0}
+
+    def one_pass():
+        for func, args, kwargs, _ in replay:
+            func(*args, **kwargs)
+
+    one_pass()
+    t0 = time.perf_counter()
+    one_pass()
+    reps = max(1, int(0.2 / max(time.perf_counter() - t0, 1e-6)))
+    rates = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            one_pass()
+        rates.append(total_flops * reps / (time.perf_counter() - t0) / 1e9)
+    shapes = sorted({" x ".join("x".join(str(d) for d in s[0]) for s in specs
+                               if isinstance(s, tuple) and len(s) == 3 and len(s[0]) >= 2)
+                     for _, specs, _ in calls})
+    return {"peer_matmul_gflops": statistics.median(rates), "peer_matmul_calls": len(replay),
+            "peer_matmul_gflop_per_step": total_flops / 1e9, "peer_matmul_shapes": shapes,
+            "peer_matmul_ops": sorted({f.overloadpacket.__name__ for f, _, _ in calls})}
+
+
 def describe_optimizer(a):
     if a.opt == "sgd":
         text = f"sgd lr={a.lr} momentum={a.momentum} nesterov={a.nesterov} wd={a.weight_decay}"
@@ -247,6 +363,13 @@ def main(argv):
 
     gen = torch.Generator().manual_seed(1000 + a.seed + a.rank)
     batches = make_batches(a, local_batch, 4, gen)
+
+    if a.matmul_probe:
+        result = {"model": a.model, "threads": a.threads, "peer_threads": peer_threads,
+                  "batch": global_batch, "torch_version": torch.__version__, **torch_context(),
+                  **matmul_probe(a, model, opt, batches[0])}
+        print(json.dumps(result), flush=True)
+        return 0
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
@@ -294,6 +417,7 @@ def main(argv):
         "params": params,
         "optimizer": describe_optimizer(a),
         "torch_version": torch.__version__,
+        **torch_context(),
         "import_maxrss_kib": import_maxrss_kib,
         "self_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }

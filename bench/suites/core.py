@@ -4,19 +4,28 @@ For each model and thread count it trains meshtrain, PyTorch eager and
 PyTorch torch.compile one after the other, then prints, per peer mode:
   <model>_train_throughput  samples/s (tokens/s for GPT), ratio = meshtrain/peer
   <model>_peak_rss          MiB of the child process, ratio = peer/meshtrain
+  <model>_peak_rss_increment  the same less what the process holds before
+                            training (PyTorch: after `import torch`; meshtrain:
+                            `meshtrain --version`), ratio = peer/meshtrain
+Throughput lines carry both sides' matmul GFLOP/s: meshtrain's inside its step
+(summary matmul_gflops), PyTorch's from torch's own kernels timed on the
+matrix products of one eager step of the same model (torch_train.py
+--matmul-probe), with the peer's BLAS (peer_engines) and meshtrain's engines.
 At 1 thread it also prints sgemm_peak (GFLOP/s of the big square SGEMM, with
 the bf16 GEMM peak beside it) and
 mlp_train_matmul_gflops (meshtrain's matmul rate inside the MLP step), and
-<model>_bf16_vs_f32_* and <model>_auto_vs_f32_throughput lines for meshtrain's
-own bf16 and train.precision = auto against its f32 (MLP, GPT), with the
-matmuls' own speed-up inside the step, the bound the machine allows
-(from the f32 step's matmul share and the bf16/f32 GEMM ratio measured on the
-model's shapes) and the fraction of it reached.
+<model>_bf16_vs_f32_*, <model>_auto_vs_f32_throughput and <model>_f16_vs_f32_*
+lines for meshtrain's own mixed precision (and train.precision = auto) against
+its f32 (MLP, GPT), with the matmuls' own speed-up inside the step; the bf16 and
+auto lines add the bound the machine allows (from the f32 step's matmul share
+and the bf16/f32 GEMM ratio measured on the model's shapes) and the fraction of
+it reached.
 """
 
 import meshtrain
 from common import MODEL_PLAN as PLAN
-from common import BenchError, PEERS, mib, parse_models, ratio, steps_for, thread_env
+from common import (BenchError, PEERS, meshtrain_engine_context, mib, parse_models, ratio,
+                    steps_for, thread_env, transport_context)
 
 NOTE = ("peer trains on synthetic random data of the same shapes (throughput does not depend "
         "on values), with the model sizes, batch, optimizer and clipping of meshtrain's config; "
@@ -134,8 +143,29 @@ def pick_square_sgemm(stdout, kind="sgemm"):
     return best[:2] if best else None
 
 
-def compare(ctx, model, threads, steps, warmup, setup, mt, peers):
-    """Prints throughput and RSS lines of meshtrain against each peer mode."""
+def meshtrain_baseline_kib(ctx):
+    """Peak RSS of `meshtrain --version` (KiB): the binary and its shared
+    libraries loaded, no model or data, the counterpart of the peer's RSS
+    after `import torch`. None when it cannot be run. Measured once."""
+    if not hasattr(ctx, "_mt_baseline"):
+        ctx._mt_baseline = None
+        try:
+            r = ctx.run([ctx.ensure_built("meshtrain"), "--version"], thread_env(1),
+                        "meshtrain-version")
+            if r.ok:
+                ctx._mt_baseline = r.maxrss_kib
+        except BenchError:
+            pass
+    return ctx._mt_baseline
+
+
+def minus(a, b):
+    return None if a is None or b is None else a - b
+
+
+def compare(ctx, model, threads, steps, warmup, setup, mt, peers, matmul):
+    """Prints throughput and RSS lines of meshtrain against each peer mode;
+    `matmul` is the peer's matmul probe (Context.peer_matmul)."""
     plan = PLAN[model]
     seq, batch = setup["seq"], setup["batch"]
     mt_rate = mt.samples_per_s * seq if mt.samples_per_s else None
@@ -155,12 +185,21 @@ def compare(ctx, model, threads, steps, warmup, setup, mt, peers):
             ctx_fields["seq"] = seq
         ctx_fields["meshtrain_others_cpu"] = mt.others_cpu
         ctx_fields["peer_others_cpu"] = child.others_cpu
+        ctx_fields.update(meshtrain_engine_context(mt.summary))
+        ctx_fields["peer_engines"] = (res or {}).get("peer_engines", matmul.get("peer_engines"))
         error = "; ".join(e for e in (mt.error, f"peer: {err}" if err else None) if e) or None
         line = {"name": f"{model}_train_throughput", "unit": plan["unit"],
                 "meshtrain": mt_rate, "peer": peer_rate, "ratio": ratio(mt_rate, peer_rate),
                 "peer_name": f"pytorch-{version} {mode}", **ctx_fields,
                 "meshtrain_fast": mt_fast, "peer_fast": peer_fast,
                 "ratio_fast": ratio(mt_fast, peer_fast)}
+        line["meshtrain_matmul_gflops"] = mt.get("matmul_gflops")
+        for key in ("peer_matmul_gflops", "peer_matmul_gflop_per_step", "peer_matmul_shapes",
+                    "peer_matmul_error"):
+            if key in matmul:
+                line[key] = matmul[key]
+        line["matmul_gflops_ratio"] = ratio(mt.get("matmul_gflops"),
+                                            matmul.get("peer_matmul_gflops"))
         if res:
             line["peer_warmup_s"] = res["warmup_s"]
             line["peer_optimizer"] = res["optimizer"]
@@ -171,19 +210,39 @@ def compare(ctx, model, threads, steps, warmup, setup, mt, peers):
         line = {"name": f"{model}_peak_rss", "unit": "MiB", "meshtrain": mib(mt.maxrss_kib),
                 "peer": mib(rss), "ratio": ratio(rss, mt.maxrss_kib),
                 "peer_name": f"pytorch-{version} {mode}", **ctx_fields}
-        if res:
-            line["peer_import_rss_mib"] = mib(res["import_maxrss_kib"])
+        base = meshtrain_baseline_kib(ctx) if mt.maxrss_kib else None
+        peer_import = res["import_maxrss_kib"] if res else None
+        line["meshtrain_baseline_rss_mib"] = mib(base)
+        line["peer_import_rss_mib"] = mib(peer_import)
         for key in ("planned_arena_bytes", "allocated_arena_bytes"):
             if mt.get(key) is not None:
                 line[f"meshtrain_{key}"] = mt.get(key)
-        line["note"] = ("ru_maxrss of the child process; peer_import_rss_mib is what "
-                        "`import torch` alone costs (the PyPI wheel maps its CUDA libraries)")
+        line["note"] = ("ru_maxrss of the child process, all it holds (the total); "
+                        "peer_import_rss_mib is what `import torch` alone costs (the PyPI wheel "
+                        "maps its CUDA libraries), meshtrain_baseline_rss_mib what `meshtrain "
+                        "--version` costs; <model>_peak_rss_increment compares the rest")
+        if error:
+            line["error"] = error
+        ctx.emit(line)
+        mt_inc, peer_inc = minus(mt.maxrss_kib, base), minus(rss, peer_import)
+        line = {"name": f"{model}_peak_rss_increment", "unit": "MiB", "meshtrain": mib(mt_inc),
+                "peer": mib(peer_inc), "ratio": ratio(peer_inc, mt_inc),
+                "peer_name": f"pytorch-{version} {mode}", **ctx_fields,
+                "meshtrain_total_mib": mib(mt.maxrss_kib), "meshtrain_baseline_rss_mib": mib(base),
+                "peer_total_mib": mib(rss), "peer_import_rss_mib": mib(peer_import),
+                "note": ("peak RSS less what the process holds before training: PyTorch's after "
+                         "`import torch`, meshtrain's `meshtrain --version` (binary and shared "
+                         "libraries loaded). meshtrain's includes the real data set it reads "
+                         "(Fashion-MNIST: 47 MB of u8 pixels; text: the corpus), the peer's only "
+                         "4 synthetic batches")}
+        if base is None and mt.maxrss_kib:
+            line["error"] = "meshtrain --version could not be run for the baseline RSS"
         if error:
             line["error"] = error
         ctx.emit(line)
 
 
-def matmul_fields(bf, f32, batch):
+def matmul_fields(bf, f32, batch, precision="bf16"):
     """What bounds the bf16 speed-up: matmul time per step in each precision
     (from the runs' summaries), their ratio, and the share of the f32 step
     the matmuls take. The step cannot speed up by more than the matmuls do
@@ -196,7 +255,7 @@ def matmul_fields(bf, f32, batch):
     share = None
     if f_mm and f32.samples_per_s:
         share = round(f_mm * f32.samples_per_s / batch, 4)
-    return {"matmul_ms_per_step_bf16": ms(b_mm), "matmul_ms_per_step_f32": ms(f_mm),
+    return {f"matmul_ms_per_step_{precision}": ms(b_mm), "matmul_ms_per_step_f32": ms(f_mm),
             "matmul_speedup": ratio(f_mm, b_mm), "f32_matmul_share": share}
 
 
@@ -232,20 +291,14 @@ def precision_bound(f32_share, gemm_ratio, floor=None):
     return round(max(b, floor) if floor else b, 3)
 
 
-def bf16_lines(ctx, model, steps, warmup, setup, f32):
-    """<model>_bf16_vs_f32_* and <model>_auto_vs_f32_throughput: meshtrain's
-    own mixed precision (as configured, and train.precision = auto) against
-    its f32, with the bound and the decision the auto run took."""
-    for precision in ("bf16", "auto"):
-        bf = run_meshtrain(ctx, model, 1, steps, warmup, precision=precision)
-        precision_line(ctx, model, steps, warmup, setup, f32, bf, precision)
-
-
-def precision_line(ctx, model, steps, warmup, setup, f32, bf, precision):
+def mixed_lines(ctx, model, steps, warmup, setup, f32, precision="bf16"):
+    """<model>_<precision>_vs_f32_throughput and _peak_rss: meshtrain with
+    train.precision=precision against its own f32 run `f32` (1 thread)."""
+    bf = run_meshtrain(ctx, model, 1, steps, warmup, precision=precision)
     plan = PLAN[model]
     seq, batch = setup["seq"], setup["batch"]
     error = "; ".join(e for e in (f32.error, bf.error) if e) or None
-    common = {"peer_name": "meshtrain f32", "model": model, "threads": 1,
+    common = {"peer_name": "meshtrain f32", "model": model, "threads": 1, "precision": precision,
               "batch": batch, "steps": steps, "warmup": warmup,
               "meshtrain_others_cpu": bf.others_cpu, "peer_others_cpu": f32.others_cpu}
     for key in ("cpu", "isa"):
@@ -256,29 +309,36 @@ def precision_line(ctx, model, steps, warmup, setup, f32, bf, precision):
     b_fast, f_fast = bf.fast_samples_per_s(warmup), f32.fast_samples_per_s(warmup)
     b_fast = b_fast * seq if b_fast else None
     f_fast = f_fast * seq if f_fast else None
-    mm = matmul_fields(bf, f32, batch)
-    decision = bf.get("precision_decision") or {}
-    gemm_ratio = decision.get("bf16_over_f32")
-    bound = precision_bound(mm["f32_matmul_share"], gemm_ratio,
-                            1.0 if precision == "auto" else None)
+    mm = matmul_fields(bf, f32, batch, precision)
     line = {"name": f"{model}_{precision}_vs_f32_throughput", "unit": plan["unit"],
             "meshtrain": b_rate, "peer": f_rate, "ratio": ratio(b_rate, f_rate), **common,
             "meshtrain_fast": b_fast, "peer_fast": f_fast, "ratio_fast": ratio(b_fast, f_fast),
-            **mm, "precision_chosen": decision.get("chosen"),
+            "meshtrain_matmul_gflops": bf.get("matmul_gflops"),
+            "peer_matmul_gflops": f32.get("matmul_gflops"),
+            **mm, **meshtrain_engine_context(bf.summary)}
+    if precision in ("bf16", "auto"):
+        decision = bf.get("precision_decision") or {}
+        gemm_ratio = decision.get("bf16_over_f32")
+        bound = precision_bound(mm["f32_matmul_share"], gemm_ratio,
+                                1.0 if precision == "auto" else None)
+        line.update({
+            "precision_chosen": decision.get("chosen"),
             "bf16_over_f32_gemm_model_shapes": round(gemm_ratio, 3) if gemm_ratio else None,
             "bound": bound,
             "fraction_of_bound": ratio(ratio(b_rate, f_rate), bound),
             "bound_note": "1/((1-s)+s/r): s = matmul share of the f32 step, r = bf16/f32 GEMM "
                           "rate on the model's shapes at 1 thread (precision_decision)"
-                          + ("; auto: at least 1 (it may keep f32)" if precision == "auto" else "")}
+                          + ("; auto: at least 1 (it may keep f32)" if precision == "auto" else "")})
     if error:
         line["error"] = error
     ctx.emit(line)
-    if precision != "bf16":
-        return
-    line = {"name": f"{model}_bf16_vs_f32_peak_rss", "unit": "MiB",
+    if precision == "auto":
+        return  # its memory is bf16's or f32's, both measured
+    line = {"name": f"{model}_{precision}_vs_f32_peak_rss", "unit": "MiB",
             "meshtrain": mib(bf.maxrss_kib), "peer": mib(f32.maxrss_kib),
-            "ratio": ratio(f32.maxrss_kib, bf.maxrss_kib), **common}
+            "ratio": ratio(f32.maxrss_kib, bf.maxrss_kib), **common,
+            "meshtrain_planned_arena_bytes": bf.get("planned_arena_bytes"),
+            "peer_planned_arena_bytes": f32.get("planned_arena_bytes")}
     if error:
         line["error"] = error
     ctx.emit(line)
@@ -290,6 +350,7 @@ def run(ctx):
     if not (PEERS / "torch_train.py").exists():
         raise BenchError("bench/peers/torch_train.py is missing")
     ctx.torch_python()  # create the venv up front, not in the middle of timings
+    ctx.add_context(transport_context(distributed=False))
     for model in models:
         steps, warmup = steps_for(ctx, model)
         setup = meshtrain.peer_setup(model, PLAN[model]["batch"])
@@ -298,7 +359,8 @@ def run(ctx):
             op_profile_line(ctx, model, threads, setup, mt)
             peers = {mode: run_peer(ctx, model, mode, threads, steps, warmup, setup["args"])
                      for mode in ("eager", "compile")}
-            compare(ctx, model, threads, steps, warmup, setup, mt, peers)
+            matmul = ctx.peer_matmul(model, threads, setup["args"])
+            compare(ctx, model, threads, steps, warmup, setup, mt, peers, matmul)
             if model == "mlp" and threads == 1:
                 peak = sgemm_peak(ctx)
                 line = {"name": "sgemm_peak", "unit": "GFLOP/s", "value": peak["value"],
@@ -307,6 +369,7 @@ def run(ctx):
                             "cpu", "isa", "onednn_isa", "openblas_core"):
                     if key in peak:
                         line[key] = peak[key]
+                line["peer_engines"] = matmul.get("peer_engines")
                 if peak.get("bf16_peak_gflops") and peak["value"]:
                     # The most a bf16 matmul can gain over f32 on this CPU.
                     line["bf16_over_f32_peak"] = round(peak["bf16_peak_gflops"] / peak["value"], 3)
@@ -325,4 +388,5 @@ def run(ctx):
                     line["error"] = mt.error
                 ctx.emit(line)
             if model in ("mlp", "gpt") and threads == 1 and not ctx.args.peer_only:
-                bf16_lines(ctx, model, steps, warmup, setup, mt)
+                for precision in ("bf16", "auto", "f16"):
+                    mixed_lines(ctx, model, steps, warmup, setup, mt, precision)

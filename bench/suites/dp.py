@@ -11,7 +11,8 @@ import socket
 
 import meshtrain
 from common import MODEL_PLAN as PLAN
-from common import PEERS, parse_models, ratio, steps_for, thread_env
+from common import (PEERS, meshtrain_engine_context, parse_models, ratio, steps_for, thread_env,
+                    transport_context)
 
 WORLD = 2
 
@@ -62,6 +63,7 @@ def peer_single(ctx, model, steps, warmup, setup_args):
 def run(ctx):
     models = parse_models(ctx.args.models)
     ctx.torch_python()
+    ctx.add_context(transport_context(distributed=True))
     for model in models:
         plan = PLAN[model]
         steps, warmup = steps_for(ctx, model)
@@ -103,6 +105,13 @@ def run(ctx):
                 "ratio_fast": ratio(mt2_fast, p2_fast)}
         line["meshtrain_others_cpu"] = mt2.others_cpu
         line["peer_others_cpu"] = c2.others_cpu
+        matmul = ctx.peer_matmul(model, 1, setup_args)
+        line.update(meshtrain_engine_context(mt2.summary))
+        line["peer_engines"] = (p2 or {}).get("peer_engines", matmul.get("peer_engines"))
+        line["meshtrain_matmul_gflops"] = mt2.get("matmul_gflops")
+        for key in ("peer_matmul_gflops", "peer_matmul_error"):
+            if key in matmul:
+                line[key] = matmul[key]
         if p2:
             line["peer_max_rank_rss_mib"] = round(p2["max_rank_rss_kib"] / 1024.0, 1)
         line["note"] = ("peer: torch DistributedDataParallel, gloo on 127.0.0.1, synthetic "

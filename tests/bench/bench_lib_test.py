@@ -1,0 +1,98 @@
+"""Checks of bench/lib and the accuracy suite's peer settings that need no
+PyTorch and time nothing: every line gets the CPU and the suite's context,
+a line's own fields win, transports and engines are named, the PyTorch
+peer gets the config's optimizer and schedule, and its learning rate per
+step follows meshtrain's formula (src/meshtrain/train/lr_schedule.cpp)."""
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "bench" / "lib"), str(REPO / "bench" / "suites"),
+                str(REPO / "bench" / "peers")]
+
+import common  # noqa: E402
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+
+
+cpu = common.cpu_context()
+check(set(cpu) == {"cpu_vendor", "cpu_model", "cpu_isa"}, f"cpu_context keys: {sorted(cpu)}")
+import os  # noqa: E402
+check(cpu["cpu_isa"].split()[0] == os.uname().machine, f"cpu_isa starts with the arch: {cpu}")
+
+one = common.transport_context(distributed=False)
+check(one == {"meshtrain_transport": "none (one process)", "peer_transport": "none (one process)"},
+      f"one-process transport: {one}")
+many = common.transport_context(distributed=True)
+check("shared-memory window" in many["meshtrain_transport"], f"meshtrain transport: {many}")
+check("gloo" in many["peer_transport"] and "127.0.0.1" in many["peer_transport"],
+      f"peer transport: {many}")
+
+eng = common.meshtrain_engine_context({"matmul_engine": "onednn"})
+check("matmul_engine: onednn" in eng["meshtrain_engines"], f"reported engine: {eng}")
+eng = common.meshtrain_engine_context({"samples_per_s": 1.0})
+check("exec.matmul=measure" in eng["meshtrain_engines"] and "does not report" in
+      eng["meshtrain_engines"], f"unreported engine: {eng}")
+
+args = argparse.Namespace(quick=False, idle_wait=0.0)
+ctx = common.Context("selftest", args)
+try:
+    ctx.add_context({"meshtrain_transport": "T", "skipped": None})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ctx.emit({"name": "x", "unit": "u", "value": 1.0, "cpu_model": "given"})
+    line = json.loads(out.getvalue())
+    check(line["cpu_vendor"] == cpu["cpu_vendor"], f"emit adds the CPU: {line}")
+    check(line["cpu_model"] == "given", f"a line's own field wins: {line}")
+    check(line["meshtrain_transport"] == "T" and "skipped" not in line,
+          f"add_context fields (None left out): {line}")
+    check(list(line)[0] == "suite" and "loadavg_1m" in line, f"suite first, load added: {line}")
+finally:
+    ctx.cleanup()
+
+import accuracy  # noqa: E402
+
+ctx = argparse.Namespace(quick=False)
+peer = accuracy.peer_args(ctx, "mlp")
+
+
+def arg(name):
+    return peer[peer.index(name) + 1]
+
+
+cfg = accuracy.read_config("mlp")
+check(float(arg("--lr")) == cfg["optim"]["lr"] and arg("--schedule") == cfg["optim"]["schedule"],
+      f"mlp peer optimizer: {peer}")
+check(("--nesterov" in peer) == cfg["optim"].get("nesterov", False), f"nesterov: {peer}")
+check(arg("--epochs") == str(cfg["train"]["epochs"]), f"mlp epochs: {peer}")
+gpt = accuracy.peer_args(ctx, "gpt")
+check(gpt[gpt.index("--steps") + 1] == "300", f"gpt runs the documented 300 steps: {gpt}")
+check(gpt[gpt.index("--opt") + 1] == "adamw", f"gpt optimizer: {gpt}")
+quick = accuracy.peer_args(argparse.Namespace(quick=True), "cnn")
+check(quick[quick.index("--epochs") + 1] == "1", f"--quick cnn: {quick}")
+
+import torch_accuracy  # noqa: E402
+
+a = argparse.Namespace(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
+check(math.isclose(torch_accuracy.lr_at(a, 0, 110), 0.1), "warm-up starts at lr/warmup")
+check(math.isclose(torch_accuracy.lr_at(a, 9, 110), 1.0), "warm-up ends at lr")
+check(math.isclose(torch_accuracy.lr_at(a, 60, 110), 0.55), "cosine half way: (lr+min)/2")
+check(math.isclose(torch_accuracy.lr_at(a, 110, 110), 0.1), "cosine ends at min_lr")
+a.schedule = "constant"
+check(torch_accuracy.lr_at(a, 60, 110) == 1.0, "constant after warm-up")
+
+for f in failures:
+    print("FAILED:", f)
+print(f"{len(failures)} failure(s)")
+sys.exit(1 if failures else 0)
