@@ -25,6 +25,7 @@
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/sync/data_parallel.h"
+#include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/loss_scaler.h"
 #include "meshtrain/train/lr_schedule.h"
@@ -150,6 +151,10 @@ struct TrainResult {
   int64_t planned_arena_bytes = 0;
   std::vector<double> losses;  // per step: mean loss over the global batch
   DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
+  // This process's allocator counters by category at the end of the run
+  // (live) and over it (peak; tensor/memory_stats.h), and its peak RSS.
+  MemoryCounters allocated;
+  int64_t peak_rss_bytes = 0;
   // Non-zero: the run stopped early on a stop request (TrainerOptions::
   // stop_signal), after `steps` steps; the highest signal number any rank saw.
   int stop_signal = 0;
