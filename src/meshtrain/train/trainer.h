@@ -193,8 +193,11 @@ class Trainer {
   // The training graph (forward + backward) and its executor's memory plan.
   const Graph& train_graph() const;
   const MemoryPlan& memory_plan() const;
+  // The current whole parameters (collective under ZeRO-3, where this
+  // allocates the store's full copy, which then stays: for tests and tools,
+  // not for the training loop, which never holds whole parameters at stage 3).
   class ParamStore& params();
-  // The current whole parameters, flat (collective under ZeRO-3).
+  // The current whole parameters, flat (as params()).
   Tensor gather_params();
   DataParallel& data_parallel();
 
