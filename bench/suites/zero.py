@@ -21,7 +21,8 @@ off) reports, per rank, from its summary line:
       the largest rank's peak RSS at stage 3 for 1, 2 and 4 ranks, and the
       model state per rank beside it: what falls as N grows.
 
-  <model>_zero3_np<N>_vs_fsdp_peak_rss         MiB, ratio = meshtrain / peer (goal <= 0.5)
+  <model>_zero3_np<N>_vs_fsdp_peak_rss         MiB, ratio = peer / meshtrain (goal >= 2),
+                                               meshtrain_of_peer = its inverse (goal <= 0.5)
   <model>_zero3_np<N>_vs_fsdp_throughput       tokens/s, ratio = meshtrain / peer (goal >= 1.3)
       meshtrain ZeRO-3 against PyTorch FSDP2 (`fully_shard` per block and
       root, gloo on CPU, bench/peers/torch_train.py --fsdp) with the same
@@ -53,6 +54,9 @@ def add_args(p):
     p.add_argument("--models", default="gpt,gpt_medium",
                    help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--ranks", default="1,2,4", help="comma-separated world sizes")
+    p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
+    p.add_argument("--steps", type=int, default=0,
+                   help="training steps per run (0: the model's default, 12 gpt, 4 gpt_medium)")
     p.add_argument("--no-peer", action="store_true", help="skip PyTorch FSDP")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap lines")
 
@@ -153,11 +157,12 @@ def state_bytes(c):
 
 
 def run_model(ctx, model, ranks):
-    steps = MODELS[model]["steps"][1 if ctx.quick else 0]
+    steps = ctx.args.steps or MODELS[model]["steps"][1 if ctx.quick else 0]
+    stages = [int(x) for x in ctx.args.stages.split(",") if x]
     rss_by_n, state_by_n, stage3 = {}, {}, {}
     for n in ranks:
         stage0 = None
-        for stage in ((0, 3) if n == 1 else (0, 1, 2, 3)):
+        for stage in [st for st in stages if n > 1 or st in (0, 3)]:
             s, err, child = train(ctx, model, n, steps, [f"dist.zero_stage={stage}"],
                                   f"{model}-np{n}-zero{stage}")
             line = {"name": f"{model}_zero{stage}_np{n}_state_bytes_per_rank", "unit": "bytes",
@@ -190,7 +195,8 @@ def run_model(ctx, model, ranks):
                 "samples_per_s_includes_warmup": s.get("samples_per_s_includes_warmup")})
             ctx.emit(line)
             if stage == 3:
-                rss_by_n[n], state_by_n[n], stage3[n] = max(rss), value, s
+                rss_by_n[n], state_by_n[n] = max(rss), value
+                stage3[n] = dict(s, others_cpu=child.others_cpu)
     if stage3:
         ctx.emit({"name": f"{model}_zero3_rss_by_ranks", "unit": "MiB", "model": model,
                   "ranks": sorted(rss_by_n),
@@ -211,6 +217,7 @@ def compare_fsdp(ctx, model, steps, stage3):
         common = {"model": model, "ranks": n, "batch": batch, "local_batch": batch // n,
                   "seq": seq, "steps": steps, "threads_per_process": 1,
                   "peer_name": f"pytorch-{version} FSDP2 fully_shard gloo eager",
+                  "meshtrain_others_cpu": s.get("others_cpu"),
                   "peer_others_cpu": child.others_cpu}
         mt_rss = max(r["peak_rss_bytes"] for r in s["ranks"]) / 2**20
         line = {"name": f"{model}_zero3_np{n}_vs_fsdp_peak_rss", "unit": "MiB",
@@ -219,7 +226,9 @@ def compare_fsdp(ctx, model, steps, stage3):
                         "rank before sharding it (fully_shard's usual CPU use)"}
         if p:
             line.update({"peer": mib(p["max_rank_rss_kib"]),
-                         "ratio": round(ratio(mt_rss, p["max_rank_rss_kib"] / 1024.0), 3),
+                         "ratio": round(ratio(p["max_rank_rss_kib"] / 1024.0, mt_rss), 3),
+                         "meshtrain_of_peer": round(ratio(mt_rss, p["max_rank_rss_kib"] / 1024.0),
+                                                    3),
                          "peer_rank_rss_mib": [mib(k) for k in p["rank_rss_kib"]],
                          "peer_import_rss_mib": mib(p["max_import_rss_kib"])})
         else:
