@@ -20,6 +20,9 @@ Data parallel (--world 2): each process is one rank of a DistributedDataParallel
 group over gloo (MASTER_ADDR / MASTER_PORT from the environment, --rank from the
 command line); it trains on batch/world samples and every rank prints its line
 (rank 0's step times are the group's: DDP's all-reduce keeps ranks in lock-step).
+With --fsdp the group is PyTorch FSDP2 instead (`fully_shard` on each GPT block
+and on the root, over a CPU device mesh): ZeRO-3's layout, parameters gathered
+per block for forward and backward.
 """
 
 import argparse
@@ -60,6 +63,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=0, help="global batch (0: model default)")
     p.add_argument("--world", type=int, default=1, help="data-parallel processes")
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true",
+                   help="with --world > 1: FSDP2 (fully_shard per GPT block and the root, "
+                        "parameters, gradients and optimizer state sharded) instead of DDP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--matmul-probe", action="store_true",
                    help="instead of timing training: record the matrix products of one eager "
@@ -352,7 +358,16 @@ def main(argv):
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
-        model = DistributedDataParallel(model)
+        if a.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (a.world,))
+            for blk in getattr(model, "blocks", []):
+                fully_shard(blk, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            model = DistributedDataParallel(model)
     if a.opt == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum,
                               nesterov=a.nesterov, weight_decay=a.weight_decay)
@@ -399,6 +414,7 @@ def main(argv):
         "threads": a.threads,
         "peer_threads": peer_threads,
         "world": a.world,
+        "parallel": ("fsdp" if a.fsdp else "ddp") if a.world > 1 else "none",
         "rank": a.rank,
         "batch": global_batch,
         "local_batch": local_batch,

@@ -160,7 +160,7 @@ Trajectory run_reference(const TrainSetup& s) {
   lo.seed = s.seed;
   DataLoader loader(data, lo);
   Model model(s.spec, s.global_batch, s.recompute);
-  ParamStore store(model.m.graph, s.seed);
+  ParamStore store(model.m.graph, s.seed, /*with_grads=*/true);
   store.bind(*model.exec, model.m.graph, /*with_grads=*/true);
   std::unique_ptr<Optimizer> opt = make_optimizer(s.optimizer, s.optim);
   std::vector<ParamRef> refs;
@@ -254,7 +254,8 @@ DpResult run_data_parallel(const TrainSetup& s, const DpRun& run) {
       if (r == 0) mine.push_back(std::move(full));
     }
     std::lock_guard<std::mutex> lock(mu);
-    result.memory[r] = t.dp->memory(static_cast<int>(t.opt->state_kinds().size()));
+    result.memory[r] =
+        t.dp->memory(static_cast<int>(t.opt->state_kinds().size()), t.opt->state_bytes());
     result.stats[r] = t.dp->stats();
     result.step_cost[r] = t.dp->step_cost();
     result.buckets[r] = static_cast<int64_t>(t.dp->plan().buckets().size());

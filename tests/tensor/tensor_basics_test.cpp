@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/tensor/tensor.h"
 
 namespace mt {
@@ -43,6 +44,43 @@ TEST(DType, ConvertBetweenAllFloatTypes) {
     EXPECT_EQ(b.item(2), t == DType::i32 ? 1.0 : 1.5) << dtype_name(t);
   }
   EXPECT_THROW(parse_dtype("f8"), ConfigError);
+}
+
+TEST(MemoryCounters, CountTaggedAllocationsUntilTheLastHandleGoes) {
+  const MemoryCounters before = memory_counters();
+  const int64_t opt0 = before.live_of(MemoryCategory::optimizer);
+  const int64_t other0 = before.live_of(MemoryCategory::other);
+  Tensor outer;
+  {
+    MemoryScope tag(MemoryCategory::optimizer);
+    Tensor a = Tensor::zeros({100}, DType::f32);  // 400 bytes, 448 with the 64-byte rounding
+    {
+      MemoryScope inner(MemoryCategory::grads);
+      outer = Tensor::empty({3}, DType::f64);  // 24 -> 64
+    }
+    Tensor b = a.clone();  // tagged like a: the scope is the optimizer's again
+    EXPECT_EQ(current_memory_category(), MemoryCategory::optimizer);
+    EXPECT_EQ(memory_counters().live_of(MemoryCategory::optimizer) - opt0, 2 * 448);
+    Tensor view = Tensor::wrap(a.raw(), {10}, DType::f32);  // borrowed: not counted
+    EXPECT_EQ(memory_counters().live_of(MemoryCategory::optimizer) - opt0, 2 * 448);
+    EXPECT_GE(memory_counters().peak_of(MemoryCategory::optimizer) - opt0, 2 * 448);
+  }
+  EXPECT_EQ(current_memory_category(), MemoryCategory::other);
+  const MemoryCounters after = memory_counters();
+  EXPECT_EQ(after.live_of(MemoryCategory::optimizer), opt0);  // a and b are gone
+  EXPECT_EQ(after.live_of(MemoryCategory::grads) - before.live_of(MemoryCategory::grads), 64);
+  Tensor copy = outer;  // a second handle: freed with the last one only
+  outer = Tensor();
+  EXPECT_EQ(
+      memory_counters().live_of(MemoryCategory::grads) - before.live_of(MemoryCategory::grads), 64);
+  copy = Tensor();
+  EXPECT_EQ(memory_counters().live_of(MemoryCategory::grads),
+            before.live_of(MemoryCategory::grads));
+  Tensor untagged = Tensor::zeros({16}, DType::f32);  // 64 bytes, "other"
+  EXPECT_EQ(memory_counters().live_of(MemoryCategory::other) - other0, 64);
+  reset_memory_peaks();
+  EXPECT_EQ(memory_counters().peak_of(MemoryCategory::optimizer), opt0);
+  EXPECT_EQ(memory_category_name(MemoryCategory::activations), "activations");
 }
 
 }  // namespace

@@ -79,6 +79,58 @@ TEST(TrainingPlan, ModelStateFollowsStageAndWorldSize) {
   EXPECT_THAT(four.describe(), HasSubstr("rank 1 of 4, ZeRO stage 2, micro-batch 8"));
 }
 
+// The plan is what the allocator counts: after training steps, the live
+// bytes per category (tensor/memory_stats.h) of one trainer equal the plan's
+// parts within the allocator's 64-byte rounding and the layout's padding
+// (64 bytes per parameter tensor, per kind), for every ZeRO stage and
+// optimizer state size; nothing else of the model is allocated (no gradient
+// buffer in the parameter store, no full copy under ZeRO-3).
+TEST(TrainingPlan, PlanEqualsAllocatorCountersAfterSteps) {
+  for (const char* optimizer : {"adamw", "sgd"}) {
+    for (int stage : {0, 1, 2, 3}) {
+      for (int accumulation : {1, 2}) {
+        Fixture f = small("mlp");
+        f.opts.optimizer = optimizer;
+        f.opts.optim.sgd.momentum = 0.9;
+        f.opts.eval = false;
+        f.opts.max_steps = 2;
+        f.opts.dist.dp.stage = stage;
+        f.opts.dist.dp.accumulation_steps = accumulation;
+        const TrainingPlan p = plan_training(f.spec, f.opts, 0, 1, f.test->size());
+        const MemoryCounters before = memory_counters();
+        TrainResult r;
+        int64_t tensors = 0;
+        {
+          Trainer t(f.spec, f.train, f.test, f.opts);
+          tensors = static_cast<int64_t>(t.train_graph().params().size());
+          r = t.run();
+        }
+        auto live = [&](MemoryCategory c) { return r.allocated.live_of(c) - before.live_of(c); };
+        const std::string what =
+            fmt::format("{} stage {} accumulation {}", optimizer, stage, accumulation);
+        const int64_t slack = 64 * (tensors + 1);
+        EXPECT_NEAR(live(MemoryCategory::params), p.state.expected_param_bytes, slack) << what;
+        EXPECT_NEAR(live(MemoryCategory::grads), p.state.expected_grad_bytes, slack) << what;
+        EXPECT_NEAR(live(MemoryCategory::optimizer), p.state.expected_optimizer_bytes, 2 * slack)
+            << what;
+        EXPECT_NEAR(live(MemoryCategory::activations), p.activations.arena_bytes, 64) << what;
+        EXPECT_EQ(live(MemoryCategory::comm), p.state.expected_buffer_bytes) << what;
+        // Measured optimizer state is what the optimizer allocated (its
+        // tensors' sizes; the allocator rounds each up to 64 bytes).
+        EXPECT_NEAR(r.memory.optimizer_bytes, live(MemoryCategory::optimizer), 2 * slack) << what;
+        // Everything the plan counts (evaluation is off), and no more.
+        int64_t sum = 0;
+        for (MemoryCategory c :
+             {MemoryCategory::params, MemoryCategory::grads, MemoryCategory::optimizer,
+              MemoryCategory::activations, MemoryCategory::comm}) {
+          sum += live(c);
+        }
+        EXPECT_NEAR(sum, p.total_bytes(), 5 * slack) << what;
+      }
+    }
+  }
+}
+
 TEST(TrainingPlan, TooBigIsRefusedNamingTheValues) {
   ModelSpec spec;
   spec.kind = "gpt";

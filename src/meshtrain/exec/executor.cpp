@@ -11,6 +11,7 @@
 #include "meshtrain/graph/collective.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/tensor/kernels.h"
+#include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
 
@@ -198,6 +199,7 @@ struct Executor::Impl {
   void ensure_tensors() {
     ensure_plan();
     if (arena_bytes != plan.memory.arena_bytes || !arena.defined()) {
+      MemoryScope tag(MemoryCategory::activations);
       arena = Tensor::empty(Shape{plan.memory.arena_bytes}, DType::u8);
       arena_bytes = plan.memory.arena_bytes;
       tensors_dirty = true;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
 
@@ -30,6 +31,7 @@ int BufferPool::acquire(int64_t numel) {
       busy_.push_back(false);
     }
     buffers_[static_cast<size_t>(best)] = Tensor();
+    MemoryScope tag(MemoryCategory::comm);  // bucket staging, gathered parameters
     buffers_[static_cast<size_t>(best)] = Tensor::empty({numel}, DType::f32);
     peak_bytes_ = std::max(peak_bytes_, allocated_bytes());
   }

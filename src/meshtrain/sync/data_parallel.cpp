@@ -7,6 +7,7 @@
 
 #include "meshtrain/base/timer.h"
 #include "meshtrain/sync/data_parallel_impl.h"
+#include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
 
@@ -41,6 +42,11 @@ DataParallel::DataParallel(Communicator& comm, ParamLayout layout, Tensor flat_p
     throw ShapeError(fmt::format("data-parallel: the flat parameter buffer must be 1-D f32, got {}",
                                  flat_params.desc()));
   }
+  if (flat_params.raw() == nullptr && flat_params.numel() > 0 && options.stage != 3) {
+    throw ShapeError(fmt::format(
+        "data-parallel: stage {} works on the caller's parameter buffer, but {} has no memory",
+        options.stage, flat_params.desc()));
+  }
   BucketPlan plan(layout, flat_params.numel(), options.bucket_bytes, comm.size(), comm.rank());
   impl_ = std::make_unique<Impl>(comm, std::move(options), std::move(plan));
   Impl& m = *impl_;
@@ -51,15 +57,25 @@ DataParallel::DataParallel(Communicator& comm, ParamLayout layout, Tensor flat_p
   const bool sharded_grads = stage >= 2;
 
   if (stage <= 2) m.flat_params = flat_params;
-  if (stage <= 1) m.full_grads = Tensor::zeros({F}, DType::f32);
-  if (sharded_grads) m.shard_grads = Tensor::zeros({S}, DType::f32);
-  if (sharded_grads && K > 1 && m.world() > 1) m.accum = Tensor::zeros({F}, DType::f32);
+  {
+    MemoryScope tag(MemoryCategory::grads);
+    if (stage <= 1) m.full_grads = Tensor::zeros({F}, DType::f32);
+    if (sharded_grads) m.shard_grads = Tensor::zeros({S}, DType::f32);
+  }
+  if (sharded_grads && K > 1 && m.world() > 1) {
+    MemoryScope tag(MemoryCategory::comm);  // a buffer: nothing is sent before the K-th micro-step
+    m.accum = Tensor::zeros({F}, DType::f32);
+  }
   if (stage == 3) {
-    // Each rank keeps only its chunks; the caller may drop the full buffer.
+    // Each rank keeps only its chunks; the caller may drop the full buffer
+    // (or pass one without memory and fill the shard through
+    // param_pieces(PieceUse::load)).
+    MemoryScope tag(MemoryCategory::params);
     m.shard_params = Tensor::zeros({S}, DType::f32);
-    const float* src = flat_params.data<float>();
+    const float* src = static_cast<const float*>(flat_params.raw());
     float* dst = m.shard_params.data<float>();
     for (const BucketInfo& b : p.buckets()) {
+      if (src == nullptr) break;
       const int64_t n = static_cast<int64_t>(b.counts[idx(p.rank())]);
       std::memcpy(dst + b.shard_offset, src + b.chunk_begin[idx(p.rank())], idx(n) * 4);
     }

@@ -188,7 +188,10 @@ class DataParallel {
  public:
   // `layout` describes `flat_params` (f32, 1-D, in the layout's order: e.g.
   // ParamStore's entries and flat_values()), whose contents must be
-  // identical on every rank. Throws ConfigError for a bad stage, bucket size,
+  // identical on every rank. Stage 3 also accepts a buffer without memory
+  // (Tensor::wrap(nullptr, {flat numel}, f32)): the shard starts at zero and
+  // the caller fills it through param_pieces(PieceUse::load), so no rank
+  // ever holds the whole parameters. Throws ConfigError for a bad stage, bucket size,
   // accumulation count or layout, ShapeError for a flat buffer that is not
   // f32 or too small.
   DataParallel(Communicator& comm, ParamLayout layout, Tensor flat_params,
@@ -258,9 +261,12 @@ class DataParallel {
   // like its slice. Fill them, then hand {name: data} to the optimizer.
   std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const;
 
-  // Memory per rank; the optimizer state is `state_kinds` f32 tensors per
-  // slice (Optimizer::state_kinds().size(); 0 for plain SGD).
-  DataParallelMemory memory(int state_kinds) const;
+  // Memory per rank: parameters, gradients and buffers as allocated here;
+  // optimizer_bytes is what the optimizer has allocated for its state (the
+  // caller measures it: Optimizer::state_bytes()). The expectation assumes
+  // `state_kinds` f32 tensors per slice (Optimizer::state_kinds().size(); 0
+  // for plain SGD).
+  DataParallelMemory memory(int state_kinds, int64_t optimizer_bytes) const;
   // The expected_* part of memory() for a bucket plan and options, before
   // anything is allocated (what a run will need per rank).
   static DataParallelMemory expected_memory(const BucketPlan& plan,

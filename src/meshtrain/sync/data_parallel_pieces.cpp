@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 
 #include "meshtrain/sync/data_parallel_impl.h"
+#include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
 
@@ -100,6 +101,7 @@ std::vector<ShardPiece> DataParallel::new_state_pieces(std::span<const std::stri
       piece.full_shape = s.full_shape;
       piece.begin = s.begin;
       piece.end = s.end;
+      MemoryScope tag(MemoryCategory::optimizer);
       piece.data = Tensor::zeros(s.param.shape(), DType::f32);
       out.push_back(std::move(piece));
     }
@@ -107,7 +109,7 @@ std::vector<ShardPiece> DataParallel::new_state_pieces(std::span<const std::stri
   return out;
 }
 
-DataParallelMemory DataParallel::memory(int state_kinds) const {
+DataParallelMemory DataParallel::memory(int state_kinds, int64_t optimizer_bytes) const {
   const Impl& m = *impl_;
   const BucketPlan& p = m.plan;
   const int N = m.world();
@@ -119,9 +121,7 @@ DataParallelMemory DataParallel::memory(int state_kinds) const {
   r.world_size = N;
   r.param_bytes = bytes(m.flat_params) + bytes(m.shard_params);
   r.grad_bytes = bytes(m.full_grads) + bytes(m.shard_grads);
-  int64_t slice_elems = 0;
-  for (const ParamSlice& s : m.slices) slice_elems += s.end - s.begin;
-  r.optimizer_bytes = int64_t{state_kinds} * slice_elems * 4;
+  r.optimizer_bytes = optimizer_bytes;
   r.staging_bytes = m.staging.peak_bytes() + bytes(m.accum);
   r.gathered_bytes = m.gather_pool.peak_bytes();
 

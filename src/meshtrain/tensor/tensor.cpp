@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "meshtrain/tensor/memory_stats.h"
+
 namespace mt {
 
 namespace {
@@ -44,7 +46,14 @@ Tensor Tensor::empty(const Shape& shape, DType dtype) {
   void* p = std::aligned_alloc(kAlign, rounded);
   if (p == nullptr)
     throw Error(fmt::format("out of memory allocating {} bytes for {}", bytes, t.desc()));
-  t.owner_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  // Counted under the thread's current category until the last handle goes.
+  const MemoryCategory cat = current_memory_category();
+  const auto counted = static_cast<int64_t>(rounded);
+  detail::count_alloc(cat, counted);
+  t.owner_ = std::shared_ptr<void>(p, [cat, counted](void* q) {
+    std::free(q);
+    detail::count_free(cat, counted);
+  });
   t.data_ = p;
   return t;
 }

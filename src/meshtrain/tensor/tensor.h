@@ -4,7 +4,8 @@
 // std::shared_ptr). Memory is either owned (allocated 64-byte aligned by
 // Tensor::empty/zeros, freed with the last handle) or borrowed (Tensor::wrap
 // over memory someone else owns, e.g. the executor's arena). clone() makes a
-// deep copy. Not thread-safe for concurrent writes to the same memory.
+// deep copy. Owned memory is counted by category (tensor/memory_stats.h).
+// Not thread-safe for concurrent writes to the same memory.
 #pragma once
 
 #include <cstddef>

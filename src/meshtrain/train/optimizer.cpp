@@ -6,6 +6,8 @@
 
 #include <fmt/ranges.h>
 
+#include "meshtrain/tensor/memory_stats.h"
+
 namespace mt {
 
 bool DecayFilter::applies(const ParamRef& p) const {
@@ -78,6 +80,7 @@ void Optimizer::load_state(const OptimizerState& state) {
       throw CheckpointError(
           fmt::format("{}: optimizer state '{}' must be f32, got {}", name(), key, t.desc()));
     }
+    MemoryScope tag(MemoryCategory::optimizer);
     slots[key] = t.clone();
   }
   for (const auto& [param, n] : state.steps) {
@@ -94,6 +97,7 @@ float* Optimizer::slot(const ParamRef& p, const std::string& kind, bool* created
   const std::string key = p.name + "." + kind;
   auto it = slots_.find(key);
   if (it == slots_.end()) {
+    MemoryScope tag(MemoryCategory::optimizer);
     it = slots_.emplace(key, Tensor::zeros({p.param.numel()}, DType::f32)).first;
     if (created != nullptr) *created = true;
   } else {
@@ -106,6 +110,12 @@ float* Optimizer::slot(const ParamRef& p, const std::string& kind, bool* created
     if (created != nullptr) *created = false;
   }
   return it->second.data<float>();
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t n = 0;
+  for (const auto& [key, t] : slots_) n += static_cast<int64_t>(t.nbytes());
+  return n;
 }
 
 int64_t Optimizer::next_step(const ParamRef& p) {

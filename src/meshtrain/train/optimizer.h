@@ -92,6 +92,8 @@ class Optimizer {
 
   // Handles to the live state (shared memory, not copies).
   OptimizerState state() const { return {slots_, steps_}; }
+  // Bytes of state tensors allocated now (0 before the first step).
+  int64_t state_bytes() const;
   // Replaces all state with deep copies of `state`. Throws CheckpointError
   // for a tensor of a kind this optimizer does not keep or that is not f32.
   void load_state(const OptimizerState& state);

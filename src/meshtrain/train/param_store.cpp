@@ -1,32 +1,43 @@
 #include "meshtrain/train/param_store.h"
 
 #include "meshtrain/base/random.h"
+#include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
 
 namespace {
 constexpr int64_t kAlignElems = 16;  // 64 bytes of f32
 
-void init_param(Tensor& t, const ParamInit& init, uint64_t seed, const std::string& name) {
-  float* p = t.data<float>();
-  const int64_t n = t.numel();
+// Elements [begin, end) of a parameter's initial value into p (p[0] is
+// element begin): the stream is drawn from its start, so every range of it
+// holds the same numbers as the whole.
+void init_range(float* p, int64_t begin, int64_t end, const ParamInit& init, uint64_t seed,
+                const std::string& name) {
   Rng rng(Rng::derive(seed, name));
   switch (init.kind) {
     case ParamInit::Kind::zeros:
-      for (int64_t i = 0; i < n; ++i) p[i] = 0.0f;
+      for (int64_t i = begin; i < end; ++i) p[i - begin] = 0.0f;
       break;
     case ParamInit::Kind::ones:
-      for (int64_t i = 0; i < n; ++i) p[i] = 1.0f;
+      for (int64_t i = begin; i < end; ++i) p[i - begin] = 1.0f;
       break;
     case ParamInit::Kind::normal:
-      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(init.scale * rng.normal());
+      for (int64_t i = 0; i < end; ++i) {
+        const auto v = static_cast<float>(init.scale * rng.normal());
+        if (i >= begin) p[i - begin] = v;
+      }
       break;
     case ParamInit::Kind::uniform:
-      for (int64_t i = 0; i < n; ++i) {
-        p[i] = static_cast<float>(rng.uniform(-init.scale, init.scale));
+      for (int64_t i = 0; i < end; ++i) {
+        const auto v = static_cast<float>(rng.uniform(-init.scale, init.scale));
+        if (i >= begin) p[i - begin] = v;
       }
       break;
   }
+}
+
+void init_param(Tensor& t, const ParamInit& init, uint64_t seed, const std::string& name) {
+  init_range(t.data<float>(), 0, t.numel(), init, seed, name);
 }
 }  // namespace
 
@@ -46,23 +57,53 @@ ParamLayout ParamStore::layout(const Graph& g, int64_t* flat_numel) {
   return l;
 }
 
-ParamStore::ParamStore(const Graph& g, uint64_t seed) {
-  int64_t total = 0;
-  for (const ParamLayoutEntry& e : layout(g, &total)) {
-    entries_.push_back(Entry{e.name, e.shape, e.offset, {}, {}});
+ParamStore::ParamStore(const Graph& g, uint64_t seed, bool with_grads, bool with_values)
+    : seed_(seed) {
+  size_t i = 0;
+  const std::vector<ValueId>& ids = g.params();
+  for (const ParamLayoutEntry& e : layout(g, &flat_numel_)) {
+    entries_.push_back(Entry{e.name, e.shape, e.offset, {}, {}, g.value(ids[i++]).init});
     numel_ += e.shape.numel();
   }
-  values_ = Tensor::zeros({total}, DType::f32);
-  grads_ = Tensor::zeros({total}, DType::f32);
-  size_t i = 0;
-  for (ValueId id : g.params()) {
-    Entry& e = entries_[i++];
-    float* vp = values_.data<float>() + e.offset;
-    float* gp = grads_.data<float>() + e.offset;
-    e.value = Tensor::wrap(vp, e.shape, DType::f32);
-    e.grad = Tensor::wrap(gp, e.shape, DType::f32);
-    init_param(e.value, g.value(id).init, seed, e.name);
+  if (with_values) {
+    MemoryScope tag(MemoryCategory::params);
+    values_ = Tensor::zeros({flat_numel_}, DType::f32);  // padding included
   }
+  if (with_grads) {
+    MemoryScope tag(MemoryCategory::grads);
+    grads_ = Tensor::zeros({flat_numel_}, DType::f32);
+  }
+  for (Entry& e : entries_) {
+    if (with_values) {
+      e.value = Tensor::wrap(values_.data<float>() + e.offset, e.shape, DType::f32);
+      init_param(e.value, e.init, seed, e.name);
+    }
+    if (with_grads) e.grad = Tensor::wrap(grads_.data<float>() + e.offset, e.shape, DType::f32);
+  }
+}
+
+void ParamStore::initial_range(size_t i, int64_t begin, int64_t end, float* dst) const {
+  const Entry& e = entries_.at(i);
+  MT_CHECK(begin >= 0 && begin <= end && end <= e.shape.numel(),
+           "initial_range [{}, {}) of '{}' with {} elements", begin, end, e.name, e.shape.numel());
+  init_range(dst, begin, end, e.init, seed_, e.name);
+}
+
+void ParamStore::drop_values() {
+  for (Entry& e : entries_) e.value = Tensor();
+  values_ = Tensor();
+}
+
+Tensor& ParamStore::ensure_values() {
+  if (has_values()) return values_;
+  {
+    MemoryScope tag(MemoryCategory::params);
+    values_ = Tensor::zeros({flat_numel_}, DType::f32);  // padding stays 0
+  }
+  for (Entry& e : entries_) {
+    e.value = Tensor::wrap(values_.data<float>() + e.offset, e.shape, DType::f32);
+  }
+  return values_;
 }
 
 const ParamStore::Entry* ParamStore::find(const std::string& name) const {
@@ -83,8 +124,14 @@ void ParamStore::bind(Executor& ex, const Graph& g, bool with_grads) {
       throw ShapeError(fmt::format("parameter '{}': graph wants {}, store holds {}", v.name,
                                    v.shape.str(), e->shape.str()));
     }
+    if (e->value.raw() == nullptr && e->shape.numel() > 0) {
+      throw InternalError(fmt::format("parameter '{}': the store's values were dropped", v.name));
+    }
     ex.bind(id, e->value);
     if (with_grads) {
+      if (!has_grads()) {
+        throw InternalError("ParamStore::bind with gradients: the store has no gradient buffer");
+      }
       ValueId gid = g.grad_of(id);
       if (gid != kNoValue) ex.bind(gid, e->grad);
     }

@@ -24,6 +24,7 @@
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
+#include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/checkpoint_match.h"
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/metrics.h"
@@ -63,6 +64,15 @@ int64_t peak_rss_bytes() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   return static_cast<int64_t>(ru.ru_maxrss) * 1024;
+}
+
+nlohmann::json by_category(const std::array<int64_t, kMemoryCategories>& bytes) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int c = 0; c < kMemoryCategories; ++c) {
+    j[std::string(memory_category_name(static_cast<MemoryCategory>(c)))] =
+        bytes[static_cast<size_t>(c)];
+  }
+  return j;
 }
 
 // Rows [begin, begin + n) of a batch tensor, as a view (the batch outlives it).
@@ -218,7 +228,6 @@ struct Trainer::Impl {
     loss_scale_in = tg.loss_scale_in;
     if (loss_scale_in != kNoValue) loss_scale = Tensor::full({}, DType::f32, scaler.scale());
     exec = std::make_unique<Executor>(model.graph, tg.exec);
-    store = std::make_unique<ParamStore>(model.graph, o.seed);
     for (auto& [id, t] : model.constants) exec->bind(id, t);
     if (loss_scale_in != kNoValue) exec->bind(loss_scale_in, loss_scale);
 
@@ -245,6 +254,12 @@ struct Trainer::Impl {
                       o.checkpoint_keep, o.checkpoint_path));
     }
     if (o.resume_path == "auto") resolve_auto_resume();
+    // A fresh ZeRO-3 run never holds whole parameters: DataParallel's shard
+    // is drawn one parameter at a time below. Resuming and train.init read
+    // whole tensors into the store first (then it is dropped).
+    const bool shard_init = o.dist.dp.stage == 3 && o.resume_path.empty() && o.init_path.empty();
+    store = std::make_unique<ParamStore>(model.graph, o.seed, /*with_grads=*/false,
+                                         /*with_values=*/!shard_init);
     // Parameters (and optimizer state) must be final before DataParallel
     // copies its shard out of them (ZeRO-3).
     if (!o.resume_path.empty()) {
@@ -264,7 +279,17 @@ struct Trainer::Impl {
       init_params(o.init_path);
     }
 
-    dp = std::make_unique<DataParallel>(*comm, layout_of(*store), store->flat_values(), o.dist.dp);
+    dp = std::make_unique<DataParallel>(
+        *comm, layout_of(*store),
+        shard_init ? Tensor::wrap(nullptr, {store->flat_numel()}, DType::f32)
+                   : store->flat_values(),
+        o.dist.dp);
+    if (shard_init) init_shard();
+    // ZeRO-3: DataParallel now holds this rank's shard; the full copy is
+    // allocated again only while something needs whole parameters (a
+    // single-file checkpoint, params() / gather_params()). Evaluation
+    // gathers per bucket like training does.
+    if (o.dist.dp.stage == 3) store->drop_values();
     dp->attach(*exec, model.graph);
     MT_CHECK_EQ(exec->memory_plan().arena_bytes, plan.activations.arena_bytes);
     optimizer->set_norm_reducer(dp->norm_reducer());
@@ -308,6 +333,16 @@ struct Trainer::Impl {
   }
 
   bool leader() const { return rank == 0; }
+
+  // ZeRO-3, fresh run: this rank's shard of each parameter's initial value
+  // (the same numbers as a replicated store), drawn straight into it.
+  void init_shard() {
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < store->entries().size(); ++i) index[store->entries()[i].name] = i;
+    for (ShardPiece& piece : dp->param_pieces(PieceUse::load)) {
+      store->initial_range(index.at(piece.name), piece.begin, piece.end, piece.data.data<float>());
+    }
+  }
 
   // Probes every path this rank will write (rank 0: metrics, trace, the
   // TensorBoard directory, a single-file checkpoint; every rank: its shard of a checkpoint
@@ -374,9 +409,15 @@ struct Trainer::Impl {
   }
 
   // Whole parameters into the store's flat buffer (a no-op but for ZeRO-3,
-  // where the store's copy is stale after construction).
+  // where the store holds nothing after construction: its buffer is
+  // allocated again and gathered into; collective). The buffer stays until
+  // drop_full_params().
   void sync_store() {
-    if (o.dist.dp.stage == 3) dp->gather_params(store->flat_values());
+    if (o.dist.dp.stage == 3) dp->gather_params(store->ensure_values());
+  }
+  // ZeRO-3: frees the store's full copy again.
+  void drop_full_params() {
+    if (o.dist.dp.stage == 3) store->drop_values();
   }
 
   // Checkpoints. A path ending in ".safetensors" written by one process is a
@@ -405,6 +446,7 @@ struct Trainer::Impl {
 
   void save(const std::string& path) {
     if (single_file(path)) {
+      const bool had_full = store->has_values();
       sync_store();
       TrainState st;
       for (auto& e : store->entries()) st.params[e.name] = e.value;
@@ -417,6 +459,8 @@ struct Trainer::Impl {
       st.extra = model_settings(spec);
       st.extra["seed"] = std::to_string(o.seed);
       save_train_state(path, st);
+      st.params.clear();  // views of the store's buffer
+      if (!had_full) drop_full_params();
       return;
     }
     std::vector<ShardPiece> pieces;
@@ -520,7 +564,7 @@ struct Trainer::Impl {
 
   TensorSignatures expected_params() const {
     TensorSignatures t;
-    for (const auto& e : store->entries()) t[e.name] = {e.value.dtype(), e.shape};
+    for (const auto& e : store->entries()) t[e.name] = {DType::f32, e.shape};
     return t;
   }
 
@@ -662,6 +706,7 @@ struct Trainer::Impl {
           const std::string key = sl.name + "." + kind;
           auto it = pending_state.tensors.find(key);
           if (it == pending_state.tensors.end()) continue;
+          MemoryScope tag(MemoryCategory::optimizer);
           Tensor part = Tensor::empty(sl.param.shape(), DType::f32);
           std::memcpy(part.raw(), it->second.data<float>() + sl.begin,
                       static_cast<size_t>(sl.end - sl.begin) * sizeof(float));
@@ -703,9 +748,14 @@ struct Trainer::Impl {
     eo.outputs = {em.model.logits, em.model.loss};
     eo.recompute = false;
     em.exec = std::make_unique<Executor>(em.model.graph, eo);
-    // Evaluation reads the store's whole parameters (gathered first under
-    // ZeRO-3 by evaluate()), so ranks may run different numbers of batches.
-    store->bind(*em.exec, em.model.graph, /*with_grads=*/false);
+    // Evaluation reads the store's whole parameters, so ranks may run
+    // different numbers of batches; under ZeRO-3 (no whole copy) it gathers
+    // them per bucket like training, so every rank runs every pass.
+    if (o.dist.dp.stage == 3) {
+      dp->attach(*em.exec, em.model.graph);
+    } else {
+      store->bind(*em.exec, em.model.graph, /*with_grads=*/false);
+    }
     for (auto& [id, t] : em.model.constants) em.exec->bind(id, t);
     return eval_models.emplace(batch, std::move(em)).first->second;
   }
@@ -713,14 +763,18 @@ struct Trainer::Impl {
   // Each rank evaluates a contiguous slice of every test batch; sums are
   // combined across ranks. Returns {loss, accuracy, examples}.
   std::tuple<double, double, int64_t> evaluate() {
-    sync_store();
     if (!eval_loader) eval_loader = make_eval_loader();
     const DataLoader& tl = *eval_loader;
     double sums[3] = {0, 0, 0};  // loss * rows, correct, rows
     for (int64_t s = 0; s < eval_steps(); ++s) {
       Batch b = tl.batch(0, s);
       const int64_t n = b.size();
-      if (n == 0) continue;
+      if (n == 0) {
+        // ZeRO-3's gathers are collective: a rank with no examples in this
+        // batch still runs a forward (on one zero example) and ignores it.
+        if (o.dist.dp.stage == 3 && world > 1) dummy_forward();
+        continue;
+      }
       EvalModel& em = eval_model(n);
       const Graph& g = em.model.graph;
       em.exec->bind(em.model.x, b.x.reshape(g.value(em.model.x).shape));
@@ -740,6 +794,16 @@ struct Trainer::Impl {
     }
     comm->all_reduce(sums, sums, 3, DType::f64);
     return {sums[0] / sums[2], sums[1] / sums[2], static_cast<int64_t>(sums[2])};
+  }
+
+  void dummy_forward() {
+    EvalModel& em = eval_model(1);
+    const Graph& g = em.model.graph;
+    const Value& xv = g.value(em.model.x);
+    const Value& yv = g.value(em.model.y);
+    em.exec->bind(em.model.x, Tensor::zeros(xv.shape, xv.dtype));
+    em.exec->bind(em.model.y, Tensor::zeros(yv.shape, yv.dtype));
+    em.exec->run_forward();
   }
 
   // One optimizer step over K micro-batches; returns the mean loss over the
@@ -919,7 +983,6 @@ struct Trainer::Impl {
       record_eval(r, metrics, tensorboard, nullptr, 0);
     }
     checkpoint_now(r);
-    sync_store();
     double hidden = -1;
     if (timeline.enabled()) {
       hidden = hidden_comm_fraction(timeline.events());
@@ -951,7 +1014,40 @@ struct Trainer::Impl {
       r.matmul_s_per_step = mm_ns * 1e-9 / static_cast<double>(runs) * o.dist.dp.accumulation_steps;
     }
     r.planned_arena_bytes = exec->memory_plan().arena_bytes;
-    r.memory = dp->memory(static_cast<int>(optimizer->state_kinds().size()));
+    r.memory =
+        dp->memory(static_cast<int>(optimizer->state_kinds().size()), optimizer->state_bytes());
+    r.allocated = memory_counters();
+    r.peak_rss_bytes = peak_rss_bytes();
+    // Every rank's figures, for rank 0's summary: peak RSS, then live and
+    // peak allocator bytes per category.
+    constexpr int kPer = 1 + 2 * kMemoryCategories;
+    std::vector<double> per_rank(static_cast<size_t>(kPer * world), 0.0);
+    {
+      double* mine = per_rank.data() + static_cast<ptrdiff_t>(kPer) * rank;
+      mine[0] = static_cast<double>(r.peak_rss_bytes);
+      for (int c = 0; c < kMemoryCategories; ++c) {
+        mine[1 + c] = static_cast<double>(r.allocated.live[static_cast<size_t>(c)]);
+        mine[1 + kMemoryCategories + c] =
+            static_cast<double>(r.allocated.peak[static_cast<size_t>(c)]);
+      }
+    }
+    if (world > 1) {
+      comm->all_reduce(per_rank.data(), per_rank.data(), per_rank.size(), DType::f64, ReduceOp::sum,
+                       o.dist.dp.collective);
+    }
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int q = 0; q < world; ++q) {
+      const double* v = per_rank.data() + static_cast<ptrdiff_t>(kPer) * q;
+      std::array<int64_t, kMemoryCategories> live{}, peak{};
+      for (int c = 0; c < kMemoryCategories; ++c) {
+        live[static_cast<size_t>(c)] = static_cast<int64_t>(v[1 + c]);
+        peak[static_cast<size_t>(c)] = static_cast<int64_t>(v[1 + kMemoryCategories + c]);
+      }
+      ranks.push_back({{"rank", q},
+                       {"peak_rss_bytes", static_cast<int64_t>(v[0])},
+                       {"mem_live_bytes", by_category(live)},
+                       {"mem_peak_bytes", by_category(peak)}});
+    }
     const DataParallelStats st = dp->stats();
     nlohmann::json summary = {
         {"summary", true},
@@ -965,7 +1061,11 @@ struct Trainer::Impl {
         {"planned_arena_bytes", r.planned_arena_bytes},
         {"allocated_arena_bytes", exec->allocated_arena_bytes()},
         {"param_bytes", store->numel() * 4},
-        {"peak_rss_bytes", peak_rss_bytes()},
+        {"peak_rss_bytes", r.peak_rss_bytes},
+        {"mem_live_bytes", by_category(r.allocated.live)},
+        {"mem_peak_bytes", by_category(r.allocated.peak)},
+        {"mem_peak_total_bytes", r.allocated.peak_total},
+        {"ranks", ranks},
         {"threads", o.threads},
         {"world_size", world},
         {"zero_stage", o.dist.dp.stage},
@@ -976,6 +1076,7 @@ struct Trainer::Impl {
         {"dp_grad_bytes", r.memory.grad_bytes},
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
+        {"dp_expected_buffer_bytes", r.memory.expected_buffer_bytes},
         {"precision", std::string(dtype_name(o.precision))},
         {"precision_decision", precision_json()},
         {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},

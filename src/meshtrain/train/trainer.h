@@ -25,6 +25,7 @@
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/sync/data_parallel.h"
+#include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/loss_scaler.h"
 #include "meshtrain/train/lr_schedule.h"
@@ -156,6 +157,10 @@ struct TrainResult {
   int64_t planned_arena_bytes = 0;
   std::vector<double> losses;  // per step: mean loss over the global batch
   DataParallelMemory memory;   // per-rank parameter / gradient / optimizer bytes
+  // This process's allocator counters by category at the end of the run
+  // (live) and over it (peak; tensor/memory_stats.h), and its peak RSS.
+  MemoryCounters allocated;
+  int64_t peak_rss_bytes = 0;
   // Non-zero: the run stopped early on a stop request (TrainerOptions::
   // stop_signal), after `steps` steps; the highest signal number any rank saw.
   int stop_signal = 0;
@@ -194,8 +199,11 @@ class Trainer {
   // The training graph (forward + backward) and its executor's memory plan.
   const Graph& train_graph() const;
   const MemoryPlan& memory_plan() const;
+  // The current whole parameters (collective under ZeRO-3, where this
+  // allocates the store's full copy, which then stays: for tests and tools,
+  // not for the training loop, which never holds whole parameters at stage 3).
   class ParamStore& params();
-  // The current whole parameters, flat (collective under ZeRO-3).
+  // The current whole parameters, flat (as params()).
   Tensor gather_params();
   DataParallel& data_parallel();
 

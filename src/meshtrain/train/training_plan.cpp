@@ -88,7 +88,7 @@ TrainingGraph build_training_graph(const ModelSpec& model_spec, const TrainerOpt
 }
 
 int64_t TrainingPlan::model_state_bytes() const {
-  return state.expected_model_state_bytes() + state.expected_buffer_bytes + store_bytes;
+  return state.expected_model_state_bytes() + state.expected_buffer_bytes;
 }
 
 int64_t TrainingPlan::total_bytes() const {
@@ -111,8 +111,6 @@ std::string TrainingPlan::describe() const {
   line("gradients", state.expected_grad_bytes);
   line("optimizer state", state.expected_optimizer_bytes);
   line("data-parallel buffers", state.expected_buffer_bytes);
-  line("parameter store (trainer)", store_bytes,
-       state.stage == 3 ? "gradient buffer and full parameters" : "gradient buffer");
   line("total", total_bytes());
   return out;
 }
@@ -142,9 +140,6 @@ TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec, const
   const BucketPlan buckets(layout, flat, o.dist.dp.bucket_bytes, world, rank);
   const int kinds = static_cast<int>(make_optimizer(o.optimizer, o.optim)->state_kinds().size());
   p.state = DataParallel::expected_memory(buckets, o.dist.dp, kinds);
-  // The store's gradient buffer always; its values are DataParallel's
-  // parameters below stage 3 and an extra full copy at stage 3.
-  p.store_bytes = flat * 4 * (o.dist.dp.stage == 3 ? 2 : 1);
 
   if (o.eval) {
     const int64_t n =

@@ -47,15 +47,16 @@ struct TrainingPlan {
   MemoryPlan activations;        // the training executor's plan (arena_bytes: its arena)
   int64_t eval_arena_bytes = 0;  // the evaluation executor's arena
   // Parameters, gradients, optimizer state and buffers of data parallelism
-  // under the configured ZeRO stage (the expected_* fields).
+  // under the configured ZeRO stage (the expected_* fields). That is all the
+  // model state a rank holds while training: the trainer's parameter store
+  // is DataParallel's parameter buffer below stage 3 and holds nothing at
+  // stage 3 (whole parameters exist only while a single-file checkpoint is
+  // written, or after resuming / train.init until the shard is taken).
   DataParallelMemory state;
-  // The trainer's parameter store outside DataParallel: its flat gradient
-  // buffer, and under ZeRO-3 its full parameter copy.
-  int64_t store_bytes = 0;
   std::string largest_activation;  // "name f32[..]" of the largest activation
   int64_t largest_activation_bytes = 0;
 
-  int64_t model_state_bytes() const;  // state (expected) + store
+  int64_t model_state_bytes() const;  // state (expected), buffers included
   int64_t total_bytes() const;        // everything above
   // Several lines: each part with its size, and the total.
   std::string describe() const;
