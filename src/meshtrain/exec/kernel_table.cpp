@@ -166,6 +166,34 @@ KernelFn lookup(OpKind op) {
       return [](KernelBackend&, const Node& n, In, Out out) { out[0].fill(n.attrs.f("value")); };
     case OpKind::broadcast_to:
       return broadcast_to;
+    case OpKind::spmm:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm(in[0], in[1], in.size() == 4 ? in[3] : Tensor(), in[2], out[0]);
+      };
+    case OpKind::spmm_t:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm_transposed(in[0], in[1], in.size() == 4 ? in[3] : Tensor(), in[2], out[0]);
+      };
+    case OpKind::sddmm:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.sddmm(in[0], in[1], in[2], in[3], out[0]);
+      };
+    case OpKind::spmm_max:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm_max(in[0], in[1], in[2], out[0], out[1]);
+      };
+    case OpKind::spmm_max_grad:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm_max_backward(in[0], in[1], out[0]);
+      };
+    case OpKind::edge_softmax:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.edge_softmax(in[0], in[1], out[0]);
+      };
+    case OpKind::edge_softmax_grad:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.edge_softmax_backward(in[0], in[1], in[2], out[0]);
+      };
   }
   return nullptr;
 }

@@ -61,6 +61,17 @@ enum class OpKind : uint16_t {
   // added after the first skeleton (appended so existing values keep their numbers)
   fill,          // no inputs; attrs: shape, dtype (name), value. Seeds d loss = 1.
   broadcast_to,  // attrs: shape (x's shape is a suffix of it, or x is a scalar); backward of sum_to
+  // sparse (CSR) operators, graph neural networks (ops_sparse.cpp). The sparse
+  // matrix is carried as i32 inputs row_ptr [N+1] and col_idx [E] (graph
+  // inputs bound once, as model constants); see tensor/backend.h.
+  spmm,          // inputs row_ptr, col_idx, x [M,F][, w [E]] -> y [N,F] = A @ x
+  spmm_max,      // inputs row_ptr, col_idx, x [M,F] -> y [N,F], argmax i32 [N,F]
+  edge_softmax,  // inputs row_ptr, x [E] -> y [E] (softmax over each row's entries)
+  // sparse backward-only
+  spmm_t,             // inputs row_ptr, col_idx, dy [N,F][, w]; attrs: rows (M) -> A^T @ dy
+  sddmm,              // inputs row_ptr, col_idx, a [N,F], b [M,F] -> [E] (d spmm / d w)
+  spmm_max_grad,      // inputs dy, argmax; attrs: shape (of x)
+  edge_softmax_grad,  // inputs row_ptr, y, dy
 };
 
 // activation: produced by a forward node; grad: produced by a backward node.

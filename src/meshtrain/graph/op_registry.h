@@ -131,6 +131,7 @@ void register_linear_ops(std::vector<OpDef>& table);
 void register_norm_ops(std::vector<OpDef>& table);
 void register_conv_ops(std::vector<OpDef>& table);
 void register_shape_ops(std::vector<OpDef>& table);
+void register_sparse_ops(std::vector<OpDef>& table);
 
 // Shared helpers for rules.
 double numel_of(const Graph& g, ValueId v);
