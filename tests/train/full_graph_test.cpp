@@ -130,7 +130,7 @@ TEST(GraphFile, BadContentsNameTheFileAndField) {
     try {
       load_graph(path);
       ADD_FAILURE() << "no error, expected " << needle;
-    } catch (const ConfigError& e) {
+    } catch (const FileError& e) {
       const std::string msg = e.what();
       EXPECT_NE(msg.find("graph file '" + path + "'"), std::string::npos) << msg;
       EXPECT_NE(msg.find(needle), std::string::npos) << msg;

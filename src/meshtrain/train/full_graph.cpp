@@ -46,7 +46,7 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
                                  const TrainerOptions& opts,
                                  const std::function<void(const std::string&)>& log) {
   refuse(opts.precision != DType::f32, "train.precision", "sparse kernels are f32");
-  refuse(opts.max_steps > 0, "train.max_steps", "one step per epoch: use train.epochs");
+  refuse(opts.max_steps > 0, "train.steps", "one step per epoch: use train.epochs");
   refuse(!opts.checkpoint_path.empty(), "train.checkpoint", "no checkpoints yet");
   refuse(!opts.resume_path.empty(), "train.resume", "no checkpoints yet");
   refuse(!opts.init_path.empty(), "train.init", "no weight import yet");

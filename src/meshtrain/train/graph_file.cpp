@@ -83,7 +83,11 @@ GraphData load_graph(const std::string& path) {
   g.train_mask = tensor_vec<uint8_t>(path, r.read("train_mask"), "train_mask", DType::u8);
   g.val_mask = tensor_vec<uint8_t>(path, r.read("val_mask"), "val_mask", DType::u8);
   g.test_mask = tensor_vec<uint8_t>(path, r.read("test_mask"), "test_mask", DType::u8);
-  g.validate(fmt::format("graph file '{}'", path));
+  try {
+    g.validate(fmt::format("graph file '{}'", path));
+  } catch (const ConfigError& e) {
+    throw FileError(e.what());  // a malformed file (docs/errors.md)
+  }
   return g;
 }
 

@@ -20,7 +20,7 @@ namespace mt {
 void save_graph(const std::string& path, const GraphData& g);
 // Reads and validates everything. FileError if the file cannot be read,
 // CheckpointError for a damaged file (bad checksum, missing tensor, wrong
-// dtype or rank), ConfigError "graph file '<path>': field '<name>': ..." for
+// dtype or rank), FileError "graph file '<path>': field '<name>': ..." for
 // contents that do not fit together (an out-of-range vertex id, a feature or
 // label count other than the vertex count, ...).
 GraphData load_graph(const std::string& path);
