@@ -27,6 +27,7 @@
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
 #include "meshtrain/train/full_graph.h"
+#include "meshtrain/train/graph_file.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -266,6 +267,19 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
       "epoch {:.1f} ms, {} parameters\n",
       r.epochs.size(), r.final_loss, r.train_acc, r.val_acc, r.test_acc,
       1e3 * r.median_epoch_seconds, r.params);
+  return 0;
+}
+
+int cmd_graph_gen(const CommandOptions& opts) {
+  RunConfig rc = load(opts, nullptr, nullptr);
+  if (rc.data.kind != "graph") {
+    throw ConfigError(fmt::format("graph-gen: data.kind is '{}', not \"graph\" (set model.kind "
+                                  "to a GNN or data.kind = \"graph\")",
+                                  rc.data.kind));
+  }
+  const GraphData g = open_graph(rc.data);
+  save_graph(opts.graph_out, g);
+  fmt::print("wrote {}: {}\n", opts.graph_out, g.describe());
   return 0;
 }
 
