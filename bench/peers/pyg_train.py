@@ -68,7 +68,9 @@ def main(argv):
 
     def conv(i, o):
         if a.model == "gcn":
-            return GCNConv(i, o)
+            # cached: the normalised adjacency is computed once, as meshtrain
+            # computes its edge values once (full-graph, transductive).
+            return GCNConv(i, o, cached=True)
         if a.model == "sage":
             return SAGEConv(i, o, aggr="mean")
         return GATConv(i, o, heads=1)
