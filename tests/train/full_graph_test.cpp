@@ -78,6 +78,20 @@ TEST_P(EveryGnn, FastAndReferenceBackendsTrainAlike) {
 INSTANTIATE_TEST_SUITE_P(Models, EveryGnn, ::testing::Values("gcn", "sage", "gat", "resgcn"),
                          [](const auto& p) { return p.param; });
 
+TEST(FullGraph, SageWithMaxAggregationLearnsAndMatchesTheReference) {
+  const GraphData g = small_csbm();
+  ModelSpec s = gnn("sage");
+  s.sage_aggregation = "max";
+  const FullGraphResult r = train_full_graph(s, g, options(60));
+  EXPECT_GT(r.test_acc, 0.6) << "test accuracy " << r.test_acc;
+  const FullGraphResult fast = train_full_graph(s, g, options(5, "fast"));
+  const FullGraphResult ref = train_full_graph(s, g, options(5, "reference"));
+  for (size_t e = 0; e < fast.epochs.size(); ++e) {
+    EXPECT_NEAR(fast.epochs[e].loss, ref.epochs[e].loss, 1e-4 * std::fabs(ref.epochs[e].loss))
+        << "epoch " << e + 1;
+  }
+}
+
 TEST(FullGraph, TheGraphBeatsTheFeaturesAlone) {
   // The same features on a graph without edges (every vertex isolated) give
   // what the features alone can; GCN on the real graph must do clearly better.

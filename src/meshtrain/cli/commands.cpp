@@ -273,9 +273,10 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
 int cmd_graph_gen(const CommandOptions& opts) {
   RunConfig rc = load(opts, nullptr, nullptr);
   if (rc.data.kind != "graph") {
-    throw ConfigError(fmt::format("graph-gen: data.kind is '{}', not \"graph\" (set model.kind "
-                                  "to a GNN or data.kind = \"graph\")",
-                                  rc.data.kind));
+    throw ConfigError(
+        fmt::format("graph-gen: data.kind is '{}', not \"graph\" (set model.kind "
+                    "to a GNN or data.kind = \"graph\")",
+                    rc.data.kind));
   }
   const GraphData g = open_graph(rc.data);
   save_graph(opts.graph_out, g);

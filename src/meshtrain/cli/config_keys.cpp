@@ -30,6 +30,8 @@ const std::vector<KeyMeaning> kMeanings = {
     {"model.gnn_layers",
      "gcn, sage, gat: graph convolutions; resgcn: residual blocks (e.g. 32) between an input "
      "and an output linear layer"},
+    {"model.sage_aggregation",
+     "sage: how a vertex combines its in-neighbours' features (mean, or the feature-wise max)"},
 
     {"data.kind",
      "data set; default text for model.kind gpt, graph for gcn / sage / gat / resgcn, "

@@ -50,10 +50,11 @@ ValueId gcn_conv(Builder& b, const AdjInputs& a, ValueId h, int64_t in, int64_t 
 }
 
 ValueId sage_conv(Builder& b, const AdjInputs& a, ValueId h, int64_t in, int64_t out,
-                  const std::string& name) {
+                  const std::string& name, bool max) {
   ValueId self = b.matmul(h, weight(b, name + ".w_self", in, out));
-  ValueId mean = b.spmm(a.row_ptr, a.col_idx, h, a.values);
-  ValueId neigh = b.matmul(mean, weight(b, name + ".w_neigh", in, out));
+  ValueId agg =
+      max ? b.spmm_max(a.row_ptr, a.col_idx, h) : b.spmm(a.row_ptr, a.col_idx, h, a.values);
+  ValueId neigh = b.matmul(agg, weight(b, name + ".w_neigh", in, out));
   return bias_add(b, b.add(self, neigh), out, name);
 }
 
@@ -140,13 +141,18 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
       h = bias_add(b, b.matmul(norm(h, "final_norm"), weight(b, "head.w", hid, c)), c, "head");
     }
   } else if (spec.kind == "sage") {
+    if (spec.sage_aggregation != "mean" && spec.sage_aggregation != "max") {
+      throw ConfigError(fmt::format("model.sage_aggregation: '{}' (expected mean or max)",
+                                    spec.sage_aggregation));
+    }
+    const bool max = spec.sage_aggregation == "max";
     const std::vector<float> w = mean_values(adj);
-    const AdjInputs in = bind_adj(b, m, "adj", adj, &w, false);
+    const AdjInputs in = bind_adj(b, m, "adj", adj, max ? nullptr : &w, false);
     int64_t width = f;
     for (int64_t l = 0; l < spec.gnn_layers; ++l) {
       const bool last = l + 1 == spec.gnn_layers;
       const int64_t out = last ? c : hid;
-      h = sage_conv(b, in, h, width, out, fmt::format("conv{}", l + 1));
+      h = sage_conv(b, in, h, width, out, fmt::format("conv{}", l + 1), max);
       if (!last) h = b.relu(h);
       width = out;
     }

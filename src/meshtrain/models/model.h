@@ -37,6 +37,7 @@ struct ModelSpec {
   // graph convolutions (resgcn: residual blocks between an input and an
   // output linear layer).
   int64_t gnn_hidden = 64, gnn_layers = 2;
+  std::string sage_aggregation = "mean";  // sage: "mean" or "max" over in-neighbours
 };
 
 struct ModelGraph {
@@ -67,7 +68,8 @@ struct GnnGraph {
 // constants holds the adjacency (row_ptr, col_idx, edge values) and
 // loss_vertices as i32 / f32 tensors to bind once. batch = T.
 //   gcn:    h' = A_hat (h W) + b, A_hat = D^-1/2 (A + I) D^-1/2, relu between
-//   sage:   h' = h W_self + mean_{in-neighbours}(h) W_neigh + b
+//   sage:   h' = h W_self + mean_{in-neighbours}(h) W_neigh + b (or the
+//           feature-wise max, sage_aggregation = "max"; 0 for no neighbours)
 //   gat:    one attention head: z = h W, e_ij = leaky_relu_0.2(a_dst.z_i +
 //           a_src.z_j) over A + I, alpha = edge_softmax(e), h' = sum alpha z + b
 //   resgcn: h = x W_in; gnn_layers times h = h + gcn(relu(layer_norm(h)));
