@@ -78,6 +78,12 @@ int main(int argc, char** argv) {
   exp->add_option("--logits-out", opts.logits_out, "where (default: OUT with .logits)")
       ->needs(logits_for);
 
+  CLI::App* gen = app.add_subcommand(
+      "graph-gen", "write the graph that data.* names (generated or read) as a graph file");
+  add_common(gen);
+  gen->add_option("--out", opts.graph_out, "the graph file to write (docs/graph_format.md)")
+      ->required();
+
   if (argc > 1) {
     // CLI11 answers a misspelt command with "A subcommand is required".
     std::vector<std::string> names;
@@ -99,6 +105,7 @@ int main(int argc, char** argv) {
     if (inspect->parsed()) return mt::cmd_inspect(opts);
     if (exp->parsed()) return mt::cmd_export(opts);
     if (config->parsed()) return mt::cmd_config_list(markdown);
+    if (gen->parsed()) return mt::cmd_graph_gen(opts);
   } catch (const mt::InternalError& e) {
     std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
     mt::abort_distributed_job(3);

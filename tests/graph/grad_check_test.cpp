@@ -29,6 +29,8 @@ struct In {
   Shape shape;
   DType dtype = DType::f64;
   int high = 0;  // i32 inputs: values in [0, high)
+  // i32 inputs with fixed contents (a CSR structure) instead of random ones.
+  std::vector<int32_t> values = {};
 };
 
 struct GradCase {
@@ -43,6 +45,17 @@ struct GradCase {
 In ids(Shape s, int high) {
   return In{std::move(s), DType::i32, high};
 }
+In fixed(std::vector<int32_t> v) {
+  const auto n = static_cast<int64_t>(v.size());
+  return In{{n}, DType::i32, 0, std::move(v)};
+}
+
+// A sparse matrix with the awkward cases in it: 4 rows over 6 columns; row 1
+// empty, row 2 with a self-loop (col 2) and a duplicate entry (col 0 twice),
+// column 5 never referenced (an isolated vertex).
+const std::vector<int32_t> kRowPtr = {0, 2, 2, 6, 7};
+const std::vector<int32_t> kColIdx = {1, 3, 2, 0, 0, 4, 3};
+
 Attrs mm(bool ta, bool tb) {
   return Attrs().set("trans_a", ta).set("trans_b", tb);
 }
@@ -129,12 +142,21 @@ std::vector<GradCase> cases() {
       {"sum_to_rank3", O::sum_to, {{{2, 3, 4}}}, shape_attr({3, 4})},
       {"broadcast_to", O::broadcast_to, {{{4}}}, shape_attr({3, 4})},
       {"broadcast_to_scalar", O::broadcast_to, {{{}}}, shape_attr({2, 3})},
+      {"spmm", O::spmm, {fixed(kRowPtr), fixed(kColIdx), {{6, 3}}}, {}},
+      {"spmm_weighted", O::spmm, {fixed(kRowPtr), fixed(kColIdx), {{6, 3}}, {{7}}}, {}},
+      {"spmm_no_entries", O::spmm, {fixed({0, 0, 0}), fixed({}), {{3, 2}}, {{0}}}, {}},
+      {"spmm_max", O::spmm_max, {fixed(kRowPtr), fixed(kColIdx), {{6, 5}}}, {}},
+      {"edge_softmax", O::edge_softmax, {fixed(kRowPtr), {{7}}}, {}},
+      {"edge_softmax_no_entries", O::edge_softmax, {fixed({0, 0}), {{0}}}, {}},
   };
 }
 
 Tensor random_tensor(const In& in, std::mt19937_64& rng) {
   Tensor t = Tensor::empty(in.shape, in.dtype);
-  if (in.dtype == DType::i32) {
+  if (in.dtype == DType::i32 && !in.values.empty()) {
+    for (int64_t i = 0; i < t.numel(); ++i)
+      t.data<int32_t>()[i] = in.values[static_cast<size_t>(i)];
+  } else if (in.dtype == DType::i32) {
     std::uniform_int_distribution<int> d(0, in.high - 1);
     for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = d(rng);
   } else {

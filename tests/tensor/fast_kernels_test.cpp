@@ -7,6 +7,7 @@
 // bf16/f16 matmul is compared with the reference on the same rounded inputs
 // (f32 accumulation, so f32-like tolerance), and with the f32 product of the
 // unrounded inputs within 1e-2 relative (the rounding of the inputs).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
@@ -676,6 +678,128 @@ struct ConvCase {
   Conv2dParams p;
   bool bias;
 };
+
+// A random CSR matrix [n, m] with skewed degrees: every 7th row empty, every
+// 50th a hub with many entries, duplicates and self-loops left in.
+struct RandomCsr {
+  Tensor row_ptr, col_idx;
+};
+RandomCsr random_csr(int64_t n, int64_t m, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int32_t> col(0, static_cast<int32_t>(m - 1));
+  std::vector<int32_t> rp = {0}, ci;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t deg = i % 7 == 3 ? 0 : (i % 50 == 0 ? 200 : 1 + static_cast<int64_t>(gen() % 9));
+    for (int64_t k = 0; k < deg; ++k) ci.push_back(col(gen));
+    rp.push_back(static_cast<int32_t>(ci.size()));
+  }
+  RandomCsr r{Tensor::empty(Shape{n + 1}, DType::i32),
+              Tensor::empty(Shape{static_cast<int64_t>(ci.size())}, DType::i32)};
+  std::memcpy(r.row_ptr.raw(), rp.data(), rp.size() * 4);
+  if (!ci.empty()) std::memcpy(r.col_idx.raw(), ci.data(), ci.size() * 4);
+  return r;
+}
+
+TEST_P(FastKernels, SparseKernelsMatchReference) {
+  // Small (one thread's work), a feature width with a vector tail, and large
+  // enough for the threaded, edge-balanced row blocks.
+  for (auto [n, m, f] : {std::tuple<int64_t, int64_t, int64_t>{5, 4, 3},
+                         {300, 200, 37},
+                         {3000, 2500, 64},
+                         {2000, 2000, 130}}) {
+    const std::string at = fmt::format("n={} m={} f={}", n, m, f);
+    RandomCsr a = random_csr(n, m, static_cast<uint32_t>(n + f));
+    const int64_t e = a.col_idx.numel();
+    Tensor x = random_tensor({m, f}, 1), w = random_tensor({e}, 2), dy = random_tensor({n, f}, 3);
+    for (const Tensor& wt : {Tensor(), w}) {
+      const std::string what = at + (wt.defined() ? " weighted" : "");
+      Tensor want = Tensor::empty({n, f}, DType::f32), got = Tensor::empty({n, f}, DType::f32);
+      ref_.spmm(a.row_ptr, a.col_idx, wt, x, want);
+      fast_->spmm(a.row_ptr, a.col_idx, wt, x, got);
+      expect_close(got, want, 1e-5, 1e-5, "spmm " + what);
+      Tensor dwant = Tensor::empty({m, f}, DType::f32), dgot = Tensor::full({m, f}, DType::f32, 7);
+      ref_.spmm_transposed(a.row_ptr, a.col_idx, wt, dy, dwant);
+      fast_->spmm_transposed(a.row_ptr, a.col_idx, wt, dy, dgot);
+      expect_close(dgot, dwant, 1e-5, 1e-5, "spmm_transposed " + what);
+    }
+    Tensor swant = Tensor::empty({e}, DType::f32), sgot = Tensor::empty({e}, DType::f32);
+    ref_.sddmm(a.row_ptr, a.col_idx, dy, x, swant);
+    fast_->sddmm(a.row_ptr, a.col_idx, dy, x, sgot);
+    expect_close(sgot, swant, 1e-5, 1e-5, "sddmm " + at);
+
+    Tensor ymax = Tensor::empty({n, f}, DType::f32), ygot = Tensor::empty({n, f}, DType::f32);
+    Tensor amax = Tensor::empty({n, f}, DType::i32), agot = Tensor::empty({n, f}, DType::i32);
+    ref_.spmm_max(a.row_ptr, a.col_idx, x, ymax, amax);
+    fast_->spmm_max(a.row_ptr, a.col_idx, x, ygot, agot);
+    expect_close(ygot, ymax, 0, 0, "spmm_max " + at);
+    expect_close(agot, amax, 0, 0, "spmm_max argmax " + at);
+    Tensor dxw = Tensor::empty({m, f}, DType::f32), dxg = Tensor::full({m, f}, DType::f32, 3);
+    ref_.spmm_max_backward(dy, amax, dxw);
+    fast_->spmm_max_backward(dy, amax, dxg);
+    expect_close(dxg, dxw, 1e-6, 1e-6, "spmm_max_backward " + at);
+
+    Tensor sc = random_tensor({e}, 4, -8, 8), pw = Tensor::empty({e}, DType::f32),
+           pg = Tensor::empty({e}, DType::f32);
+    ref_.edge_softmax(a.row_ptr, sc, pw);
+    fast_->edge_softmax(a.row_ptr, sc, pg);
+    expect_close(pg, pw, 1e-5, 1e-6, "edge_softmax " + at);
+    Tensor de = random_tensor({e}, 5), gw = Tensor::empty({e}, DType::f32),
+           gg = Tensor::empty({e}, DType::f32);
+    ref_.edge_softmax_backward(a.row_ptr, pw, de, gw);
+    fast_->edge_softmax_backward(a.row_ptr, pw, de, gg);
+    expect_close(gg, gw, 1e-5, 1e-6, "edge_softmax_backward " + at);
+  }
+}
+
+TEST_P(FastKernels, SparseMaxTiesNaNAndEmptyRowsLikeReference) {
+  // Row 0: cols 0, 1, 2 with x[1] == x[2] (tie: first wins) and a NaN in
+  // column 1 of x[2]; row 1 empty.
+  Tensor rp = Tensor::empty({3}, DType::i32), ci = Tensor::empty({3}, DType::i32);
+  const int32_t rpv[] = {0, 3, 3}, civ[] = {0, 1, 2};
+  std::memcpy(rp.raw(), rpv, sizeof rpv);
+  std::memcpy(ci.raw(), civ, sizeof civ);
+  Tensor x = Tensor::empty({3, 2}, DType::f32);
+  const float xv[] = {0.5f, 1.0f, 2.0f, 3.0f, 2.0f, kNaN};
+  std::memcpy(x.raw(), xv, sizeof xv);
+  for (KernelBackend* k : {static_cast<KernelBackend*>(&ref_), fast_.get()}) {
+    Tensor y = Tensor::empty({2, 2}, DType::f32), am = Tensor::empty({2, 2}, DType::i32);
+    k->spmm_max(rp, ci, x, y, am);
+    EXPECT_EQ(y.item(0), 2.0f) << k->name();
+    EXPECT_EQ(am.data<int32_t>()[0], 1) << k->name() << ": a tie keeps the first entry";
+    EXPECT_TRUE(std::isnan(y.item(1))) << k->name();
+    EXPECT_EQ(am.data<int32_t>()[1], 2) << k->name();
+    EXPECT_EQ(y.item(2), 0.0f) << k->name();
+    EXPECT_EQ(am.data<int32_t>()[2], -1) << k->name() << ": an empty row has no argmax";
+  }
+}
+
+TEST_P(FastKernels, SparseKernelsRejectMalformedCsr) {
+  Tensor x = random_tensor({4, 2}, 1), y = Tensor::empty({2, 2}, DType::f32);
+  auto csr = [](std::vector<int32_t> rp, std::vector<int32_t> ci) {
+    RandomCsr r{Tensor::empty({static_cast<int64_t>(rp.size())}, DType::i32),
+                Tensor::empty({static_cast<int64_t>(ci.size())}, DType::i32)};
+    std::memcpy(r.row_ptr.raw(), rp.data(), rp.size() * 4);
+    if (!ci.empty()) std::memcpy(r.col_idx.raw(), ci.data(), ci.size() * 4);
+    return r;
+  };
+  const std::pair<RandomCsr, std::string> bad[] = {
+      {csr({0, 1, 2}, {0, 4}), "col_idx[1] = 4 is out of range [0, 4)"},
+      {csr({0, 2, 1}, {0, 1}), "row_ptr decreases at row 1"},
+      {csr({1, 1, 2}, {0, 1}), "row_ptr[0] is 1"},
+      {csr({0, 1, 3}, {0, 1}), "row_ptr[2] = 3 but there are 2 entries"},
+  };
+  for (KernelBackend* k : {static_cast<KernelBackend*>(&ref_), fast_.get()}) {
+    for (const auto& [a, msg] : bad) {
+      try {
+        k->spmm(a.row_ptr, a.col_idx, Tensor(), x, y);
+        ADD_FAILURE() << k->name() << ": no error for " << msg;
+      } catch (const ShapeError& err) {
+        EXPECT_NE(std::string(err.what()).find(msg), std::string::npos)
+            << k->name() << ": " << err.what();
+      }
+    }
+  }
+}
 
 TEST_P(FastKernels, ConvolutionMatchesReference) {
   const std::vector<ConvCase> cases = {

@@ -30,6 +30,8 @@
 #include "meshtrain/spmd/plan.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/tensor/machine.h"
+#include "meshtrain/train/full_graph.h"
+#include "meshtrain/train/graph_file.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -409,6 +411,48 @@ void reexec_for_openblas(const std::string& policy, bool quiet, bool launching, 
 
 }  // namespace
 
+// Full-graph GNN training (data.kind = "graph"): one process, the whole
+// graph every epoch (train/full_graph.h).
+static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, bool empty) {
+  if (nproc > 1 || !opts.hostfile.empty() || launched_by_mpi()) {
+    throw ConfigError(
+        fmt::format("dist.nproc = {}: full-graph GNN training runs in one process so far (graph "
+                    "partitioning and halo exchange are not built yet); use dist.nproc = 1",
+                    nproc));
+  }
+  if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
+  if (empty) empty_notice(opts);
+  const GraphData g = open_graph(rc.data);
+  if (!opts.quiet) {
+    fmt::print(stderr, "meshtrain: training {} on {} (full graph, 1 process, {})\n", rc.model.kind,
+               g.describe(), plural(rc.train.threads, "thread"));
+  }
+  auto log = [&](const std::string& line) {
+    if (!opts.quiet) fmt::print(stderr, "meshtrain: {}\n", line);
+  };
+  const FullGraphResult r = train_full_graph(rc.model, g, rc.train, log);
+  fmt::print(
+      "{} epochs: loss {:.4f}, accuracy train {:.3f} val {:.3f} test {:.3f}, median "
+      "epoch {:.1f} ms, {} parameters\n",
+      r.epochs.size(), r.final_loss, r.train_acc, r.val_acc, r.test_acc,
+      1e3 * r.median_epoch_seconds, r.params);
+  return 0;
+}
+
+int cmd_graph_gen(const CommandOptions& opts) {
+  RunConfig rc = load(opts, nullptr, nullptr);
+  if (rc.data.kind != "graph") {
+    throw ConfigError(
+        fmt::format("graph-gen: data.kind is '{}', not \"graph\" (set model.kind "
+                    "to a GNN or data.kind = \"graph\")",
+                    rc.data.kind));
+  }
+  const GraphData g = open_graph(rc.data);
+  save_graph(opts.graph_out, g);
+  fmt::print("wrote {}: {}\n", opts.graph_out, g.describe());
+  return 0;
+}
+
 int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   std::string effective;
   bool empty = false;
@@ -418,6 +462,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     return 0;
   }
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
+  if (rc.data.kind == "graph") return train_graph(opts, rc, nproc, empty);
   if (rc.train.exec.backend == "fast") {
     const bool launching = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
     reexec_for_openblas(rc.openblas_coretype, opts.quiet, launching, argv);

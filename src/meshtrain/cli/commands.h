@@ -29,11 +29,15 @@ struct CommandOptions {
   // shorthand; --write-plan PATH writes the expanded plan (inspect: and stops).
   std::string plan_path;
   std::string write_plan_path;
+  std::string graph_out;  // graph-gen: the graph file to write
 };
 
 int cmd_train(const CommandOptions& opts, int argc, char** argv);
 int cmd_inspect(const CommandOptions& opts);
 int cmd_export(const CommandOptions& opts);  // export_command.cpp
+// `meshtrain graph-gen`: writes the graph the config's data.* keys name, so a
+// peer (bench/run gnn) or a later run reads identical data.
+int cmd_graph_gen(const CommandOptions& opts);
 // `meshtrain config --list`: every config key with type, default, allowed
 // values and meaning (markdown: as the Markdown table in README.md).
 int cmd_config_list(bool markdown);

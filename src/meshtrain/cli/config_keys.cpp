@@ -15,7 +15,9 @@ namespace {
 // (config_keys_test fails otherwise); defaults, types and allowed values
 // come from the getters, so they are not repeated.
 const std::vector<KeyMeaning> kMeanings = {
-    {"model.kind", "which model to train (gpt trains on text, mlp and cnn on fashion_mnist)"},
+    {"model.kind",
+     "which model to train (gpt trains on text, mlp and cnn on fashion_mnist, the graph neural "
+     "networks gcn, sage, gat and resgcn on a graph, full-graph in one process)"},
     {"model.hidden", "mlp: widths of the hidden layers"},
     {"model.conv_channels", "cnn: output channels of each conv-relu-pool block"},
     {"model.fc", "cnn: width of the hidden layer of the classifier"},
@@ -24,8 +26,32 @@ const std::vector<KeyMeaning> kMeanings = {
     {"model.heads", "gpt: attention heads (must divide model.d_model)"},
     {"model.seq_len",
      "gpt: context length in tokens (bytes); activation memory grows with its square"},
+    {"model.gnn_hidden", "gcn, sage, gat, resgcn: width of the hidden vertex embeddings"},
+    {"model.gnn_layers",
+     "gcn, sage, gat: graph convolutions; resgcn: residual blocks (e.g. 32) between an input "
+     "and an output linear layer"},
+    {"model.sage_aggregation",
+     "sage: how a vertex combines its in-neighbours' features (mean, or the feature-wise max)"},
 
-    {"data.kind", "data set; default text for model.kind gpt, fashion_mnist otherwise"},
+    {"data.kind",
+     "data set; default text for model.kind gpt, graph for gcn / sage / gat / resgcn, "
+     "fashion_mnist otherwise"},
+    {"data.graph",
+     "graph: csbm (contextual stochastic block model) or rmat generated from data.graph_seed, or "
+     "file (data.graph_file, docs/graph_format.md)"},
+    {"data.graph_file", "graph: the graph file read when data.graph = file"},
+    {"data.vertices", "graph csbm: number of vertices"},
+    {"data.classes", "graph csbm / rmat: number of classes (rmat: degree buckets)"},
+    {"data.avg_degree", "graph csbm: mean vertex degree (undirected edges, both ends count)"},
+    {"data.homophily", "graph csbm: fraction of a vertex's edges that stay inside its class"},
+    {"data.features", "graph csbm / rmat: vertex feature width"},
+    {"data.feature_signal",
+     "graph csbm: length of each class's mean feature vector (noise is standard normal)"},
+    {"data.train_fraction", "graph csbm / rmat: fraction of vertices in the training mask"},
+    {"data.val_fraction", "graph csbm / rmat: fraction in the validation mask (the rest: test)"},
+    {"data.graph_seed", "graph csbm / rmat: seed of the generator and of the split"},
+    {"data.rmat_scale", "graph rmat: 2^scale vertices"},
+    {"data.rmat_edge_factor", "graph rmat: edges drawn per vertex before deduplication"},
     {"data.dir", "fashion_mnist: directory of the idx(.gz) files (Debian dataset-fashion-mnist)"},
     {"data.path", "text: a file or a directory of files (Debian fortunes)"},
     {"data.test_fraction", "text: fraction at the end of the text held out for evaluation"},

@@ -4,6 +4,7 @@
 
 #include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
+#include "meshtrain/train/graph_file.h"
 
 namespace mt {
 
@@ -11,7 +12,7 @@ namespace {
 
 ModelSpec read_model(const Config& c) {
   ModelSpec m;
-  m.kind = c.get_string("model.kind", "mlp", {"mlp", "cnn", "gpt"});
+  m.kind = c.get_string("model.kind", "mlp", {"mlp", "cnn", "gpt", "gcn", "sage", "gat", "resgcn"});
   // Every model's size keys are read (and validated) whatever model.kind
   // says, so switching models with --set keeps a config valid.
   m.hidden = c.get_int_list("model.hidden", m.hidden, Bounds<int64_t>::positive());
@@ -22,18 +23,53 @@ ModelSpec read_model(const Config& c) {
   m.d_model = c.get_int("model.d_model", m.d_model, Bounds<int64_t>::positive());
   m.heads = c.get_int("model.heads", m.heads, Bounds<int64_t>::positive());
   m.seq_len = c.get_int("model.seq_len", m.seq_len, Bounds<int64_t>::positive());
+  m.gnn_hidden = c.get_int("model.gnn_hidden", m.gnn_hidden, Bounds<int64_t>::positive());
+  m.gnn_layers = c.get_int("model.gnn_layers", m.gnn_layers, Bounds<int64_t>::positive());
+  m.sage_aggregation = c.get_string("model.sage_aggregation", "mean", {"mean", "max"});
   return m;
 }
 
 DataSpec read_data(const Config& c, const ModelSpec& m) {
   DataSpec d;
-  d.kind = c.get_string("data.kind", m.kind == "gpt" ? "text" : "fashion_mnist",
-                        {"fashion_mnist", "text"});
-  if ((d.kind == "text") != (m.kind == "gpt")) {
+  d.kind = c.get_string("data.kind",
+                        m.kind == "gpt" ? "text" : (is_gnn(m.kind) ? "graph" : "fashion_mnist"),
+                        {"fashion_mnist", "text", "graph"});
+  if ((d.kind == "text") != (m.kind == "gpt") || (d.kind == "graph") != is_gnn(m.kind)) {
     throw ConfigError(
         fmt::format("config {}: data.kind '{}' does not fit model.kind '{}' (gpt "
-                    "trains on text, mlp and cnn on fashion_mnist)",
+                    "trains on text, mlp and cnn on fashion_mnist, gcn, sage, gat and resgcn "
+                    "on a graph)",
                     c.source(), d.kind, m.kind));
+  }
+  // Graph keys (read whatever data.kind says, as the others).
+  d.graph = c.get_string("data.graph", "csbm", {"csbm", "rmat", "file"});
+  d.graph_file = c.get_string("data.graph_file", "");
+  CsbmOptions& cs = d.csbm;
+  cs.vertices = c.get_int("data.vertices", cs.vertices, Bounds<int64_t>::in(2, int64_t{1} << 30));
+  cs.classes = c.get_int("data.classes", cs.classes, Bounds<int64_t>::positive());
+  cs.avg_degree = c.get_double("data.avg_degree", cs.avg_degree, Bounds<double>::non_negative());
+  cs.homophily = c.get_double("data.homophily", cs.homophily, Bounds<double>::in(0.0, 1.0));
+  cs.features = c.get_int("data.features", cs.features, Bounds<int64_t>::positive());
+  cs.feature_signal =
+      c.get_double("data.feature_signal", cs.feature_signal, Bounds<double>::non_negative());
+  cs.train_fraction =
+      c.get_double("data.train_fraction", cs.train_fraction, Bounds<double>::in(0.0, 1.0));
+  cs.val_fraction =
+      c.get_double("data.val_fraction", cs.val_fraction, Bounds<double>::in(0.0, 1.0));
+  cs.seed = static_cast<uint64_t>(c.get_int("data.graph_seed", 1, Bounds<int64_t>::non_negative()));
+  RmatOptions& rm = d.rmat;
+  rm.scale = c.get_int("data.rmat_scale", rm.scale, Bounds<int64_t>::in(1, 30));
+  rm.edge_factor = c.get_int("data.rmat_edge_factor", rm.edge_factor, Bounds<int64_t>::positive());
+  rm.features = cs.features;
+  rm.classes = cs.classes;
+  rm.train_fraction = cs.train_fraction;
+  rm.val_fraction = cs.val_fraction;
+  rm.seed = cs.seed;
+  if (d.kind == "graph" && d.graph == "file" && d.graph_file.empty()) {
+    throw ConfigError(
+        fmt::format("config {}: data.graph = \"file\" needs data.graph_file (a graph file, see "
+                    "docs/graph_format.md)",
+                    c.source()));
   }
   // Both kinds' keys are read (and validated) whatever data.kind says, as
   // for the model and optimizer keys, so `meshtrain config --list` sees them.
@@ -194,6 +230,12 @@ RunConfig read_run_config(const Config& c) {
   r.parallel_given = c.has("parallel");
   c.check_all_used();
   return r;
+}
+
+GraphData open_graph(const DataSpec& d) {
+  if (d.graph == "file") return load_graph(d.graph_file);
+  if (d.graph == "rmat") return make_rmat(d.rmat);
+  return make_csbm(d.csbm);
 }
 
 std::shared_ptr<const Dataset> open_dataset(const DataSpec& d, const ModelSpec& m,

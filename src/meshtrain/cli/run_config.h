@@ -8,6 +8,7 @@
 
 #include "meshtrain/cli/config.h"
 #include "meshtrain/data/dataset.h"
+#include "meshtrain/data/graph_data.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/trainer.h"
@@ -26,6 +27,12 @@ struct DataSpec {
   bool normalize = true;
   double mean = 0.2860;
   double std = 0.3530;
+  // graph (full-graph GNN training): a generator ("csbm", "rmat") or a file
+  // in the format of docs/graph_format.md ("file", read from graph_file).
+  std::string graph = "csbm";
+  std::string graph_file;
+  CsbmOptions csbm;
+  RmatOptions rmat;
 };
 
 // Most ranks one job may have (dist.nproc, --nproc).
@@ -55,6 +62,9 @@ struct RunConfig {
 // Reads every known key; throws ConfigError for wrong values and, at the end,
 // for keys nobody read.
 RunConfig read_run_config(const Config& config);
+
+// The graph data.kind = "graph" names: generated, or read from its file.
+GraphData open_graph(const DataSpec& spec);
 
 // Opens the train and test splits the DataSpec names (FileError if missing).
 std::shared_ptr<const Dataset> open_dataset(const DataSpec& spec, const ModelSpec& model,

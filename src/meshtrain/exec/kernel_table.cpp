@@ -174,6 +174,34 @@ KernelFn lookup(OpKind op) {
     case OpKind::reduce_from_group:
     case OpKind::all_to_all:
       return nullptr;
+    case OpKind::spmm:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm(in[0], in[1], in.size() == 4 ? in[3] : Tensor(), in[2], out[0]);
+      };
+    case OpKind::spmm_t:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm_transposed(in[0], in[1], in.size() == 4 ? in[3] : Tensor(), in[2], out[0]);
+      };
+    case OpKind::sddmm:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.sddmm(in[0], in[1], in[2], in[3], out[0]);
+      };
+    case OpKind::spmm_max:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm_max(in[0], in[1], in[2], out[0], out[1]);
+      };
+    case OpKind::spmm_max_grad:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.spmm_max_backward(in[0], in[1], out[0]);
+      };
+    case OpKind::edge_softmax:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.edge_softmax(in[0], in[1], out[0]);
+      };
+    case OpKind::edge_softmax_grad:
+      return [](KernelBackend& k, const Node&, In in, Out out) {
+        k.edge_softmax_backward(in[0], in[1], in[2], out[0]);
+      };
   }
   return nullptr;
 }

@@ -94,6 +94,20 @@ ValueId Builder::embedding(ValueId table, ValueId ids) {
   return append(OpKind::embedding, {table, ids});
 }
 
+ValueId Builder::spmm(ValueId row_ptr, ValueId col_idx, ValueId x, ValueId w) {
+  std::vector<ValueId> in = {row_ptr, col_idx, x};
+  if (w != kNoValue) in.push_back(w);
+  return append(OpKind::spmm, in);
+}
+
+ValueId Builder::spmm_max(ValueId row_ptr, ValueId col_idx, ValueId x) {
+  return append(OpKind::spmm_max, {row_ptr, col_idx, x});
+}
+
+ValueId Builder::edge_softmax(ValueId row_ptr, ValueId scores) {
+  return append(OpKind::edge_softmax, {row_ptr, scores});
+}
+
 ValueId Builder::conv2d(ValueId x, ValueId w, ValueId bias, const Conv2dParams& p) {
   std::vector<ValueId> in{x, w};
   if (bias != kNoValue) in.push_back(bias);

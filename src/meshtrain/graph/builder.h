@@ -53,6 +53,14 @@ class Builder {
   // bias may be kNoValue.
   ValueId conv2d(ValueId x, ValueId w, ValueId bias, const Conv2dParams& p);
   ValueId max_pool2d(ValueId x, const Pool2dParams& p);
+  // Sparse (CSR) operators; row_ptr i32 [N+1] and col_idx i32 [E] are graph
+  // inputs (the adjacency, rows = destination vertices). w may be kNoValue
+  // (every entry 1). spmm: y [N,F] = A @ x; spmm_max: the feature-wise max
+  // over each row's entries (0 for an empty row); edge_softmax: softmax of
+  // scores [E] over each row's entries.
+  ValueId spmm(ValueId row_ptr, ValueId col_idx, ValueId x, ValueId w = kNoValue);
+  ValueId spmm_max(ValueId row_ptr, ValueId col_idx, ValueId x);
+  ValueId edge_softmax(ValueId row_ptr, ValueId scores);
   ValueId reshape(ValueId x, const Shape& shape);
   ValueId permute(ValueId x, const std::vector<int>& perm);
   // Casts are pure: casting the same value to the same dtype again returns the

@@ -70,6 +70,17 @@ enum class OpKind : uint16_t {
   copy_to_group,      // Megatron's f: y = x; backward all-reduces (x is replicated)
   reduce_from_group,  // Megatron's g: y = sum over the group, replicated; backward identity
   all_to_all,  // piece q of x along dim goes to rank q; the received pieces join along concat_dim
+  // sparse (CSR) operators, graph neural networks (ops_sparse.cpp). The sparse
+  // matrix is carried as i32 inputs row_ptr [N+1] and col_idx [E] (graph
+  // inputs bound once, as model constants); see tensor/backend.h.
+  spmm,          // inputs row_ptr, col_idx, x [M,F][, w [E]] -> y [N,F] = A @ x
+  spmm_max,      // inputs row_ptr, col_idx, x [M,F] -> y [N,F], argmax i32 [N,F]
+  edge_softmax,  // inputs row_ptr, x [E] -> y [E] (softmax over each row's entries)
+  // sparse backward-only
+  spmm_t,             // inputs row_ptr, col_idx, dy [N,F][, w]; attrs: rows (M) -> A^T @ dy
+  sddmm,              // inputs row_ptr, col_idx, a [N,F], b [M,F] -> [E] (d spmm / d w)
+  spmm_max_grad,      // inputs dy, argmax; attrs: shape (of x)
+  edge_softmax_grad,  // inputs row_ptr, y, dy
 };
 
 // activation: produced by a forward node; grad: produced by a backward node.

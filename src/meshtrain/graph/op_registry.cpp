@@ -16,6 +16,7 @@ std::vector<OpDef> build_table() {
   register_conv_ops(unordered);
   register_shape_ops(unordered);
   register_collective_ops(unordered);
+  register_sparse_ops(unordered);
   size_t n = 0;
   for (const OpDef& d : unordered) n = std::max(n, static_cast<size_t>(d.op) + 1);
   std::vector<OpDef> table(n);

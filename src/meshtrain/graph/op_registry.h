@@ -132,6 +132,7 @@ void register_norm_ops(std::vector<OpDef>& table);
 void register_conv_ops(std::vector<OpDef>& table);
 void register_shape_ops(std::vector<OpDef>& table);
 void register_collective_ops(std::vector<OpDef>& table);
+void register_sparse_ops(std::vector<OpDef>& table);
 
 // Shared helpers for rules.
 double numel_of(const Graph& g, ValueId v);

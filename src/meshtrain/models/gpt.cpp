@@ -95,6 +95,12 @@ ModelGraph build_model(const ModelSpec& spec, int64_t batch) {
   if (spec.kind == "mlp") return build_mlp(spec, batch);
   if (spec.kind == "cnn") return build_cnn(spec, batch);
   if (spec.kind == "gpt") return build_gpt(spec, batch);
+  if (is_gnn(spec.kind)) {
+    throw ConfigError(fmt::format(
+        "model.kind: '{}' is a graph neural network, built for a graph (build_gnn) with "
+        "data.kind = \"graph\", not for batches of examples",
+        spec.kind));
+  }
   throw ConfigError(
       fmt::format("model.kind: unknown model '{}' (expected mlp, cnn or gpt)", spec.kind));
 }

@@ -18,12 +18,13 @@
 #include <vector>
 
 #include "meshtrain/graph/graph.h"
+#include "meshtrain/tensor/sparse.h"
 #include "meshtrain/tensor/tensor.h"
 
 namespace mt {
 
 struct ModelSpec {
-  std::string kind = "mlp";  // "mlp", "cnn" or "gpt"
+  std::string kind = "mlp";  // "mlp", "cnn", "gpt", or a GNN: "gcn", "sage", "gat", "resgcn"
   DType compute = DType::f32;
   // Images (mlp, cnn): channels x height x width, classes.
   int64_t image_channels = 1, image_size = 28, classes = 10;
@@ -32,6 +33,11 @@ struct ModelSpec {
   int64_t fc = 128;                               // cnn classifier hidden width
   // gpt
   int64_t layers = 4, d_model = 256, heads = 4, seq_len = 128, vocab = 256;
+  // Graph neural networks (gcn, sage, gat, resgcn): hidden width and number of
+  // graph convolutions (resgcn: residual blocks between an input and an
+  // output linear layer).
+  int64_t gnn_hidden = 64, gnn_layers = 2;
+  std::string sage_aggregation = "mean";  // sage: "mean" or "max" over in-neighbours
 };
 
 struct ModelGraph {
@@ -45,6 +51,32 @@ struct ModelGraph {
   int64_t batch = 0;
   int64_t samples_per_batch() const { return batch; }
 };
+
+// The graph a GNN is built for: its structure (row i = vertex i's
+// in-neighbours), feature width, class count, and the vertices whose labels
+// the loss sees (the train mask's members, ascending).
+struct GnnGraph {
+  const Csr* adj = nullptr;
+  int64_t features = 0, classes = 0;
+  std::vector<int32_t> loss_vertices;
+};
+
+// Full-graph node classification: x = f32 features [N, F] and y = i32
+// labels of loss_vertices [T] are inputs; logits are [N, classes] for every
+// vertex; loss = mean cross-entropy over loss_vertices (their logits
+// gathered by an embedding lookup, whose backward scatters into the rest).
+// constants holds the adjacency (row_ptr, col_idx, edge values) and
+// loss_vertices as i32 / f32 tensors to bind once. batch = T.
+//   gcn:    h' = A_hat (h W) + b, A_hat = D^-1/2 (A + I) D^-1/2, relu between
+//   sage:   h' = h W_self + mean_{in-neighbours}(h) W_neigh + b (or the
+//           feature-wise max, sage_aggregation = "max"; 0 for no neighbours)
+//   gat:    one attention head: z = h W, e_ij = leaky_relu_0.2(a_dst.z_i +
+//           a_src.z_j) over A + I, alpha = edge_softmax(e), h' = sum alpha z + b
+//   resgcn: h = x W_in; gnn_layers times h = h + gcn(relu(layer_norm(h)));
+//           logits = relu(layer_norm(h)) W_out + b
+// Throws ConfigError for an unknown kind or a GnnGraph that does not fit.
+ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g);
+bool is_gnn(const std::string& kind);
 
 // Throws ConfigError for an unknown kind or an impossible spec (e.g. d_model
 // not divisible by heads), naming the field.

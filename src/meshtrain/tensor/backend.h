@@ -138,6 +138,41 @@ class KernelBackend {
   // inside the input plane of the chosen element.
   virtual void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& p) = 0;
   virtual void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) = 0;
+
+  // ---- sparse (CSR) x dense ----
+  // A sparse matrix A [N, M] is given in CSR form: row_ptr i32 [N+1]
+  // (row_ptr[0] == 0, non-decreasing, row_ptr[N] == E) and col_idx i32 [E]
+  // (each in [0, M)), plus optional edge values w [E] of x's dtype (undefined
+  // Tensor(): every value is 1). Row i's entries are the edges
+  // row_ptr[i] .. row_ptr[i+1]-1. Empty rows, self-loops (col == row) and
+  // duplicate entries are allowed (duplicates add). In a graph, row i lists
+  // the in-neighbours of vertex i, so A @ X aggregates messages into i.
+  // A malformed CSR throws ShapeError naming the field and position.
+  //
+  // y [N, F] = A @ x, x [M, F].
+  virtual void spmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w, const Tensor& x,
+                    Tensor& y) = 0;
+  // dx [M, F] = A^T @ dy, dy [N, F] (overwritten; no dense A^T is formed).
+  virtual void spmm_transposed(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w,
+                               const Tensor& dy, Tensor& dx) = 0;
+  // out [E]: out[e] = dot(a[row(e)], b[col_idx[e]]), a [N, F], b [M, F]
+  // (the sampled dense-dense product; spmm's gradient for w).
+  virtual void sddmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& a, const Tensor& b,
+                     Tensor& out) = 0;
+  // y [N, F] = max over row i's entries of x[col, f] (no edge values);
+  // argmax i32 [N, F] holds the chosen column (source vertex). Ties pick the
+  // first entry; a NaN is the maximum (the first NaN wins). An empty row
+  // gives y = 0 and argmax = -1.
+  virtual void spmm_max(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& x, Tensor& y,
+                        Tensor& argmax) = 0;
+  // dx [M, F] zeroed, then dx[argmax[i, f], f] += dy[i, f] (skipping -1).
+  virtual void spmm_max_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) = 0;
+  // y [E] = softmax of x [E] over each row's entries (a graph attention
+  // layer's normalisation over a vertex's incoming edges).
+  virtual void edge_softmax(const Tensor& row_ptr, const Tensor& x, Tensor& y) = 0;
+  // dx[e] = y[e] * (dy[e] - sum over e's row of dy * y).
+  virtual void edge_softmax_backward(const Tensor& row_ptr, const Tensor& y, const Tensor& dy,
+                                     Tensor& dx) = 0;
 };
 
 }  // namespace mt

@@ -135,4 +135,47 @@ void check_pool2d_output(const Tensor& x, const Tensor& y, const Shape& want,
   }
 }
 
+int64_t check_row_ptr(const char* kernel, const Tensor& row_ptr, int64_t e) {
+  require_defined(kernel, "row_ptr", row_ptr);
+  if (row_ptr.dtype() != DType::i32) fail(kernel, "row_ptr {} must be i32", row_ptr.desc());
+  require_rank(kernel, "row_ptr", row_ptr, 1);
+  const int64_t n = row_ptr.shape()[0] - 1;
+  if (n < 0) fail(kernel, "row_ptr {} must have at least one entry (rows + 1)", row_ptr.desc());
+  const int32_t* rp = row_ptr.data<int32_t>();
+  if (rp[0] != 0) fail(kernel, "row_ptr[0] is {}, expected 0", rp[0]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (rp[i + 1] < rp[i]) {
+      fail(kernel, "row_ptr decreases at row {}: row_ptr[{}] = {} < row_ptr[{}] = {}", i, i + 1,
+           rp[i + 1], i, rp[i]);
+    }
+  }
+  if (rp[n] != e) fail(kernel, "row_ptr[{}] = {} but there are {} entries", n, rp[n], e);
+  return n;
+}
+
+CsrDims check_csr(const char* kernel, const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w,
+                  int64_t m, DType value_dtype) {
+  require_defined(kernel, "col_idx", col_idx);
+  if (col_idx.dtype() != DType::i32) fail(kernel, "col_idx {} must be i32", col_idx.desc());
+  require_rank(kernel, "col_idx", col_idx, 1);
+  CsrDims d;
+  d.m = m;
+  d.e = col_idx.shape()[0];
+  d.n = check_row_ptr(kernel, row_ptr, d.e);
+  const int32_t* ci = col_idx.data<int32_t>();
+  for (int64_t k = 0; k < d.e; ++k) {
+    if (ci[k] < 0 || ci[k] >= m) {
+      fail(kernel, "col_idx[{}] = {} is out of range [0, {})", k, ci[k], m);
+    }
+  }
+  if (w.defined()) {
+    require_shape(kernel, "w", w, Shape{d.e});
+    if (w.dtype() != value_dtype) {
+      fail(kernel, "w {} must have the dense operand's dtype {}", w.desc(),
+           dtype_name(value_dtype));
+    }
+  }
+  return d;
+}
+
 }  // namespace mt

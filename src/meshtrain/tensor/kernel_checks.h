@@ -109,4 +109,18 @@ Shape max_pool2d_out_shape(const Tensor& x, const Pool2dParams& p);
 void check_pool2d_output(const Tensor& x, const Tensor& y, const Shape& want,
                          const Pool2dParams& p);
 
+// Sizes of one sparse (CSR) operand A [n, m] with e entries.
+struct CsrDims {
+  int64_t n = 0, m = 0, e = 0;
+};
+
+// Validates a CSR operand (backend.h's "sparse" section): row_ptr i32 [n+1]
+// starting at 0, non-decreasing and ending at e; col_idx i32 [e] with every
+// entry in [0, m); w undefined or [e] of dtype `value_dtype`. Throws
+// ShapeError naming the kernel, the field and the first bad position.
+CsrDims check_csr(const char* kernel, const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w,
+                  int64_t m, DType value_dtype);
+// row_ptr alone (for kernels over edge values only): returns the row count n.
+int64_t check_row_ptr(const char* kernel, const Tensor& row_ptr, int64_t e);
+
 }  // namespace mt

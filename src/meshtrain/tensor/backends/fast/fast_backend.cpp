@@ -255,6 +255,40 @@ class FastBackend final : public KernelBackend {
     fast::max_pool2d_backward(dy, argmax, dx, threads());
   }
 
+  void spmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w, const Tensor& x,
+            Tensor& y) override {
+    if (!f32_inputs({&x, &w, &y})) return fallback_.spmm(row_ptr, col_idx, w, x, y);
+    fast::spmm(row_ptr, col_idx, w, x, y, threads());
+  }
+  void spmm_transposed(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w,
+                       const Tensor& dy, Tensor& dx) override {
+    if (!f32_inputs({&dy, &w, &dx})) return fallback_.spmm_transposed(row_ptr, col_idx, w, dy, dx);
+    fast::spmm_transposed(row_ptr, col_idx, w, dy, dx, threads());
+  }
+  void sddmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& a, const Tensor& b,
+             Tensor& out) override {
+    if (!f32_inputs({&a, &b, &out})) return fallback_.sddmm(row_ptr, col_idx, a, b, out);
+    fast::sddmm(row_ptr, col_idx, a, b, out, threads());
+  }
+  void spmm_max(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& x, Tensor& y,
+                Tensor& argmax) override {
+    if (!f32_inputs({&x, &y})) return fallback_.spmm_max(row_ptr, col_idx, x, y, argmax);
+    fast::spmm_max(row_ptr, col_idx, x, y, argmax, threads());
+  }
+  void spmm_max_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override {
+    if (!f32_inputs({&dy, &dx})) return fallback_.spmm_max_backward(dy, argmax, dx);
+    fast::spmm_max_backward(dy, argmax, dx, threads());
+  }
+  void edge_softmax(const Tensor& row_ptr, const Tensor& x, Tensor& y) override {
+    if (!f32_inputs({&x, &y})) return fallback_.edge_softmax(row_ptr, x, y);
+    fast::edge_softmax(row_ptr, x, y, threads());
+  }
+  void edge_softmax_backward(const Tensor& row_ptr, const Tensor& y, const Tensor& dy,
+                             Tensor& dx) override {
+    if (!f32_inputs({&y, &dy, &dx})) return fallback_.edge_softmax_backward(row_ptr, y, dy, dx);
+    fast::edge_softmax_backward(row_ptr, y, dy, dx, threads());
+  }
+
  private:
   // OpenMP's thread count is per calling thread and OpenBLAS's is global, and
   // either may have been changed since set_num_threads: oneDNN and OpenBLAS

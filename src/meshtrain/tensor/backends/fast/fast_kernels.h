@@ -54,4 +54,18 @@ void embedding_backward(const Tensor& dy, const Tensor& ids, Tensor& dtable, int
 void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& p, int threads);
 void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx, int threads);
 
+// ---- sparse (CSR) x dense, f32 (sparse_kernels.cpp) ----
+void spmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w, const Tensor& x, Tensor& y,
+          int threads);
+void spmm_transposed(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w,
+                     const Tensor& dy, Tensor& dx, int threads);
+void sddmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& a, const Tensor& b,
+           Tensor& out, int threads);
+void spmm_max(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& x, Tensor& y,
+              Tensor& argmax, int threads);
+void spmm_max_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx, int threads);
+void edge_softmax(const Tensor& row_ptr, const Tensor& x, Tensor& y, int threads);
+void edge_softmax_backward(const Tensor& row_ptr, const Tensor& y, const Tensor& dy, Tensor& dx,
+                           int threads);
+
 }  // namespace mt::fast

@@ -103,6 +103,21 @@ class ReferenceBackend final : public KernelBackend {
                               const Conv2dParams& p) override;
   void max_pool2d(const Tensor& x, Tensor& y, Tensor& argmax, const Pool2dParams& p) override;
   void max_pool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override;
+
+  // Sparse kernels (reference_sparse.cpp): a loop over rows and their entries,
+  // accumulating in double, every CSR field validated on each call.
+  void spmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w, const Tensor& x,
+            Tensor& y) override;
+  void spmm_transposed(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& w,
+                       const Tensor& dy, Tensor& dx) override;
+  void sddmm(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& a, const Tensor& b,
+             Tensor& out) override;
+  void spmm_max(const Tensor& row_ptr, const Tensor& col_idx, const Tensor& x, Tensor& y,
+                Tensor& argmax) override;
+  void spmm_max_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override;
+  void edge_softmax(const Tensor& row_ptr, const Tensor& x, Tensor& y) override;
+  void edge_softmax_backward(const Tensor& row_ptr, const Tensor& y, const Tensor& dy,
+                             Tensor& dx) override;
 };
 
 }  // namespace mt

@@ -1,0 +1,63 @@
+// Full-graph training of a graph neural network in one process: every epoch
+// is one forward and backward pass over the whole graph (the loss over the
+// training mask's vertices) and one optimizer step; accuracy on the train,
+// validation and test masks comes from the same pass's logits (the
+// parameters before that epoch's step) and, at the end, from a forward pass
+// with the final parameters.
+//
+// Why not the Trainer: it is built around batches of examples drawn from a
+// Dataset, sharded over data-parallel ranks, with evaluation on a separate
+// test split. Full-graph training has no batches (the whole graph is one
+// "example"), the split is a vertex mask inside the same graph, and the
+// distributed schemes it will grow (halo exchange, 1.5D, layer pipelining)
+// partition the graph, not a batch. This small path shares the Trainer's
+// pieces (ParamStore, optimizers, LR schedule, executor, metrics lines) and
+// reads the same TrainerOptions; options it does not support are refused.
+//
+// Blocks for the whole run; single-threaded apart from the kernels' threads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "meshtrain/data/graph_data.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/train/trainer.h"
+
+namespace mt {
+
+struct GraphEpoch {
+  int64_t epoch = 0;  // 1-based
+  double loss = 0;    // training loss before this epoch's step
+  double train_acc = 0, val_acc = 0, test_acc = 0;
+  double seconds = 0;  // forward + backward + optimizer step
+};
+
+struct FullGraphResult {
+  std::vector<GraphEpoch> epochs;
+  // With the final parameters (one more forward pass).
+  double final_loss = 0;
+  double train_acc = 0, val_acc = 0, test_acc = 0;
+  double median_epoch_seconds = 0;
+  int64_t params = 0;
+};
+
+// Fraction of `vertices` whose argmax over logits [N, C] equals its label
+// (0 for an empty set).
+double masked_accuracy(const Tensor& logits, const std::vector<int32_t>& labels,
+                       const std::vector<int32_t>& vertices);
+
+// Uses opts.epochs, seed, threads, exec, optimizer/optim, schedule (lr,
+// warm-up, cosine over `epochs` steps), clip_grad_norm, log_every (epochs
+// between metrics lines and log calls), metrics_path. Throws ConfigError for
+// options this path does not support (mixed precision, data parallelism,
+// checkpoints, resume, max_steps) naming the key, and whatever the model
+// builder and executor throw. `log` gets one line per logged epoch.
+FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
+                                 const TrainerOptions& opts,
+                                 const std::function<void(const std::string&)>& log = {});
+
+}  // namespace mt
