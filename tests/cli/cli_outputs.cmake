@@ -35,6 +35,12 @@ run(1 "error: .*data.limit_test = 0 leaves no test examples, but train.eval is o
   ${long} --set data.limit_test=0)
 run(1 "error: .*train.eval_batches: .*>= 0" ${long} --set train.eval_batches=-1)
 
+# Work that would be lost without a checkpoint is said before the first step.
+run(0 "warning: train.halt_after = 2 stops this invocation early, but train.checkpoint is empty"
+  --set train.steps=3 --set train.halt_after=2 --set train.eval=false)
+run(0 "warning: train.checkpoint_every = 2 has no effect: train.checkpoint is empty"
+  --set train.steps=3 --set train.checkpoint_every=2 --set train.eval=false)
+
 # Stopped by halt_after before any evaluation, 2 steps: n/a, a flagged rate;
 # the missing directories of the checkpoint and the metrics file are made.
 set(ckpt ${work}/new/sub/ck.safetensors)

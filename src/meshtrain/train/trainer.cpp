@@ -253,6 +253,19 @@ struct Trainer::Impl {
                       "checkpoints, not a single file ('{}')",
                       o.checkpoint_keep, o.checkpoint_path));
     }
+    // Settings whose work would be lost without a checkpoint: said before
+    // the first step, not discovered after the run.
+    if (o.checkpoint_path.empty() && o.halt_after > 0 && o.halt_after < total_steps) {
+      notice(fmt::format(
+          "warning: train.halt_after = {} stops this invocation early, but train.checkpoint is "
+          "empty: nothing will be saved to resume from",
+          o.halt_after));
+    }
+    if (o.checkpoint_path.empty() && o.checkpoint_every > 0) {
+      notice(fmt::format(
+          "warning: train.checkpoint_every = {} has no effect: train.checkpoint is empty",
+          o.checkpoint_every));
+    }
     if (o.resume_path == "auto") resolve_auto_resume();
     // A fresh ZeRO-3 run never holds whole parameters: DataParallel's shard
     // is drawn one parameter at a time below. Resuming and train.init read
