@@ -43,7 +43,7 @@ if(MPIRUN)
 endif()
 
 # inspect with the shorthand: GPT on 8 ranks, pp=2 x dp=2 x tp=2.
-run(0 "mesh: pp=2 x dp=2 x tp=2 \\(8 ranks.*rank 5: pp=1 dp=0 tp=1; groups: pp \\[1, 5\\]; dp \\[5, 7\\]; tp \\[4, 5\\].*block1.attn.q.w \\[32, 32\\] f32: \\[-, tp unit 8\\].*ranks 5,7: \\[32, 16\\] \\[0:32, 16:32\\] 2048 B.*stage 1 \\(ranks 4,5,6,7\\): block1 ln_f.*stage 0: F0@0 send_act0@0->1 F1@0.*idle fraction 0.2000.*executing this plan is not implemented yet" ""
+run(0 "mesh: pp=2 x dp=2 x tp=2 \\(8 ranks.*rank 5: pp=1 dp=0 tp=1; groups: pp \\[1, 5\\]; dp \\[5, 7\\]; tp \\[4, 5\\].*block1.attn.q.w \\[32, 32\\] f32: \\[-, tp unit 8\\].*ranks 5,7: \\[32, 16\\] \\[0:32, 16:32\\] 2048 B.*stage 1 \\(ranks 4,5,6,7\\): block1 ln_f.*stage 0: F0@0 send_act0@0->1 F1@0.*idle fraction 0.2000.*the runtime does not execute this plan yet" ""
   inspect ${gpt} --set dist.nproc=8 --set parallel.tp=2 --set parallel.pp=2
   --set parallel.microbatches=4)
 # --write-plan writes it and stops; --plan reads it back (same mesh and stages).

@@ -186,8 +186,7 @@ TEST(Straggler, SleepingRankIsFoundAndEqualRanksAreNot) {
         // 5 ms sleeps of three threads on a loaded 2-core machine differ by
         // more than the threshold (7.1 vs 5.1 ms seen), which is the
         // scheduler, not the detector. The slow rank's 3x stays measured.
-        const double seconds =
-            slow >= 0 ? duration<double>(Clock::now() - t0).count() : 5e-3;
+        const double seconds = slow >= 0 ? duration<double>(Clock::now() - t0).count() : 5e-3;
         const StragglerReport rep = det.report(s, seconds);
         if (comm.rank() == 0) {
           std::lock_guard lock(mu);

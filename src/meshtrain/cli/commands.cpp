@@ -623,7 +623,7 @@ int cmd_inspect(const CommandOptions& opts) {
                opts.plan_path.empty() ? std::string("from [parallel]") : opts.plan_path,
                describe_plan(*pplan, plan_graph));
     if (!pplan->data_parallel_only(plan_graph)) {
-      fmt::print("executing this plan is not implemented yet ({}); meshtrain train refuses it\n",
+      fmt::print("the runtime does not execute this plan yet ({}); meshtrain train refuses it\n",
                  beyond_data_parallel(*pplan, plan_graph));
     }
   }

@@ -138,10 +138,10 @@ const std::vector<KeyMeaning> kMeanings = {
      "seconds the --nproc launcher gives ranks to stop after SIGINT/SIGTERM before SIGKILL"},
     {"parallel.dp", "data-parallel degree of the plan; 0 = the ranks left: dist.nproc / (tp * pp)"},
     {"parallel.tp",
-     "tensor-parallel degree (Megatron column/row splits; executing tp > 1 is not implemented "
+     "tensor-parallel degree (Megatron column/row splits; the runtime does not execute tp > 1 "
      "yet: inspect and --write-plan show the plan)"},
     {"parallel.pp",
-     "pipeline stages (executing pp > 1 is not implemented yet: inspect and --write-plan show "
+     "pipeline stages (the runtime does not execute pp > 1 yet: inspect and --write-plan show "
      "the plan)"},
     {"parallel.sp", "sequence parallelism in the layer-norm regions over the tp axis (gpt)"},
     {"parallel.microbatches", "micro-batches per step through the pipeline (pp > 1)"},

@@ -10,11 +10,10 @@
 // (*_async), so it overlaps the compute the executor runs before wait().
 // Calls: all_reduce and reduce_from_group -> all_reduce (sum); all_gather ->
 // all_gatherv; reduce_scatter -> reduce_scatterv (the v variants take the
-// node's piece sizes, even or not); all_to_all -> all_to_all (even pieces). Along the outermost non-trivial
-// dimension the pieces are contiguous blocks and the executor's buffers are
-// used directly; along an inner dimension a staging buffer of the full
-// (gathered / scattered) size holds the pieces rank by rank for the
-// duration of the call (outside the executor's memory plan).
+// node's piece sizes, even or not); all_to_all -> all_to_all (even pieces). Along the outermost
+// non-trivial dimension the pieces are contiguous blocks and the executor's buffers are used
+// directly; along an inner dimension a staging buffer of the full (gathered / scattered) size holds
+// the pieces rank by rank for the duration of the call (outside the executor's memory plan).
 //
 // Owned by the caller (the executor holds it through a shared_ptr); the
 // world communicator must outlive it. Not thread-safe, like Communicator.

@@ -95,7 +95,7 @@ void check_schedule(ScheduleKind kind, int p, int m, int v, std::string_view whe
         "{}.virtual_stages: {} virtual stages need schedule interleaved (schedule {} runs one "
         "stage per rank{})",
         where, v, name,
-        kind == ScheduleKind::zero_bubble ? "; the V-shaped ZBV is not implemented yet" : ""));
+        kind == ScheduleKind::zero_bubble ? "; the V-shaped ZBV schedule is not built yet" : ""));
   }
   if ((kind == ScheduleKind::one_f_one_b || kind == ScheduleKind::zero_bubble) && m < p) {
     throw ConfigError(fmt::format(
