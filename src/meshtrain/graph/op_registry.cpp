@@ -36,6 +36,20 @@ const std::vector<OpDef>& table() {
 
 }  // namespace
 
+OpDef make_op_def(OpKind op, std::string_view name, int min_inputs, int max_inputs,
+                  std::vector<ValueType> (*infer)(const InferContext&),
+                  double (*flops)(const Graph&, const Node&), void (*grad)(GradContext&)) {
+  OpDef d;
+  d.op = op;
+  d.name = name;
+  d.min_inputs = min_inputs;
+  d.max_inputs = max_inputs;
+  d.infer = infer;
+  d.flops = flops;
+  d.grad = grad;
+  return d;
+}
+
 const OpDef& op_def(OpKind op) {
   const auto& t = table();
   auto k = static_cast<size_t>(op);

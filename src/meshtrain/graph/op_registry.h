@@ -125,6 +125,11 @@ const OpDef& op_def(OpKind op);
 // Every registered OpKind, in enum order.
 std::vector<OpKind> all_ops();
 
+// An entry with the fields every family sets (the family files' helper).
+OpDef make_op_def(OpKind op, std::string_view name, int min_inputs, int max_inputs,
+                  std::vector<ValueType> (*infer)(const InferContext&),
+                  double (*flops)(const Graph&, const Node&), void (*grad)(GradContext&));
+
 // Family files; each appends its operators' entries.
 void register_elementwise_ops(std::vector<OpDef>& table);
 void register_linear_ops(std::vector<OpDef>& table);

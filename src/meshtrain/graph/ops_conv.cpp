@@ -184,36 +184,22 @@ double flops_max_pool2d_grad(const Graph& g, const Node& n) {
   return numel_of(g, n.inputs[0]);
 }
 
-OpDef def(OpKind op, std::string_view name, int min_in, int max_in,
-          std::vector<ValueType> (*infer)(const InferContext&),
-          double (*flops)(const Graph&, const Node&), void (*grad)(GradContext&)) {
-  OpDef d;
-  d.op = op;
-  d.name = name;
-  d.min_inputs = min_in;
-  d.max_inputs = max_in;
-  d.infer = infer;
-  d.flops = flops;
-  d.grad = grad;
-  return d;
-}
-
 }  // namespace
 
 void register_conv_ops(std::vector<OpDef>& t) {
-  t.push_back(def(OpKind::conv2d, "conv2d", 2, 3, infer_conv2d, flops_conv2d, grad_conv2d));
-  t.push_back(def(OpKind::conv2d_grad_data, "conv2d_grad_data", 2, 2, infer_conv2d_grad_data,
-                  flops_conv2d_grad_data, nullptr));
-  OpDef gw = def(OpKind::conv2d_grad_weight, "conv2d_grad_weight", 2, 2, infer_conv2d_grad_weight,
-                 flops_conv2d_grad_weight, nullptr);
+  t.push_back(make_op_def(OpKind::conv2d, "conv2d", 2, 3, infer_conv2d, flops_conv2d, grad_conv2d));
+  t.push_back(make_op_def(OpKind::conv2d_grad_data, "conv2d_grad_data", 2, 2,
+                          infer_conv2d_grad_data, flops_conv2d_grad_data, nullptr));
+  OpDef gw = make_op_def(OpKind::conv2d_grad_weight, "conv2d_grad_weight", 2, 2,
+                         infer_conv2d_grad_weight, flops_conv2d_grad_weight, nullptr);
   gw.extra_output_names = {"dbias"};
   t.push_back(gw);
-  OpDef pool = def(OpKind::max_pool2d, "max_pool2d", 1, 1, infer_max_pool2d, flops_max_pool2d,
-                   grad_max_pool2d);
+  OpDef pool = make_op_def(OpKind::max_pool2d, "max_pool2d", 1, 1, infer_max_pool2d,
+                           flops_max_pool2d, grad_max_pool2d);
   pool.extra_output_names = {"argmax"};
   t.push_back(pool);
-  t.push_back(def(OpKind::max_pool2d_grad, "max_pool2d_grad", 2, 2, infer_max_pool2d_grad,
-                  flops_max_pool2d_grad, nullptr));
+  t.push_back(make_op_def(OpKind::max_pool2d_grad, "max_pool2d_grad", 2, 2, infer_max_pool2d_grad,
+                          flops_max_pool2d_grad, nullptr));
 }
 
 }  // namespace mt

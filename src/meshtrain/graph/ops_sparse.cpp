@@ -166,35 +166,22 @@ double flops_edge_softmax_grad(const Graph& g, const Node& n) {
   return 4.0 * numel_of(g, n.inputs[1]);
 }
 
-OpDef def(OpKind op, std::string_view name, int min_in, int max_in,
-          std::vector<ValueType> (*infer)(const InferContext&),
-          double (*flops)(const Graph&, const Node&), void (*grad)(GradContext&)) {
-  OpDef d;
-  d.op = op;
-  d.name = name;
-  d.min_inputs = min_in;
-  d.max_inputs = max_in;
-  d.infer = infer;
-  d.flops = flops;
-  d.grad = grad;
-  return d;
-}
-
 }  // namespace
 
 void register_sparse_ops(std::vector<OpDef>& t) {
-  t.push_back(def(OpKind::spmm, "spmm", 3, 4, infer_spmm, flops_spmm, grad_spmm));
-  t.push_back(def(OpKind::spmm_t, "spmm_t", 3, 4, infer_spmm_t, flops_spmm, nullptr));
-  t.push_back(def(OpKind::sddmm, "sddmm", 4, 4, infer_sddmm, flops_sddmm, nullptr));
-  OpDef mx = def(OpKind::spmm_max, "spmm_max", 3, 3, infer_spmm_max, flops_spmm_max, grad_spmm_max);
+  t.push_back(make_op_def(OpKind::spmm, "spmm", 3, 4, infer_spmm, flops_spmm, grad_spmm));
+  t.push_back(make_op_def(OpKind::spmm_t, "spmm_t", 3, 4, infer_spmm_t, flops_spmm, nullptr));
+  t.push_back(make_op_def(OpKind::sddmm, "sddmm", 4, 4, infer_sddmm, flops_sddmm, nullptr));
+  OpDef mx = make_op_def(OpKind::spmm_max, "spmm_max", 3, 3, infer_spmm_max, flops_spmm_max,
+                         grad_spmm_max);
   mx.extra_output_names = {"argmax"};
   t.push_back(mx);
-  t.push_back(def(OpKind::spmm_max_grad, "spmm_max_grad", 2, 2, infer_spmm_max_grad,
-                  flops_spmm_max_grad, nullptr));
-  t.push_back(def(OpKind::edge_softmax, "edge_softmax", 2, 2, infer_edge_softmax,
-                  flops_edge_softmax, grad_edge_softmax));
-  t.push_back(def(OpKind::edge_softmax_grad, "edge_softmax_grad", 3, 3, infer_edge_softmax_grad,
-                  flops_edge_softmax_grad, nullptr));
+  t.push_back(make_op_def(OpKind::spmm_max_grad, "spmm_max_grad", 2, 2, infer_spmm_max_grad,
+                          flops_spmm_max_grad, nullptr));
+  t.push_back(make_op_def(OpKind::edge_softmax, "edge_softmax", 2, 2, infer_edge_softmax,
+                          flops_edge_softmax, grad_edge_softmax));
+  t.push_back(make_op_def(OpKind::edge_softmax_grad, "edge_softmax_grad", 3, 3,
+                          infer_edge_softmax_grad, flops_edge_softmax_grad, nullptr));
 }
 
 }  // namespace mt
