@@ -165,6 +165,22 @@ ENGINE_KEYS = ("engines", "engine", "matmul_engine", "matmul_engines", "conv_eng
                "matmul_library", "cpu_engines")
 
 
+def summary_line(metrics_path):
+    """The `{"summary": true, ...}` line of a meshtrain metrics file (JSON
+    lines), or None when the file or the line is missing."""
+    if not metrics_path.exists():
+        return None
+    summary = None
+    for text in metrics_path.read_text(errors="replace").splitlines():
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(line, dict) and line.get("summary") is True:
+            summary = line
+    return summary
+
+
 def meshtrain_engine_context(summary, exec_matmul="measure"):
     """{"meshtrain_engines": text}: the engines meshtrain's run reports in its
     summary line when it does (any of ENGINE_KEYS), else what its

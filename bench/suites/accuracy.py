@@ -17,10 +17,9 @@ by the random initialisation and data order (each side's own seeded
 generator), so a ratio within a few tenths of a percent of 1 is a tie.
 """
 
-import json
 
 import meshtrain
-from common import PEERS, meshtrain_engine_context, mpi_env, ratio, thread_env, transport_context
+from common import PEERS, meshtrain_engine_context, mpi_env, ratio, summary_line, thread_env, transport_context
 
 # Per model: the documented length (--set values), ranks, and the headline metric.
 PLAN = {
@@ -77,15 +76,7 @@ def train_meshtrain(ctx, model, precision):
     env.update(mpi_env())
     ctx.log(f"{name}: {' '.join(str(c) for c in cmd[1:])}")
     r = ctx.run(cmd, env, name, timeout_s=TIMEOUT_S)
-    summary = None
-    if metrics.exists():
-        for text in metrics.read_text(errors="replace").splitlines():
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError:
-                continue
-            if line.get("summary") is True:
-                summary = line
+    summary = summary_line(metrics)
     if not r.ok:
         return None, f"meshtrain: {r.failure()}", r
     if summary is None or summary.get(PLAN[model]["metric"]) is None:

@@ -36,11 +36,10 @@ Overlap lines (GPT only, 2 ranks): comm_hidden_fraction of the summary with
 overlap on and off (1 MiB buckets), as before.
 """
 
-import json
 import socket
 import tomllib
 
-from common import PEERS, REPO, mib, mpi_env, ratio, thread_env
+from common import PEERS, REPO, mib, mpi_env, ratio, summary_line, thread_env
 
 MODELS = {
     # name: config, steps (normal, --quick)
@@ -96,15 +95,7 @@ def train(ctx, model, nproc, steps, sets, name, trace=False):
     env.update(mpi_env())
     ctx.log(f"{name}: {' '.join(str(c) for c in cmd[1:])}")
     r = ctx.run(cmd, env, name)
-    summary = None
-    if metrics.exists():
-        for text in metrics.read_text(errors="replace").splitlines():
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError:
-                continue
-            if line.get("summary") is True:
-                summary = line
+    summary = summary_line(metrics)
     error = None if r.ok and summary else f"meshtrain: {r.failure() if not r.ok else 'no summary'}"
     return summary, error, r
 

@@ -20,17 +20,13 @@
 #include "meshtrain/data/fashion_mnist.h"
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
+#include "train/mpi_world.h"
 
 namespace mt {
 namespace {
 
 Communicator& world() {
-  static std::unique_ptr<Communicator> comm = [] {
-    CommOptions o;
-    o.timeout = std::chrono::milliseconds(60'000);
-    return make_mpi_communicator(o);
-  }();
-  return *comm;
+  return test::mpi_world();
 }
 
 struct RunSetup {
