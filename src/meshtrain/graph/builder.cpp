@@ -201,4 +201,16 @@ ValueId Builder::reduce_from_group(ValueId x, int64_t group) {
   return append(OpKind::reduce_from_group, {x}, group_attrs(group, OpKind::reduce_from_group));
 }
 
+ValueId Builder::gather_from_group(ValueId x, int64_t group, int64_t dim,
+                                   std::vector<int64_t> sizes, int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
+  return append(OpKind::gather_from_group, {x}, a.to_attrs(OpKind::gather_from_group));
+}
+
+ValueId Builder::split_to_group(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                                int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
+  return append(OpKind::split_to_group, {x}, a.to_attrs(OpKind::split_to_group));
+}
+
 }  // namespace mt
