@@ -27,6 +27,7 @@
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
+#include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/plan.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/tensor/machine.h"
@@ -345,6 +346,20 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
         write && !opts.write_plan_path.empty() ? ", and it was written to " + opts.write_plan_path
                                                : ""));
   }
+  if (lowered) {
+    // What tensor parallelism does not carry yet, refused before any rank
+    // starts (the Trainer refuses it too, for library users).
+    for (const auto& [key, value] : {std::pair{"train.checkpoint", rc.train.checkpoint_path},
+                                     std::pair{"train.resume", rc.train.resume_path},
+                                     std::pair{"train.init", rc.train.init_path}}) {
+      if (value.empty()) continue;
+      throw ConfigError(fmt::format(
+          "{}: not available under tensor parallelism yet (mesh {}): checkpoints of split "
+          "parameters need N-d checkpoint pieces, which come next; run without it, or with "
+          "data parallelism only",
+          key, plan->mesh.describe()));
+    }
+  }
   // Data parallelism reads the batch as the loader splits it (by
   // dist.batch_shares over the data-parallel ranks); a plan that splits it
   // otherwise would silently train on other examples than it says.
@@ -621,10 +636,15 @@ int cmd_inspect(const CommandOptions& opts) {
     return 0;
   }
   // The graph, options and memory plan rank 0 of a run of this config gets
-  // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks.
+  // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks;
+  // under a plan with tensor axes, rank 0's lowered program.
   const int world = rc.nproc;
-  const BatchSplit split = split_batch(rc.train, 0, world);
-  const TrainingGraph tg = build_training_graph(rc.model, rc.train, split.micro_batch);
+  const bool runs_lowered = pplan && needs_lowering(*pplan) && pplan->pipeline_stages() == 1 &&
+                            pplan->microbatches == 1;
+  if (runs_lowered) rc.train.dist.plan = std::make_shared<const Plan>(*pplan);
+  const DataParallelPlace place = data_parallel_place(rc.train, 0, world);
+  const BatchSplit split = split_batch(rc.train, place.rank, place.world);
+  const TrainingGraph tg = build_training_graph(rc.model, rc.train, split.micro_batch, 0);
   const TrainingPlan plan = plan_training(tg, rc.model, rc.train, split, 0, world);
   const Graph& g = tg.model.graph;
   fmt::print("{}", describe(g));
@@ -646,12 +666,27 @@ int cmd_inspect(const CommandOptions& opts) {
              world > 1 ? fmt::format(" / {} local ranks", world) : "",
              plan.total_bytes() <= mine ? "fits" : "does NOT fit (meshtrain train will refuse)");
   if (pplan) {
-    fmt::print("\nparallel plan ({}; the memory plan above is data parallelism's):\n{}",
+    fmt::print("\nparallel plan ({}; the memory plan above is {}):\n{}",
                opts.plan_path.empty() ? std::string("from [parallel]") : opts.plan_path,
+               runs_lowered ? "rank 0's program under it" : "data parallelism's",
                describe_plan(*pplan, plan_graph));
-    if (!pplan->data_parallel_only(plan_graph)) {
-      fmt::print("the runtime does not execute this plan yet ({}); meshtrain train refuses it\n",
-                 beyond_data_parallel(*pplan, plan_graph));
+    if (runs_lowered) {
+      // Every rank's program: its parameter boxes, the collectives the
+      // lowering inserted (forward and backward, with bytes) and its memory.
+      fmt::print("\nper-rank programs (spmd lowering):\n");
+      for (int r = 0; r < world; ++r) {
+        const TrainingGraph tr = build_training_graph(rc.model, rc.train, split.micro_batch, r);
+        const TrainingPlan pr = plan_training(tr, rc.model, rc.train, split, r, world);
+        fmt::print("{}  planned memory: {} (activations {}, parameters {})\n",
+                   describe_lowered(tr.lowered, tr.model.graph), format_bytes(pr.total_bytes()),
+                   format_bytes(pr.activations.arena_bytes),
+                   format_bytes(pr.state.expected_param_bytes));
+      }
+    } else if (!pplan->data_parallel_only(plan_graph)) {
+      fmt::print(
+          "the trainer does not execute this plan yet ({}): pipeline stages and micro-batches "
+          "are not run yet; meshtrain train refuses it\n",
+          beyond_data_parallel(*pplan, plan_graph));
     }
   }
   return 0;
