@@ -100,6 +100,8 @@ struct Outcome {
   std::optional<double> test_loss;
   std::vector<std::pair<std::string, Tensor>> params;  // this rank's pieces
   std::vector<LoweredParam> boxes;                     // under a plan
+  std::optional<double> bytes_sent;
+  uint64_t bytes_predicted = 0;
 };
 
 Outcome train(const TpCase& c, const TrainerOptions& o, Communicator* comm) {
@@ -111,6 +113,8 @@ Outcome train(const TpCase& c, const TrainerOptions& o, Communicator* comm) {
   const TrainResult r = t.run();
   out.losses = r.losses;
   out.test_loss = r.test_loss;
+  out.bytes_sent = r.tensor_bytes_sent_per_step;
+  out.bytes_predicted = r.tensor_bytes_predicted_per_step;
   for (const auto& e : t.params().entries()) out.params.emplace_back(e.name, e.value.clone());
   if (const LoweredProgram* p = t.lowered_program()) out.boxes = p->params;
   return out;
@@ -156,7 +160,8 @@ double divergence(const Outcome& want, const Outcome& got, std::string* where) {
     }
   }
   for (const auto& [name, piece] : got.params) {
-    const auto w = std::ranges::find_if(want.params, [&](const auto& p) { return p.first == name; });
+    const auto w =
+        std::ranges::find_if(want.params, [&](const auto& p) { return p.first == name; });
     const auto b = std::ranges::find_if(got.boxes, [&](const auto& p) { return p.name == name; });
     if (w == want.params.end() || b == got.boxes.end()) {
       *where = "parameter " + name + " missing";
@@ -200,6 +205,10 @@ TEST_P(TensorParallelMpi, MatchesTheSingleProcessRunEveryStep) {
                 world().size(), kSteps, worst, where.c_str());
   }
   EXPECT_LE(worst, kRel) << c.label << " rank " << world().rank() << ": " << where;
+  // The tensor groups sent exactly what the lowering's collectives predict.
+  ASSERT_TRUE(got.bytes_sent.has_value());
+  EXPECT_GT(got.bytes_predicted, 0u);
+  EXPECT_EQ(*got.bytes_sent, static_cast<double>(got.bytes_predicted)) << c.label;
   ASSERT_TRUE(want.test_loss && got.test_loss);
   EXPECT_NEAR(*got.test_loss, *want.test_loss, kRel * std::abs(*want.test_loss)) << c.label;
 }

@@ -397,8 +397,7 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
                "meshtrain: {}: mesh {}: tensor axes lowered into each rank's graph{}, data "
                "parallelism over dp (ZeRO stage {})\n",
                where, plan->mesh.describe(),
-               plan->sequence_parallel ? " with sequence parallelism" : "",
-               rc.train.dist.dp.stage);
+               plan->sequence_parallel ? " with sequence parallelism" : "", rc.train.dist.dp.stage);
   } else if (announce) {
     fmt::print(stderr,
                "meshtrain: {}: mesh {} is data parallelism; it runs as [dist] data "
@@ -639,8 +638,8 @@ int cmd_inspect(const CommandOptions& opts) {
   // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks;
   // under a plan with tensor axes, rank 0's lowered program.
   const int world = rc.nproc;
-  const bool runs_lowered = pplan && needs_lowering(*pplan) && pplan->pipeline_stages() == 1 &&
-                            pplan->microbatches == 1;
+  const bool runs_lowered =
+      pplan && needs_lowering(*pplan) && pplan->pipeline_stages() == 1 && pplan->microbatches == 1;
   if (runs_lowered) rc.train.dist.plan = std::make_shared<const Plan>(*pplan);
   const DataParallelPlace place = data_parallel_place(rc.train, 0, world);
   const BatchSplit split = split_batch(rc.train, place.rank, place.world);

@@ -20,6 +20,7 @@
 #include "meshtrain/data/loader.h"
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/builder.h"
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/sync/consistency.h"
 #include "meshtrain/sync/straggler.h"
@@ -138,12 +139,18 @@ struct Trainer::Impl {
   // ranks that share this rank's tensor coordinates (data_parallel_place()).
   std::unique_ptr<Communicator> own_dp_comm;
   Communicator* dp_comm = nullptr;
+  // Under tensor parallelism, one communicator per tensor axis for the norm
+  // reductions of the optimizer step, apart from the graph's collectives
+  // (whose byte counters then hold exactly what the lowering predicts).
+  std::vector<std::unique_ptr<Communicator>> norm_comms;
   int dp_rank = 0, dp_world = 1;
   // Under a plan with tensor axes: this rank's program (parameter boxes,
   // groups) and the runner its collective operators go through.
   LoweredProgram lowered;
   bool tensor_parallel = false;
   std::shared_ptr<CommCollectiveRunner> runner;
+  uint64_t tensor_bytes_in_steps = 0;  // sent by this rank's tensor groups inside train_step
+  int64_t tensor_steps = 0;
 
   ModelGraph model;
   ValueId loss_scale_in = kNoValue;  // f16 only: the scalar the loss is multiplied by
@@ -287,8 +294,8 @@ struct Trainer::Impl {
     // A fresh ZeRO-3 run never holds whole parameters: DataParallel's shard
     // is drawn one parameter at a time below. Resuming and train.init read
     // whole tensors into the store first (then it is dropped).
-    const bool shard_init = o.dist.dp.stage == 3 && o.resume_path.empty() &&
-                            o.init_path.empty() && !tensor_parallel;
+    const bool shard_init =
+        o.dist.dp.stage == 3 && o.resume_path.empty() && o.init_path.empty() && !tensor_parallel;
     store = std::make_unique<ParamStore>(model.graph, o.seed, /*with_grads=*/false,
                                          /*with_values=*/!shard_init);
     // Tensor parallelism: each split parameter starts as its box of the
@@ -399,6 +406,17 @@ struct Trainer::Impl {
     }
     own_dp_comm = comm->split(color, dp_rank, "dp", o.dist.dp.collective);
     dp_comm = own_dp_comm.get();
+    for (const std::string& axis : lowered_axes(mesh)) {
+      const std::vector<std::vector<int>> tg = mesh.groups(axis);
+      int tcolor = 0;
+      for (size_t i = 0; i < tg.size(); ++i) {
+        if (std::find(tg[i].begin(), tg[i].end(), rank) != tg[i].end()) {
+          tcolor = static_cast<int>(i);
+        }
+      }
+      norm_comms.push_back(
+          comm->split(tcolor, mesh.coord(rank, axis), axis + ".norms", o.dist.dp.collective));
+    }
     auto refuse = [&](bool bad, const std::string& what) {
       if (!bad) return;
       throw ConfigError(fmt::format(
@@ -420,7 +438,7 @@ struct Trainer::Impl {
     NormReducer dpr = dp->norm_reducer();
     if (!tensor_parallel) return dpr;
     std::vector<Communicator*> groups;
-    for (const auto& [axis, id] : lowered.group_of_axis) groups.push_back(runner->comm_of(id));
+    for (const auto& c : norm_comms) groups.push_back(c.get());
     const CollectiveOptions co = o.dist.dp.collective;
     return [dpr, groups, co](std::span<double> v) {
       if (dpr) dpr(v);
@@ -441,6 +459,28 @@ struct Trainer::Impl {
       if (o.dist.plan->mesh.coord(rank, a) != 0) return false;
     }
     return true;
+  }
+
+  // Bytes this rank's tensor groups have sent (the communicators' own
+  // counters, agreement handshakes left out).
+  uint64_t tensor_bytes_sent() const {
+    uint64_t n = 0;
+    for (const auto& [axis, id] : lowered.group_of_axis) {
+      for (const auto& [kind, c] : runner->comm_of(id)->counters().by_collective) {
+        if (kind != "handshake") n += c.bytes_sent;
+      }
+    }
+    return n;
+  }
+
+  // What the lowered training graph's collectives send per step, by the
+  // runner's cost functions (the counters above must agree).
+  uint64_t predicted_tensor_bytes_per_step() const {
+    uint64_t n = 0;
+    for (const Node& node : model.graph.nodes()) {
+      if (communicates(node.op)) n += runner->cost_of(model.graph, node).bytes_sent;
+    }
+    return n * static_cast<uint64_t>(o.dist.dp.accumulation_steps);
   }
 
   // The first rank of its tensor groups (all ranks without tensor axes):
@@ -929,6 +969,16 @@ struct Trainer::Impl {
   // One optimizer step over K micro-batches; returns the mean loss over the
   // global batch (the same number on every rank).
   double train_step(int64_t epoch, int64_t s) {
+    const uint64_t sent_before = tensor_parallel ? tensor_bytes_sent() : 0;
+    const double loss = train_step_inner(epoch, s);
+    if (tensor_parallel) {
+      tensor_bytes_in_steps += tensor_bytes_sent() - sent_before;
+      ++tensor_steps;
+    }
+    return loss;
+  }
+
+  double train_step_inner(int64_t epoch, int64_t s) {
     Batch b = loader->batch(epoch, s);
     const int k = o.dist.dp.accumulation_steps;
     // Each micro-batch's share of the global batch: the gradients of the
@@ -1208,6 +1258,23 @@ struct Trainer::Impl {
         {"op_profile_ms_per_step", op_profile_json()}};
     if (tokens_per_sample > 0) summary["tokens_per_s"] = or_null(r.tokens_per_s);
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
+    if (tensor_parallel && tensor_steps > 0) {
+      r.tensor_bytes_sent_per_step =
+          static_cast<double>(tensor_bytes_in_steps) / static_cast<double>(tensor_steps);
+    }
+    if (tensor_parallel) r.tensor_bytes_predicted_per_step = predicted_tensor_bytes_per_step();
+    if (tensor_parallel) {
+      // Rank 0's tensor-group traffic per training step: as counted, and as
+      // the lowering's collectives predict it (the two agree exactly).
+      summary["plan"] = {
+          {"mesh", o.dist.plan->mesh.describe()},
+          {"sequence_parallel", o.dist.plan->sequence_parallel},
+          {"tensor_bytes_sent_per_step",
+           tensor_steps > 0 ? nlohmann::json(static_cast<double>(tensor_bytes_in_steps) /
+                                             static_cast<double>(tensor_steps))
+                            : nlohmann::json(nullptr)},
+          {"tensor_bytes_sent_per_step_predicted", predicted_tensor_bytes_per_step()}};
+    }
     if (r.stop_signal != 0) summary["stopped_by_signal"] = r.stop_signal;
     if (o.eval) {
       summary["test_loss"] = or_null(r.test_loss);

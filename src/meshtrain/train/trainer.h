@@ -172,6 +172,11 @@ struct TrainResult {
   // stop_signal), after `steps` steps; the highest signal number any rank saw.
   int stop_signal = 0;
   std::string checkpoint;  // the last checkpoint this run wrote ("" if none)
+  // Under tensor parallelism: bytes this rank's tensor groups sent per
+  // training step, as their communicators counted them, and as the lowered
+  // graph's collectives predict (the two are equal).
+  std::optional<double> tensor_bytes_sent_per_step;
+  uint64_t tensor_bytes_predicted_per_step = 0;
 };
 
 class Trainer {

@@ -80,8 +80,8 @@ DataParallelPlace data_parallel_place(const TrainerOptions& o, int rank, int wor
   return p;
 }
 
-ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o,
-                            int rank, LoweredProgram* lowered) {
+ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o, int rank,
+                            LoweredProgram* lowered) {
   ModelGraph m = build_model(spec, batch);
   if (!o.dist.plan || !needs_lowering(*o.dist.plan)) return m;
   LoweredProgram lp = lower(m.graph, *o.dist.plan, rank, {m.loss, m.logits});

@@ -42,13 +42,13 @@ DataParallelPlace data_parallel_place(const TrainerOptions& o, int rank, int wor
 // under a plan with tensor axes, its lowering for this rank (the program's
 // groups and parameter boxes in *lowered; its graph moved into the result,
 // whose x, y, logits (replicated), loss and constants are the local ones).
-ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o,
-                            int rank, LoweredProgram* lowered = nullptr);
+ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o, int rank,
+                            LoweredProgram* lowered = nullptr);
 
 // The forward + backward graph at the micro-batch, as the Trainer runs it.
 struct TrainingGraph {
   ModelGraph model;
-  LoweredProgram lowered;  // under a plan with tensor axes (its graph is model.graph)
+  LoweredProgram lowered;            // under a plan with tensor axes (its graph is model.graph)
   ValueId objective = kNoValue;      // what backward differentiates
   ValueId loss_scale_in = kNoValue;  // f16 only: the scalar the loss is multiplied by
   ExecOptions exec;                  // the training executor's options
