@@ -150,6 +150,17 @@ const std::vector<KeyMeaning> kMeanings = {
      "model chunks per pipeline stage (schedule interleaved needs >= 2, the others 1)"},
     {"parallel.tp_ratios",
      "per-tp-rank integer shares of every tensor-parallel split, e.g. [2, 1]; [] = even"},
+    {"sync.scheme",
+     "how data-parallel replicas agree: allreduce (every step, ZeRO per dist.zero_stage), "
+     "local_sgd, diloco or gossip (sync/replica_sync.h)"},
+    {"sync.period", "local_sgd / diloco: optimizer steps between synchronizations (H)"},
+    {"sync.sync_until",
+     "local_sgd: average after every step for the first this-many steps (post-local SGD)"},
+    {"sync.outer_lr", "diloco: the outer Nesterov step's learning rate"},
+    {"sync.outer_momentum", "diloco: the outer Nesterov momentum"},
+    {"sync.topology", "gossip: the graph replicas average over (uniform weights 1 / (degree + 1))"},
+    {"sync.consensus_every",
+     "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
     {"parallel.stage_layers",
      "layers (gpt: transformer blocks) per pipeline stage, e.g. [3, 1]; [] = balanced by FLOPs"},
 };

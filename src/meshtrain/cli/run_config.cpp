@@ -228,6 +228,19 @@ RunConfig read_run_config(const Config& c) {
   r.stop_grace_s = c.get_int("dist.stop_grace_s", 10, Bounds<int64_t>::in(1, 3600));
   r.parallel = read_parallel(c);
   r.parallel_given = c.has("parallel");
+  SyncOptions& so = d.sync;
+  so.scheme =
+      c.get_string("sync.scheme", "allreduce", {"allreduce", "local_sgd", "diloco", "gossip"});
+  so.period = c.get_int("sync.period", so.period, Bounds<int64_t>::positive());
+  so.sync_until = c.get_int("sync.sync_until", so.sync_until, Bounds<int64_t>::non_negative());
+  so.outer_lr = c.get_double("sync.outer_lr", so.outer_lr, Bounds<double>::positive());
+  so.outer_momentum =
+      c.get_double("sync.outer_momentum", so.outer_momentum, Bounds<double>::in(0.0, 0.999));
+  so.topology =
+      c.get_string("sync.topology", so.topology, {"ring", "torus", "exponential", "complete"});
+  so.consensus_every =
+      c.get_int("sync.consensus_every", so.consensus_every, Bounds<int64_t>::non_negative());
+  validate_sync_options(so);
   c.check_all_used();
   return r;
 }

@@ -1,5 +1,8 @@
 #include "meshtrain/exec/executor.h"
 
+#include <chrono>
+#include <thread>
+
 #include <cstring>
 
 #include <fmt/format.h>
@@ -74,6 +77,18 @@ struct Executor::Impl {
   Graph g;
   ExecOptions opts;
   KernelBackend* backend = nullptr;
+  int64_t slowdown_debt_ns = 0;  // ExecOptions::slowdown: sleep owed, not yet slept
+
+  // Stretches a kernel of `ns` by the slowdown factor: the extra time is
+  // owed and slept once it reaches 0.2 ms (the sleep's own overshoot is
+  // measured and counted as paid).
+  void stretch(int64_t ns) {
+    slowdown_debt_ns += static_cast<int64_t>(static_cast<double>(ns) * (opts.slowdown - 1.0));
+    if (slowdown_debt_ns < 200'000) return;
+    const int64_t t0 = now_ns();
+    std::this_thread::sleep_for(std::chrono::nanoseconds(slowdown_debt_ns));
+    slowdown_debt_ns -= now_ns() - t0;
+  }
 
   std::vector<bool> is_bound;    // per ValueId: the caller bound memory
   std::vector<Tensor> bound;     // per ValueId
@@ -367,7 +382,8 @@ struct Executor::Impl {
           }
         }
       }
-      const bool timed = opts.profile || static_cast<bool>(node_cb);
+      const bool slowed = opts.slowdown > 1.0 && !st.start && !st.wait && !st.view;
+      const bool timed = opts.profile || static_cast<bool>(node_cb) || slowed;
       const int64_t t0 = timed ? now_ns() : 0;
       if (st.start) {
         in_flight.calls.emplace_back(static_cast<int>(s),
@@ -385,6 +401,7 @@ struct Executor::Impl {
       }
       if (timed) {
         const int64_t t1 = now_ns();
+        if (slowed) stretch(t1 - t0);
         if (opts.profile) {
           prof[s].total_ns += t1 - t0;
           ++prof[s].calls;

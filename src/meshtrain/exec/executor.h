@@ -54,6 +54,11 @@ struct ExecOptions {
   // cannot know a group's size, and silently treating a collective as the
   // identity would hide a missing runner. f (copy_to_group) needs none.
   std::shared_ptr<CollectiveRunner> collectives;
+  // Emulated device speed (dist.slowdown): every kernel's time is stretched
+  // by this factor (the executor sleeps (factor - 1) x its duration,
+  // gathered into sleeps of at least 0.2 ms), collectives and their waits
+  // are not, so a slower device looks like one to its peers. 1 = none.
+  double slowdown = 1.0;
 };
 
 struct MemoryPlan {

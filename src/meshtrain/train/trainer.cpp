@@ -23,6 +23,7 @@
 #include "meshtrain/graph/collective.h"
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/sync/consistency.h"
+#include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
@@ -157,7 +158,12 @@ struct Trainer::Impl {
   Tensor loss_scale;
   std::unique_ptr<Executor> exec;
   std::unique_ptr<ParamStore> store;
-  std::unique_ptr<DataParallel> dp;
+  // How the data-parallel replicas agree (sync/replica_sync.h): all-reduce
+  // data parallelism with ZeRO, or a local-steps scheme.
+  std::unique_ptr<ReplicaSync> dp;
+  // Local-steps schemes get their own communicator, so its byte counters
+  // hold only the scheme's traffic (all-reduce DP keeps the dp group's).
+  std::unique_ptr<Communicator> sync_comm;
   std::unique_ptr<DataLoader> loader;
   std::unique_ptr<DataLoader> eval_loader;  // the test split, unshuffled; built when first needed
   std::unique_ptr<Optimizer> optimizer;
@@ -244,6 +250,10 @@ struct Trainer::Impl {
     plan = plan_training(tg, spec, o, split, rank, world, test_data ? test_data->size() : -1);
     if (o.memory_limit > 0) check_memory_fits(plan, spec, o, o.memory_limit);
     model = std::move(tg.model);
+    // A stand-in for a slower device (dist.slowdown): the training
+    // executor's kernels and the optimizer's update take `slowdown` times
+    // as long; communication does not.
+    tg.exec.slowdown = slowdown();
     if (tensor_parallel) {
       lowered = std::move(tg.lowered);
       runner = std::make_shared<CommCollectiveRunner>(*comm, lowered.groups, o.dist.dp.collective);
@@ -326,11 +336,16 @@ struct Trainer::Impl {
       init_params(o.init_path);
     }
 
-    dp = std::make_unique<DataParallel>(
-        *dp_comm, layout_of(*store),
-        shard_init ? Tensor::wrap(nullptr, {store->flat_numel()}, DType::f32)
-                   : store->flat_values(),
-        o.dist.dp);
+    Communicator* replicas = dp_comm;
+    if (o.dist.sync.scheme != "allreduce") {
+      sync_comm = dp_comm->split(0, dp_rank, "sync", o.dist.dp.collective);
+      replicas = sync_comm.get();
+    }
+    dp = make_replica_sync(o.dist.sync, *replicas, layout_of(*store),
+                           shard_init ? Tensor::wrap(nullptr, {store->flat_numel()}, DType::f32)
+                                      : store->flat_values(),
+                           o.dist.dp,
+                           static_cast<double>(local_batch) / static_cast<double>(o.batch_size));
     if (shard_init) init_shard();
     // ZeRO-3: DataParallel now holds this rank's shard; the full copy is
     // allocated again only while something needs whole parameters (a
@@ -344,20 +359,30 @@ struct Trainer::Impl {
 
     if (timeline.enabled()) {
       timeline.align(*comm);
-      comm->set_call_observer([this](const CallEvent& e) {
+      auto observe = [this](const CallEvent& e) {
         timeline.add(fmt::format("{} #{}", collective_name(e.kind), e.seq), "comm", e.start_ns,
                      e.end_ns, Timeline::kComm,
                      {{"bytes", e.bytes},
                       {"algorithm", std::string(algorithm_name(e.algorithm))},
                       {"ok", e.ok}});
-      });
+      };
+      // The replicas' collectives may run on a group of their own.
+      for (Communicator* c : {comm, dp_comm, sync_comm.get()}) {
+        if (c != nullptr) c->set_call_observer(observe);
+      }
       exec->on_node_done(
           [this](const std::string& name, OpKind op, bool backward, int64_t t0, int64_t t1) {
             timeline.add(name, backward ? "backward" : "forward", t0, t1, Timeline::kCompute,
                          {{"op", std::string(op_name(op))}});
           });
     }
-    if (dp_world > 1 && o.dist.consistency_every > 0 && o.dist.dp.stage < 3) {
+    if (dp_world > 1 && o.dist.consistency_every > 0 && !dp->replicas_identical()) {
+      notice(fmt::format(
+          "dist.consistency_every = {}: replica checksums are not compared under sync.scheme = "
+          "\"{}\": replicas hold different parameters between synchronizations (the summary "
+          "reports their consensus distance instead)",
+          o.dist.consistency_every, dp->name()));
+    } else if (dp_world > 1 && o.dist.consistency_every > 0 && o.dist.dp.stage < 3) {
       // Replicas are the ranks of the data-parallel group (under tensor
       // parallelism each holds the same pieces as its dp peers).
       ConsistencyChecker::NamedTensors named;
@@ -383,11 +408,35 @@ struct Trainer::Impl {
 
   bool leader() const { return rank == 0; }
 
+  double slowdown() const {
+    return rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
+  }
+
   // Under a plan with tensor axes: this rank's data-parallel coordinate and
   // group (the ranks with the same tensor coordinates), split off the world.
   // What tensor parallelism does not carry yet is refused here, before any
   // step, on every rank alike.
   void join_data_parallel_group() {
+    validate_sync_options(o.dist.sync);
+    if (o.dist.sync.scheme != "allreduce") {
+      // A checkpoint of replicas that differ between synchronizations would
+      // have to be a synchronization point of its own: not built yet.
+      for (const auto& [key, value] : {std::pair{"train.checkpoint", o.checkpoint_path},
+                                       std::pair{"train.resume", o.resume_path}}) {
+        if (value.empty()) continue;
+        throw ConfigError(
+            fmt::format("{}: not available with sync.scheme = \"{}\" yet (replicas hold different "
+                        "parameters between synchronizations); set it to \"\" or use sync.scheme = "
+                        "\"allreduce\"",
+                        key, o.dist.sync.scheme));
+      }
+      if (o.dist.plan && needs_lowering(*o.dist.plan)) {
+        throw ConfigError(fmt::format(
+            "sync.scheme = \"{}\": local-step schemes run over data parallelism only, not "
+            "with a plan's tensor axes (mesh {}) yet",
+            o.dist.sync.scheme, o.dist.plan->mesh.describe()));
+      }
+    }
     const DataParallelPlace place = data_parallel_place(o, rank, world);
     dp_rank = place.rank;
     dp_world = place.world;
@@ -923,6 +972,18 @@ struct Trainer::Impl {
   // Each rank evaluates a contiguous slice of every test batch; sums are
   // combined across ranks. Returns {loss, accuracy, examples}.
   std::tuple<double, double, int64_t> evaluate() {
+    if (dp->replicas_identical()) return evaluate_current();
+    // Replicas that drifted apart are evaluated as their (batch-weighted)
+    // mean, as the model the run would hand out; each replica then goes on
+    // training from its own parameters.
+    Tensor own = store->flat_values().clone();
+    dp->average_into(store->flat_values());
+    auto result = evaluate_current();
+    std::memcpy(store->flat_values().raw(), own.raw(), own.nbytes());
+    return result;
+  }
+
+  std::tuple<double, double, int64_t> evaluate_current() {
     if (!eval_loader) eval_loader = make_eval_loader();
     const DataLoader& tl = *eval_loader;
     double sums[3] = {0, 0, 0};  // loss * rows, correct, rows
@@ -1028,7 +1089,12 @@ struct Trainer::Impl {
       }
       if (!apply) return;
       if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, norm_reducer());
+      Stopwatch update_sw;
       optimizer->step(refs, lr);
+      if (slowdown() > 1.0) {
+        std::this_thread::sleep_for(
+            std::chrono::duration<double>(update_sw.seconds() * (slowdown() - 1.0)));
+      }
     });
     optimizer_seconds += optimizer_sw.seconds();
     ++optimizer_steps;
@@ -1087,11 +1153,14 @@ struct Trainer::Impl {
       const double wait_before = dp->stats().wait_seconds;
       Stopwatch sw;
       const double loss = train_step(epoch, s);
-      if (rank < static_cast<int>(o.dist.slowdown.size()) && o.dist.slowdown[rank] > 1.0) {
-        // Stand in for a slower device: stretch this step's compute.
+      // The straggler report's exchange is where a fast rank waits for a
+      // slower one (a slowed rank sleeps after its step), so the step's time
+      // is taken after it: every rank then measures the same period, the
+      // throughput the job gets.
+      std::optional<StragglerReport> rep;
+      if (straggler) {
         const double compute = sw.seconds() - (dp->stats().wait_seconds - wait_before);
-        std::this_thread::sleep_for(
-            std::chrono::duration<double>(std::max(0.0, compute) * (o.dist.slowdown[rank] - 1.0)));
+        rep = straggler->report(step + 1, compute);
       }
       const double dt = sw.seconds();
       const double rate = static_cast<double>(o.batch_size) / dt;
@@ -1108,16 +1177,21 @@ struct Trainer::Impl {
       evaluated_last = false;
       nlohmann::json line = {{"step", step}, {"loss", loss}, {"samples_per_s", rate}, {"lr", lr}};
       if (tokens_per_sample > 0) line["tokens_per_s"] = rate * tokens_per_sample;
-      if (straggler) {
-        const double compute = dt - (dp->stats().wait_seconds - wait_before);
-        StragglerReport rep = straggler->report(step, compute);
-        if (rep.exchanged && !rep.seconds.empty()) line["rank_step_s"] = rep.seconds.back();
-        for (const std::string& msg : rep.messages) {
+      if (rep) {
+        if (rep->exchanged && !rep->seconds.empty()) line["rank_step_s"] = rep->seconds.back();
+        for (const std::string& msg : rep->messages) {
           progress.message("meshtrain: " + msg);
           metrics.write({{"step", step}, {"straggler", msg}});
         }
       }
       if (consistency) consistency->maybe_check(step);
+      if (!dp->replicas_identical() && o.dist.sync.consensus_every > 0 &&
+          step % o.dist.sync.consensus_every == 0) {
+        const ReplicaSync::Consensus c = dp->consensus();  // collective
+        metrics.write({{"step", step},
+                       {"consensus_distance", c.distance},
+                       {"consensus_relative", c.relative}});
+      }
       if (o.dist.after_step) o.dist.after_step(step, rank);
       if (step % o.log_every == 0 || step == stop) {
         metrics.write(line);
@@ -1156,10 +1230,31 @@ struct Trainer::Impl {
       record_eval(r, metrics, tensorboard, nullptr, 0);
     }
     checkpoint_now(r);
+    nlohmann::json sync_summary;
+    {
+      // How the replicas agreed: the scheme, its bytes per step (the
+      // communicator's counters; for allreduce the dp group's, the step's
+      // loss all-reduce included) and, for schemes whose replicas drift,
+      // their spread at the end (collective).
+      nlohmann::json sj = {{"scheme", dp->name()}};
+      const int64_t ran = step - first;
+      if (ran > 0) {
+        sj["bytes_sent_per_step"] =
+            static_cast<double>(dp->bytes_sent()) / static_cast<double>(ran);
+      }
+      if (!dp->replicas_identical()) {
+        const ReplicaSync::Consensus c = dp->consensus();
+        sj["consensus_distance"] = c.distance;
+        sj["consensus_relative"] = c.relative;
+      }
+      sync_summary = sj;
+    }
     double hidden = -1;
     if (timeline.enabled()) {
       hidden = hidden_comm_fraction(timeline.events());
-      comm->set_call_observer({});  // the merge's own messages stay out of the trace
+      for (Communicator* c : {comm, dp_comm, sync_comm.get()}) {
+        if (c != nullptr) c->set_call_observer({});  // the merge's messages stay out of the trace
+      }
       timeline.merge_and_write(*comm, o.dist.trace_path);
     }
 
@@ -1258,6 +1353,7 @@ struct Trainer::Impl {
         {"op_profile_ms_per_step", op_profile_json()}};
     if (tokens_per_sample > 0) summary["tokens_per_s"] = or_null(r.tokens_per_s);
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
+    summary["sync"] = sync_summary;
     if (tensor_parallel && tensor_steps > 0) {
       r.tensor_bytes_sent_per_step =
           static_cast<double>(tensor_bytes_in_steps) / static_cast<double>(tensor_steps);
@@ -1366,9 +1462,14 @@ ParamStore& Trainer::params() {
 }
 Tensor Trainer::gather_params() {
   impl_->sync_store();
+  if (!impl_->dp->replicas_identical()) {
+    Tensor mean = impl_->store->flat_values().clone();
+    impl_->dp->average_into(mean);
+    return mean;
+  }
   return impl_->store->flat_values();
 }
-DataParallel& Trainer::data_parallel() {
+ReplicaSync& Trainer::replica_sync() {
   return *impl_->dp;
 }
 

@@ -26,6 +26,7 @@
 #include "meshtrain/models/model.h"
 #include "meshtrain/spmd/plan.h"
 #include "meshtrain/sync/data_parallel.h"
+#include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/loss_scaler.h"
@@ -65,6 +66,9 @@ struct DistOptions {
   // batch split, DataParallel and ZeRO, batch_shares over the dp ranks).
   // null: data parallelism over all ranks.
   std::shared_ptr<const Plan> plan;
+  // How the data-parallel replicas agree ([sync]): all-reduce (with ZeRO
+  // per `dp`), local SGD, DiLoCo or gossip (sync/replica_sync.h).
+  SyncOptions sync;
 };
 
 struct TrainerOptions {
@@ -217,7 +221,8 @@ class Trainer {
   class ParamStore& params();
   // The current whole parameters, flat (as params()).
   Tensor gather_params();
-  DataParallel& data_parallel();
+  // How the data-parallel replicas agree (dist.sync; sync/replica_sync.h).
+  class ReplicaSync& replica_sync();
   // Under a plan with tensor axes, this rank's program: which box of each
   // parameter params() holds. nullptr otherwise (params() are whole).
   const struct LoweredProgram* lowered_program() const;

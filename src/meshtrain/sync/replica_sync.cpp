@@ -1,0 +1,140 @@
+#include "meshtrain/sync/replica_sync.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/sync/local_steps.h"
+
+namespace mt {
+
+namespace {
+
+// Synchronous all-reduce data parallelism (ZeRO 0-3): DataParallel itself.
+class AllReduceSync : public ReplicaSync {
+ public:
+  AllReduceSync(Communicator& group, ParamLayout layout, Tensor flat, DataParallelOptions o)
+      : group_(group), dp_(group, std::move(layout), std::move(flat), std::move(o)) {}
+
+  void attach(Executor& exec, const Graph& graph) override { dp_.attach(exec, graph); }
+  void begin_micro_step(double w) override { dp_.begin_micro_step(w); }
+  void end_micro_step() override { dp_.end_micro_step(); }
+  std::span<ParamSlice> slices() override { return dp_.slices(); }
+  std::function<void(std::span<double>)> norm_reducer() override { return dp_.norm_reducer(); }
+  void step(const std::function<void(std::span<ParamSlice>)>& update) override { dp_.step(update); }
+  void gather_params(Tensor& flat_out) override { dp_.gather_params(flat_out); }
+  std::vector<ShardPiece> param_pieces(PieceUse use) override { return dp_.param_pieces(use); }
+  std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
+                                       PieceUse use) const override {
+    return dp_.state_pieces(state, use);
+  }
+  std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const override {
+    return dp_.new_state_pieces(kinds);
+  }
+  DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
+    return dp_.memory(kinds, optimizer_bytes);
+  }
+  DataParallelStats stats() const override { return dp_.stats(); }
+  void reset_stats() override { dp_.reset_stats(); }
+  std::string name() const override { return "allreduce"; }
+  uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
+
+ private:
+  Communicator& group_;
+  DataParallel dp_;
+};
+
+}  // namespace
+
+uint64_t sync_bytes_sent(const Communicator& c) {
+  uint64_t n = 0;
+  for (const auto& [kind, counter] : c.counters().by_collective) {
+    if (kind != "handshake") n += counter.bytes_sent;
+  }
+  return n;
+}
+
+void validate_sync_options(const SyncOptions& o) {
+  static const std::set<std::string> schemes = {"allreduce", "local_sgd", "diloco", "gossip"};
+  if (!schemes.count(o.scheme)) {
+    throw ConfigError(fmt::format(
+        "sync.scheme: unknown scheme '{}' (expected allreduce, local_sgd, diloco or gossip)",
+        o.scheme));
+  }
+  if (o.period < 1) {
+    throw ConfigError(fmt::format(
+        "sync.period: the steps between synchronizations must be >= 1, got {}", o.period));
+  }
+  if (o.sync_until < 0) {
+    throw ConfigError(fmt::format("sync.sync_until: must be >= 0, got {}", o.sync_until));
+  }
+  if (!(o.outer_lr > 0) || !std::isfinite(o.outer_lr)) {
+    throw ConfigError(
+        fmt::format("sync.outer_lr: DiLoCo's outer learning rate must be > 0, got {}", o.outer_lr));
+  }
+  if (!(o.outer_momentum >= 0 && o.outer_momentum < 1)) {
+    throw ConfigError(
+        fmt::format("sync.outer_momentum: must be in [0, 1), got {}", o.outer_momentum));
+  }
+  static const std::set<std::string> topologies = {"ring", "torus", "exponential", "complete"};
+  if (!topologies.count(o.topology)) {
+    throw ConfigError(fmt::format(
+        "sync.topology: unknown topology '{}' (expected ring, torus, exponential or complete)",
+        o.topology));
+  }
+  if (o.consensus_every < 0) {
+    throw ConfigError(fmt::format("sync.consensus_every: must be >= 0 (0 = at the end), got {}",
+                                  o.consensus_every));
+  }
+}
+
+std::vector<int> gossip_neighbours(const std::string& topology, int rank, int n) {
+  std::set<int> out;
+  auto add = [&](int q) {
+    q = ((q % n) + n) % n;
+    if (q != rank) out.insert(q);
+  };
+  if (topology == "ring") {
+    add(rank - 1);
+    add(rank + 1);
+  } else if (topology == "torus") {
+    int a = 1;
+    for (int d = 1; d * d <= n; ++d) {
+      if (n % d == 0) a = d;
+    }
+    const int b = n / a;  // a rows x b columns
+    const int row = rank / b, col = rank % b;
+    auto at = [&](int r, int c) { return ((r + a) % a) * b + ((c + b) % b); };
+    add(at(row - 1, col));
+    add(at(row + 1, col));
+    add(at(row, col - 1));
+    add(at(row, col + 1));
+  } else if (topology == "exponential") {
+    for (int k = 1; k < n; k *= 2) {
+      add(rank + k);
+      add(rank - k);
+    }
+  } else if (topology == "complete") {
+    for (int q = 0; q < n; ++q) add(q);
+  } else {
+    throw ConfigError(fmt::format("sync.topology: unknown topology '{}'", topology));
+  }
+  return {out.begin(), out.end()};
+}
+
+std::unique_ptr<ReplicaSync> make_replica_sync(const SyncOptions& o, Communicator& group,
+                                               ParamLayout layout, Tensor flat_params,
+                                               DataParallelOptions dp, double local_share) {
+  validate_sync_options(o);
+  if (o.scheme == "allreduce") {
+    return std::make_unique<AllReduceSync>(group, std::move(layout), std::move(flat_params),
+                                           std::move(dp));
+  }
+  return make_local_steps_sync(o, group, std::move(layout), std::move(flat_params), std::move(dp),
+                               local_share);
+}
+
+}  // namespace mt

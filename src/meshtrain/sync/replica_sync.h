@@ -1,0 +1,131 @@
+// How data-parallel replicas agree: the interface the trainer drives, one
+// implementation per synchronization scheme.
+//
+//   allreduce  (sync/data_parallel.h) every step's gradients summed across
+//              replicas, ZeRO 0-3: replicas stay identical
+//   local_sgd  (sync/periodic_sync.h) each replica steps on its own
+//              gradients; parameters are averaged every `period` steps
+//              (post-local: synchronous for the first steps)
+//   diloco     (sync/periodic_sync.h) as local_sgd with the trainer's
+//              optimizer as the inner one; every `period` steps the averaged
+//              pseudo-gradient (start - local) takes an outer Nesterov step
+//   gossip     (sync/gossip.h) D-PSGD: after each local step every replica
+//              averages its parameters with its neighbours on a graph
+//
+// The calling sequence is DataParallel's (see its header for the contract):
+// attach() once per executor; per optimizer step begin_micro_step(w),
+// the executor's run(), end_micro_step() for each micro-step, then
+// step(update) with the optimizer inside `update`. Schemes that let replicas
+// drift apart say so (replicas_identical() false); average_into() then gives
+// the replicas' mean parameters for evaluation and checkpoints, without
+// changing any replica's training state.
+//
+// Ownership, threading and blocking as DataParallel: one thread per rank;
+// the calls that communicate are collective over the group and bounded by
+// the collective timeout; errors are comm's CommError / TimeoutError.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/exec/executor.h"
+#include "meshtrain/graph/graph.h"
+#include "meshtrain/sync/data_parallel.h"
+
+namespace mt {
+
+// The [sync] section of a run config: which scheme and its settings.
+struct SyncOptions {
+  std::string scheme = "allreduce";  // allreduce | local_sgd | diloco | gossip
+  // local_sgd / diloco: optimizer steps between synchronizations (H >= 1).
+  int64_t period = 1;
+  // local_sgd: post-local SGD, synchronous (averaging after every step) for
+  // the first this-many steps, then every `period` steps.
+  int64_t sync_until = 0;
+  // diloco: the outer Nesterov step on the averaged pseudo-gradient.
+  double outer_lr = 0.7;
+  double outer_momentum = 0.9;
+  // gossip: ring | torus | exponential | complete (mixing weights in gossip_neighbours()).
+  std::string topology = "ring";
+  // Steps between consensus-distance reports (0: only at the end).
+  int64_t consensus_every = 0;
+};
+
+// ConfigError naming the sync.* key and what was expected (period < 1, an
+// unknown scheme or topology, outer_lr <= 0, momentum outside [0, 1)).
+void validate_sync_options(const SyncOptions& o);
+
+// gossip: the neighbours of `rank` among `n` on the topology (ascending, not
+// including rank itself). Every topology is a regular undirected graph, so
+// uniform weights 1 / (degree + 1) over a rank and its neighbours make the
+// mixing matrix symmetric and doubly stochastic:
+//   ring         r - 1, r + 1 (mod n)
+//   torus        the 4 neighbours on an a x b grid (a the largest divisor of
+//                n with a <= sqrt(n)), wrapping
+//   exponential  r +- 2^k (mod n) for 2^k < n
+//   complete     every other rank
+std::vector<int> gossip_neighbours(const std::string& topology, int rank, int n);
+
+class ReplicaSync {
+ public:
+  virtual ~ReplicaSync() = default;
+
+  virtual void attach(Executor& exec, const Graph& graph) = 0;
+  virtual void begin_micro_step(double grad_weight) = 0;
+  virtual void end_micro_step() = 0;
+  virtual std::span<ParamSlice> slices() = 0;
+  virtual std::function<void(std::span<double>)> norm_reducer() = 0;
+  virtual void step(const std::function<void(std::span<ParamSlice>)>& update) = 0;
+
+  virtual void gather_params(Tensor& flat_out) = 0;
+  virtual std::vector<ShardPiece> param_pieces(PieceUse use) = 0;
+  virtual std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
+                                               PieceUse use) const = 0;
+  virtual std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const = 0;
+
+  virtual DataParallelMemory memory(int state_kinds, int64_t optimizer_bytes) const = 0;
+  virtual DataParallelStats stats() const = 0;
+  virtual void reset_stats() = 0;
+
+  // The scheme's name as the config writes it ("allreduce", "local_sgd", ...).
+  virtual std::string name() const = 0;
+  // False when replicas hold different parameters between synchronizations
+  // (the replica consistency check does not apply).
+  virtual bool replicas_identical() const { return true; }
+  // Collective: the replicas' mean parameters into `flat_out` (the layout's
+  // flat size), leaving every replica's own parameters as they are. For
+  // schemes with identical replicas, gather_params().
+  virtual void average_into(Tensor& flat_out) { gather_params(flat_out); }
+  // Spread of the parameters across replicas (collective): the root mean
+  // square over replicas of ||theta_r - mean||, and over the mean's norm.
+  // 0 for identical replicas.
+  struct Consensus {
+    double distance = 0;
+    double relative = 0;
+  };
+  virtual Consensus consensus() { return {}; }
+  // Bytes this rank sent for synchronization so far (the communicator's
+  // counters), for the summary's bytes per step.
+  virtual uint64_t bytes_sent() const = 0;
+};
+
+// Bytes `c` has sent (its counters, agreement handshakes left out).
+uint64_t sync_bytes_sent(const Communicator& c);
+
+// The scheme `o` names over `group` (the data-parallel ranks). layout /
+// flat_params / dp as DataParallel's constructor takes them (allreduce uses
+// all of dp; the other schemes step locally with dp's bucket and
+// accumulation settings and refuse ZeRO stages > 0). local_share: this
+// rank's share of the global batch (local schemes weigh averages by it).
+// The scheme keeps a reference to `group`, which must outlive it.
+std::unique_ptr<ReplicaSync> make_replica_sync(const SyncOptions& o, Communicator& group,
+                                               ParamLayout layout, Tensor flat_params,
+                                               DataParallelOptions dp, double local_share);
+
+}  // namespace mt

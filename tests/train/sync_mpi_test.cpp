@@ -1,0 +1,223 @@
+// Synchronization schemes (sync/replica_sync.h) through the Trainer under
+// mpirun (4 ranks), on the MLP with plain SGD:
+// - the exact equivalences: local SGD with period 1, DiLoCo with period 1,
+//   outer learning rate 1 and no outer momentum, and gossip on the complete
+//   graph each equal all-reduce data parallelism step by step (loss of every
+//   step and the final parameters, within 1e-5 relative: the schemes average
+//   parameters where all-reduce sums gradients, which re-associates one sum
+//   of 4 terms per element per step);
+// - local SGD with period 4 sends exactly a quarter of period 1's bytes (the
+//   communicator's counters) and its replicas agree after a synchronization;
+// - gossip on a ring lets replicas differ (consensus distance > 0) and still
+//   learns;
+// - bad settings are refused before any step, naming the key.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/sync/replica_sync.h"
+#include "meshtrain/train/trainer.h"
+#include "sync/dp_harness.h"
+#include "train/mpi_world.h"
+
+namespace mt {
+namespace {
+
+constexpr int kSteps = 12;
+
+Communicator& world() {
+  return test::mpi_world();
+}
+
+ModelSpec spec() {
+  ModelSpec s;
+  s.kind = "mlp";
+  s.image_size = 8;
+  s.classes = 6;
+  s.hidden = {32, 16};
+  return s;
+}
+
+TrainerOptions options(const SyncOptions& sync) {
+  TrainerOptions o;
+  o.batch_size = 16;
+  o.max_steps = kSteps;
+  o.epochs = 1;
+  o.progress = false;
+  o.eval = false;
+  o.seed = 5;
+  o.exec.backend = "reference";
+  o.optimizer = "sgd";
+  o.optim.sgd.momentum = 0;
+  o.optim.sgd.nesterov = false;
+  o.schedule.lr = 0.1;
+  o.dist.dp.bucket_bytes = 1 << 10;
+  o.dist.sync = sync;
+  return o;
+}
+
+struct Outcome {
+  std::vector<double> losses;
+  std::vector<float> params;  // the replicas' mean
+  std::vector<float> own;     // this rank's own parameters
+  uint64_t bytes = 0;
+  ReplicaSync::Consensus consensus;
+};
+
+Outcome train(const SyncOptions& sync) {
+  auto data = std::make_shared<test::SyntheticData>(spec(), 256, 9);
+  Trainer t(spec(), data, nullptr, options(sync), &world());
+  Outcome out;
+  out.losses = t.run().losses;
+  const Tensor own = t.params().flat_values();
+  out.own.assign(own.data<float>(), own.data<float>() + own.numel());
+  const Tensor mean = t.gather_params();
+  out.params.assign(mean.data<float>(), mean.data<float>() + mean.numel());
+  out.bytes = t.replica_sync().bytes_sent();
+  out.consensus = t.replica_sync().consensus();
+  return out;
+}
+
+double divergence(const Outcome& want, const Outcome& got) {
+  double worst = 0;
+  for (size_t i = 0; i < want.losses.size(); ++i) {
+    worst = std::max(worst, std::abs(got.losses[i] - want.losses[i]) / std::abs(want.losses[i]));
+  }
+  double diff = 0, mag = 0;
+  for (size_t i = 0; i < want.params.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(got.params[i]) - want.params[i]));
+    mag = std::max(mag, std::abs(static_cast<double>(want.params[i])));
+  }
+  return std::max(worst, diff / mag);
+}
+
+SyncOptions scheme(const std::string& name) {
+  SyncOptions s;
+  s.scheme = name;
+  return s;
+}
+
+TEST(SyncSchemesMpi, ExactEquivalencesWithAllReduce) {
+  const Outcome dp = train(scheme("allreduce"));
+  ASSERT_EQ(dp.losses.size(), static_cast<size_t>(kSteps));
+  SyncOptions local = scheme("local_sgd");
+  SyncOptions diloco = scheme("diloco");
+  diloco.outer_lr = 1.0;
+  diloco.outer_momentum = 0.0;
+  SyncOptions gossip = scheme("gossip");
+  gossip.topology = "complete";
+  for (const SyncOptions& s : {local, diloco, gossip}) {
+    const Outcome got = train(s);
+    const double d = divergence(dp, got);
+    if (world().rank() == 0) {
+      std::printf("%s (period 1) vs allreduce, %d ranks: worst relative difference %.3g\n",
+                  s.scheme.c_str(), world().size(), d);
+    }
+    EXPECT_LE(d, 1e-5) << s.scheme;
+  }
+  // Test of the test: a learning rate 1% off is seen.
+  SyncOptions off = local;
+  auto data = std::make_shared<test::SyntheticData>(spec(), 256, 9);
+  TrainerOptions o = options(off);
+  o.schedule.lr *= 1.01;
+  Trainer t(spec(), data, nullptr, o, &world());
+  Outcome got;
+  got.losses = t.run().losses;
+  const Tensor p = t.gather_params();
+  got.params.assign(p.data<float>(), p.data<float>() + p.numel());
+  EXPECT_GT(divergence(dp, got), 1e-4);
+}
+
+TEST(SyncSchemesMpi, LocalSgdSendsOnceEveryPeriod) {
+  SyncOptions every = scheme("local_sgd");
+  SyncOptions fourth = every;
+  fourth.period = 4;
+  const Outcome a = train(every), b = train(fourth);
+  ASSERT_GT(a.bytes, 0u);
+  EXPECT_EQ(b.bytes * 4, a.bytes) << "period 4 sends " << b.bytes << ", period 1 " << a.bytes;
+  // 12 steps: the last step synchronized, so every replica holds the mean.
+  EXPECT_EQ(b.own, b.params);
+  EXPECT_EQ(b.consensus.distance, 0.0);
+  // Between synchronizations replicas differ; the losses show it differs from period 1.
+  EXPECT_NE(a.losses.back(), b.losses.back());
+}
+
+TEST(SyncSchemesMpi, GossipOnARingLetsReplicasDriftAndLearns) {
+  SyncOptions ring = scheme("gossip");
+  const Outcome g = train(ring);
+  EXPECT_GT(g.consensus.distance, 0.0);
+  EXPECT_LT(g.consensus.relative, 0.1);
+  EXPECT_LT(g.losses.back(), g.losses.front());
+  const Outcome dp = train(scheme("allreduce"));
+  EXPECT_NE(g.losses.back(), dp.losses.back());
+}
+
+TEST(SyncSchemes, NeighboursFormRegularSymmetricGraphs) {
+  for (const char* topo : {"ring", "torus", "exponential", "complete"}) {
+    for (int n : {2, 3, 4, 6, 8, 9}) {
+      size_t degree = gossip_neighbours(topo, 0, n).size();
+      for (int r = 0; r < n; ++r) {
+        const std::vector<int> nb = gossip_neighbours(topo, r, n);
+        EXPECT_EQ(nb.size(), degree) << topo << " n=" << n << " rank " << r;
+        for (int q : nb) {
+          const std::vector<int> back = gossip_neighbours(topo, q, n);
+          EXPECT_TRUE(std::find(back.begin(), back.end(), r) != back.end())
+              << topo << " n=" << n << ": " << r << " -> " << q << " but not back";
+          EXPECT_NE(q, r);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(gossip_neighbours("torus", 0, 4), (std::vector<int>{1, 2}));  // 2 x 2 grid
+  EXPECT_EQ(gossip_neighbours("ring", 0, 5), (std::vector<int>{1, 4}));
+  EXPECT_EQ(gossip_neighbours("exponential", 0, 8), (std::vector<int>{1, 2, 4, 6, 7}));
+}
+
+std::string error_of(const SyncOptions& s, int zero = 0, std::string checkpoint = "") {
+  try {
+    auto data = std::make_shared<test::SyntheticData>(spec(), 256, 9);
+    TrainerOptions o = options(s);
+    o.dist.dp.stage = zero;
+    o.checkpoint_path = std::move(checkpoint);
+    Trainer t(spec(), data, nullptr, o, &world());
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(SyncSchemesMpi, BadSettingsAreRefusedNamingTheKey) {
+  SyncOptions s = scheme("local_sgd");
+  s.period = 0;
+  EXPECT_NE(error_of(s).find("sync.period: the steps between synchronizations must be >= 1, got 0"),
+            std::string::npos)
+      << error_of(s);
+  s = scheme("gossip");
+  s.topology = "star";
+  EXPECT_NE(error_of(s).find("sync.topology: unknown topology 'star'"), std::string::npos);
+  s = scheme("diloco");
+  s.outer_momentum = 1.0;
+  EXPECT_NE(error_of(s).find("sync.outer_momentum: must be in [0, 1), got 1"), std::string::npos);
+  s = scheme("paramserver");
+  EXPECT_NE(error_of(s).find("sync.scheme: unknown scheme 'paramserver'"), std::string::npos);
+  EXPECT_NE(error_of(scheme("local_sgd"), 2).find("dist.zero_stage must be 0 (got 2)"),
+            std::string::npos);
+  EXPECT_NE(error_of(scheme("diloco"), 0, "/tmp/never")
+                .find("train.checkpoint: not available with sync.scheme = \"diloco\" yet"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace mt
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  mt::world();  // initialise MPI before any test
+  return RUN_ALL_TESTS();
+}
