@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <time.h>
+
 #include <algorithm>
 #include <map>
 #include <set>
@@ -14,6 +16,17 @@
 namespace mt {
 
 namespace {
+
+// Receives are posted this many actions ahead of the action that waits for
+// them: early enough that the message lands while the compute before it
+// runs, late enough that a 1F1B stage holds about p received buffers, not m.
+constexpr size_t kRecvLookahead = 6;
+
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
 
 size_t ix(int v) {
   return static_cast<size_t>(v);
@@ -65,6 +78,7 @@ struct PipelineRuntime::Impl {
   int losses = 0;
   int64_t stash_now = 0, stash_peak = 0;
   uint64_t sent = 0;
+  size_t posted = 0;  // actions whose receives are posted
 
   Impl(Communicator& c, const PipelineCut& k, PipelineSchedule s, PipelineOptions o)
       : comm(c), cut(k), sched(std::move(s)), opts(std::move(o)) {}
@@ -182,10 +196,12 @@ struct PipelineRuntime::Impl {
       }
       pass.exec->bind(in, t);
     }
+    const int64_t c0 = thread_cpu_ns();
     const int64_t t0 = now_ns();
     pass.exec->run();
     const int64_t t1 = now_ns();
-    spans.push_back({vs, mb, kind, t0, t1});
+    spans.push_back({vs, mb, kind, t0, t1, thread_cpu_ns() - c0});
+
     for (const std::string& name : pass.pass->stash) {
       put(s, name, pass.exec->get(*g.find(name)).clone());
     }
@@ -207,8 +223,11 @@ struct PipelineRuntime::Impl {
     }
   }
 
-  void post_recvs() {
-    for (const PipelineAction& a : sched.actions[ix(rank)]) {
+  // Posts the receives of actions [posted, end) of this rank's list.
+  void post_recvs(size_t end) {
+    const auto& list = sched.actions[ix(rank)];
+    for (; posted < std::min(end, list.size()); ++posted) {
+      const PipelineAction& a = list[posted];
       const int vs = a.stage, mb = a.microbatch;
       if (a.kind == ActionKind::recv_activation) {
         const auto& ins = st(vs).inputs;
@@ -278,8 +297,11 @@ struct PipelineRuntime::Impl {
     all.push_back(shared.get());
     for (Communicator* c : all) c->reset_counters();
 
-    post_recvs();
-    for (const PipelineAction& a : sched.actions[ix(rank)]) {
+    posted = 0;
+    const auto& list = sched.actions[ix(rank)];
+    for (size_t i = 0; i < list.size(); ++i) {
+      post_recvs(i + kRecvLookahead);
+      const PipelineAction& a = list[i];
       const int vs = a.stage, mb = a.microbatch;
       StageRt& r = stages.at(vs);
       switch (a.kind) {

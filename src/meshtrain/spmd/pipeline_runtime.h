@@ -17,10 +17,10 @@
 // plus (micro-batches in flight) x (one micro-batch's stash): peak_stash_bytes
 // measures the latter as the step runs.
 //
-// Communication is asynchronous. Every receive of the step is posted when
-// the step starts (into the stash buffer the pass will read), and every
-// send is queued as soon as its tensor exists; a recv action only waits for
-// its message, so transfers overlap compute. Each direction between two
+// Communication is asynchronous. Each receive is posted a few actions
+// before the one that waits for it (into the stash buffer the pass will
+// read), and every send is queued as soon as its tensor exists; a recv
+// action only waits for its message, so transfers overlap compute. Each direction between two
 // stages has its own communicator (split from the group's at
 // construction): activations sent by stage q travel on one, gradients sent
 // by q on another, so a receive waiting for its message never holds up a
@@ -67,6 +67,10 @@ struct PipelineSpan {
   ActionKind kind = ActionKind::forward;
   int64_t start_ns = 0;
   int64_t end_ns = 0;
+  // CPU time of the calling thread during the pass: below end - start when
+  // the core was shared (an oversubscribed machine) or kernels ran on other
+  // threads.
+  int64_t cpu_ns = 0;
 };
 
 // The model inputs a stage reads (e.g. "x", "y", "pos") for micro-batch i,
