@@ -1,0 +1,133 @@
+// Cutting model graphs into pipeline stages (no communication), and the
+// pipeline runtime on local threads as ranks (pipeline_harness.cpp; the
+// same checks run under mpirun in pipeline_mpi_test.cpp).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/spmd/pipeline_stage.h"
+#include "pipeline_harness.h"
+
+namespace mt {
+namespace {
+
+std::vector<StagePlan> stages(std::vector<std::vector<std::string>> layers) {
+  std::vector<StagePlan> out;
+  for (auto& l : layers) out.push_back(StagePlan{std::move(l), {}});
+  return out;
+}
+
+ModelSpec small_mlp() {
+  ModelSpec s;
+  s.image_size = 4;
+  s.hidden = {12, 10};
+  s.classes = 5;
+  return s;
+}
+
+TEST(PipelineCut, MlpStagesExchangeOneActivationAndItsGradient) {
+  ModelGraph m = build_model(small_mlp(), 6);
+  const PipelineCut cut = cut_pipeline(m.graph, m.loss, stages({{"fc1"}, {"fc2", "head"}}));
+  ASSERT_EQ(cut.stages.size(), 2u);
+  const PipelineStage& s0 = cut.stages[0];
+  const PipelineStage& s1 = cut.stages[1];
+  EXPECT_EQ(s0.params, (std::vector<std::string>{"fc1.w", "fc1.b"}));
+  EXPECT_EQ(s1.params, (std::vector<std::string>{"fc2.w", "fc2.b", "head.w", "head.b"}));
+  EXPECT_EQ(s0.data_inputs, (std::vector<std::string>{"x"}));
+  EXPECT_EQ(s1.data_inputs, (std::vector<std::string>{"y"}));
+  ASSERT_EQ(s0.outputs.size(), 1u);
+  ASSERT_EQ(s1.inputs.size(), 1u);
+  EXPECT_EQ(s0.outputs[0].name, s1.inputs[0].name);
+  EXPECT_EQ(s1.inputs[0].shape, Shape({6, 12}));  // relu(fc1) of the micro-batch
+  EXPECT_TRUE(s1.inputs[0].has_grad);
+  EXPECT_TRUE(s0.outputs[0].has_grad);
+  EXPECT_EQ(s1.input_grads, (std::vector<std::string>{"grad/" + s1.inputs[0].name}));
+  EXPECT_TRUE(s0.inputs.empty());
+  EXPECT_TRUE(s0.input_grads.empty());
+  EXPECT_EQ(s1.loss, m.graph.value(m.loss).name);
+  EXPECT_TRUE(s0.loss.empty());
+  EXPECT_TRUE(cut.shared_params.empty());
+  // The first stage has no input gradient: its whole backward is weight work.
+  EXPECT_EQ(s0.backward_input.graph.num_nodes(), 0);
+  EXPECT_EQ(s0.backward_weight.graph.num_nodes(), s0.backward.graph.num_nodes());
+  EXPECT_GT(s1.backward_input.graph.num_nodes(), 0);
+  EXPECT_GT(s1.backward_weight.graph.num_nodes(), 0);
+  EXPECT_EQ(s1.backward_input.graph.num_nodes() + s1.backward_weight.graph.num_nodes(),
+            s1.backward.graph.num_nodes());
+  // Every parameter's gradient comes out of exactly one of the split passes.
+  for (const PipelineStage* st : {&s0, &s1}) {
+    EXPECT_EQ(st->backward.graph.grads().size(), st->params.size());
+    EXPECT_EQ(st->backward_input.graph.grads().size() + st->backward_weight.graph.grads().size(),
+              st->params.size());
+  }
+  EXPECT_GT(s1.stash_bytes, 0);
+}
+
+TEST(PipelineCut, GptSharesTheTiedEmbeddingBetweenFirstAndLastStage) {
+  ModelSpec s;
+  s.kind = "gpt";
+  s.layers = 2;
+  s.d_model = 16;
+  s.heads = 2;
+  s.seq_len = 4;
+  s.vocab = 24;
+  ModelGraph m = build_model(s, 2);
+  const PipelineCut cut =
+      cut_pipeline(m.graph, m.loss, stages({{"wte", "wpe", "block0"}, {"block1", "ln_f"}}));
+  ASSERT_EQ(cut.shared_params.size(), 1u);
+  EXPECT_EQ(cut.shared_params[0].first, "wte");
+  EXPECT_EQ(cut.shared_params[0].second, (std::vector<int>{0, 1}));
+  const PipelineStage& s1 = cut.stages[1];
+  EXPECT_NE(std::find(s1.params.begin(), s1.params.end(), "wte"), s1.params.end());
+  EXPECT_EQ(std::find(s1.params.begin(), s1.params.end(), "wpe"), s1.params.end());
+  // One boundary: the residual stream [B*T, C].
+  ASSERT_EQ(s1.inputs.size(), 1u);
+  EXPECT_EQ(s1.inputs[0].shape, Shape({8, 16}));
+  EXPECT_EQ(s1.inputs[0].bytes(), 8 * 16 * 4);
+  std::vector<std::string> first_inputs = cut.stages[0].data_inputs;
+  std::sort(first_inputs.begin(), first_inputs.end());
+  EXPECT_EQ(first_inputs, (std::vector<std::string>{"pos", "x"}));
+  EXPECT_EQ(s1.data_inputs, (std::vector<std::string>{"y"}));
+}
+
+TEST(PipelineCut, BadStagesAreRejectedNamingTheLayer) {
+  ModelGraph m = build_model(small_mlp(), 6);
+  auto message = [&](std::vector<std::vector<std::string>> layers) {
+    try {
+      cut_pipeline(m.graph, m.loss, stages(std::move(layers)));
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  EXPECT_NE(message({{"fc1"}, {"fc2"}}).find("layer 'head' (of parameter 'head.w') is in no stage"),
+            std::string::npos);
+  EXPECT_NE(
+      message({{"fc1", "fc2"}, {"fc2", "head"}}).find("layer 'fc2' is in stage 0 and stage 1"),
+      std::string::npos);
+  EXPECT_NE(message({{"fc1", "fc2"}, {"head", "fc9"}}).find("lists layer 'fc9'"),
+            std::string::npos);
+  EXPECT_NE(message({{"fc1", "fc2", "head"}, {}}).find("loss"), std::string::npos);
+}
+
+void on_threads(const test::PipeCase& c) {
+  LocalWorldOptions o;
+  o.size = 2;
+  o.comm.timeout = std::chrono::milliseconds(60'000);
+  LocalWorld::run(o, [&](Communicator& world) { test::check_pipeline_matches_single(world, c); });
+}
+
+TEST(PipelineLocal, Mlp1f1bMatchesTheSingleProcessRun) {
+  on_threads(test::PipeCase{"mlp", ScheduleKind::one_f_one_b, 4, 1, {3, 2}});
+}
+
+TEST(PipelineLocal, GptZeroBubbleMatchesTheSingleProcessRun) {
+  on_threads(test::PipeCase{"gpt", ScheduleKind::zero_bubble, 2, 1, {}});
+}
+
+}  // namespace
+}  // namespace mt
