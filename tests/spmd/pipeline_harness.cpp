@@ -117,6 +117,19 @@ Tensor rows(const Tensor& t, int i, int m) {
 }
 
 Plan pipeline_plan(const PipeCase& c, const ModelSpec& s, const Graph& g, int world) {
+  if (world == 1) {
+    // The shorthand wants pp > 1 for micro-batches; one rank holding every
+    // chunk is written out: gpt blocks one per chunk, embeddings first,
+    // ln_f last.
+    Plan plan;
+    const std::vector<std::string> layers = model_layers(g);
+    for (const std::string& l : layers) {
+      if (l.rfind("block", 0) == 0) plan.stages.push_back(StagePlan{{l}, {0}});
+    }
+    plan.stages.front().layers.insert(plan.stages.front().layers.begin(), {"wte", "wpe"});
+    plan.stages.back().layers.push_back("ln_f");
+    return plan;
+  }
   ParallelShorthand sh;
   sh.pp = world;
   sh.microbatches = c.microbatches;
@@ -182,6 +195,7 @@ void check_pipeline_matches_single(Communicator& comm, const PipeCase& c) {
   const int boundaries_sent = m * (2 * c.virtual_stages - 1);
   uint64_t expected_bytes = static_cast<uint64_t>(boundaries_sent * boundary_elems * 4);
   if (c.model == "gpt") expected_bytes += static_cast<uint64_t>(s.vocab * s.d_model * 4);
+  if (comm.size() == 1) expected_bytes = 0;  // chunks on one rank hand tensors over in memory
 
   for (int step = 0; step < kSteps; ++step) {
     const Batch b = make_batch(s, single, step);

@@ -114,9 +114,9 @@ TEST(PipelineCut, BadStagesAreRejectedNamingTheLayer) {
   EXPECT_NE(message({{"fc1", "fc2", "head"}, {}}).find("loss"), std::string::npos);
 }
 
-void on_threads(const test::PipeCase& c) {
+void on_threads(const test::PipeCase& c, int ranks = 2) {
   LocalWorldOptions o;
-  o.size = 2;
+  o.size = ranks;
   o.comm.timeout = std::chrono::milliseconds(60'000);
   LocalWorld::run(o, [&](Communicator& world) { test::check_pipeline_matches_single(world, c); });
 }
@@ -127,6 +127,11 @@ TEST(PipelineLocal, Mlp1f1bMatchesTheSingleProcessRun) {
 
 TEST(PipelineLocal, GptZeroBubbleMatchesTheSingleProcessRun) {
   on_threads(test::PipeCase{"gpt", ScheduleKind::zero_bubble, 2, 1, {}});
+}
+
+TEST(PipelineLocal, InterleavedChunksOnOneRankHandOverInMemory) {
+  // One physical stage holding four model chunks: every boundary is local.
+  on_threads(test::PipeCase{"gpt", ScheduleKind::interleaved, 2, 4, {1, 1, 1, 1}}, 1);
 }
 
 }  // namespace
