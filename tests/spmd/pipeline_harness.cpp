@@ -13,7 +13,7 @@
 // B/m rows averaged in the pipeline (the mean 1/B as 1/m x 1/(B/m)), the
 // loss likewise, and the tied embedding's two parts are added in another
 // order. Re-associating a sum of n f32 terms moves it by at most n u
-// sum|terms| (u = 2^-24, n <= B T = 32 here): ~2e-6 relative to the
+// sum|terms| (u = 2^-24, n <= 16 rows or tokens here): ~2e-6 relative to the
 // magnitudes summed; SGD carries each step's difference into the next, so
 // after 10 steps about 2e-5. Checked: |pipe - single| <= 5e-5 x
 // max(|single| over the tensor, 1e-3) per parameter, and 5e-5 x |loss| per
@@ -148,7 +148,7 @@ double max_abs(const Tensor& t) {
 
 }  // namespace
 
-void check_pipeline_matches_single(Communicator& comm, const PipeCase& c) {
+PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) {
   const ModelSpec s = spec_for(c);
   const int64_t B = global_batch(c);
   const int m = c.microbatches;
@@ -236,8 +236,8 @@ void check_pipeline_matches_single(Communicator& comm, const PipeCase& c) {
       }
       want.push_back({a.stage, a.microbatch, a.kind});
     }
-    ASSERT_EQ(pipe.spans().size(), want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(pipe.spans().size(), want.size());
+    for (size_t i = 0; i < std::min(want.size(), pipe.spans().size()); ++i) {
       const PipelineSpan& got = pipe.spans()[i];
       EXPECT_TRUE(got.stage == want[i].stage && got.microbatch == want[i].microbatch &&
                   got.kind == want[i].kind)
@@ -272,6 +272,8 @@ void check_pipeline_matches_single(Communicator& comm, const PipeCase& c) {
       comm.rank(), pipe.param_names().size(), worst_rel,
       static_cast<long long>(pipe.peak_stash_bytes()),
       static_cast<long long>(cut.stages[static_cast<size_t>(comm.rank())].stash_bytes));
+  return PipeMemory{pipe.peak_stash_bytes(),
+                    cut.stages[static_cast<size_t>(comm.rank())].stash_bytes};
 }
 
 void check_gpipe_idle_fraction(Communicator& comm, int microbatches, double tolerance) {

@@ -129,6 +129,26 @@ TEST(PipelineLocal, GptZeroBubbleMatchesTheSingleProcessRun) {
   on_threads(test::PipeCase{"gpt", ScheduleKind::zero_bubble, 2, 1, {}});
 }
 
+TEST(PipelineLocal, OneFOneBHoldsFewerMicroBatchesThanGpipe) {
+  // m = 4 micro-batches of the GPT on 2 stages: GPipe runs every forward
+  // before any backward, so stage 0 holds all four stashes at once; 1F1B
+  // starts backward after p forwards and holds about two.
+  std::vector<test::PipeMemory> gpipe(2), ofob(2);
+  LocalWorldOptions o;
+  o.size = 2;
+  o.comm.timeout = std::chrono::milliseconds(60'000);
+  LocalWorld::run(o, [&](Communicator& w) {
+    gpipe[static_cast<size_t>(w.rank())] =
+        test::check_pipeline_matches_single(w, {"gpt", ScheduleKind::gpipe, 4, 1, {}});
+    ofob[static_cast<size_t>(w.rank())] =
+        test::check_pipeline_matches_single(w, {"gpt", ScheduleKind::one_f_one_b, 4, 1, {}});
+  });
+  EXPECT_GE(gpipe[0].peak_stash, 4 * gpipe[0].planned_per_microbatch);
+  EXPECT_LT(ofob[0].peak_stash, 3 * ofob[0].planned_per_microbatch);
+  EXPECT_LT(ofob[0].peak_stash, gpipe[0].peak_stash);
+  EXPECT_LT(ofob[1].peak_stash, gpipe[1].peak_stash);
+}
+
 TEST(PipelineLocal, InterleavedChunksOnOneRankHandOverInMemory) {
   // One physical stage holding four model chunks: every boundary is local.
   on_threads(test::PipeCase{"gpt", ScheduleKind::interleaved, 2, 4, {1, 1, 1, 1}}, 1);
