@@ -65,9 +65,6 @@ struct PipelineRuntime::Impl {
   std::map<int, StageRt> stages;
   std::vector<std::string> param_names;
   std::map<std::string, Tensor> params, grads;
-  // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient exchange.
-  std::vector<std::unique_ptr<Communicator>> act, grad;
-  std::unique_ptr<Communicator> shared;
 
   // Per step.
   std::map<std::pair<int, int>, Stash> stash;  // (virtual stage, micro-batch)
@@ -79,6 +76,12 @@ struct PipelineRuntime::Impl {
   int64_t stash_now = 0, stash_peak = 0;
   uint64_t sent = 0;
   size_t posted = 0;  // actions whose receives are posted
+  // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient
+  // exchange. Declared last so that they are destroyed first: a
+  // communicator's destructor waits for its queued sends and receives,
+  // whose buffers the stash and the send list above own.
+  std::vector<std::unique_ptr<Communicator>> act, grad;
+  std::unique_ptr<Communicator> shared;
 
   Impl(Communicator& c, const PipelineCut& k, PipelineSchedule s, PipelineOptions o)
       : comm(c), cut(k), sched(std::move(s)), opts(std::move(o)) {}
@@ -147,6 +150,7 @@ struct PipelineRuntime::Impl {
     out.pass = &sp;
     if (sp.graph.num_nodes() == 0) return out;
     ExecOptions o = opts.exec;
+    o.outputs.clear();  // ids of the caller's graph mean nothing here
     for (const std::string& name : sp.stash) o.outputs.push_back(*sp.graph.find(name));
     out.exec = std::make_unique<Executor>(sp.graph, o);
     for (ValueId pv : sp.graph.params()) out.exec->bind(pv, params.at(sp.graph.value(pv).name));

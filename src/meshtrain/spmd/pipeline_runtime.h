@@ -57,7 +57,8 @@
 namespace mt {
 
 struct PipelineOptions {
-  // For every pass's executor (ExecOptions::outputs is filled in by the runtime).
+  // For every pass's executor (ExecOptions::outputs is replaced by what
+  // each pass leaves in the stash).
   ExecOptions exec;
 };
 
@@ -103,7 +104,9 @@ class PipelineRuntime {
   // One step's forward and backward passes over m micro-batches, in the
   // schedule's order. Throws ConfigError naming the stage, pass and input
   // when `data` gives no tensor (or one of the wrong shape) for an input a
-  // pass reads; comm errors (TimeoutError, CommError) propagate.
+  // pass reads; comm errors (TimeoutError, CommError) propagate. After a
+  // throw the runtime is unusable (messages of the failed step may still
+  // be in flight): destroy it.
   void run_step(const MicrobatchData& data);
   // p -= lr * grad for every parameter held here.
   void sgd_step(double lr);
