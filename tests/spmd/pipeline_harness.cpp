@@ -332,6 +332,15 @@ void check_gpipe_idle_fraction(Communicator& comm, int microbatches, double tole
       last = std::max(last, all[static_cast<size_t>(4 * r + 2)]);
       cpu += all[static_cast<size_t>(4 * r + 3)];
     }
+    // MT_PIPE_DEBUG=1 prints one step's spans (ms from the first start).
+    if (std::getenv("MT_PIPE_DEBUG") && step == 3) {
+      for (const PipelineSpan& sp : pipe.spans()) {
+        std::printf("rank %d %s%d %.2f..%.2f ms cpu %.2f\n", comm.rank(),
+                    std::string(action_name(sp.kind)).c_str(), sp.microbatch,
+                    (static_cast<double>(sp.start_ns) - first) * 1e-6,
+                    (static_cast<double>(sp.end_ns) - first) * 1e-6, sp.cpu_ns * 1e-6);
+      }
+    }
     if (step == 0) continue;  // warm-up
     idle.push_back(1 - busy / (p * (last - first)));
     cpu_share.push_back(cpu / busy);

@@ -49,7 +49,8 @@ void add_into(Tensor& acc, const Tensor& g, const std::string& name) {
            "pipeline: gradient of '{}' is {}, its accumulator {}", name, g.desc(), acc.desc());
   float* a = acc.data<float>();
   const float* b = g.data<float>();
-  for (int64_t i = 0; i < acc.numel(); ++i) a[i] += b[i];
+  const int64_t n = acc.numel();  // hoisted: numel() walks the shape
+  for (int64_t i = 0; i < n; ++i) a[i] += b[i];
 }
 
 }  // namespace
@@ -366,7 +367,8 @@ struct PipelineRuntime::Impl {
     const float inv = 1.0f / static_cast<float>(m);
     for (auto& [name, g] : grads) {
       float* d = g.data<float>();
-      for (int64_t i = 0; i < g.numel(); ++i) d[i] *= inv;
+      const int64_t n = g.numel();
+      for (int64_t i = 0; i < n; ++i) d[i] *= inv;
     }
     exchange_shared();
     sent = 0;
@@ -468,7 +470,8 @@ void PipelineRuntime::sgd_step(double lr) {
     MT_CHECK(p.dtype() == DType::f32, "pipeline sgd: parameter '{}' is {}", name, p.desc());
     float* w = p.data<float>();
     const float* g = impl_->grads.at(name).data<float>();
-    for (int64_t i = 0; i < p.numel(); ++i) w[i] -= a * g[i];
+    const int64_t n = p.numel();
+    for (int64_t i = 0; i < n; ++i) w[i] -= a * g[i];
   }
 }
 
