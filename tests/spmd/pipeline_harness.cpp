@@ -355,7 +355,9 @@ void check_gpipe_idle_fraction(Communicator& comm, int microbatches, double tole
       comm.rank(), p, m, median, idle.front(), idle.back(), formula, 100 * share);
   // Idle below the formula means the spans or the clock are wrong, loaded or not.
   EXPECT_GE(median, formula - 0.05);
-  if (share < 0.85) {
+  // 95%: at 87% one run measured 0.49 (the progress threads that move the
+  // messages were starved too, which the compute share does not show).
+  if (share < 0.95) {
     GTEST_SKIP() << "the machine is oversubscribed (passes ran on a CPU " << 100 * share
                  << "% of their wall time): idle fraction " << median << " against the formula's "
                  << formula << " is not a measure of the schedule here";
