@@ -174,7 +174,7 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   }
   for (const auto& [id, t] : single.constants) ex.bind(id, t);
   for (const std::string& name : pipe.param_names()) {
-    std::memcpy(pipe.param(name).raw(), params.at(name).raw(), params.at(name).nbytes());
+    pipe.set_param(name, params.at(name));
   }
   std::map<std::string, Tensor> micro_constants;
   for (const auto& [id, t] : micro.constants) micro_constants[micro.graph.value(id).name] = t;
@@ -296,7 +296,7 @@ void check_gpipe_idle_fraction(Communicator& comm, int microbatches, double tole
   po.exec.num_threads = 1;
   PipelineRuntime pipe(comm, cut, make_schedule(ScheduleKind::gpipe, p, m), po);
   for (const std::string& name : pipe.param_names()) {
-    Tensor& t = pipe.param(name);
+    Tensor t = pipe.param(name);
     Rng rng(Rng::derive(5, name));
     for (int64_t i = 0; i < t.numel(); ++i) t.set_item(i, 0.03 * (2 * rng.uniform() - 1));
   }

@@ -4,11 +4,18 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <map>
 #include <string>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/base/random.h"
 #include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/exec/executor.h"
+#include "meshtrain/graph/autodiff.h"
+#include "meshtrain/graph/builder.h"
 #include "meshtrain/models/model.h"
+#include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "pipeline_harness.h"
 
@@ -112,6 +119,90 @@ TEST(PipelineCut, BadStagesAreRejectedNamingTheLayer) {
   EXPECT_NE(message({{"fc1", "fc2"}, {"head", "fc9"}}).find("lists layer 'fc9'"),
             std::string::npos);
   EXPECT_NE(message({{"fc1", "fc2", "head"}, {}}).find("loss"), std::string::npos);
+}
+
+// x -> a: h1 = tanh(x Wa) -> b: h2 = tanh(h1 Wb) -> c: logits = h2 Wc + h1 Vc:
+// h1 skips stage 1, which receives it, passes it on, and returns the
+// gradient stage 2 sent for it.
+struct SkipModel {
+  Graph g;
+  ValueId x, y, loss;
+};
+SkipModel skip_model(int64_t batch) {
+  SkipModel m;
+  Builder b(m.g);
+  m.x = b.input("x", {batch, 6});
+  m.y = b.input("y", {batch}, DType::i32);
+  const ParamInit init{ParamInit::Kind::normal, 0.5};
+  ValueId h1 = b.tanh(b.matmul(m.x, b.param("a.w", {6, 5}, init)));
+  ValueId h2 = b.tanh(b.matmul(h1, b.param("b.w", {5, 5}, init)));
+  ValueId logits =
+      b.add(b.matmul(h2, b.param("c.w", {5, 3}, init)), b.matmul(h1, b.param("c.v", {5, 3}, init)));
+  m.loss = b.cross_entropy(logits, m.y);
+  return m;
+}
+
+Tensor draw(const Shape& s, uint64_t seed, int classes = 0) {
+  Rng rng(seed);
+  Tensor t = Tensor::empty(s, classes ? DType::i32 : DType::f32);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    t.set_item(i, classes ? static_cast<double>(rng.next() % static_cast<uint64_t>(classes))
+                          : 2 * rng.uniform() - 1);
+  }
+  return t;
+}
+
+TEST(PipelineLocal, AValueSkippingAStageIsPassedOnAndItsGradientReturned) {
+  const int64_t B = 8;
+  const int m = 2;
+  SkipModel micro = skip_model(B / m);
+  const PipelineCut cut = cut_pipeline(micro.g, micro.loss, stages({{"a"}, {"b"}, {"c"}}));
+  const std::string h1 = cut.stages[0].outputs.at(0).name;
+  ASSERT_EQ(cut.stages[1].inputs.size(), 1u);
+  ASSERT_EQ(cut.stages[1].outputs.size(), 2u);  // h1 passed on, and h2
+  EXPECT_EQ(cut.stages[1].outputs[0].name, h1);
+  EXPECT_EQ(cut.stages[2].inputs.size(), 2u);
+  EXPECT_TRUE(cut.stages[1].inputs[0].has_grad);
+
+  // The single-process gradients at the global batch.
+  SkipModel full = skip_model(B);
+  build_backward(full.g, full.loss);
+  const Tensor x = draw({B, 6}, 1), y = draw({B}, 2, 3);
+  std::map<std::string, Tensor> params;
+  ExecOptions o;
+  o.backend = "reference";
+  Executor ex(full.g, o);
+  for (ValueId p : full.g.params()) {
+    params[full.g.value(p).name] = draw(full.g.value(p).shape, 10 + static_cast<uint64_t>(p));
+    ex.bind(p, params[full.g.value(p).name]);
+  }
+  ex.bind(full.x, x);
+  ex.bind(full.y, y);
+  ex.run();
+
+  LocalWorldOptions lo;
+  lo.size = 3;
+  lo.comm.timeout = std::chrono::milliseconds(60'000);
+  LocalWorld::run(lo, [&](Communicator& w) {
+    PipelineOptions po;
+    po.exec.backend = "reference";
+    PipelineRuntime pipe(w, cut, make_schedule(ScheduleKind::gpipe, 3, m), po);
+    for (const std::string& name : pipe.param_names()) pipe.set_param(name, params.at(name));
+    pipe.run_step([&](int mb, const std::string& name) {
+      const Tensor& t = name == "x" ? x : y;
+      std::vector<int64_t> dims = t.shape().dims();
+      dims[0] /= m;
+      Tensor out = Tensor::empty(Shape(dims), t.dtype());
+      std::memcpy(out.raw(), static_cast<const char*>(t.raw()) + out.nbytes() * mb, out.nbytes());
+      return out;
+    });
+    for (const std::string& name : pipe.param_names()) {
+      const Tensor want = ex.get(full.g.grad_of(*full.g.find(name)));
+      for (int64_t i = 0; i < want.numel(); ++i) {
+        EXPECT_NEAR(pipe.grad(name).item(i), want.item(i), 1e-6) << name << "[" << i << "]";
+      }
+    }
+  });
 }
 
 void on_threads(const test::PipeCase& c, int ranks = 2) {

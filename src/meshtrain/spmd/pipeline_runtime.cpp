@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <set>
 #include <tuple>
@@ -444,12 +445,21 @@ const std::vector<std::string>& PipelineRuntime::param_names() const {
   return impl_->param_names;
 }
 
-Tensor& PipelineRuntime::param(const std::string& name) {
+Tensor PipelineRuntime::param(const std::string& name) const {
   auto it = impl_->params.find(name);
   if (it == impl_->params.end()) {
     throw ConfigError(fmt::format("pipeline: stage {} holds no parameter '{}'", impl_->rank, name));
   }
   return it->second;
+}
+
+void PipelineRuntime::set_param(const std::string& name, const Tensor& value) {
+  Tensor p = param(name);
+  if (value.shape() != p.shape() || value.dtype() != p.dtype()) {
+    throw ShapeError(
+        fmt::format("pipeline: set_param '{}': expected {}, got {}", name, p.desc(), value.desc()));
+  }
+  std::memcpy(p.raw(), value.raw(), p.nbytes());
 }
 
 const Tensor& PipelineRuntime::grad(const std::string& name) const {

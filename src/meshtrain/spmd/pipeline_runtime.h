@@ -83,7 +83,7 @@ class PipelineRuntime {
   // `comm` is the pipeline group: comm.size() == schedule.stages, and
   // `cut` has schedule.stages * schedule.virtual_stages stages. Collective
   // over comm (splits its private communicators). Parameters start at zero:
-  // set them with param() before the first step (every copy of a shared
+  // set them with set_param() before the first step (every copy of a shared
   // parameter must start equal). Throws ConfigError when the sizes disagree.
   PipelineRuntime(Communicator& comm, const PipelineCut& cut, PipelineSchedule schedule,
                   PipelineOptions opts = {});
@@ -95,8 +95,12 @@ class PipelineRuntime {
   const std::vector<int>& virtual_stages() const;  // the virtual stages it runs
   // The parameters this rank's stages hold, in model order.
   const std::vector<std::string>& param_names() const;
-  // The parameter's tensor (update in place; the executors read it).
-  Tensor& param(const std::string& name);
+  // The parameter's tensor: a handle on the memory the executors read, so
+  // an optimizer updates it in place (assigning another tensor to the
+  // handle changes nothing; use set_param to load values).
+  Tensor param(const std::string& name) const;
+  // Copies `value` into the parameter (ShapeError when shape or dtype differ).
+  void set_param(const std::string& name, const Tensor& value);
   // After run_step: d loss / d param, the loss being the mean over the
   // step's micro-batches, summed over the stages sharing the parameter.
   const Tensor& grad(const std::string& name) const;
