@@ -1,6 +1,7 @@
 #include "meshtrain/graph/autodiff.h"
 
 #include <algorithm>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -18,9 +19,12 @@ namespace {
 // which is when data-parallel sync may start on it.
 class BackwardBuilder {
  public:
-  BackwardBuilder(Graph& g, ValueId loss)
+  // seeds: (value, gradient value or kNoValue for d value = 1); wrt: graph
+  // inputs whose gradients are wanted besides the parameters'.
+  BackwardBuilder(Graph& g, std::vector<BackwardSeed> seeds, std::vector<ValueId> wrt)
       : g_(g),
-        loss_(loss),
+        seeds_(std::move(seeds)),
+        wrt_(std::move(wrt)),
         forward_nodes_(g.num_nodes()),
         needs_(static_cast<size_t>(g.num_values()), false),
         count_(static_cast<size_t>(g.num_values()), 0),
@@ -32,19 +36,36 @@ class BackwardBuilder {
 
   void run() {
     mark_needs();
-    if (!needs_[idx(loss_)]) return;  // no parameter reaches the loss
+    bool any = false;  // does a parameter or wanted input reach a seed?
+    for (const BackwardSeed& s : seeds_) any = any || needs_[idx(s.value)];
+    if (!any) return;
     count_contributions();
-    Attrs seed_attrs;
-    seed_attrs.set("shape", g_.value(loss_).shape.dims())
-        .set("dtype", std::string(dtype_name(g_.value(loss_).dtype)))
-        .set("value", 1.0);
-    ValueId seed =
-        g_.add_node(OpKind::fill, g_.unique_name(contrib_name(loss_, 0)), {}, seed_attrs, true)
-            .front();
-    add_contribution(loss_, seed, true);
+    for (const BackwardSeed& s : seeds_) {
+      if (!needs_[idx(s.value)]) continue;
+      if (s.grad != kNoValue) {
+        // A given gradient is a graph input: shared, never renamed.
+        add_contribution(s.value, s.grad, false);
+        continue;
+      }
+      Attrs seed_attrs;
+      seed_attrs.set("shape", g_.value(s.value).shape.dims())
+          .set("dtype", std::string(dtype_name(g_.value(s.value).dtype)))
+          .set("value", 1.0);
+      ValueId seed =
+          g_.add_node(OpKind::fill, g_.unique_name(contrib_name(s.value, 0)), {}, seed_attrs, true)
+              .front();
+      add_contribution(s.value, seed, true);
+    }
     for (NodeId i = forward_nodes_ - 1; i >= 0; --i) {
       if (active_[idx(i)]) differentiate(i);
     }
+  }
+
+  // Per wrt input: its gradient, kNoValue when none reaches it.
+  std::vector<ValueId> wrt_grads() const {
+    std::vector<ValueId> out;
+    for (ValueId v : wrt_) out.push_back(idx(v) < grad_.size() ? grad_[idx(v)] : kNoValue);
+    return out;
   }
 
  private:
@@ -53,6 +74,7 @@ class BackwardBuilder {
   // needs_[v]: v is a float value that depends on a parameter.
   void mark_needs() {
     for (ValueId p : g_.params()) needs_[idx(p)] = is_float(g_.value(p).dtype);
+    for (ValueId v : wrt_) needs_[idx(v)] = is_float(g_.value(v).dtype);
     for (NodeId i = 0; i < forward_nodes_; ++i) {
       const Node& n = g_.node(i);
       bool any = false;
@@ -70,8 +92,10 @@ class BackwardBuilder {
   // each of its inputs that needs a gradient then receives one contribution.
   void count_contributions() {
     std::vector<bool> has_grad(needs_.size(), false);
-    has_grad[idx(loss_)] = true;
-    count_[idx(loss_)] = 1;  // the seed
+    for (const BackwardSeed& s : seeds_) {
+      has_grad[idx(s.value)] = true;
+      count_[idx(s.value)] = 1;  // the seed
+    }
     for (NodeId i = forward_nodes_ - 1; i >= 0; --i) {
       const Node& n = g_.node(i);
       const OpDef& def = op_def(n.op);
@@ -164,6 +188,8 @@ class BackwardBuilder {
     std::vector<ValueId> cs = contribs_[idx(v)];
     const std::string name = "grad/" + g_.value(v).name;
     const bool is_param = g_.value(v).role == ValueRole::param;
+    // A wanted input's gradient is named and copied like a parameter's.
+    const bool is_target = is_param || std::find(wrt_.begin(), wrt_.end(), v) != wrt_.end();
     // Contributions carried wide (GradContext::grad_dtype) and narrow ones
     // meet in the wide dtype.
     const DType wide = wide_grad_dtype(g_, v);
@@ -174,7 +200,7 @@ class BackwardBuilder {
       // A pass-through gradient (e.g. add's dy) may be shared with other
       // values; a parameter gets its own copy so it can be bound separately.
       // One nobody else holds is renamed instead.
-      if (is_param && g_.value(r).name != name) {
+      if (is_target && g_.value(r).name != name) {
         if (owned) {
           g_.rename_value(r, g_.unique_name(name));
         } else {
@@ -205,7 +231,8 @@ class BackwardBuilder {
   }
 
   Graph& g_;
-  ValueId loss_;
+  std::vector<BackwardSeed> seeds_;
+  std::vector<ValueId> wrt_;
   NodeId forward_nodes_;
   std::vector<bool> needs_;
   std::vector<int> count_;
@@ -234,7 +261,85 @@ void build_backward(Graph& g, ValueId loss) {
     }
   }
   g.set_loss(loss);
-  BackwardBuilder(g, loss).run();
+  BackwardBuilder(g, {BackwardSeed{loss, kNoValue}}, {}).run();
+}
+
+namespace {
+
+void check_no_backward(const Graph& g, std::string_view what) {
+  for (const Node& n : g.nodes()) {
+    if (n.backward) {
+      throw InternalError(
+          fmt::format("{}: the graph already has backward nodes (e.g. '{}')", what, n.name));
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<ValueId> build_backward(Graph& g, std::span<const BackwardSeed> seeds,
+                                    std::span<const ValueId> wrt) {
+  check_no_backward(g, "build_backward");
+  std::vector<bool> seeded(static_cast<size_t>(g.num_values()), false);
+  for (const BackwardSeed& s : seeds) {
+    if (s.value < 0 || s.value >= g.num_values()) {
+      throw ConfigError(fmt::format("build_backward: seed value id {} is not a value", s.value));
+    }
+    const Value& v = g.value(s.value);
+    if (seeded[static_cast<size_t>(s.value)]) {
+      throw ConfigError(fmt::format("build_backward: value '{}' is seeded twice", v.name));
+    }
+    seeded[static_cast<size_t>(s.value)] = true;
+    if (!is_float(v.dtype)) {
+      throw ShapeError(fmt::format("build_backward: seeded value '{}' is {}, not a float", v.name,
+                                   dtype_name(v.dtype)));
+    }
+    if (s.grad == kNoValue) continue;
+    if (s.grad < 0 || s.grad >= g.num_values() || g.value(s.grad).role != ValueRole::input) {
+      throw ConfigError(
+          fmt::format("build_backward: the gradient given for '{}' must be a graph input", v.name));
+    }
+    const Value& gv = g.value(s.grad);
+    if (gv.shape != v.shape || gv.dtype != v.dtype) {
+      throw ShapeError(fmt::format(
+          "build_backward: the gradient '{}' given for '{}' is {}{}, expected {}{}", gv.name,
+          v.name, dtype_name(gv.dtype), gv.shape.str(), dtype_name(v.dtype), v.shape.str()));
+    }
+  }
+  for (ValueId v : wrt) {
+    if (v < 0 || v >= g.num_values() || g.value(v).role != ValueRole::input) {
+      throw ConfigError(fmt::format(
+          "build_backward: gradients are taken with respect to graph inputs; value id {} ('{}') "
+          "is not one",
+          v, v >= 0 && v < g.num_values() ? g.value(v).name : std::string("?")));
+    }
+  }
+  BackwardBuilder b(g, {seeds.begin(), seeds.end()}, {wrt.begin(), wrt.end()});
+  b.run();
+  return b.wrt_grads();
+}
+
+BackwardSplit split_backward(const Graph& g, std::span<const ValueId> input_grads) {
+  // Backward nodes the input gradients depend on, found by walking producers.
+  std::vector<bool> in_input_part(static_cast<size_t>(g.num_nodes()), false);
+  std::vector<ValueId> todo;
+  for (ValueId v : input_grads) {
+    if (v != kNoValue) todo.push_back(v);
+  }
+  while (!todo.empty()) {
+    const ValueId v = todo.back();
+    todo.pop_back();
+    const NodeId p = g.value(v).producer;
+    if (p == kNoNode || !g.node(p).backward || in_input_part[static_cast<size_t>(p)]) continue;
+    in_input_part[static_cast<size_t>(p)] = true;
+    for (ValueId in : g.node(p).inputs) todo.push_back(in);
+  }
+  BackwardSplit out;
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    if (!g.node(i).backward) continue;
+    (in_input_part[static_cast<size_t>(i)] ? out.input_part : out.weight_part).push_back(i);
+  }
+  return out;
 }
 
 }  // namespace mt

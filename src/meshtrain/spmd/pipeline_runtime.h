@@ -1,0 +1,136 @@
+// The pipeline runtime: one rank's part of a pipelined training step.
+//
+// Rank r of the pipeline group runs physical stage r, i.e. the virtual
+// stages s with s % p == r of a PipelineCut (pipeline_stage.h), following
+// its list of a PipelineSchedule's actions (schedule.h) for the m
+// micro-batches of one optimizer step:
+//   F(i, s)   runs stage s's forward pass on micro-batch i;
+//   B(i, s)   its backward (BI / BW: the input- and weight-gradient parts);
+//   send / recv of activations and gradients to and from the neighbours.
+//
+// Memory: saved buffers, not one executor per micro-batch in flight. Each
+// pass of each stage has one executor (one arena, reused by every
+// micro-batch); after a pass runs, what later passes read (PipelineStage's
+// stash lists: activations the backward needs, outputs to send, input
+// gradients) is copied out into that micro-batch's stash, which its last
+// backward pass frees. Activation memory is therefore the passes' arenas
+// plus (micro-batches in flight) x (one micro-batch's stash): peak_stash_bytes
+// measures the latter as the step runs.
+//
+// Communication is asynchronous. Each receive is posted a few actions
+// before the one that waits for it (into the stash buffer the pass will
+// read), and every send is queued as soon as its tensor exists; a recv
+// action only waits for its message, so transfers overlap compute. Each direction between two
+// stages has its own communicator (split from the group's at
+// construction): activations sent by stage q travel on one, gradients sent
+// by q on another, so a receive waiting for its message never holds up a
+// send, and each is matched by a tag naming (sender's virtual stage,
+// micro-batch, tensor).
+//
+// Gradients: each backward pass adds its parameter gradients into the
+// rank's accumulators; at the end of the step they are divided by m (the
+// loss is a mean over the global batch, each micro-batch's loss a mean over
+// its equal share), and a parameter held by several ranks (a tied
+// embedding, PipelineCut::shared_params) has its parts summed over them
+// (sent to the lowest holder, summed in holder order, sent back), so every
+// copy gets the same full gradient. grad() exposes them for an optimizer;
+// sgd_step() is plain SGD for tests.
+//
+// Timing: every compute action is recorded as a span (virtual stage,
+// micro-batch, kind, start and end in now_ns(), a clock all processes of a
+// node share), the per-micro-batch forward / backward timeline of a stage.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/exec/executor.h"
+#include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/schedule.h"
+
+namespace mt {
+
+struct PipelineOptions {
+  // For every pass's executor (ExecOptions::outputs is replaced by what
+  // each pass leaves in the stash).
+  ExecOptions exec;
+};
+
+struct PipelineSpan {
+  int stage = 0;  // virtual stage
+  int microbatch = 0;
+  ActionKind kind = ActionKind::forward;
+  int64_t start_ns = 0;
+  int64_t end_ns = 0;
+  // CPU time of the calling thread during the pass: below end - start when
+  // the core was shared (an oversubscribed machine) or kernels ran on other
+  // threads.
+  int64_t cpu_ns = 0;
+};
+
+// The model inputs a stage reads (e.g. "x", "y", "pos") for micro-batch i,
+// at the micro-batch's shape.
+using MicrobatchData = std::function<Tensor(int microbatch, const std::string& input)>;
+
+class PipelineRuntime {
+ public:
+  // `comm` is the pipeline group: comm.size() == schedule.stages, and
+  // `cut` has schedule.stages * schedule.virtual_stages stages. Collective
+  // over comm (splits its private communicators). Parameters start at zero:
+  // set them with set_param() before the first step (every copy of a shared
+  // parameter must start equal). Throws ConfigError when the sizes disagree.
+  PipelineRuntime(Communicator& comm, const PipelineCut& cut, PipelineSchedule schedule,
+                  PipelineOptions opts = {});
+  ~PipelineRuntime();
+  PipelineRuntime(const PipelineRuntime&) = delete;
+  PipelineRuntime& operator=(const PipelineRuntime&) = delete;
+
+  int stage() const;                               // this rank's physical stage
+  const std::vector<int>& virtual_stages() const;  // the virtual stages it runs
+  // The parameters this rank's stages hold, in model order.
+  const std::vector<std::string>& param_names() const;
+  // The parameter's tensor: a handle on the memory the executors read, so
+  // an optimizer updates it in place (assigning another tensor to the
+  // handle changes nothing; use set_param to load values).
+  Tensor param(const std::string& name) const;
+  // Copies `value` into the parameter (ShapeError when shape or dtype differ).
+  void set_param(const std::string& name, const Tensor& value);
+  // After run_step: d loss / d param, the loss being the mean over the
+  // step's micro-batches, summed over the stages sharing the parameter.
+  const Tensor& grad(const std::string& name) const;
+
+  // One step's forward and backward passes over m micro-batches, in the
+  // schedule's order. Throws ConfigError naming the stage, pass and input
+  // when `data` gives no tensor (or one of the wrong shape) for an input a
+  // pass reads; comm errors (TimeoutError, CommError) propagate. After a
+  // throw the runtime is unusable (messages of the failed step may still
+  // be in flight): destroy it.
+  void run_step(const MicrobatchData& data);
+  // p -= lr * grad for every parameter held here.
+  void sgd_step(double lr);
+
+  // The last stage's rank: the mean of the step's micro-batch losses.
+  bool has_loss() const;
+  double loss() const;
+  // The last step's compute spans, in execution order.
+  const std::vector<PipelineSpan>& spans() const;
+  // Bytes this rank sent in the last step, as its communicators counted
+  // them, and what the cut predicts: the boundary tensors of each send
+  // action plus the shared-parameter gradient exchange.
+  uint64_t bytes_sent() const;
+  uint64_t predicted_bytes_sent() const;
+  // The largest total of stashed tensors this rank held during the last step.
+  int64_t peak_stash_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mt

@@ -1,0 +1,41 @@
+// Pipeline-parallel training checked against the single-process run
+// (pipeline_harness.cpp), for local threads and mpirun alike.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/spmd/schedule.h"
+
+namespace mt::test {
+
+struct PipeCase {
+  std::string model = "mlp";  // "mlp" or "gpt" (tiny sizes)
+  ScheduleKind schedule = ScheduleKind::gpipe;
+  int microbatches = 4;
+  int virtual_stages = 1;
+  std::vector<int64_t> stage_layers;  // per virtual stage; empty: balanced by the shorthand
+};
+
+// What a rank's pipeline held (bytes): its peak of stashed tensors in the
+// last step, and one micro-batch's stash as the cut plans it.
+struct PipeMemory {
+  int64_t peak_stash = 0;
+  int64_t planned_per_microbatch = 0;
+};
+
+// 10 SGD steps under the pipeline (comm.size() stages) and in one process
+// with the same global batch: the loss of every step (on the last stage's
+// rank) and every parameter a rank holds at the end agree within the
+// tolerance pipeline_harness.cpp derives; each rank's bytes sent per step
+// equal the boundary tensors' bytes in closed form.
+PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c);
+
+// GPipe on a wider MLP (fast backend, one thread): the median over steps of
+// the measured idle fraction, 1 - sum(compute) / (p * makespan) from the
+// runtime's spans on every rank, is within `tolerance` of (p-1)/(m+p-1).
+void check_gpipe_idle_fraction(Communicator& comm, int microbatches, double tolerance);
+
+}  // namespace mt::test
