@@ -1,6 +1,7 @@
-// Tensor and sequence parallelism through the Trainer under mpirun (2 and 4
-// ranks): plans from the [parallel] shorthand (TP, TP with 2:1 ratios, SP,
-// DP x TP with ZeRO 0-3 on the dp axis) against the single-process run on the
+// Tensor, sequence and pipeline parallelism through the Trainer under mpirun
+// (2 and 4 ranks): plans from the [parallel] shorthand (TP, TP with 2:1
+// ratios, SP, DP x TP with ZeRO 0-3 on the dp axis; PP=2 under GPipe, 1F1B,
+// interleaved and zero-bubble, and DP x PP) against the single-process run on the
 // same global batch: the loss of every step and, at the end, every rank's
 // piece of every parameter against the same box of the single-process
 // parameter. Each rank computes the single-process reference itself.
@@ -26,6 +27,7 @@
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/param_store.h"
+#include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
@@ -243,6 +245,99 @@ std::vector<TpCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Plans, TensorParallelMpi, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<TpCase>& p) { return p.param.label; });
+
+// Pipeline plans through the Trainer (train/pipeline_training.h): every
+// schedule, and DP x PP, against the single-process run: the loss of every
+// step and every parameter each rank holds (whole tensors; GPT's tied wte on
+// the first and last stage), same tolerance and reasoning as above.
+struct PpCase {
+  std::string label;
+  std::string model = "mlp";
+  std::string optimizer = "sgd";
+  ScheduleKind schedule = ScheduleKind::one_f_one_b;
+  int virtual_stages = 1;
+  int ranks = 2;
+  int dp = 1;
+};
+
+void PrintTo(const PpCase& c, std::ostream* os) {
+  *os << c.label;
+}
+
+class PipelineMpi : public ::testing::TestWithParam<PpCase> {};
+
+TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
+  const PpCase c = GetParam();
+  if (world().size() != c.ranks) GTEST_SKIP() << "needs " << c.ranks << " ranks";
+  TpCase tc;
+  tc.model = c.model;
+  tc.optimizer = c.optimizer;
+  TrainerOptions o = options_of(tc);
+  o.eval = false;
+  o.dist.consistency_every = 0;
+  ModelSpec spec = spec_of(tc);
+  if (c.model == "mlp") spec.hidden = {24, 18, 12};  // four layers: 2 stages x 2 chunks
+  const Outcome ref = [&] {
+    auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
+    Trainer t(spec, data, nullptr, o, nullptr);
+    Outcome out;
+    out.losses = t.run().losses;
+    for (const auto& e : t.params().entries()) out.params.emplace_back(e.name, e.value.clone());
+    return out;
+  }();
+  ParallelShorthand sh;
+  sh.pp = 2;
+  sh.dp = c.dp;
+  sh.microbatches = 4;
+  sh.schedule = c.schedule;
+  sh.virtual_stages = c.virtual_stages;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  const ShorthandModel sm{spec.kind, spec.kind == "gpt" ? spec.d_model / spec.heads : 1};
+  Plan plan = expand_shorthand(sh, sm, m.graph, c.ranks);
+  validate_plan(plan, m.graph, c.ranks, o.batch_size, "parallel");
+  o.dist.plan = std::make_shared<const Plan>(std::move(plan));
+  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
+  Trainer t(spec, data, nullptr, o, &world());
+  ASSERT_NE(t.pipeline(), nullptr);
+  const std::vector<double> losses = t.run().losses;
+  ASSERT_EQ(losses.size(), ref.losses.size());
+  double worst = 0;
+  std::string where;
+  for (size_t i = 0; i < losses.size(); ++i) {
+    const double d = std::abs(losses[i] - ref.losses[i]) / std::abs(ref.losses[i]);
+    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
+  }
+  const std::vector<std::string> held = t.pipeline()->param_names();
+  ASSERT_FALSE(held.empty());
+  for (const std::string& name : held) {
+    const auto w = std::ranges::find_if(ref.params, [&](const auto& p) { return p.first == name; });
+    ASSERT_NE(w, ref.params.end()) << name;
+    const Tensor got = t.pipeline()->param(name);
+    ASSERT_EQ(got.numel(), w->second.numel()) << name;
+    double diff = 0, mag = 1e-3;
+    for (int64_t k = 0; k < got.numel(); ++k) {
+      diff = std::max(
+          diff, std::abs(static_cast<double>(got.data<float>()[k]) - w->second.data<float>()[k]));
+      mag = std::max(mag, std::abs(static_cast<double>(w->second.data<float>()[k])));
+    }
+    if (diff / mag > worst) worst = diff / mag, where = "parameter " + name;
+  }
+  if (world().rank() == 0) {
+    std::printf("%s, %d ranks, %d steps: worst relative error %.3g at %s\n", c.label.c_str(),
+                world().size(), kSteps, worst, where.c_str());
+  }
+  EXPECT_LE(worst, kRel) << c.label << " rank " << world().rank() << ": " << where;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, PipelineMpi,
+    ::testing::Values(PpCase{"mlp_gpipe_sgd", "mlp", "sgd", ScheduleKind::gpipe},
+                      PpCase{"mlp_interleaved_lamb", "mlp", "lamb", ScheduleKind::interleaved, 2},
+                      PpCase{"gpt_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b},
+                      PpCase{"gpt_zero_bubble_sgd", "gpt", "sgd", ScheduleKind::zero_bubble},
+                      PpCase{"gpt_dp2_pp2_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1,
+                             4, 2}),
+    [](const ::testing::TestParamInfo<PpCase>& p) { return p.param.label; });
 
 // Test of the test: the same comparison catches a run whose learning rate
 // is 1% off (an error far smaller than a wrong rule makes).

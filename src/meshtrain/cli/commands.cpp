@@ -33,6 +33,7 @@
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/full_graph.h"
 #include "meshtrain/train/graph_file.h"
+#include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -336,15 +337,23 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
     fmt::print(stderr, "meshtrain: wrote the plan to {}\n", opts.write_plan_path);
   }
   const bool lowered = needs_lowering(*plan);
-  if (plan->pipeline_stages() > 1 || plan->microbatches > 1 ||
-      (!lowered && !plan->data_parallel_only(g))) {
+  const bool pipelined = plan->pipeline_stages() > 1;
+  if ((pipelined && lowered) || (!pipelined && plan->microbatches > 1) ||
+      (!lowered && !pipelined && !plan->data_parallel_only(g))) {
     throw ConfigError(fmt::format(
-        "{}: this plan ({}; mesh {}) needs pipeline parallelism, which the trainer does not "
-        "execute yet (data, tensor and sequence parallelism run; `meshtrain inspect` shows the "
-        "plan{})",
+        "{}: this plan ({}; mesh {}) {}, which the trainer does not execute yet (data, "
+        "tensor, sequence and pipeline parallelism run, and dp with either; `meshtrain inspect` "
+        "shows the plan{})",
         where, beyond_data_parallel(*plan, g), plan->mesh.describe(),
+        pipelined ? "combines tensor axes with pipeline stages"
+                  : "has micro-batches without pipeline stages",
         write && !opts.write_plan_path.empty() ? ", and it was written to " + opts.write_plan_path
                                                : ""));
+  }
+  if (pipelined) {
+    TrainerOptions t = rc.train;
+    t.dist.plan = std::make_shared<const Plan>(*plan);
+    check_pipeline_options(t);
   }
   if (lowered) {
     // What tensor parallelism does not carry yet, refused before any rank
@@ -363,8 +372,9 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
   // Data parallelism reads the batch as the loader splits it (by
   // dist.batch_shares over the data-parallel ranks); a plan that splits it
   // otherwise would silently train on other examples than it says.
-  const int dp_world = lowered ? plan->mesh.axis_size("dp") : world;
-  auto dp_rank = [&](int r) { return lowered ? plan->mesh.coord(r, "dp") : r; };
+  const bool by_axis = lowered || pipelined;  // the dp axis, not every rank, shares the batch
+  const int dp_world = by_axis ? plan->mesh.axis_size("dp") : world;
+  auto dp_rank = [&](int r) { return by_axis ? plan->mesh.coord(r, "dp") : r; };
   const int64_t batch = g.value(*g.find("x")).shape[0];
   std::vector<int64_t> shares = rc.train.dist.batch_shares;
   if (shares.empty()) shares.assign(static_cast<size_t>(dp_world), 1);
@@ -392,7 +402,12 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
               : fmt::format("[{}]", fmt::join(rc.train.dist.batch_shares, ", "))));
     }
   }
-  if (announce && lowered) {
+  if (announce && pipelined) {
+    fmt::print(stderr,
+               "meshtrain: {}: mesh {}: {} pipeline stages, {} micro-batches, schedule {}\n", where,
+               plan->mesh.describe(), plan->pipeline_stages(), plan->microbatches,
+               schedule_name(plan->schedule));
+  } else if (announce && lowered) {
     fmt::print(stderr,
                "meshtrain: {}: mesh {}: tensor axes lowered into each rank's graph{}, data "
                "parallelism over dp (ZeRO stage {})\n",
@@ -404,7 +419,7 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
                "parallelism (ZeRO stage {})\n",
                where, plan->mesh.describe(), rc.train.dist.dp.stage);
   }
-  if (!lowered) return std::nullopt;
+  if (!lowered && !pipelined) return std::nullopt;
   return plan;
 }
 
@@ -681,11 +696,18 @@ int cmd_inspect(const CommandOptions& opts) {
                    format_bytes(pr.activations.arena_bytes),
                    format_bytes(pr.state.expected_param_bytes));
       }
-    } else if (!pplan->data_parallel_only(plan_graph)) {
+    } else if (pplan->pipeline_stages() > 1 && needs_lowering(*pplan)) {
       fmt::print(
-          "the trainer does not execute this plan yet ({}): pipeline stages and micro-batches "
-          "are not run yet; meshtrain train refuses it\n",
+          "the trainer does not execute this plan yet ({}): it combines tensor axes with "
+          "pipeline stages; meshtrain train refuses it\n",
           beyond_data_parallel(*pplan, plan_graph));
+    } else if (pplan->pipeline_stages() > 1) {
+      fmt::print(
+          "meshtrain train runs this plan through the pipeline runtime (docs/plan.md); the "
+          "memory plan above is the unpipelined model's\n");
+    } else if (!pplan->data_parallel_only(plan_graph)) {
+      fmt::print("the trainer does not execute this plan yet ({}); meshtrain train refuses it\n",
+                 beyond_data_parallel(*pplan, plan_graph));
     }
   }
   return 0;

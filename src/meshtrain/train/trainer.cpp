@@ -32,6 +32,7 @@
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
+#include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/precision.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
@@ -1436,31 +1437,55 @@ nlohmann::json Trainer::Impl::engines_json() const {
 
 Trainer::Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
                  std::shared_ptr<const Dataset> test_data, TrainerOptions options,
-                 Communicator* comm)
-    : impl_(std::make_unique<Impl>(model, std::move(train_data), std::move(test_data),
-                                   std::move(options), comm)) {}
+                 Communicator* comm) {
+  if (pipeline_plan(options)) {
+    if (comm == nullptr) {
+      throw ConfigError("a plan with pipeline stages needs a communicator (one rank per stage)");
+    }
+    pipe_ =
+        std::make_unique<PipelineTraining>(model, std::move(train_data), std::move(options), *comm);
+    return;
+  }
+  impl_ = std::make_unique<Impl>(model, std::move(train_data), std::move(test_data),
+                                 std::move(options), comm);
+}
 Trainer::~Trainer() = default;
 TrainResult Trainer::run() {
-  return impl_->run();
+  return pipe_ ? pipe_->run() : impl_->run();
+}
+PipelineTraining* Trainer::pipeline() {
+  return pipe_.get();
+}
+void Trainer::require_unpipelined(const char* what) const {
+  if (pipe_) {
+    throw ConfigError(fmt::format(
+        "Trainer::{}: not available under pipeline parallelism (use pipeline())", what));
+  }
 }
 const TorchLoadReport* Trainer::init_report() const {
+  if (pipe_) return nullptr;
   return impl_->init_report ? &*impl_->init_report : nullptr;
 }
 std::pair<double, double> Trainer::evaluate() {
+  require_unpipelined("evaluate");
   auto [loss, accuracy, examples] = impl_->evaluate();
   return {loss, accuracy};
 }
 const Graph& Trainer::train_graph() const {
+  require_unpipelined("train_graph");
   return impl_->model.graph;
 }
 const MemoryPlan& Trainer::memory_plan() const {
+  require_unpipelined("memory_plan");
   return impl_->exec->memory_plan();
 }
 ParamStore& Trainer::params() {
+  require_unpipelined("params");
   impl_->sync_store();
   return *impl_->store;
 }
 Tensor Trainer::gather_params() {
+  require_unpipelined("gather_params");
   impl_->sync_store();
   if (!impl_->dp->replicas_identical()) {
     Tensor mean = impl_->store->flat_values().clone();
@@ -1470,11 +1495,12 @@ Tensor Trainer::gather_params() {
   return impl_->store->flat_values();
 }
 ReplicaSync& Trainer::replica_sync() {
+  require_unpipelined("replica_sync");
   return *impl_->dp;
 }
 
 const LoweredProgram* Trainer::lowered_program() const {
-  return impl_->tensor_parallel ? &impl_->lowered : nullptr;
+  return impl_ && impl_->tensor_parallel ? &impl_->lowered : nullptr;
 }
 
 }  // namespace mt

@@ -226,10 +226,16 @@ class Trainer {
   // Under a plan with tensor axes, this rank's program: which box of each
   // parameter params() holds. nullptr otherwise (params() are whole).
   const struct LoweredProgram* lowered_program() const;
+  // Under a plan with pipeline stages (train/pipeline_training.h), what runs
+  // it; nullptr otherwise. The methods above that need one whole model
+  // (evaluate, params, ...) throw ConfigError then.
+  class PipelineTraining* pipeline();
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<class PipelineTraining> pipe_;
+  void require_unpipelined(const char* what) const;
 };
 
 }  // namespace mt

@@ -1,0 +1,333 @@
+#include "meshtrain/train/pipeline_training.h"
+
+#include <sys/resource.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/base/plural.h"
+#include "meshtrain/base/timer.h"
+#include "meshtrain/data/loader.h"
+#include "meshtrain/spmd/lower.h"
+#include "meshtrain/spmd/pipeline_runtime.h"
+#include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/schedule.h"
+#include "meshtrain/tensor/kernels.h"
+#include "meshtrain/tensor/machine.h"
+#include "meshtrain/train/grad_clip.h"
+#include "meshtrain/train/metrics.h"
+#include "meshtrain/train/param_store.h"
+#include "meshtrain/train/progress.h"
+
+namespace mt {
+
+namespace {
+
+constexpr int64_t kWarmupSteps = 5;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Rows [begin, begin + n) of a batch tensor, as a view.
+Tensor rows(const Tensor& t, int64_t begin, int64_t n) {
+  std::vector<int64_t> dims = t.shape().dims();
+  const int64_t row = t.shape().prod(1, t.rank()) * static_cast<int64_t>(dtype_size(t.dtype()));
+  dims[0] = n;
+  auto* base = static_cast<char*>(const_cast<void*>(t.raw()));
+  return Tensor::wrap(base + begin * row, Shape(dims), t.dtype());
+}
+
+int group_index(const std::vector<std::vector<int>>& groups, int rank) {
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end()) {
+      return static_cast<int>(i);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void check_pipeline_options(const TrainerOptions& o) {
+  auto refuse = [](bool bad, const std::string& what) {
+    if (!bad) return;
+    throw ConfigError(fmt::format(
+        "{}: not available under pipeline parallelism yet; the trainer runs pipeline plans "
+        "without it (docs/plan.md, \"Pipeline runtime\")",
+        what));
+  };
+  refuse(o.eval, "train.eval (evaluation; set train.eval = false)");
+  refuse(!o.checkpoint_path.empty(), "train.checkpoint");
+  refuse(!o.resume_path.empty(), "train.resume");
+  refuse(!o.init_path.empty(), "train.init");
+  refuse(o.precision == DType::f16 || o.precision_auto, "train.precision f16 / auto");
+  refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
+  refuse(o.dist.dp.accumulation_steps != 1,
+         "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
+  refuse(o.dist.dp.stage != 0, "dist.zero_stage > 0");
+  refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
+  refuse(needs_lowering(*o.dist.plan), "tensor axes inside a pipeline (tp x pp)");
+}
+
+bool pipeline_plan(const TrainerOptions& o) {
+  return o.dist.plan && o.dist.plan->pipeline_stages() > 1;
+}
+
+struct PipelineTraining::Impl {
+  ModelSpec spec;
+  TrainerOptions o;
+  std::shared_ptr<const Dataset> data;
+  Communicator& world;
+  const Plan& plan;
+  int rank = 0, p = 1, dp_rank = 0, dp_world = 1;
+  std::unique_ptr<Communicator> pp_comm, dp_comm, norm_comm;
+  std::unique_ptr<DataLoader> loader;
+  int64_t local_batch = 0, micro_batch = 0, total_steps = 0;
+  ModelGraph model;
+  std::map<std::string, Tensor> constants;  // by input name
+  PipelineCut cut;
+  PipelineSchedule schedule;
+  std::unique_ptr<PipelineRuntime> runtime;
+  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<LrSchedule> lr;
+  std::map<std::string, bool> counted;  // per parameter held here: counts in norms
+
+  Impl(const ModelSpec& s, std::shared_ptr<const Dataset> d, TrainerOptions opts, Communicator& w)
+      : spec(s), o(std::move(opts)), data(std::move(d)), world(w), plan(*o.dist.plan) {
+    check_pipeline_options(o);
+    rank = world.rank();
+    plan.mesh.check_world(world.size(), "the plan's mesh");
+    p = plan.pipeline_stages();
+    dp_rank = plan.mesh.coord(rank, "dp");
+    dp_world = plan.mesh.axis_size("dp");
+    const CollectiveOptions& co = o.dist.dp.collective;
+    pp_comm = world.split(group_index(plan.mesh.groups("pp"), rank), plan.mesh.coord(rank, "pp"),
+                          "pp", co);
+    dp_comm = world.split(group_index(plan.mesh.groups("dp"), rank), dp_rank, "dp", co);
+    norm_comm = world.split(group_index(plan.mesh.groups("pp"), rank), plan.mesh.coord(rank, "pp"),
+                            "pp.norms", co);
+    kernels(o.exec.backend, o.exec.fast).set_num_threads(o.threads);
+    spec.compute = o.precision;
+
+    LoaderOptions lo;
+    lo.batch_size = o.batch_size;
+    lo.seed = o.seed;
+    lo.rank = dp_rank;
+    lo.world_size = dp_world;
+    lo.shuffle = o.shuffle;
+    loader = std::make_unique<DataLoader>(*data, lo);
+    const auto [lb, le] = loader->local_range(o.batch_size);
+    local_batch = le - lb;
+    if (local_batch % plan.microbatches != 0) {
+      throw ConfigError(fmt::format(
+          "parallel.microbatches: data-parallel rank {} gets {} of each global batch of {} "
+          "(train.batch_size over {}), which {} micro-batches cannot split evenly",
+          dp_rank, local_batch, o.batch_size, plural(dp_world, "data-parallel rank"),
+          plan.microbatches));
+    }
+    micro_batch = local_batch / plan.microbatches;
+    total_steps = o.epochs * loader->steps_per_epoch();
+    if (o.max_steps > 0) total_steps = std::min(total_steps, o.max_steps);
+    if (total_steps <= 0) throw ConfigError("train.epochs / train.steps: the run has no steps");
+
+    model = build_model(spec, micro_batch);
+    for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
+    cut = cut_pipeline(model.graph, model.loss, plan.stages);
+    schedule = make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
+    PipelineOptions po;
+    po.exec = o.exec;
+    po.exec.slowdown =
+        rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
+    runtime = std::make_unique<PipelineRuntime>(*pp_comm, cut, schedule, po);
+
+    // The same initial values as the unpipelined model: each parameter from
+    // its name's seeded stream, drawn only where it is held.
+    const ParamStore layout(model.graph, o.seed, /*with_grads=*/false, /*with_values=*/false);
+    for (const std::string& name : runtime->param_names()) {
+      size_t i = 0;
+      while (layout.entries()[i].name != name) ++i;
+      const ParamStore::Entry& e = layout.entries()[i];
+      Tensor t = Tensor::empty(e.shape, DType::f32);
+      layout.initial_range(i, 0, e.shape.numel(), t.data<float>());
+      runtime->set_param(name, t);
+      counted[name] = true;
+    }
+    // A parameter held by several stages counts on the first holder only.
+    for (const auto& [name, holders] : cut.shared_params) {
+      if (!counted.count(name)) continue;
+      const int first = *std::min_element(holders.begin(), holders.end()) % p;
+      counted[name] = first == plan.mesh.coord(rank, "pp");
+    }
+
+    // Every parameter is whole on each rank that holds it (a shared one
+    // identical on its holders), so LARS / LAMB norms need no reduction;
+    // only the global clipping norm sums over the pipeline.
+    optimizer = make_optimizer(o.optimizer, o.optim);
+    LrScheduleOptions so = o.schedule;
+    so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
+    lr = std::make_unique<LrSchedule>(so);
+  }
+
+  // One optimizer step: the pipeline's forward and backward over the
+  // micro-batches, gradients averaged over dp, clipping, the update.
+  double step_once(int64_t epoch, int64_t s, int64_t step) {
+    const Batch b = loader->batch(epoch, s);
+    const int64_t y_per = b.y.numel() / local_batch;
+    const Shape xs = model.graph.value(model.x).shape;
+    runtime->run_step([&](int i, const std::string& input) -> Tensor {
+      if (input == model.graph.value(model.x).name) {
+        return rows(b.x, i * micro_batch, micro_batch).reshape(xs);
+      }
+      if (input == model.graph.value(model.y).name) {
+        return rows(b.y, i * micro_batch * y_per, micro_batch * y_per);
+      }
+      auto it = constants.find(input);
+      return it != constants.end() ? it->second : Tensor();
+    });
+    std::vector<std::string> names = runtime->param_names();
+    if (dp_world > 1) {
+      for (const std::string& name : names) {
+        Tensor g = runtime->grad(name);
+        dp_comm->all_reduce(g, ReduceOp::sum, o.dist.dp.collective);
+        float* d = g.data<float>();
+        const auto inv = static_cast<float>(1.0 / static_cast<double>(dp_world));
+        for (int64_t k = 0, n = g.numel(); k < n; ++k) d[k] *= inv;
+      }
+    }
+    double red[2] = {runtime->has_loss() ? runtime->loss() / dp_world : 0.0,
+                     0.0};  // the loss: the last stage of every dp replica
+    world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
+    std::vector<ParamRef> refs;
+    for (const std::string& name : names) {
+      Tensor prm = runtime->param(name);
+      refs.push_back(ParamRef{name, prm, runtime->grad(name), prm.rank(), counted[name]});
+    }
+    if (o.clip_grad_norm > 0) {
+      clip_grad_norm(refs, o.clip_grad_norm, [this](std::span<double> v) {
+        norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
+                              o.dist.dp.collective);
+      });
+    }
+    optimizer->step(refs, lr->lr_at(step));
+    return red[0];
+  }
+
+  // 1 - (compute of all stages) / (p x the step's makespan), from every
+  // rank's spans (collective over the pipeline group).
+  double idle_fraction() {
+    double busy = 0, first = 1e300, last = -1e300;
+    for (const PipelineSpan& sp : runtime->spans()) {
+      busy += static_cast<double>(sp.end_ns - sp.start_ns);
+      first = std::min(first, static_cast<double>(sp.start_ns));
+      last = std::max(last, static_cast<double>(sp.end_ns));
+    }
+    double v[3] = {busy, -first, last};
+    pp_comm->all_reduce(&v[0], &v[0], 1, DType::f64, ReduceOp::sum, o.dist.dp.collective);
+    pp_comm->all_reduce(&v[1], &v[1], 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
+    const double makespan = v[2] + v[1];
+    return makespan > 0 ? 1.0 - v[0] / (static_cast<double>(p) * makespan) : 0.0;
+  }
+
+  TrainResult run() {
+    const bool leader = rank == 0;
+    MetricsWriter metrics(leader ? o.metrics_path : std::string());
+    Progress progress(total_steps, o.log_every, o.progress && leader, o.progress_tty);
+    TrainResult r;
+    std::vector<double> rates, warm, idle;
+    const int64_t spe = loader->steps_per_epoch();
+    const int64_t targets = model.graph.value(model.y).shape.numel() / micro_batch;
+    const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
+    uint64_t sent = 0;
+    int64_t peak_stash = 0;
+    for (int64_t step = 0; step < total_steps; ++step) {
+      const int64_t epoch = step / spe;
+      Stopwatch sw;
+      const double loss = step_once(epoch, step % spe, step);
+      const double dt = sw.seconds();
+      const double rate = static_cast<double>(o.batch_size) / dt;
+      (step >= kWarmupSteps ? rates : warm).push_back(rate);
+      const double idle_now = idle_fraction();
+      if (step >= kWarmupSteps || total_steps <= kWarmupSteps) idle.push_back(idle_now);
+      sent += runtime->bytes_sent();
+      peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
+      if (!std::isfinite(loss)) {
+        throw Error(fmt::format("training diverged: loss is {} at step {}", loss, step));
+      }
+      r.losses.push_back(loss);
+      r.final_loss = loss;
+      nlohmann::json line = {{"step", step + 1},
+                             {"loss", loss},
+                             {"samples_per_s", rate},
+                             {"lr", lr->lr_at(step)},
+                             {"pipeline_idle_fraction", idle_now}};
+      if (tokens_per_sample > 0) line["tokens_per_s"] = rate * tokens_per_sample;
+      if ((step + 1) % o.log_every == 0 || step + 1 == total_steps) metrics.write(line);
+      progress.update(ProgressUpdate{step + 1, epoch + 1, (total_steps + spe - 1) / spe, loss, rate,
+                                     rate * tokens_per_sample, lr->lr_at(step)});
+      if (o.dist.after_step) o.dist.after_step(step + 1, rank);
+    }
+    progress.finish();
+    r.steps = r.steps_run = total_steps;
+    r.samples_per_s = median(rates.empty() ? warm : rates);
+    r.samples_per_s_includes_warmup = rates.empty();
+    if (tokens_per_sample > 0) r.tokens_per_s = *r.samples_per_s * tokens_per_sample;
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    r.peak_rss_bytes = static_cast<int64_t>(ru.ru_maxrss) * 1024;
+    nlohmann::json summary = {
+        {"summary", true},
+        {"steps", r.steps},
+        {"steps_run", r.steps_run},
+        {"final_loss", *r.final_loss},
+        {"samples_per_s", *r.samples_per_s},
+        {"samples_per_s_includes_warmup", r.samples_per_s_includes_warmup},
+        {"peak_rss_bytes", r.peak_rss_bytes},
+        {"threads", o.threads},
+        {"world_size", world.size()},
+        {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},
+        {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
+        {"plan",
+         {{"mesh", plan.mesh.describe()},
+          {"schedule", std::string(schedule_name(plan.schedule))},
+          {"microbatches", plan.microbatches},
+          {"virtual_stages", plan.virtual_stages},
+          {"pipeline_idle_fraction", median(idle)},
+          {"pipeline_idle_fraction_formula",
+           formula_idle_fraction(plan.schedule, p, plan.microbatches, plan.virtual_stages)},
+          {"pipeline_bytes_sent_per_step",
+           static_cast<double>(sent) / static_cast<double>(total_steps)},
+          {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
+          {"peak_stash_bytes", peak_stash}}}};
+    if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
+    metrics.write(summary);
+    return r;
+  }
+};
+
+PipelineTraining::PipelineTraining(const ModelSpec& model, std::shared_ptr<const Dataset> data,
+                                   TrainerOptions options, Communicator& world)
+    : impl_(std::make_unique<Impl>(model, std::move(data), std::move(options), world)) {}
+
+PipelineTraining::~PipelineTraining() = default;
+
+TrainResult PipelineTraining::run() {
+  return impl_->run();
+}
+
+std::vector<std::string> PipelineTraining::param_names() const {
+  return impl_->runtime->param_names();
+}
+
+Tensor PipelineTraining::param(const std::string& name) const {
+  return impl_->runtime->param(name);
+}
+
+}  // namespace mt

@@ -1,0 +1,57 @@
+// Training under a plan with pipeline stages: what the Trainer runs when
+// TrainerOptions::dist.plan has pp > 1.
+//
+// The model is built at the micro-batch (each data-parallel rank's share of
+// the global batch divided by the plan's micro-batches), cut into the plan's
+// stages (spmd/pipeline_stage.h) and run by the pipeline runtime
+// (spmd/pipeline_runtime.h) over the ranks of this rank's "pp" group, in the
+// plan's schedule. Each rank holds only its stages' parameters, drawn from
+// the same seeded initial values as the unpipelined model. After each step
+// the gradients (means over the step's micro-batches) are averaged over the
+// "dp" group, clipped by the global norm (summed over the pipeline, a tied
+// parameter counted once) and handed to the configured optimizer and
+// learning-rate schedule; the step's loss comes from the last stage.
+//
+// Not yet (each refused with a ConfigError naming the key, before any step):
+// evaluation, checkpoints / resume / train.init, f16 loss scaling,
+// dist.batch_shares, tensor axes inside a pipeline, accumulation steps
+// (micro-batches are the pipeline's).
+//
+// Collective over the world communicator; one per process.
+#pragma once
+
+#include <memory>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/data/dataset.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/train/trainer.h"
+
+namespace mt {
+
+class PipelineTraining {
+ public:
+  PipelineTraining(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
+                   TrainerOptions options, Communicator& world);
+  ~PipelineTraining();
+  PipelineTraining(const PipelineTraining&) = delete;
+  PipelineTraining& operator=(const PipelineTraining&) = delete;
+
+  TrainResult run();
+
+  // This rank's parameters (its stages'), by name, and their values.
+  std::vector<std::string> param_names() const;
+  Tensor param(const std::string& name) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// True when the options' plan has pipeline stages.
+bool pipeline_plan(const TrainerOptions& o);
+// Throws ConfigError naming the key for what pipelined training does not
+// carry yet (the list above); PipelineTraining checks it too.
+void check_pipeline_options(const TrainerOptions& o);
+
+}  // namespace mt
