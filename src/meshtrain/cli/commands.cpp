@@ -420,6 +420,9 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
                     "partitioning and halo exchange are not built yet); use dist.nproc = 1",
                     nproc));
   }
+  if (rc.gnn.mode != GnnParallel::none) {
+    throw ConfigError("gnn.parallel = \"graph\": graph-parallel training is not built yet");
+  }
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
   if (empty) empty_notice(opts);
   const GraphData g = open_graph(rc.data);
@@ -436,6 +439,29 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
       "epoch {:.1f} ms, {} parameters\n",
       r.epochs.size(), r.final_loss, r.train_acc, r.val_acc, r.test_acc,
       1e3 * r.median_epoch_seconds, r.params);
+  return 0;
+}
+
+// `inspect` of a graph config: the graph, the model's size, and how
+// gnn.partition splits the graph over dist.nproc ranks (edge cut, halo rows).
+static int inspect_graph(const RunConfig& rc) {
+  const GraphData g = open_graph(rc.data);
+  fmt::print("graph: {}\n", g.describe());
+  GnnGraph gg;
+  gg.adj = &g.adj;
+  gg.features = g.feature_dim();
+  gg.classes = g.classes;
+  gg.loss_vertices = GraphData::members(g.train_mask);
+  const ModelGraph m = build_gnn(rc.model, gg);
+  fmt::print("model: {} ({} layers, hidden {}), {} parameters; FLOPs per epoch (forward): {}\n",
+             rc.model.kind, rc.model.gnn_layers, rc.model.gnn_hidden, m.graph.param_count(),
+             human_count(graph_cost(m.graph).flops, "FLOP"));
+  PartitionOptions po = rc.gnn.partition;
+  po.parts = rc.nproc;
+  const Partition part = partition_graph(g.adj, po);
+  fmt::print("partition: {} over {} (dist.nproc; gnn.partition)\n",
+             partition_method_name(po.method), plural(po.parts, "rank"));
+  fmt::print("{}", partition_stats(g.adj, part).describe());
   return 0;
 }
 
@@ -586,6 +612,7 @@ int cmd_inspect(const CommandOptions& opts) {
     return 0;
   }
   if (empty) empty_notice(opts);
+  if (rc.data.kind == "graph") return inspect_graph(rc);
   Graph plan_graph;
   const std::optional<Plan> pplan = run_plan(opts, rc, rc.nproc, &plan_graph);
   if (pplan && !opts.write_plan_path.empty()) {

@@ -24,10 +24,22 @@
 #include <vector>
 
 #include "meshtrain/data/graph_data.h"
+#include "meshtrain/data/graph_partition.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/train/trainer.h"
 
 namespace mt {
+
+// How full-graph training spreads over the ranks of a communicator.
+enum class GnnParallel : uint8_t {
+  none,   // one process (the communicator, if any, must have one rank)
+  graph,  // 1D graph parallelism: rows partitioned, halo rows exchanged per layer
+};
+
+struct GraphParallelOptions {
+  GnnParallel mode = GnnParallel::none;
+  PartitionOptions partition;  // parts is set to the ranks
+};
 
 struct GraphEpoch {
   int64_t epoch = 0;  // 1-based
