@@ -1,0 +1,156 @@
+#include "meshtrain/train/graph_parallel.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "meshtrain/base/error.h"
+
+namespace mt {
+
+GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Partition& p,
+                            int64_t rank, int64_t group) {
+  if (spec.kind == "gat" || (spec.kind == "sage" && spec.sage_aggregation == "max")) {
+    throw ConfigError(fmt::format(
+        "gnn.parallel = \"graph\": model.kind {}{} is not supported (its aggregation needs a "
+        "vertex's whole neighbourhood in one place; gcn, resgcn and sage with mean aggregation "
+        "are)",
+        spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
+  }
+  const int64_t n = g.num_vertices(), ranks = p.parts;
+  MT_CHECK(rank >= 0 && rank < ranks, "rank {} of {} parts", rank, ranks);
+  MT_CHECK_EQ(static_cast<int64_t>(p.owner.size()), n);
+  const GnnAdjacency whole = gnn_adjacency(spec, g.adj);
+  const Csr& a = whole.a;
+  const bool has_values = !whole.values.empty();
+  const std::vector<std::vector<int32_t>> members = p.members();
+  auto owner = [&](int32_t v) { return static_cast<int64_t>(p.owner[static_cast<size_t>(v)]); };
+
+  GraphShard out;
+  GnnShard& s = out.shard;
+  s.group = group;
+  s.rank = rank;
+  s.ranks = ranks;
+  out.local_vertices = members[static_cast<size_t>(rank)];
+  s.local = static_cast<int64_t>(out.local_vertices.size());
+  std::vector<int32_t> local_id(static_cast<size_t>(n), -1);
+  for (size_t i = 0; i < out.local_vertices.size(); ++i) {
+    local_id[static_cast<size_t>(out.local_vertices[i])] = static_cast<int32_t>(i);
+  }
+
+  // Halo: what my rows read from each other rank, by owner then id.
+  std::vector<std::vector<int32_t>> from(static_cast<size_t>(ranks));
+  std::vector<int32_t> halo_id(static_cast<size_t>(n), -1);
+  for (int32_t v : out.local_vertices) {
+    for (int32_t e = a.row_ptr[static_cast<size_t>(v)]; e < a.row_ptr[static_cast<size_t>(v) + 1];
+         ++e) {
+      const int32_t u = a.col_idx[static_cast<size_t>(e)];
+      if (owner(u) != rank && halo_id[static_cast<size_t>(u)] < 0) {
+        halo_id[static_cast<size_t>(u)] = 0;
+        from[static_cast<size_t>(owner(u))].push_back(u);
+      }
+    }
+  }
+  s.recv_counts.assign(static_cast<size_t>(ranks), 0);
+  for (int64_t q = 0; q < ranks; ++q) {
+    auto& f = from[static_cast<size_t>(q)];
+    std::sort(f.begin(), f.end());
+    s.recv_counts[static_cast<size_t>(q)] = static_cast<int64_t>(f.size());
+    for (int32_t u : f) {
+      halo_id[static_cast<size_t>(u)] = static_cast<int32_t>(out.halo_vertices.size());
+      out.halo_vertices.push_back(u);
+    }
+  }
+  s.halo = static_cast<int64_t>(out.halo_vertices.size());
+
+  // My rows, split by where each column lives; entries keep the row's order.
+  s.local_adj.rows = s.local_adj.cols = s.local;
+  s.halo_adj.rows = s.local;
+  s.halo_adj.cols = s.halo;
+  s.local_adj.row_ptr.assign(1, 0);
+  s.halo_adj.row_ptr.assign(1, 0);
+  for (int32_t v : out.local_vertices) {
+    for (int32_t e = a.row_ptr[static_cast<size_t>(v)]; e < a.row_ptr[static_cast<size_t>(v) + 1];
+         ++e) {
+      const int32_t u = a.col_idx[static_cast<size_t>(e)];
+      const bool mine = owner(u) == rank;
+      (mine ? s.local_adj : s.halo_adj)
+          .col_idx.push_back(mine ? local_id[static_cast<size_t>(u)]
+                                  : halo_id[static_cast<size_t>(u)]);
+      if (has_values) {
+        (mine ? s.local_values : s.halo_values).push_back(whole.values[static_cast<size_t>(e)]);
+      }
+    }
+    s.local_adj.row_ptr.push_back(static_cast<int32_t>(s.local_adj.col_idx.size()));
+    s.halo_adj.row_ptr.push_back(static_cast<int32_t>(s.halo_adj.col_idx.size()));
+  }
+
+  // What each other rank's rows read from me, ascending: the order in which
+  // that rank lists its halo rows from me.
+  s.send_counts.assign(static_cast<size_t>(ranks), 0);
+  std::vector<int32_t> stamp(static_cast<size_t>(n), -1);
+  for (int64_t q = 0; q < ranks; ++q) {
+    if (q == rank) continue;
+    std::vector<int32_t> wanted;
+    for (int32_t v : members[static_cast<size_t>(q)]) {
+      for (int32_t e = a.row_ptr[static_cast<size_t>(v)]; e < a.row_ptr[static_cast<size_t>(v) + 1];
+           ++e) {
+        const int32_t u = a.col_idx[static_cast<size_t>(e)];
+        if (owner(u) == rank && stamp[static_cast<size_t>(u)] != q) {
+          stamp[static_cast<size_t>(u)] = static_cast<int32_t>(q);
+          wanted.push_back(u);
+        }
+      }
+    }
+    std::sort(wanted.begin(), wanted.end());
+    s.send_counts[static_cast<size_t>(q)] = static_cast<int64_t>(wanted.size());
+    for (int32_t u : wanted) s.send_rows.push_back(local_id[static_cast<size_t>(u)]);
+  }
+
+  for (size_t i = 0; i < out.local_vertices.size(); ++i) {
+    const auto v = static_cast<size_t>(out.local_vertices[i]);
+    const auto li = static_cast<int32_t>(i);
+    if (g.train_mask[v] != 0) out.loss_vertices.push_back(li);
+    if (g.val_mask[v] != 0) out.val_vertices.push_back(li);
+    if (g.test_mask[v] != 0) out.test_vertices.push_back(li);
+  }
+  s.loss_total = static_cast<int64_t>(std::count(g.train_mask.begin(), g.train_mask.end(), 1));
+  return out;
+}
+
+Tensor gather_rows(const Tensor& features, const std::vector<int32_t>& vertices) {
+  const int64_t f = features.shape()[1];
+  Tensor t = Tensor::empty(Shape{static_cast<int64_t>(vertices.size()), f}, DType::f32);
+  const float* src = features.data<float>();
+  float* dst = t.data<float>();
+  for (size_t i = 0; i < vertices.size(); ++i) {
+    std::memcpy(dst + static_cast<int64_t>(i) * f, src + static_cast<int64_t>(vertices[i]) * f,
+                static_cast<size_t>(f) * sizeof(float));
+  }
+  return t;
+}
+
+int64_t halo_bytes_per_epoch(const ModelSpec& spec, const GnnShard& s, int64_t features,
+                             int64_t classes) {
+  if (s.ranks <= 1) return 0;
+  // Forward sends the rows other ranks read from this one; backward sends
+  // the gradients of the halo rows this one read back to their owners.
+  int64_t out = 0, back = 0;
+  for (int64_t c : s.send_counts) out += c;
+  for (int64_t c : s.recv_counts) back += c;
+  const int64_t hid = spec.gnn_hidden, layers = spec.gnn_layers;
+  int64_t fwd = 0, bwd = 0;  // elements per row over the epoch
+  if (spec.kind == "gcn") {
+    for (int64_t l = 0; l < layers; ++l) fwd += l + 1 == layers ? classes : hid;
+    bwd = fwd;
+  } else if (spec.kind == "resgcn") {
+    fwd = bwd = layers * hid;
+  } else {  // sage (mean): the layer's input; the features have no gradient
+    for (int64_t l = 0; l < layers; ++l) fwd += l == 0 ? features : hid;
+    bwd = (layers - 1) * hid;
+  }
+  return (out * fwd + back * bwd) * static_cast<int64_t>(sizeof(float));
+}
+
+}  // namespace mt

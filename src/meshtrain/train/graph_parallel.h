@@ -1,0 +1,52 @@
+// 1D graph parallelism for full-graph GNN training (CAGNET's 1D scheme,
+// sparsity-aware): a partition (data/graph_partition.h) gives every rank a
+// set of vertices; the rank holds their features, computes their rows of
+// every layer, and before each aggregation receives, from each other rank,
+// only the rows its own vertices read (the halo), not whole blocks. Backward
+// sends the halo rows' gradients back to their owners (the exchange's
+// gradient, graph/collective.h). Parameters are replicated and their
+// gradients all-reduced.
+//
+// make_graph_shard() is pure: every rank computes its own shard from the
+// whole graph and the partition (so the send and receive lists of every
+// pair of ranks agree by construction, with no message to set them up).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "meshtrain/data/graph_data.h"
+#include "meshtrain/data/graph_partition.h"
+#include "meshtrain/models/model.h"
+
+namespace mt {
+
+struct GraphShard {
+  GnnShard shard;                                    // the model's view (models/model.h)
+  std::vector<int32_t> local_vertices;               // global id of local row i, ascending
+  std::vector<int32_t> halo_vertices;                // global id of halo row i (by owner, then id)
+  std::vector<int32_t> loss_vertices;                // local rows in the training mask, ascending
+  std::vector<int32_t> val_vertices, test_vertices;  // local rows, ascending
+};
+
+// Rank `rank`'s shard of g under partition p (p.parts ranks), for the
+// adjacency spec's model aggregates over (gnn_adjacency). ConfigError for
+// a model graph parallelism does not support (gat, sage with max).
+GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Partition& p,
+                            int64_t rank, int64_t group = 0);
+
+// The gathered rows of `features` (f32 [n, F]) for `vertices`, in order.
+Tensor gather_rows(const Tensor& features, const std::vector<int32_t>& vertices);
+
+// Bytes this rank sends in halo exchanges per epoch (one forward and
+// backward pass), f32 rows: for every aggregation, forward the rows other
+// ranks read from it (sum of send_counts) and backward the gradients of the
+// halo rows it read (sum of recv_counts), times the width aggregated; no
+// backward when the aggregated value has no gradient (gcn: every layer's
+// h W; resgcn: every block's; sage: every layer's input, the first being
+// the features, without a gradient). Over all ranks: halo rows x width x
+// aggregations x 2 (gcn, resgcn).
+int64_t halo_bytes_per_epoch(const ModelSpec& spec, const GnnShard& s, int64_t features,
+                             int64_t classes);
+
+}  // namespace mt
