@@ -86,7 +86,10 @@ function(expect_error what expect)
     message(FATAL_ERROR "${what}: expected '${expect}' in:\n${err}")
   endif()
 endfunction()
-expect_error("two ranks" "full-graph GNN training runs in one process so far" --set dist.nproc=2)
+expect_error("two ranks, one process" "gnn.parallel = \"none\" trains the graph in one process"
+  --set dist.nproc=2)
+expect_error("gat graph parallel" "model.kind gat is not supported" --set model.kind=gat
+  --set "gnn.parallel=\"graph\"" --set dist.nproc=2)
 expect_error("wrong data" "data.kind 'fashion_mnist' does not fit model.kind 'gcn'"
   --set data.kind=fashion_mnist)
 expect_error("file without path" "data.graph = \"file\" needs data.graph_file" --set data.graph=file)

@@ -9,15 +9,23 @@
 
 namespace mt {
 
+bool graph_parallel_supports(const ModelSpec& spec) {
+  return spec.kind == "gcn" || spec.kind == "resgcn" ||
+         (spec.kind == "sage" && spec.sage_aggregation == "mean");
+}
+
+void check_graph_parallel_model(const ModelSpec& spec) {
+  if (graph_parallel_supports(spec)) return;
+  throw ConfigError(fmt::format(
+      "gnn.parallel = \"graph\": model.kind {}{} is not supported (its aggregation needs a "
+      "vertex's whole neighbourhood in one place; gcn, resgcn and sage with mean aggregation "
+      "are)",
+      spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
+}
+
 GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Partition& p,
                             int64_t rank, int64_t group) {
-  if (spec.kind == "gat" || (spec.kind == "sage" && spec.sage_aggregation == "max")) {
-    throw ConfigError(fmt::format(
-        "gnn.parallel = \"graph\": model.kind {}{} is not supported (its aggregation needs a "
-        "vertex's whole neighbourhood in one place; gcn, resgcn and sage with mean aggregation "
-        "are)",
-        spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
-  }
+  check_graph_parallel_model(spec);
   const int64_t n = g.num_vertices(), ranks = p.parts;
   MT_CHECK(rank >= 0 && rank < ranks, "rank {} of {} parts", rank, ranks);
   MT_CHECK_EQ(static_cast<int64_t>(p.owner.size()), n);

@@ -29,6 +29,11 @@ struct GraphShard {
   std::vector<int32_t> val_vertices, test_vertices;  // local rows, ascending
 };
 
+// ConfigError unless graph parallelism can run spec's model (gcn, resgcn,
+// sage with mean aggregation), naming gnn.parallel and model.kind.
+void check_graph_parallel_model(const ModelSpec& spec);
+bool graph_parallel_supports(const ModelSpec& spec);
+
 // Rank `rank`'s shard of g under partition p (p.parts ranks), for the
 // adjacency spec's model aggregates over (gnn_adjacency). ConfigError for
 // a model graph parallelism does not support (gat, sage with max).
