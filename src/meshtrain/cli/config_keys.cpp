@@ -17,7 +17,7 @@ namespace {
 const std::vector<KeyMeaning> kMeanings = {
     {"model.kind",
      "which model to train (gpt trains on text, mlp and cnn on fashion_mnist, the graph neural "
-     "networks gcn, sage, gat and resgcn on a graph, full-graph in one process)"},
+     "networks gcn, sage, gat and resgcn on a graph, full-graph (one process, or gnn.parallel)"},
     {"model.hidden", "mlp: widths of the hidden layers"},
     {"model.conv_channels", "cnn: output channels of each conv-relu-pool block"},
     {"model.fc", "cnn: width of the hidden layer of the classifier"},
