@@ -1,5 +1,6 @@
 // 1D graph-parallel full-graph training under mpirun (2 and 3 ranks):
-// GCN, GraphSAGE (mean) and the residual GCN, with each partitioner, equal
+// GCN, GraphSAGE (mean) and the residual GCN, with each partitioner, 1D and
+// 1.5D (replication 2, or the world at an odd size; 4 ranks too), equal
 // the single-process run step by step (the loss of every epoch) and in the
 // final parameters, which every rank holds bitwise alike; the halo bytes the
 // communicator counted equal halo rows x width x (forward + backward) per
@@ -166,6 +167,56 @@ INSTANTIATE_TEST_SUITE_P(Models, GraphParallelMpi,
                                            Case{"sage", PartitionMethod::random, "adamw"},
                                            Case{"sage", PartitionMethod::locality, "sgd"},
                                            Case{"resgcn", PartitionMethod::locality, "adamw"}),
+                         [](const auto& p) {
+                           return p.param.kind + "_" +
+                                  std::string(partition_method_name(p.param.partition)) + "_" +
+                                  p.param.optimizer;
+                         });
+
+// 1.5D: replication c = 2 when the world is even (at 4 ranks: 2 row
+// blocks of 2 replicas), else c = the world (one block, no halo: the
+// replicas only split the block's terms and all-reduce them).
+class OnePointFiveDMpi : public ::testing::TestWithParam<Case> {};
+
+TEST_P(OnePointFiveDMpi, EqualsTheSingleProcessRunAndCountsTheBytes) {
+  const Case k = GetParam();
+  const int n = world().size();
+  const int64_t c = n % 2 == 0 ? 2 : n;
+  const GraphData g = small_csbm();
+  const ModelSpec spec = gnn(k.kind);
+  const TrainerOptions t = options(k.optimizer);
+  GraphParallelOptions par = graph_parallel(k.partition);
+  par.replication = c;
+  const FullGraphResult single = train_full_graph(spec, g, t);
+  const FullGraphResult dist = train_full_graph(spec, g, t, {}, par, &world());
+  const std::string what = fmt::format("1.5D c={} {} {} {} np{}", c, k.kind,
+                                       partition_method_name(k.partition), k.optimizer, n);
+  expect_equivalent(single, dist, what);
+  EXPECT_TRUE(same_on_every_rank(dist)) << what;
+  EXPECT_NEAR(dist.test_acc, single.test_acc, 1e-9) << what;
+  EXPECT_EQ(dist.halo_bytes_sent_per_epoch,
+            static_cast<uint64_t>(dist.expected_halo_bytes_per_epoch))
+      << what << " rank " << world().rank();
+  EXPECT_GT(dist.replica_bytes_sent_per_epoch, 0u) << what;
+  EXPECT_EQ(dist.replica_bytes_sent_per_epoch, dist.expected_replica_bytes_per_epoch) << what;
+  // Every block's rows are held by c ranks; with several blocks some halo
+  // moves (a replica may serve no block pair: at 2 blocks of 2, replica 0
+  // computes its local block only).
+  Tensor sums = Tensor::full(Shape{2}, DType::f64, 0);
+  sums.set_item(0, static_cast<double>(dist.local_vertices));
+  sums.set_item(1, static_cast<double>(dist.halo_bytes_sent_per_epoch));
+  world().all_reduce(sums);
+  EXPECT_EQ(sums.item(0), 500.0 * static_cast<double>(c)) << what;
+  if (n / c > 1) {
+    EXPECT_GT(sums.item(1), 0) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, OnePointFiveDMpi,
+                         ::testing::Values(Case{"gcn", PartitionMethod::random, "adamw"},
+                                           Case{"gcn", PartitionMethod::locality, "sgd"},
+                                           Case{"sage", PartitionMethod::contiguous, "adamw"},
+                                           Case{"resgcn", PartitionMethod::random, "adamw"}),
                          [](const auto& p) {
                            return p.param.kind + "_" +
                                   std::string(partition_method_name(p.param.partition)) + "_" +

@@ -457,6 +457,11 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
         nproc));
   }
   if (several) check_graph_parallel_model(rc.model);
+  if (several && !launched_by_mpi() && nproc % rc.gnn.replication != 0) {
+    throw ConfigError(fmt::format(
+        "gnn.replication = {} must divide the {} ranks (row blocks = ranks / replication)",
+        rc.gnn.replication, nproc));
+  }
   if (several && !launched_by_mpi()) return launch_ranks(opts, rc, nproc, argc, argv);
   std::unique_ptr<Communicator> comm;
   if (launched_by_mpi()) {
@@ -476,12 +481,15 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
   if (empty && leader) empty_notice(opts);
   const GraphData g = open_graph(rc.data);
   if (!opts.quiet && leader) {
-    fmt::print(stderr, "meshtrain: training {} on {} (full graph, {}, {})\n", rc.model.kind,
-               g.describe(),
-               ranks == 1 ? std::string("1 process")
-                          : fmt::format("graph parallel over {} ranks, {} partition", ranks,
-                                        partition_method_name(par.partition.method)),
-               plural(rc.train.threads, "thread"));
+    fmt::print(
+        stderr, "meshtrain: training {} on {} (full graph, {}, {})\n", rc.model.kind, g.describe(),
+        ranks == 1 ? std::string("1 process")
+                   : fmt::format("graph parallel over {} ranks{}, {} partition", ranks,
+                                 par.replication > 1
+                                     ? fmt::format(" (1.5D, replication {})", par.replication)
+                                     : std::string(),
+                                 partition_method_name(par.partition.method)),
+        plural(rc.train.threads, "thread"));
   }
   auto log = [&](const std::string& line) {
     if (!opts.quiet) fmt::print(stderr, "meshtrain: {}\n", line);
@@ -495,16 +503,19 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
     throw;
   }
   // Bytes per rank per epoch, as each rank's communicator counted them.
-  std::vector<uint64_t> halo(static_cast<size_t>(ranks)), grads(static_cast<size_t>(ranks));
+  std::vector<uint64_t> halo(static_cast<size_t>(ranks)), grads(static_cast<size_t>(ranks)),
+      replica(static_cast<size_t>(ranks));
   if (ranks > 1) {
-    Tensor mine = Tensor::empty(Shape{2}, DType::f64);
+    Tensor mine = Tensor::empty(Shape{3}, DType::f64);
     mine.set_item(0, static_cast<double>(r.halo_bytes_sent_per_epoch));
     mine.set_item(1, static_cast<double>(r.allreduce_bytes_sent_per_epoch));
-    Tensor all = Tensor::empty(Shape{2 * ranks}, DType::f64);
+    mine.set_item(2, static_cast<double>(r.replica_bytes_sent_per_epoch));
+    Tensor all = Tensor::empty(Shape{3 * ranks}, DType::f64);
     comm->all_gather(mine, all);
     for (int q = 0; q < ranks; ++q) {
-      halo[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(2 * q));
-      grads[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(2 * q + 1));
+      halo[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q));
+      grads[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q + 1));
+      replica[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q + 2));
     }
   }
   if (!leader) return 0;
@@ -514,8 +525,11 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
       r.epochs.size(), r.final_loss, r.train_acc, r.val_acc, r.test_acc,
       1e3 * r.median_epoch_seconds, r.params);
   if (ranks > 1) {
-    fmt::print("bytes sent per rank per epoch: halo exchange [{}], gradient all-reduce [{}]\n",
-               fmt::join(halo, ", "), fmt::join(grads, ", "));
+    fmt::print("bytes sent per rank per epoch: halo exchange [{}], gradient all-reduce [{}]{}\n",
+               fmt::join(halo, ", "), fmt::join(grads, ", "),
+               par.replication > 1 ? fmt::format(", partial aggregations over the replicas [{}]",
+                                                 fmt::join(replica, ", "))
+                                   : std::string());
   }
   return 0;
 }
@@ -535,18 +549,23 @@ static int inspect_graph(const RunConfig& rc) {
              rc.model.kind, rc.model.gnn_layers, rc.model.gnn_hidden, m.graph.param_count(),
              human_count(graph_cost(m.graph).flops, "FLOP"));
   PartitionOptions po = rc.gnn.partition;
-  po.parts = rc.nproc;
+  const int64_t c = rc.gnn.replication;
+  if (rc.nproc % c != 0) {
+    throw ConfigError(fmt::format(
+        "gnn.replication = {} must divide dist.nproc = {} (row blocks = ranks / replication)", c,
+        rc.nproc));
+  }
+  po.parts = rc.nproc / c;
   const Partition part = partition_graph(g.adj, po);
-  fmt::print("partition: {} over {} (dist.nproc; gnn.partition)\n",
-             partition_method_name(po.method), plural(po.parts, "rank"));
+  fmt::print("partition: {} into {} (dist.nproc{}; gnn.partition)\n",
+             partition_method_name(po.method), plural(po.parts, "part"),
+             c > 1 ? fmt::format(" / gnn.replication {}", c) : std::string());
   fmt::print("{}", partition_stats(g.adj, part).describe());
-  const bool supported = rc.model.kind == "gcn" || rc.model.kind == "resgcn" ||
-                         (rc.model.kind == "sage" && rc.model.sage_aggregation == "mean");
-  if (po.parts > 1 && supported) {
+  if (rc.nproc > 1 && graph_parallel_supports(rc.model)) {
     std::vector<int64_t> bytes;
-    for (int64_t q = 0; q < po.parts; ++q) {
-      bytes.push_back(halo_bytes_per_epoch(rc.model, make_graph_shard(g, rc.model, part, q).shard,
-                                           g.feature_dim(), g.classes));
+    for (int64_t q = 0; q < rc.nproc; ++q) {
+      bytes.push_back(halo_bytes_per_epoch(
+          rc.model, make_graph_shard(g, rc.model, part, q, c).shard, g.feature_dim(), g.classes));
     }
     fmt::print("halo bytes each rank sends per epoch (gnn.parallel = graph, {}): [{}]\n",
                rc.model.kind, fmt::join(bytes, ", "));

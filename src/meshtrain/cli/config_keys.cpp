@@ -173,6 +173,10 @@ const std::vector<KeyMeaning> kMeanings = {
     {"gnn.partition",
      "which rank owns each vertex: contiguous id blocks, random (seeded by train.seed), or "
      "locality (LDG streaming + label propagation, balanced within gnn.imbalance)"},
+    {"gnn.replication",
+     "gnn.parallel = graph: CAGNET's replication factor c; 1 = 1D, c > 1 = 1.5D (dist.nproc / c "
+     "row blocks, each held by c ranks that split its halo and all-reduce their partial "
+     "aggregations); must divide dist.nproc"},
     {"gnn.imbalance",
      "gnn.partition = locality: a part holds at most (1 + imbalance) x vertices / ranks"},
 };

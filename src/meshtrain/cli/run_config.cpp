@@ -257,6 +257,7 @@ RunConfig read_run_config(const Config& c) {
   r.gnn.partition.imbalance =
       c.get_double("gnn.imbalance", r.gnn.partition.imbalance, Bounds<double>::in(0.0, 1.0));
   r.gnn.partition.seed = r.train.seed;
+  r.gnn.replication = c.get_int("gnn.replication", 1, Bounds<int64_t>::in(1, kMaxRanks));
   c.check_all_used();
   return r;
 }

@@ -61,11 +61,18 @@ struct Net {
   // (issued first, so the local product overlaps it).
   ValueId aggregate(ValueId h) {
     if (!distributed()) return b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
-    ValueId send = b.embedding(h, send_rows);
-    ValueId recv =
-        b.all_to_allv(send, shard->group, 0, shard->send_counts, shard->recv_counts, shard->rank);
-    ValueId local = b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
-    return b.add(local, b.spmm(halo_adj.row_ptr, halo_adj.col_idx, recv, halo_adj.values));
+    ValueId y = kNoValue;
+    if (shard->exchange_ranks > 1) {
+      ValueId send = b.embedding(h, send_rows);
+      ValueId recv = b.all_to_allv(send, shard->exchange_group, 0, shard->send_counts,
+                                   shard->recv_counts, shard->exchange_rank);
+      ValueId local = b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
+      y = b.add(local, b.spmm(halo_adj.row_ptr, halo_adj.col_idx, recv, halo_adj.values));
+    } else {
+      y = b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
+    }
+    // 1.5D: each replica summed its share of the row's terms.
+    return shard->replication > 1 ? b.all_reduce(y, shard->replica_group) : y;
   }
 };
 
@@ -113,10 +120,12 @@ void check_shard(const ModelSpec& spec, const GnnShard& s) {
         "aggregation are)",
         spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
   }
-  const auto ranks = static_cast<size_t>(s.ranks);
+  const auto ranks = static_cast<size_t>(s.exchange_ranks);
   MT_CHECK(s.rank >= 0 && s.rank < s.ranks, "shard rank {} of {}", s.rank, s.ranks);
   MT_CHECK(s.send_counts.size() == ranks && s.recv_counts.size() == ranks,
-           "shard counts for {} ranks", s.ranks);
+           "shard counts for {} exchange ranks", s.exchange_ranks);
+  MT_CHECK(s.replication >= 1 && s.ranks % s.replication == 0, "replication {} of {} ranks",
+           s.replication, s.ranks);
   MT_CHECK_EQ(std::accumulate(s.send_counts.begin(), s.send_counts.end(), int64_t{0}),
               static_cast<int64_t>(s.send_rows.size()));
   MT_CHECK_EQ(std::accumulate(s.recv_counts.begin(), s.recv_counts.end(), int64_t{0}), s.halo);
@@ -194,7 +203,7 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
 
   Net net{b, m, shard, {}, {}, kNoValue};
   net.adj = bind_adj(b, m, "adj", a, values.empty() ? nullptr : &values, spec.kind == "gat");
-  if (net.distributed()) {
+  if (net.distributed() && shard->exchange_ranks > 1) {
     net.halo_adj = bind_adj(b, m, "halo_adj", shard->halo_adj,
                             shard->halo_values.empty() ? nullptr : &shard->halo_values, false);
     net.send_rows =
@@ -254,7 +263,8 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
     ValueId idx = b.input("loss_vertices", {m.batch}, DType::i32);
     m.constants.emplace_back(idx, tensor_from(g.loss_vertices));
     m.loss = b.scale(b.cross_entropy(b.embedding(m.logits, idx), m.y),
-                     static_cast<double>(m.batch) / static_cast<double>(shard->loss_total));
+                     static_cast<double>(m.batch) / (static_cast<double>(shard->loss_total) *
+                                                     static_cast<double>(shard->replication)));
   } else {
     // No loss vertex here: a zero loss that still differentiates to the
     // logits (zeros), so backward -- and its halo exchanges -- run as on the

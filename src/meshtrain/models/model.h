@@ -90,8 +90,20 @@ GnnAdjacency gnn_adjacency(const ModelSpec& spec, const Csr& adj);
 // mean: sum of its loss vertices' cross-entropy / loss_total, so the sum
 // over ranks is the single-process loss. gcn, resgcn and sage (mean) only:
 // GAT's edge softmax and the max aggregation need the whole row.
+//
+// 1.5D (replication > 1, CAGNET's replication factor c): `replication`
+// ranks hold the same rows (a replica group, collective group
+// replica_group); each computes its part of every aggregation -- the local
+// part and the halo parts the round-robin assigned to it (the others are
+// empty) -- and the parts are all-reduced over the replica group. The halo
+// exchange runs over exchange_group (the ranks with the same position in
+// their replica groups, one per row block; this rank is exchange_rank
+// there, and send / recv counts are per exchange_group rank). The loss is
+// divided by replication (every replica computes it).
 struct GnnShard {
-  int64_t group = 0, rank = 0, ranks = 1;
+  int64_t group = 0, rank = 0, ranks = 1;  // parameters: replicated over `group`
+  int64_t exchange_group = 0, exchange_rank = 0, exchange_ranks = 1;
+  int64_t replica_group = -1, replication = 1;
   int64_t local = 0, halo = 0;
   Csr local_adj, halo_adj;                       // [local, local], [local, halo]
   std::vector<float> local_values, halo_values;  // empty when the adjacency has none

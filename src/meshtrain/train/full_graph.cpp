@@ -11,6 +11,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/graph_parallel.h"
@@ -75,11 +76,18 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
   gg.features = g.feature_dim();
   gg.classes = g.classes;
   Tensor x = g.features;
+  const int64_t c = graph_parallel ? par.replication : 1;
+  if (c < 1 || ranks % c != 0) {
+    throw ConfigError(fmt::format(
+        "gnn.replication = {} must be >= 1 and divide the {} ranks (row blocks = ranks / "
+        "replication)",
+        c, ranks));
+  }
   if (graph_parallel) {
     PartitionOptions po = par.partition;
-    po.parts = ranks;
+    po.parts = ranks / c;
     const Partition part = partition_graph(g.adj, po);
-    shard = make_graph_shard(g, spec, part, comm->rank());
+    shard = make_graph_shard(g, spec, part, comm->rank(), c);
     train_v = shard->loss_vertices;
     val_v = shard->val_vertices;
     test_v = shard->test_vertices;
@@ -102,9 +110,8 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
   eo.outputs.push_back(m.logits);
   std::shared_ptr<CommCollectiveRunner> runner;
   if (graph_parallel && ranks > 1) {
-    std::vector<int> all(static_cast<size_t>(ranks));
-    for (int r = 0; r < ranks; ++r) all[static_cast<size_t>(r)] = r;
-    runner = std::make_shared<CommCollectiveRunner>(*comm, std::vector<std::vector<int>>{all});
+    runner = std::make_shared<CommCollectiveRunner>(
+        *comm, graph_parallel_groups(ranks, static_cast<int>(c)));
     eo.collectives = runner;
   }
   Executor ex(m.graph, eo);
@@ -143,7 +150,9 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
     s[0] = ex.get(m.loss).item();
     const std::vector<int32_t>* sets[3] = {&train_v, &val_v, &test_v};
     for (int k = 0; k < 3; ++k) {
-      s[k + 1] = masked_accuracy(logits, labels, *sets[k]) * static_cast<double>(sets[k]->size());
+      // 1.5D: the c replicas of a block count its vertices c times.
+      s[k + 1] = masked_accuracy(logits, labels, *sets[k]) * static_cast<double>(sets[k]->size()) /
+                 static_cast<double>(c);
     }
     if (graph_parallel && ranks > 1) comm->all_reduce(sums);
     ep.loss = s[0];
@@ -151,8 +160,16 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
     ep.val_acc = totals[1] > 0 ? s[2] / totals[1] : 0;
     ep.test_acc = totals[2] > 0 ? s[3] / totals[2] : 0;
   };
-  Communicator* group = runner ? runner->comm_of(0) : nullptr;
-  const CommCounters before = group != nullptr ? group->counters() : CommCounters{};
+  // Counters of the groups' communicators: parameters (0), the halo
+  // exchange's and, under 1.5D, the replica group's.
+  auto group_counters = [&](int64_t id) {
+    Communicator* gc = runner ? runner->comm_of(id) : nullptr;
+    return gc != nullptr ? gc->counters() : CommCounters{};
+  };
+  const int64_t exchange_id = shard ? shard->shard.exchange_group : 0;
+  const int64_t replica_id = shard ? shard->shard.replica_group : -1;
+  const CommCounters before[3] = {group_counters(0), group_counters(exchange_id),
+                                  group_counters(replica_id)};
 
   FullGraphResult r;
   r.params = m.graph.param_count();
@@ -180,15 +197,26 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
       }
     }
   }
-  if (group != nullptr && opts.epochs > 0) {
-    const CommCounters after = group->counters();
-    auto sent = [](const CommCounters& c, const char* k) {
-      auto it = c.by_collective.find(k);
-      return it == c.by_collective.end() ? uint64_t{0} : it->second.bytes_sent;
+  if (runner && opts.epochs > 0) {
+    const CommCounters after[3] = {group_counters(0), group_counters(exchange_id),
+                                   group_counters(replica_id)};
+    auto sent = [&](int i, const char* k) {
+      auto at = [&](const CommCounters& cc) {
+        auto it = cc.by_collective.find(k);
+        return it == cc.by_collective.end() ? uint64_t{0} : it->second.bytes_sent;
+      };
+      return (at(after[i]) - at(before[i])) / static_cast<uint64_t>(opts.epochs);
     };
-    const auto e = static_cast<uint64_t>(opts.epochs);
-    r.halo_bytes_sent_per_epoch = (sent(after, "all_to_allv") - sent(before, "all_to_allv")) / e;
-    r.allreduce_bytes_sent_per_epoch = (sent(after, "all_reduce") - sent(before, "all_reduce")) / e;
+    r.halo_bytes_sent_per_epoch = sent(1, "all_to_allv");
+    r.allreduce_bytes_sent_per_epoch = sent(0, "all_reduce");
+    if (replica_id >= 0) {
+      r.replica_bytes_sent_per_epoch = sent(2, "all_reduce");
+      for (const Node& node : m.graph.nodes()) {
+        if (node.op == OpKind::all_reduce && CollectiveAttrs::of(node).group == replica_id) {
+          r.expected_replica_bytes_per_epoch += runner->cost_of(m.graph, node).bytes_sent;
+        }
+      }
+    }
   }
   if (shard) {
     r.local_vertices = shard->shard.local;

@@ -41,7 +41,10 @@ enum class GnnParallel : uint8_t {
 
 struct GraphParallelOptions {
   GnnParallel mode = GnnParallel::none;
-  PartitionOptions partition;  // parts is set to the ranks
+  PartitionOptions partition;  // parts is set to ranks / replication
+  // CAGNET's replication factor c: 1 = 1D; c > 1 = 1.5D (P / c row blocks,
+  // each held by c ranks; must divide the ranks).
+  int64_t replication = 1;
 };
 
 struct GraphEpoch {
@@ -68,6 +71,9 @@ struct FullGraphResult {
   int64_t local_vertices = 0, halo_vertices = 0;
   uint64_t halo_bytes_sent_per_epoch = 0, allreduce_bytes_sent_per_epoch = 0;
   int64_t expected_halo_bytes_per_epoch = 0;
+  // 1.5D: bytes of the all-reduces of partial aggregations over the
+  // replica group, counted and as the runner's cost function predicts.
+  uint64_t replica_bytes_sent_per_epoch = 0, expected_replica_bytes_per_epoch = 0;
 };
 
 // Fraction of `vertices` whose argmax over logits [N, C] equals its label

@@ -1,11 +1,18 @@
-// 1D graph parallelism for full-graph GNN training (CAGNET's 1D scheme,
-// sparsity-aware): a partition (data/graph_partition.h) gives every rank a
+// Graph parallelism for full-graph GNN training, CAGNET's 1D and 1.5D
+// schemes made sparsity-aware. 1D: a partition (data/graph_partition.h) gives every rank a
 // set of vertices; the rank holds their features, computes their rows of
 // every layer, and before each aggregation receives, from each other rank,
 // only the rows its own vertices read (the halo), not whole blocks. Backward
 // sends the halo rows' gradients back to their owners (the exchange's
 // gradient, graph/collective.h). Parameters are replicated and their
-// gradients all-reduced.
+// gradients all-reduced. 1.5D (replication c): the graph is partitioned
+// into P / c row blocks, each held by c ranks; every replica receives only
+// the halo parts assigned to it (replica_of) from the same replica of the
+// other blocks, computes its share of each aggregation, and the shares are
+// all-reduced over the block's c ranks. Halo traffic per rank shrinks
+// (fewer, larger blocks cut fewer edges, and each block pair is served by
+// one replica) at the price of that all-reduce and of dense work done c
+// times.
 //
 // make_graph_shard() is pure: every rank computes its own shard from the
 // whole graph and the partition (so the send and receive lists of every
@@ -34,11 +41,25 @@ struct GraphShard {
 void check_graph_parallel_model(const ModelSpec& spec);
 bool graph_parallel_supports(const ModelSpec& spec);
 
-// Rank `rank`'s shard of g under partition p (p.parts ranks), for the
-// adjacency spec's model aggregates over (gnn_adjacency). ConfigError for
-// a model graph parallelism does not support (gat, sage with max).
+// The collective groups of graph parallelism over `ranks` ranks with
+// replication c, as CommCollectiveRunner takes them: group 0 is every rank
+// (parameters); with c > 1, groups 1 .. c are the exchange groups (rank
+// k * c + j for every row block k, for each j) and groups c + 1 .. c + P/c
+// the replica groups (ranks i * c .. i * c + c - 1 hold row block i).
+std::vector<std::vector<int>> graph_parallel_groups(int ranks, int replication);
+
+// Which replica (0 .. c-1) computes the terms of rows of part recv_part
+// that read part src_part: the local block recv_part mod c, the others
+// (recv_part + src_part) mod c -- a round robin that spreads both.
+int64_t replica_of(int64_t recv_part, int64_t src_part, int64_t replication);
+
+// Rank `rank`'s shard of g under partition p: p.parts row blocks, each held
+// by `replication` ranks (rank = block x replication + replica; 1D when
+// replication is 1), for the adjacency spec's model aggregates over
+// (gnn_adjacency). ConfigError for a model graph parallelism does not
+// support (gat, sage with max).
 GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Partition& p,
-                            int64_t rank, int64_t group = 0);
+                            int64_t rank, int64_t replication = 1);
 
 // The gathered rows of `features` (f32 [n, F]) for `vertices`, in order.
 Tensor gather_rows(const Tensor& features, const std::vector<int32_t>& vertices);
