@@ -57,23 +57,26 @@ def summary_world(summary):
     return None
 
 
-def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None):
+def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None, config=None,
+          sets=()):
     """Trains `model` (mlp, cnn, gpt) for `steps` steps. Never raises: a run
     that fails, or a meshtrain that cannot be built, comes back with .error
-    set, so the suite still prints the peer's figures."""
+    set, so the suite still prints the peer's figures. config: another config
+    file than the model's; sets: extra "key=value" overrides (e.g. a
+    [parallel] plan, dist.slowdown)."""
     name = name or f"meshtrain-{model}-t{threads}-{precision}" + (f"-np{nproc}" if nproc else "")
     try:
         exe = ctx.ensure_built("meshtrain")
     except BenchError as e:
         return MeshtrainRun(None, [], None, f"meshtrain unavailable: {e}", 0.0)
-    config = config_path(model)
+    config = config or config_path(model)
     metrics = ctx.workdir / f"{name}.jsonl"
     cmd = [exe, "train", "--config", config]
     if nproc:
         cmd += ["--nproc", str(nproc)]
     for kv in (f"train.steps={steps}", "train.eval=false", f"train.threads={threads}",
                "train.log_every=1",
-               f"train.precision={precision}", 'train.checkpoint=""'):
+               f"train.precision={precision}", 'train.checkpoint=""', *sets):
         cmd += ["--set", kv]
     cmd += ["--metrics", metrics]
     env = thread_env(threads)

@@ -23,6 +23,12 @@ command line); it trains on batch/world samples and every rank prints its line
 With --fsdp the group is PyTorch FSDP2 instead (`fully_shard` on each GPT block
 and on the root, over a CPU device mesh): ZeRO-3's layout, parameters gathered
 per block for forward and backward.
+
+Tensor parallel (--tp N, GPT only, --world N): PyTorch's own tensor parallelism
+(torch.distributed.tensor.parallel, Megatron's plan): each block's q, k, v and
+fc ColwiseParallel, its proj and fc_proj RowwiseParallel, over a CPU device
+mesh on gloo; every rank trains the whole global batch (the same batches on
+every rank); embeddings, layer norms and the tied head stay replicated.
 """
 
 import argparse
@@ -63,6 +69,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=0, help="global batch (0: model default)")
     p.add_argument("--world", type=int, default=1, help="data-parallel processes")
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree (GPT; --world must equal it)")
     p.add_argument("--fsdp", action="store_true",
                    help="with --world > 1: FSDP2 (fully_shard per GPT block and the root, "
                         "parameters, gradients and optimizer state sharded) instead of DDP")
@@ -155,14 +163,15 @@ def build_model(a):
         def forward(self, x):
             b, t, d = x.shape
             h = self.ln1(x)
-            nh = c["heads"]
+            hd = c["d_model"] // c["heads"]
+            q, k, v = self.q(h), self.k(h), self.v(h)
+            nh = q.shape[-1] // hd  # this rank's heads under tensor parallelism
 
             def split(z):
-                return z.view(b, t, nh, d // nh).transpose(1, 2)
+                return z.view(b, t, nh, hd).transpose(1, 2)
 
-            a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)),
-                                               split(self.v(h)), is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            a = F.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, nh * hd))
             return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
     class GPT(nn.Module):
@@ -338,9 +347,13 @@ def main(argv):
     a = parse_args(argv)
     spec = MODELS[a.model]
     global_batch = a.batch or spec["batch"]
-    if global_batch % a.world != 0:
+    if a.tp > 1 and (a.model != "gpt" or a.world != a.tp or a.fsdp):
+        raise SystemExit("torch_train: --tp needs --model gpt and --world equal to --tp")
+    dp = a.world // a.tp
+    if global_batch % dp != 0:
         raise SystemExit(f"torch_train: batch {global_batch} is not divisible by world {a.world}")
-    local_batch = global_batch // a.world
+    local_batch = global_batch // dp
+    data_rank = a.rank if a.tp == 1 else 0  # tensor-parallel ranks read the same batches
 
     import torch
     import torch.nn.functional as F
@@ -349,7 +362,7 @@ def main(argv):
     # PyPI wheel included), so readers can tell it apart from training memory.
     import_maxrss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peer_threads = set_threads(a.threads)
-    torch.manual_seed(a.seed + a.rank)
+    torch.manual_seed(a.seed + data_rank)
 
     model = build_model(a)
     params = sum(p.numel() for p in model.parameters())
@@ -358,7 +371,18 @@ def main(argv):
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
-        if a.fsdp:
+        if a.tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                           parallelize_module)
+
+            mesh = init_device_mesh("cpu", (a.tp,))
+            for blk in model.blocks:
+                parallelize_module(blk, mesh, {
+                    "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                    "proj": RowwiseParallel(), "fc": ColwiseParallel(),
+                    "fc_proj": RowwiseParallel()})
+        elif a.fsdp:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
@@ -376,7 +400,7 @@ def main(argv):
                                 weight_decay=a.weight_decay)
     step_model = torch.compile(model) if a.mode == "compile" else model
 
-    gen = torch.Generator().manual_seed(1000 + a.seed + a.rank)
+    gen = torch.Generator().manual_seed(1000 + a.seed + data_rank)
     batches = make_batches(a, local_batch, 4, gen)
 
     if a.matmul_probe:
@@ -414,7 +438,8 @@ def main(argv):
         "threads": a.threads,
         "peer_threads": peer_threads,
         "world": a.world,
-        "parallel": ("fsdp" if a.fsdp else "ddp") if a.world > 1 else "none",
+        "parallel": ("tp" if a.tp > 1 else "fsdp" if a.fsdp else "ddp") if a.world > 1
+                    else "none",
         "rank": a.rank,
         "batch": global_batch,
         "local_batch": local_batch,

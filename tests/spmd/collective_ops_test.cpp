@@ -77,8 +77,11 @@ void PrintTo(const OpCase& c, std::ostream* os) {
 // so the pieces are not contiguous (inner > 1).
 Shape input_shape(const OpCase& c, int r) {
   int64_t along = 3;
-  if (c.op == OpKind::all_gather) along = c.sizes[static_cast<size_t>(r)];
-  if (c.op == OpKind::reduce_scatter || c.op == OpKind::all_to_all) {
+  if (c.op == OpKind::all_gather || c.op == OpKind::gather_from_group) {
+    along = c.sizes[static_cast<size_t>(r)];
+  }
+  if (c.op == OpKind::reduce_scatter || c.op == OpKind::all_to_all ||
+      c.op == OpKind::split_to_group) {
     along = 0;
     for (int64_t s : c.uneven ? send_sizes(c.ranks, r) : c.sizes) along += s;
   }
@@ -103,6 +106,10 @@ ValueId apply(Builder& b, const OpCase& c, ValueId x, int r) {
       return b.copy_to_group(x, 0);
     case OpKind::reduce_from_group:
       return b.reduce_from_group(x, 0);
+    case OpKind::gather_from_group:
+      return b.gather_from_group(x, 0, c.dim, c.sizes, r);
+    case OpKind::split_to_group:
+      return b.split_to_group(x, 0, c.dim, c.sizes, r);
     default:
       throw InternalError("not a collective");
   }
@@ -138,6 +145,14 @@ std::vector<OpCase> cases() {
     out.push_back({label("all_to_allv_dim1"), O::all_to_all, n, {}, 1, J::sum_of_losses, 1, true});
     out.push_back({label("copy_to_group"), O::copy_to_group, n, {}, 0, J::replicated_input});
     out.push_back({label("reduce_from_group"), O::reduce_from_group, n, {}, 0, J::replicated_loss});
+    out.push_back({label("gather_from_group_dim1_uneven"), O::gather_from_group, n, uneven, 1,
+                   J::replicated_loss});
+    out.push_back({label("gather_from_group_dim0_even"), O::gather_from_group, n, even, 0,
+                   J::replicated_loss});
+    out.push_back({label("split_to_group_dim1_uneven"), O::split_to_group, n, uneven, 1,
+                   J::replicated_input});
+    out.push_back(
+        {label("split_to_group_dim0_even"), O::split_to_group, n, even, 0, J::replicated_input});
   }
   // A rank with an empty piece.
   out.push_back({"all_gather_empty_piece_np3", O::all_gather, 3, {2, 0, 1}, 0});
@@ -242,7 +257,7 @@ std::vector<float> expected(const OpCase& c, int r) {
     before.push_back(total);
     total += s;
   }
-  if (c.op == OpKind::all_gather) {
+  if (c.op == OpKind::all_gather || c.op == OpKind::gather_from_group) {
     for (int64_t o = 0; o < outer; ++o) {
       for (int q = 0; q < n; ++q) {
         const int64_t sq = c.sizes[static_cast<size_t>(q)];
@@ -252,6 +267,14 @@ std::vector<float> expected(const OpCase& c, int r) {
     return y;
   }
   const int64_t mine = c.sizes[static_cast<size_t>(r)];
+  if (c.op == OpKind::split_to_group) {  // this rank's piece of its own x
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int64_t k = 0; k < mine * inner; ++k) {
+        y.push_back(x(r, (o * total + before[static_cast<size_t>(r)]) * inner + k));
+      }
+    }
+    return y;
+  }
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t k = 0; k < mine * inner; ++k) {
       float s = 0;
@@ -303,7 +326,8 @@ TEST_P(CollectiveForward, BitwiseEqualToTheClosedForm) {
         EXPECT_EQ(counters.total_sent(), 0u);
         return;
       }
-      const char* kind = node.op == OpKind::all_gather       ? "all_gatherv"
+      const bool gathers = node.op == OpKind::all_gather || node.op == OpKind::gather_from_group;
+      const char* kind = gathers                             ? "all_gatherv"
                          : node.op == OpKind::reduce_scatter ? "reduce_scatterv"
                          : node.op == OpKind::all_to_all ? (c.uneven ? "all_to_allv" : "all_to_all")
                                                          : "all_reduce";
@@ -419,7 +443,7 @@ TEST(CollectiveCases, CoverEveryCollectiveOperator) {
     for (const OpCase& c : cases()) covered = covered || c.op == op;
     EXPECT_TRUE(covered) << op_name(op) << " has no case";
   }
-  EXPECT_EQ(found, 6);
+  EXPECT_EQ(found, 8);
 }
 
 // ---- groups ----

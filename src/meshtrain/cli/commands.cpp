@@ -27,6 +27,7 @@
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
+#include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/plan.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/tensor/machine.h"
@@ -73,12 +74,15 @@ FaultSpec parse_fault(const std::string& spec) {
 // The keys whose values depend on the number of ranks, checked against it:
 // by the launcher before any rank starts, and by every rank against its
 // communicator (under mpirun / srun).
-void check_world(const RunConfig& rc, int world) {
+// dp_world: the data-parallel ranks the batch is shared by (the world, or
+// the plan's dp axis under tensor parallelism).
+void check_world(const RunConfig& rc, int world, int dp_world) {
   const auto& shares = rc.train.dist.batch_shares;
-  if (!shares.empty() && static_cast<int64_t>(shares.size()) != world) {
-    throw ConfigError(
-        fmt::format("dist.batch_shares: {} shares [{}] given for {} rank{} (one share per rank)",
-                    shares.size(), fmt::join(shares, ", "), world, world == 1 ? "" : "s"));
+  if (!shares.empty() && static_cast<int64_t>(shares.size()) != dp_world) {
+    throw ConfigError(fmt::format(
+        "dist.batch_shares: {} shares [{}] given for {} {}rank{} (one share per {}rank)",
+        shares.size(), fmt::join(shares, ", "), dp_world, dp_world == world ? "" : "data-parallel ",
+        dp_world == 1 ? "" : "s", dp_world == world ? "" : "data-parallel "));
   }
   const auto& slow = rc.train.dist.slowdown;
   if (!slow.empty() && static_cast<int64_t>(slow.size()) != world) {
@@ -317,62 +321,96 @@ namespace {
 
 // train --plan / [parallel] / --write-plan: the plan is checked before any
 // step (every rank checks it, so a bad plan fails everywhere, no hang);
-// `write` writes it for --write-plan. Only data-parallel plans run today:
-// anything more is refused, never run as data parallelism instead.
-void check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world, bool write,
-                      bool announce) {
+// `write` writes it for --write-plan. Data-parallel plans run as [dist] data
+// parallelism; plans with tensor axes (tensor / sequence parallelism, with
+// or without dp) are returned for the Trainer to lower and run; pipeline
+// stages and micro-batches are refused, never run as something else.
+std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig& rc, int world,
+                                     bool write, bool announce) {
   Graph g;
   const std::optional<Plan> plan = run_plan(opts, rc, world, &g);
-  if (!plan) return;
+  if (!plan) return std::nullopt;
+  const std::string where =
+      opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path;
   if (write && !opts.write_plan_path.empty()) {
     write_plan(*plan, opts.write_plan_path);
     fmt::print(stderr, "meshtrain: wrote the plan to {}\n", opts.write_plan_path);
   }
-  if (!plan->data_parallel_only(g)) {
+  const bool lowered = needs_lowering(*plan);
+  if (plan->pipeline_stages() > 1 || plan->microbatches > 1 ||
+      (!lowered && !plan->data_parallel_only(g))) {
     throw ConfigError(fmt::format(
-        "{}: this plan ({}; mesh {}) needs tensor or pipeline parallelism, which the runtime "
-        "does not execute yet (only data-parallel plans run; `meshtrain inspect` shows the "
+        "{}: this plan ({}; mesh {}) needs pipeline parallelism, which the trainer does not "
+        "execute yet (data, tensor and sequence parallelism run; `meshtrain inspect` shows the "
         "plan{})",
-        opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path,
-        beyond_data_parallel(*plan, g), plan->mesh.describe(),
+        where, beyond_data_parallel(*plan, g), plan->mesh.describe(),
         write && !opts.write_plan_path.empty() ? ", and it was written to " + opts.write_plan_path
                                                : ""));
   }
+  if (lowered) {
+    // What tensor parallelism does not carry yet, refused before any rank
+    // starts (the Trainer refuses it too, for library users).
+    for (const auto& [key, value] : {std::pair{"train.checkpoint", rc.train.checkpoint_path},
+                                     std::pair{"train.resume", rc.train.resume_path},
+                                     std::pair{"train.init", rc.train.init_path}}) {
+      if (value.empty()) continue;
+      throw ConfigError(fmt::format(
+          "{}: not available under tensor parallelism yet (mesh {}): checkpoints of split "
+          "parameters need N-d checkpoint pieces, which come next; run without it, or with "
+          "data parallelism only",
+          key, plan->mesh.describe()));
+    }
+  }
   // Data parallelism reads the batch as the loader splits it (by
-  // dist.batch_shares); a plan that splits it otherwise would silently
-  // train on other examples than it says.
+  // dist.batch_shares over the data-parallel ranks); a plan that splits it
+  // otherwise would silently train on other examples than it says.
+  const int dp_world = lowered ? plan->mesh.axis_size("dp") : world;
+  auto dp_rank = [&](int r) { return lowered ? plan->mesh.coord(r, "dp") : r; };
   const int64_t batch = g.value(*g.find("x")).shape[0];
   std::vector<int64_t> shares = rc.train.dist.batch_shares;
-  if (shares.empty()) shares.assign(static_cast<size_t>(world), 1);
-  const std::vector<int64_t> bounds = shard_bounds(batch, shares);
+  if (shares.empty()) shares.assign(static_cast<size_t>(dp_world), 1);
+  // (A count that does not fit is check_world()'s message.)
+  const bool shares_fit = static_cast<int>(shares.size()) == dp_world;
+  const std::vector<int64_t> bounds =
+      shares_fit ? shard_bounds(batch, shares) : std::vector<int64_t>{};
   for (const char* in : {"x", "y"}) {
     const auto id = g.find(in);
-    if (!id) continue;
+    if (!id || !shares_fit) continue;
     const Shape& shape = g.value(*id).shape;
     const int64_t per = shape[0] / batch;  // gpt: seq_len labels per example
     for (int r = 0; r < world; ++r) {
       const Box b = local_box(shape, plan->spec(in), plan->mesh, r);
-      const int64_t lo = bounds[static_cast<size_t>(r)] * per;
-      const int64_t hi = bounds[static_cast<size_t>(r) + 1] * per;
+      const int64_t lo = bounds[static_cast<size_t>(dp_rank(r))] * per;
+      const int64_t hi = bounds[static_cast<size_t>(dp_rank(r)) + 1] * per;
       if (b.begin[0] == lo && b.end[0] == hi) continue;
       throw ConfigError(fmt::format(
           "{}: values.{}: rank {} would read rows [{}, {}) of {}, but data parallelism gives it "
           "[{}, {}) (dist.batch_shares {}); make the plan's batch ratios and dist.batch_shares "
           "agree",
-          opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path, in, r,
-          b.begin[0], b.end[0], shape[0], lo, hi,
+          where, in, r, b.begin[0], b.end[0], shape[0], lo, hi,
           rc.train.dist.batch_shares.empty()
               ? std::string("equal")
               : fmt::format("[{}]", fmt::join(rc.train.dist.batch_shares, ", "))));
     }
   }
-  if (announce) {
+  if (announce && lowered) {
+    fmt::print(stderr,
+               "meshtrain: {}: mesh {}: tensor axes lowered into each rank's graph{}, data "
+               "parallelism over dp (ZeRO stage {})\n",
+               where, plan->mesh.describe(),
+               plan->sequence_parallel ? " with sequence parallelism" : "", rc.train.dist.dp.stage);
+  } else if (announce) {
     fmt::print(stderr,
                "meshtrain: {}: mesh {} is data parallelism; it runs as [dist] data "
                "parallelism (ZeRO stage {})\n",
-               opts.plan_path.empty() ? std::string("parallel") : "plan " + opts.plan_path,
-               plan->mesh.describe(), rc.train.dist.dp.stage);
+               where, plan->mesh.describe(), rc.train.dist.dp.stage);
   }
+  if (!lowered) return std::nullopt;
+  return plan;
+}
+
+int plan_dp_world(const std::optional<Plan>& plan, int world) {
+  return plan ? plan->mesh.axis_size("dp") : world;
 }
 
 // OpenBLAS reads OPENBLAS_CORETYPE once, when the library loads (before
@@ -603,8 +641,9 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   }
   const bool launcher = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
   if (launcher) {
-    check_world(rc, nproc);
-    check_train_plan(opts, rc, nproc, /*write=*/true, /*announce=*/false);
+    const std::optional<Plan> tplan =
+        check_train_plan(opts, rc, nproc, /*write=*/true, /*announce=*/false);
+    check_world(rc, nproc, plan_dp_world(tplan, nproc));
     return launch_ranks(opts, rc, nproc, argc, argv);
   }
   // This process is a rank from here on: a SIGINT / SIGTERM (from the user,
@@ -627,12 +666,14 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     };
     comm = make_mpi_communicator(co);
   }
-  check_world(rc, comm ? comm->size() : 1);
+  const int world = comm ? comm->size() : 1;
   const bool leader = comm == nullptr || comm->rank() == 0;
   // Under the --nproc launcher the plan was written before the ranks started
   // (it does not pass --write-plan on).
-  check_train_plan(opts, rc, comm ? comm->size() : 1, /*write=*/leader,
-                   /*announce=*/leader && !opts.quiet);
+  const std::optional<Plan> tplan =
+      check_train_plan(opts, rc, world, /*write=*/leader, /*announce=*/leader && !opts.quiet);
+  check_world(rc, world, plan_dp_world(tplan, world));
+  if (tplan) rc.train.dist.plan = std::make_shared<const Plan>(*tplan);
   if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
   if (empty && leader) empty_notice(opts);
@@ -704,10 +745,15 @@ int cmd_inspect(const CommandOptions& opts) {
     return 0;
   }
   // The graph, options and memory plan rank 0 of a run of this config gets
-  // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks.
+  // (train/training_plan.h, the code the Trainer uses), at dist.nproc ranks;
+  // under a plan with tensor axes, rank 0's lowered program.
   const int world = rc.nproc;
-  const BatchSplit split = split_batch(rc.train, 0, world);
-  const TrainingGraph tg = build_training_graph(rc.model, rc.train, split.micro_batch);
+  const bool runs_lowered =
+      pplan && needs_lowering(*pplan) && pplan->pipeline_stages() == 1 && pplan->microbatches == 1;
+  if (runs_lowered) rc.train.dist.plan = std::make_shared<const Plan>(*pplan);
+  const DataParallelPlace place = data_parallel_place(rc.train, 0, world);
+  const BatchSplit split = split_batch(rc.train, place.rank, place.world);
+  const TrainingGraph tg = build_training_graph(rc.model, rc.train, split.micro_batch, 0);
   const TrainingPlan plan = plan_training(tg, rc.model, rc.train, split, 0, world);
   const Graph& g = tg.model.graph;
   fmt::print("{}", describe(g));
@@ -729,12 +775,27 @@ int cmd_inspect(const CommandOptions& opts) {
              world > 1 ? fmt::format(" / {} local ranks", world) : "",
              plan.total_bytes() <= mine ? "fits" : "does NOT fit (meshtrain train will refuse)");
   if (pplan) {
-    fmt::print("\nparallel plan ({}; the memory plan above is data parallelism's):\n{}",
+    fmt::print("\nparallel plan ({}; the memory plan above is {}):\n{}",
                opts.plan_path.empty() ? std::string("from [parallel]") : opts.plan_path,
+               runs_lowered ? "rank 0's program under it" : "data parallelism's",
                describe_plan(*pplan, plan_graph));
-    if (!pplan->data_parallel_only(plan_graph)) {
-      fmt::print("the runtime does not execute this plan yet ({}); meshtrain train refuses it\n",
-                 beyond_data_parallel(*pplan, plan_graph));
+    if (runs_lowered) {
+      // Every rank's program: its parameter boxes, the collectives the
+      // lowering inserted (forward and backward, with bytes) and its memory.
+      fmt::print("\nper-rank programs (spmd lowering):\n");
+      for (int r = 0; r < world; ++r) {
+        const TrainingGraph tr = build_training_graph(rc.model, rc.train, split.micro_batch, r);
+        const TrainingPlan pr = plan_training(tr, rc.model, rc.train, split, r, world);
+        fmt::print("{}  planned memory: {} (activations {}, parameters {})\n",
+                   describe_lowered(tr.lowered, tr.model.graph), format_bytes(pr.total_bytes()),
+                   format_bytes(pr.activations.arena_bytes),
+                   format_bytes(pr.state.expected_param_bytes));
+      }
+    } else if (!pplan->data_parallel_only(plan_graph)) {
+      fmt::print(
+          "the trainer does not execute this plan yet ({}): pipeline stages and micro-batches "
+          "are not run yet; meshtrain train refuses it\n",
+          beyond_data_parallel(*pplan, plan_graph));
     }
   }
   return 0;

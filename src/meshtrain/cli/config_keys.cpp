@@ -153,8 +153,8 @@ const std::vector<KeyMeaning> kMeanings = {
      "seconds the --nproc launcher gives ranks to stop after SIGINT/SIGTERM before SIGKILL"},
     {"parallel.dp", "data-parallel degree of the plan; 0 = the ranks left: dist.nproc / (tp * pp)"},
     {"parallel.tp",
-     "tensor-parallel degree (Megatron column/row splits; the runtime does not execute tp > 1 "
-     "yet: inspect and --write-plan show the plan)"},
+     "tensor-parallel degree (Megatron column/row splits, lowered into each rank's graph; no "
+     "checkpoints under tp > 1 yet)"},
     {"parallel.pp",
      "pipeline stages (the runtime does not execute pp > 1 yet: inspect and --write-plan show "
      "the plan)"},

@@ -66,6 +66,24 @@ void broadcast_to(KernelBackend&, const Node&, In in, Out out) {
     std::memcpy(dst + static_cast<size_t>(r) * chunk, in[0].raw(), chunk);
 }
 
+// split_to_group: this rank's piece of x along `dim` (attrs as all_gather).
+void group_piece(KernelBackend&, const Node& n, In in, Out out) {
+  const std::vector<int64_t>& sizes = n.attrs.ints("sizes");
+  const auto rank = static_cast<size_t>(n.attrs.i("rank"));
+  const int dim = static_cast<int>(n.attrs.i("dim"));
+  const Shape& xs = in[0].shape();
+  int64_t before = 0;
+  for (size_t q = 0; q < rank; ++q) before += sizes[q];
+  const auto elem = static_cast<int64_t>(dtype_size(in[0].dtype()));
+  const int64_t outer = xs.prod(0, dim), inner = xs.prod(dim + 1, xs.rank()) * elem;
+  const int64_t row_in = xs[dim] * inner, row_out = sizes[rank] * inner;
+  const auto* src = static_cast<const char*>(in[0].raw()) + before * inner;
+  auto* dst = static_cast<char*>(out[0].raw());
+  for (int64_t o = 0; o < outer; ++o) {
+    if (row_out > 0) std::memcpy(dst + o * row_out, src + o * row_in, static_cast<size_t>(row_out));
+  }
+}
+
 KernelFn lookup(OpKind op) {
   switch (op) {
     case OpKind::matmul:
@@ -173,7 +191,10 @@ KernelFn lookup(OpKind op) {
     case OpKind::reduce_scatter:
     case OpKind::reduce_from_group:
     case OpKind::all_to_all:
+    case OpKind::gather_from_group:
       return nullptr;
+    case OpKind::split_to_group:
+      return group_piece;
     case OpKind::spmm:
       return [](KernelBackend& k, const Node&, In in, Out out) {
         k.spmm(in[0], in[1], in.size() == 4 ? in[3] : Tensor(), in[2], out[0]);

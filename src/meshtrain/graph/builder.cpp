@@ -177,19 +177,19 @@ ValueId Builder::all_reduce(ValueId x, int64_t group) {
 
 ValueId Builder::all_gather(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
                             int64_t rank) {
-  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0, {}};
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
   return append(OpKind::all_gather, {x}, a.to_attrs(OpKind::all_gather));
 }
 
 ValueId Builder::reduce_scatter(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
                                 int64_t rank) {
-  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0, {}};
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
   return append(OpKind::reduce_scatter, {x}, a.to_attrs(OpKind::reduce_scatter));
 }
 
 ValueId Builder::all_to_all(ValueId x, int64_t group, int64_t dim, int64_t concat_dim,
                             std::vector<int64_t> sizes, int64_t rank) {
-  CollectiveAttrs a{group, dim, std::move(sizes), rank, concat_dim, {}};
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, concat_dim};
   return append(OpKind::all_to_all, {x}, a.to_attrs(OpKind::all_to_all));
 }
 
@@ -205,6 +205,18 @@ ValueId Builder::copy_to_group(ValueId x, int64_t group) {
 
 ValueId Builder::reduce_from_group(ValueId x, int64_t group) {
   return append(OpKind::reduce_from_group, {x}, group_attrs(group, OpKind::reduce_from_group));
+}
+
+ValueId Builder::gather_from_group(ValueId x, int64_t group, int64_t dim,
+                                   std::vector<int64_t> sizes, int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
+  return append(OpKind::gather_from_group, {x}, a.to_attrs(OpKind::gather_from_group));
+}
+
+ValueId Builder::split_to_group(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                                int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, 0};
+  return append(OpKind::split_to_group, {x}, a.to_attrs(OpKind::split_to_group));
 }
 
 }  // namespace mt

@@ -90,6 +90,12 @@ class Builder {
                       std::vector<int64_t> recv_sizes, int64_t rank);
   ValueId copy_to_group(ValueId x, int64_t group);      // Megatron's f
   ValueId reduce_from_group(ValueId x, int64_t group);  // Megatron's g
+  // x's pieces joined along dim into one replicated value / this rank's piece
+  // of a replicated x (no communication forward).
+  ValueId gather_from_group(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                            int64_t rank);
+  ValueId split_to_group(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                         int64_t rank);
 
   // Renames the operator that produced v (scoped), instead of its automatic
   // "<op>_<n>", and returns v:  ValueId logits = b.name(b.matmul(h, w), "logits");

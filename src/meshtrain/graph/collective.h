@@ -19,11 +19,18 @@
 //   reduce_from_group (g) y = sum_q x_q replicated, the loss reads it once
 //                   (every rank computes the same loss; L counts it once):
 //                   dx_q = dy  (f, the identity)
+//   gather_from_group y = concat_q x_q replicated, the loss reads it once:
+//                   dx_q = piece q of dy  (split_to_group, no communication)
+//   split_to_group  x replicated, y_r = piece r of x (no communication):
+//                   dx = concat_r dy_r  (gather_from_group)
 // So all_reduce and g have the same forward and different gradients: use
 // all_reduce when each rank's result feeds its own term of the loss, g when
 // the result is one replicated value (Megatron's row-parallel output), and f
 // where a replicated value enters rank-local partial computations (Megatron's
-// column-parallel input). Sums are sums (no averaging).
+// column-parallel input). all_gather and gather_from_group likewise: the first
+// where each rank's joined copy feeds its own partial computation (sequence
+// parallelism before a column-parallel layer), the second where the joined
+// value is one replicated value. Sums are sums (no averaging).
 #pragma once
 
 #include <cstdint>
@@ -50,7 +57,7 @@ struct CollectiveAttrs {
   // rank order along the same dimension (concat_dim == dim). A rank's
   // received shape depends on the others' sizes, so the builder of each
   // rank's graph states it. Empty: even pieces.
-  std::vector<int64_t> recv_sizes;
+  std::vector<int64_t> recv_sizes = {};
 
   Attrs to_attrs(OpKind op) const;
   static CollectiveAttrs of(const Node& n);

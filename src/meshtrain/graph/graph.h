@@ -81,6 +81,10 @@ enum class OpKind : uint16_t {
   sddmm,              // inputs row_ptr, col_idx, a [N,F], b [M,F] -> [E] (d spmm / d w)
   spmm_max_grad,      // inputs dy, argmax; attrs: shape (of x)
   edge_softmax_grad,  // inputs row_ptr, y, dy
+  // collectives with a replicated side (graph/collective.h), as f and g are
+  // for all_reduce. attrs as all_gather.
+  gather_from_group,  // y = x of every group rank joined along dim, replicated; backward: own piece
+  split_to_group,     // x replicated, y = this rank's piece along dim (local); backward: gather
 };
 
 // activation: produced by a forward node; grad: produced by a backward node.

@@ -17,7 +17,8 @@ namespace mt {
 namespace {
 
 bool pieces_op(OpKind op) {
-  return op == OpKind::all_gather || op == OpKind::reduce_scatter || op == OpKind::all_to_all;
+  return op == OpKind::all_gather || op == OpKind::reduce_scatter || op == OpKind::all_to_all ||
+         op == OpKind::gather_from_group || op == OpKind::split_to_group;
 }
 
 double no_flops(const Graph&, const Node&) {
@@ -162,6 +163,12 @@ void grad_copy_to_group(GradContext& c) {
 void grad_reduce_from_group(GradContext& c) {
   emit_transpose(c, OpKind::copy_to_group);
 }
+void grad_gather_from_group(GradContext& c) {
+  emit_transpose(c, OpKind::split_to_group);
+}
+void grad_split_to_group(GradContext& c) {
+  emit_transpose(c, OpKind::gather_from_group);
+}
 
 OpDef def(OpKind op, std::string_view name, std::vector<ValueType> (*infer)(const InferContext&),
           void (*grad)(GradContext&)) {
@@ -210,6 +217,8 @@ bool is_group_op(OpKind op) {
     case OpKind::copy_to_group:
     case OpKind::reduce_from_group:
     case OpKind::all_to_all:
+    case OpKind::gather_from_group:
+    case OpKind::split_to_group:
       return true;
     default:
       return false;
@@ -217,7 +226,7 @@ bool is_group_op(OpKind op) {
 }
 
 bool communicates(OpKind op) {
-  return is_group_op(op) && op != OpKind::copy_to_group;
+  return is_group_op(op) && op != OpKind::copy_to_group && op != OpKind::split_to_group;
 }
 
 double collective_payload_bytes(const Graph& g, const Node& n) {
@@ -231,6 +240,7 @@ double collective_payload_bytes(const Graph& g, const Node& n) {
     case OpKind::all_to_all:
       return bytes(n.inputs[0]);
     case OpKind::all_gather:
+    case OpKind::gather_from_group:
       return bytes(n.outputs[0]);
     default:
       return 0;
@@ -249,6 +259,11 @@ void register_collective_ops(std::vector<OpDef>& t) {
   t.push_back(
       def(OpKind::reduce_from_group, "reduce_from_group", infer_same, grad_reduce_from_group));
   t.push_back(def(OpKind::all_to_all, "all_to_all", infer_all_to_all, grad_all_to_all));
+  t.push_back(def(OpKind::gather_from_group, "gather_from_group", infer_all_gather,
+                  grad_gather_from_group));
+  // A local copy of this rank's piece (exec/kernel_table.cpp).
+  t.push_back(
+      def(OpKind::split_to_group, "split_to_group", infer_reduce_scatter, grad_split_to_group));
 }
 
 }  // namespace mt

@@ -141,6 +141,7 @@ CollectiveHandle CommCollectiveRunner::start(const CollectiveCall& call) {
                                         in.dtype(), ReduceOp::sum, opts_);
       break;
     case OpKind::all_gather:
+    case OpKind::gather_from_group:
     case OpKind::reduce_scatter:
     case OpKind::all_to_all: {
       const CollectiveAttrs& a = call.attrs;
@@ -151,7 +152,7 @@ CollectiveHandle CommCollectiveRunner::start(const CollectiveCall& call) {
             call.node, op_name(call.op), a.rank, a.group_size(), fmt::join(a.sizes, ", "),
             comm.rank(), comm.size(), a.group, fmt::join(ranks_of(a.group), ", ")));
       }
-      const bool gather = call.op == OpKind::all_gather;
+      const bool gather = call.op == OpKind::all_gather || call.op == OpKind::gather_from_group;
       const size_t elem = dtype_size(in.dtype());
       if (call.op == OpKind::all_to_all && !a.recv_sizes.empty()) {
         // Uneven pieces (all_to_allv): pack x's pieces rank-major when they
@@ -267,8 +268,9 @@ CollectiveCost CommCollectiveRunner::cost_of(const Graph& g, const Node& n) cons
                        count, x.dtype);
     }
     case OpKind::all_gather:
+    case OpKind::gather_from_group:
     case OpKind::reduce_scatter: {
-      const bool gather = n.op == OpKind::all_gather;
+      const bool gather = n.op == OpKind::all_gather || n.op == OpKind::gather_from_group;
       const Pieces p = pieces_of(gather ? g.value(n.outputs[0]).shape : x.shape, a);
       const size_t total = std::accumulate(p.counts.begin(), p.counts.end(), size_t{0});
       const Collective c = gather ? Collective::all_gatherv : Collective::reduce_scatterv;

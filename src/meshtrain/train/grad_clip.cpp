@@ -11,7 +11,7 @@ double global_grad_norm(std::span<const ParamRef> params, const NormReducer& red
       throw ShapeError(fmt::format("gradient norm: gradient of '{}' must be f32, got {}", p.name,
                                    p.grad.desc()));
     }
-    sq += sum_squares(p.grad.data<float>(), p.grad.numel());
+    if (p.counted) sq += sum_squares(p.grad.data<float>(), p.grad.numel());
   }
   if (reducer) reducer(std::span<double>(&sq, 1));
   return std::sqrt(sq);

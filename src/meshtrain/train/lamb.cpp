@@ -62,7 +62,7 @@ class Lamb final : public Optimizer {
         }
         if (adapt) rr += sum_squares(r, len);
       }
-      if (!adapt) continue;
+      if (!adapt || !p.counted) continue;
       norms_[2 * k] = sum_squares(w, n);
       norms_[2 * k + 1] = rr;
     }

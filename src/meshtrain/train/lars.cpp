@@ -38,7 +38,7 @@ class Lars final : public Optimizer {
     norms_.assign(2 * params.size(), 0.0);
     for (size_t k = 0; k < params.size(); ++k) {
       const ParamRef& p = params[k];
-      if (!adapts(p)) continue;
+      if (!adapts(p) || !p.counted) continue;
       norms_[2 * k] = sum_squares(p.param.data<float>(), p.param.numel());
       norms_[2 * k + 1] = sum_squares(p.grad.data<float>(), p.grad.numel());
     }

@@ -43,6 +43,11 @@ struct ParamRef {
   // Rank (number of dimensions) of the whole parameter, for the decay rule
   // when `param` is a flat slice of it; -1 means param.rank().
   int full_rank = -1;
+  // Whether this rank's slice counts in sums over ranks (norms for clipping,
+  // LARS, LAMB). False on all but one rank of a group that holds the same
+  // replicated parameter (tensor parallelism's layer norms and biases), so a
+  // NormReducer over the group counts it once.
+  bool counted = true;
 
   int whole_rank() const { return full_rank >= 0 ? full_rank : param.rank(); }
 };

@@ -1,5 +1,7 @@
 #include "meshtrain/train/param_store.h"
 
+#include <algorithm>
+
 #include "meshtrain/base/random.h"
 #include "meshtrain/tensor/memory_stats.h"
 
@@ -87,6 +89,35 @@ void ParamStore::initial_range(size_t i, int64_t begin, int64_t end, float* dst)
   MT_CHECK(begin >= 0 && begin <= end && end <= e.shape.numel(),
            "initial_range [{}, {}) of '{}' with {} elements", begin, end, e.name, e.shape.numel());
   init_range(dst, begin, end, e.init, seed_, e.name);
+}
+
+void ParamStore::initial_box(size_t i, const Shape& global, const std::vector<int64_t>& begin) {
+  Entry& e = entries_.at(i);
+  const int r = e.shape.rank();
+  MT_CHECK(global.rank() == r && static_cast<int>(begin.size()) == r && e.value.defined(),
+           "initial_box of '{}': shape {} in {}", e.name, e.shape.str(), global.str());
+  for (int d = 0; d < r; ++d) {
+    MT_CHECK(begin[static_cast<size_t>(d)] >= 0 &&
+                 begin[static_cast<size_t>(d)] + e.shape[d] <= global[d],
+             "initial_box of '{}': box {} at dim {} outside {}", e.name, e.shape.str(), d,
+             global.str());
+  }
+  std::vector<float> whole(static_cast<size_t>(global.numel()));
+  init_range(whole.data(), 0, global.numel(), e.init, seed_, e.name);
+  float* dst = e.value.data<float>();
+  const int64_t row = r == 0 ? 1 : e.shape[r - 1];
+  const int64_t rows = row == 0 ? 0 : e.shape.numel() / row;
+  for (int64_t k = 0; k < rows; ++k) {
+    // Global flat offset of the box's row k.
+    int64_t rest = k, flat = 0, stride = r == 0 ? 1 : global[r - 1];
+    flat = r == 0 ? 0 : begin[static_cast<size_t>(r - 1)];
+    for (int d = r - 2; d >= 0; --d) {
+      flat += (begin[static_cast<size_t>(d)] + rest % e.shape[d]) * stride;
+      rest /= e.shape[d];
+      stride *= global[d];
+    }
+    std::copy_n(whole.data() + flat, row, dst + k * row);
+  }
 }
 
 void ParamStore::drop_values() {

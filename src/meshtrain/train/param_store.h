@@ -46,6 +46,13 @@ class ParamStore {
   // without holding the rest: fills a shard without a whole copy.
   void initial_range(size_t i, int64_t begin, int64_t end, float* dst) const;
 
+  // Redraws entry i as a box of a larger parameter (tensor parallelism: this
+  // rank's piece): the same numbers as the box starting at `begin` (one
+  // offset per dimension; the box's shape is the entry's) of the parameter
+  // of shape `global` drawn whole, so a split run starts exactly where the
+  // unsplit one does. Holds one whole copy of the parameter meanwhile.
+  void initial_box(size_t i, const Shape& global, const std::vector<int64_t>& begin);
+
   // The layout the store gives g's parameters (names, shapes, offsets in the
   // flat buffers) and the flat buffers' length in elements, without
   // allocating or initialising anything.

@@ -20,6 +20,8 @@
 #include "meshtrain/data/loader.h"
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/builder.h"
+#include "meshtrain/graph/collective.h"
+#include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/sync/consistency.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/kernels.h"
@@ -133,6 +135,22 @@ struct Trainer::Impl {
   std::unique_ptr<Communicator> own_comm;  // world size 1 when no group is given
   Communicator* comm = nullptr;
   int rank = 0, world = 1;
+  // The data-parallel group: the world, or under a plan with tensor axes the
+  // ranks that share this rank's tensor coordinates (data_parallel_place()).
+  std::unique_ptr<Communicator> own_dp_comm;
+  Communicator* dp_comm = nullptr;
+  // Under tensor parallelism, one communicator per tensor axis for the norm
+  // reductions of the optimizer step, apart from the graph's collectives
+  // (whose byte counters then hold exactly what the lowering predicts).
+  std::vector<std::unique_ptr<Communicator>> norm_comms;
+  int dp_rank = 0, dp_world = 1;
+  // Under a plan with tensor axes: this rank's program (parameter boxes,
+  // groups) and the runner its collective operators go through.
+  LoweredProgram lowered;
+  bool tensor_parallel = false;
+  std::shared_ptr<CommCollectiveRunner> runner;
+  uint64_t tensor_bytes_in_steps = 0;  // sent by this rank's tensor groups inside train_step
+  int64_t tensor_steps = 0;
 
   ModelGraph model;
   ValueId loss_scale_in = kNoValue;  // f16 only: the scalar the loss is multiplied by
@@ -188,6 +206,7 @@ struct Trainer::Impl {
     comm = group;
     rank = comm->rank();
     world = comm->size();
+    join_data_parallel_group();
     check_outputs();
     kernels(o.exec.backend, o.exec.fast).set_num_threads(o.threads);
     spec.compute = o.precision;
@@ -196,8 +215,8 @@ struct Trainer::Impl {
     LoaderOptions lo;
     lo.batch_size = o.batch_size;
     lo.seed = o.seed;
-    lo.rank = rank;
-    lo.world_size = world;
+    lo.rank = dp_rank;
+    lo.world_size = dp_world;
     lo.shares = o.dist.batch_shares;
     lo.shuffle = o.shuffle;
     if (train_data->size() < o.batch_size) {
@@ -211,7 +230,7 @@ struct Trainer::Impl {
           fmt::format("train.eval_batches: must be >= 0 (0 = all), got {}", o.eval_batches));
     }
     if (o.eval) eval_loader = make_eval_loader();
-    const BatchSplit split = split_batch(o, rank, world);
+    const BatchSplit split = split_batch(o, dp_rank, dp_world);
     MT_CHECK_EQ(split.local_batch,
                 loader->local_range(o.batch_size).second - loader->local_range(o.batch_size).first);
     local_batch = split.local_batch;
@@ -221,10 +240,15 @@ struct Trainer::Impl {
     // `meshtrain inspect` prints; nothing large is allocated before the plan
     // is checked against the memory this rank may use.
     decide_precision_once();
-    TrainingGraph tg = build_training_graph(spec, o, micro_batch);
+    TrainingGraph tg = build_training_graph(spec, o, micro_batch, rank);
     plan = plan_training(tg, spec, o, split, rank, world, test_data ? test_data->size() : -1);
     if (o.memory_limit > 0) check_memory_fits(plan, spec, o, o.memory_limit);
     model = std::move(tg.model);
+    if (tensor_parallel) {
+      lowered = std::move(tg.lowered);
+      runner = std::make_shared<CommCollectiveRunner>(*comm, lowered.groups, o.dist.dp.collective);
+      tg.exec.collectives = runner;
+    }
     loss_scale_in = tg.loss_scale_in;
     if (loss_scale_in != kNoValue) loss_scale = Tensor::full({}, DType::f32, scaler.scale());
     exec = std::make_unique<Executor>(model.graph, tg.exec);
@@ -270,9 +294,19 @@ struct Trainer::Impl {
     // A fresh ZeRO-3 run never holds whole parameters: DataParallel's shard
     // is drawn one parameter at a time below. Resuming and train.init read
     // whole tensors into the store first (then it is dropped).
-    const bool shard_init = o.dist.dp.stage == 3 && o.resume_path.empty() && o.init_path.empty();
+    const bool shard_init =
+        o.dist.dp.stage == 3 && o.resume_path.empty() && o.init_path.empty() && !tensor_parallel;
     store = std::make_unique<ParamStore>(model.graph, o.seed, /*with_grads=*/false,
                                          /*with_values=*/!shard_init);
+    // Tensor parallelism: each split parameter starts as its box of the
+    // whole parameter's initial value, so the run starts where the unsplit
+    // one does.
+    for (size_t i = 0; tensor_parallel && i < store->entries().size(); ++i) {
+      const LoweredParam* lp = lowered.param(store->entries()[i].name);
+      MT_CHECK(lp != nullptr, "parameter '{}' is not in the lowered program",
+               store->entries()[i].name);
+      if (!lp->axis.empty()) store->initial_box(i, lp->global, lp->box.begin);
+    }
     // Parameters (and optimizer state) must be final before DataParallel
     // copies its shard out of them (ZeRO-3).
     if (!o.resume_path.empty()) {
@@ -293,7 +327,7 @@ struct Trainer::Impl {
     }
 
     dp = std::make_unique<DataParallel>(
-        *comm, layout_of(*store),
+        *dp_comm, layout_of(*store),
         shard_init ? Tensor::wrap(nullptr, {store->flat_numel()}, DType::f32)
                    : store->flat_values(),
         o.dist.dp);
@@ -305,7 +339,7 @@ struct Trainer::Impl {
     if (o.dist.dp.stage == 3) store->drop_values();
     dp->attach(*exec, model.graph);
     MT_CHECK_EQ(exec->memory_plan().arena_bytes, plan.activations.arena_bytes);
-    optimizer->set_norm_reducer(dp->norm_reducer());
+    optimizer->set_norm_reducer(norm_reducer());
     if (!o.resume_path.empty()) resume_optimizer(o.resume_path);
 
     if (timeline.enabled()) {
@@ -323,13 +357,15 @@ struct Trainer::Impl {
                          {{"op", std::string(op_name(op))}});
           });
     }
-    if (world > 1 && o.dist.consistency_every > 0 && o.dist.dp.stage < 3) {
+    if (dp_world > 1 && o.dist.consistency_every > 0 && o.dist.dp.stage < 3) {
+      // Replicas are the ranks of the data-parallel group (under tensor
+      // parallelism each holds the same pieces as its dp peers).
       ConsistencyChecker::NamedTensors named;
       for (auto& e : store->entries()) named.emplace_back(e.name, e.value);
       ConsistencyOptions co;
       co.every_steps = o.dist.consistency_every;
-      consistency = std::make_unique<ConsistencyChecker>(*comm, std::move(named), co);
-    } else if (world > 1 && o.dist.consistency_every > 0) {
+      consistency = std::make_unique<ConsistencyChecker>(*dp_comm, std::move(named), co);
+    } else if (dp_world > 1 && o.dist.consistency_every > 0) {
       // Under ZeRO-3 no two ranks hold the same parameter values, so there
       // is nothing to compare; say so rather than skip the check silently.
       notice(fmt::format(
@@ -346,6 +382,116 @@ struct Trainer::Impl {
   }
 
   bool leader() const { return rank == 0; }
+
+  // Under a plan with tensor axes: this rank's data-parallel coordinate and
+  // group (the ranks with the same tensor coordinates), split off the world.
+  // What tensor parallelism does not carry yet is refused here, before any
+  // step, on every rank alike.
+  void join_data_parallel_group() {
+    const DataParallelPlace place = data_parallel_place(o, rank, world);
+    dp_rank = place.rank;
+    dp_world = place.world;
+    tensor_parallel = place.lowered;
+    if (!tensor_parallel) {
+      dp_comm = comm;
+      return;
+    }
+    const Mesh& mesh = o.dist.plan->mesh;
+    const std::vector<std::vector<int>> groups = mesh.groups("dp");
+    int color = 0;
+    for (size_t i = 0; i < groups.size(); ++i) {
+      if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end()) {
+        color = static_cast<int>(i);
+      }
+    }
+    own_dp_comm = comm->split(color, dp_rank, "dp", o.dist.dp.collective);
+    dp_comm = own_dp_comm.get();
+    for (const std::string& axis : lowered_axes(mesh)) {
+      const std::vector<std::vector<int>> tg = mesh.groups(axis);
+      int tcolor = 0;
+      for (size_t i = 0; i < tg.size(); ++i) {
+        if (std::find(tg[i].begin(), tg[i].end(), rank) != tg[i].end()) {
+          tcolor = static_cast<int>(i);
+        }
+      }
+      norm_comms.push_back(
+          comm->split(tcolor, mesh.coord(rank, axis), axis + ".norms", o.dist.dp.collective));
+    }
+    auto refuse = [&](bool bad, const std::string& what) {
+      if (!bad) return;
+      throw ConfigError(fmt::format(
+          "{}: not available under tensor parallelism yet (mesh {}): checkpoints of split "
+          "parameters need N-d checkpoint pieces, which come next; run without it, or with "
+          "data parallelism only",
+          what, mesh.describe()));
+    };
+    refuse(!o.checkpoint_path.empty(), "train.checkpoint");
+    refuse(!o.resume_path.empty(), "train.resume");
+    refuse(!o.init_path.empty(), "train.init");
+  }
+
+  // Sums over the ranks that hold pieces of the same parameters: the
+  // data-parallel group where ZeRO shards them (DataParallel's reducer), and
+  // under tensor parallelism each tensor group (split parameters' pieces;
+  // replicated ones count once through ParamRef::counted).
+  NormReducer norm_reducer() {
+    NormReducer dpr = dp->norm_reducer();
+    if (!tensor_parallel) return dpr;
+    std::vector<Communicator*> groups;
+    for (const auto& c : norm_comms) groups.push_back(c.get());
+    const CollectiveOptions co = o.dist.dp.collective;
+    return [dpr, groups, co](std::span<double> v) {
+      if (dpr) dpr(v);
+      for (Communicator* g : groups) {
+        g->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, co);
+      }
+    };
+  }
+
+  // Whether this rank counts parameter `name` in sums over its tensor
+  // groups: split parameters always (disjoint pieces), replicated ones on
+  // the groups' first rank only.
+  bool counted(const std::string& name) const {
+    if (!tensor_parallel) return true;
+    const LoweredParam* lp = lowered.param(name);
+    for (const std::string& a : lowered.axes) {
+      if (lp != nullptr && lp->axis == a) continue;
+      if (o.dist.plan->mesh.coord(rank, a) != 0) return false;
+    }
+    return true;
+  }
+
+  // Bytes this rank's tensor groups have sent (the communicators' own
+  // counters, agreement handshakes left out).
+  uint64_t tensor_bytes_sent() const {
+    uint64_t n = 0;
+    for (const auto& [axis, id] : lowered.group_of_axis) {
+      for (const auto& [kind, c] : runner->comm_of(id)->counters().by_collective) {
+        if (kind != "handshake") n += c.bytes_sent;
+      }
+    }
+    return n;
+  }
+
+  // What the lowered training graph's collectives send per step, by the
+  // runner's cost functions (the counters above must agree).
+  uint64_t predicted_tensor_bytes_per_step() const {
+    uint64_t n = 0;
+    for (const Node& node : model.graph.nodes()) {
+      if (communicates(node.op)) n += runner->cost_of(model.graph, node).bytes_sent;
+    }
+    return n * static_cast<uint64_t>(o.dist.dp.accumulation_steps);
+  }
+
+  // The first rank of its tensor groups (all ranks without tensor axes):
+  // the one whose loss counts in sums over the world.
+  bool tensor_leader() const {
+    if (!tensor_parallel) return true;
+    for (const std::string& a : lowered.axes) {
+      if (o.dist.plan->mesh.coord(rank, a) != 0) return false;
+    }
+    return true;
+  }
 
   // ZeRO-3, fresh run: this rank's shard of each parameter's initial value
   // (the same numbers as a replicated store), drawn straight into it.
@@ -404,8 +550,8 @@ struct Trainer::Impl {
     lo.batch_size = std::min<int64_t>(o.eval_batch_size, test_data->size());
     lo.shuffle = false;
     lo.drop_last = false;
-    lo.rank = rank;
-    lo.world_size = world;
+    lo.rank = dp_rank;
+    lo.world_size = dp_world;
     try {
       return std::make_unique<DataLoader>(*test_data, lo);
     } catch (const ConfigError& e) {
@@ -515,7 +661,7 @@ struct Trainer::Impl {
       f32_spec.compute = DType::f32;
       TrainerOptions f32_o = o;
       f32_o.precision = DType::f32;
-      uses = matmul_uses(build_training_graph(f32_spec, f32_o, micro_batch).model.graph);
+      uses = matmul_uses(build_training_graph(f32_spec, f32_o, micro_batch, rank).model.graph);
     }
     precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
                                  o.bf16_rate_factor_for_testing);
@@ -756,10 +902,11 @@ struct Trainer::Impl {
     auto it = eval_models.find(batch);
     if (it != eval_models.end()) return it->second;
     EvalModel em;
-    em.model = build_model(spec, batch);
+    em.model = build_rank_model(spec, batch, o, rank);
     ExecOptions eo = o.exec;
     eo.outputs = {em.model.logits, em.model.loss};
     eo.recompute = false;
+    eo.collectives = runner;  // tensor parallelism: the same groups as training
     em.exec = std::make_unique<Executor>(em.model.graph, eo);
     // Evaluation reads the store's whole parameters, so ranks may run
     // different numbers of batches; under ZeRO-3 (no whole copy) it gathers
@@ -785,7 +932,7 @@ struct Trainer::Impl {
       if (n == 0) {
         // ZeRO-3's gathers are collective: a rank with no examples in this
         // batch still runs a forward (on one zero example) and ignores it.
-        if (o.dist.dp.stage == 3 && world > 1) dummy_forward();
+        if (o.dist.dp.stage == 3 && dp_world > 1) dummy_forward();
         continue;
       }
       EvalModel& em = eval_model(n);
@@ -805,7 +952,7 @@ struct Trainer::Impl {
       }
       sums[2] += static_cast<double>(rws);
     }
-    comm->all_reduce(sums, sums, 3, DType::f64);
+    dp_comm->all_reduce(sums, sums, 3, DType::f64);  // tensor peers saw the same examples
     return {sums[0] / sums[2], sums[1] / sums[2], static_cast<int64_t>(sums[2])};
   }
 
@@ -822,6 +969,16 @@ struct Trainer::Impl {
   // One optimizer step over K micro-batches; returns the mean loss over the
   // global batch (the same number on every rank).
   double train_step(int64_t epoch, int64_t s) {
+    const uint64_t sent_before = tensor_parallel ? tensor_bytes_sent() : 0;
+    const double loss = train_step_inner(epoch, s);
+    if (tensor_parallel) {
+      tensor_bytes_in_steps += tensor_bytes_sent() - sent_before;
+      ++tensor_steps;
+    }
+    return loss;
+  }
+
+  double train_step_inner(int64_t epoch, int64_t s) {
     Batch b = loader->batch(epoch, s);
     const int k = o.dist.dp.accumulation_steps;
     // Each micro-batch's share of the global batch: the gradients of the
@@ -845,7 +1002,8 @@ struct Trainer::Impl {
     }
     // A stop request rides along with the loss, so every rank learns of it
     // at the same step without a collective of its own.
-    double reduced[2] = {loss, o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0};
+    double reduced[2] = {tensor_leader() ? loss : 0.0,
+                         o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0};
     comm->all_reduce(reduced, reduced, 2, DType::f64);
     loss = reduced[0];
     stop_requested = reduced[1] > 0;
@@ -861,13 +1019,15 @@ struct Trainer::Impl {
     dp->step([&](std::span<ParamSlice> slices) {
       std::vector<ParamRef> refs;
       refs.reserve(slices.size());
-      for (ParamSlice& p : slices) refs.push_back(ParamRef{p.name, p.param, p.grad, p.full_rank()});
+      for (ParamSlice& p : slices) {
+        refs.push_back(ParamRef{p.name, p.param, p.grad, p.full_rank(), counted(p.name)});
+      }
       bool apply = true;
       if (o.precision == DType::f16) {
-        apply = scaler.update(scaler.unscale_and_check(refs, dp->norm_reducer()));
+        apply = scaler.update(scaler.unscale_and_check(refs, norm_reducer()));
       }
       if (!apply) return;
-      if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, dp->norm_reducer());
+      if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, norm_reducer());
       optimizer->step(refs, lr);
     });
     optimizer_seconds += optimizer_sw.seconds();
@@ -1098,6 +1258,23 @@ struct Trainer::Impl {
         {"op_profile_ms_per_step", op_profile_json()}};
     if (tokens_per_sample > 0) summary["tokens_per_s"] = or_null(r.tokens_per_s);
     if (hidden >= 0) summary["comm_hidden_fraction"] = hidden;
+    if (tensor_parallel && tensor_steps > 0) {
+      r.tensor_bytes_sent_per_step =
+          static_cast<double>(tensor_bytes_in_steps) / static_cast<double>(tensor_steps);
+    }
+    if (tensor_parallel) r.tensor_bytes_predicted_per_step = predicted_tensor_bytes_per_step();
+    if (tensor_parallel) {
+      // Rank 0's tensor-group traffic per training step: as counted, and as
+      // the lowering's collectives predict it (the two agree exactly).
+      summary["plan"] = {
+          {"mesh", o.dist.plan->mesh.describe()},
+          {"sequence_parallel", o.dist.plan->sequence_parallel},
+          {"tensor_bytes_sent_per_step",
+           tensor_steps > 0 ? nlohmann::json(static_cast<double>(tensor_bytes_in_steps) /
+                                             static_cast<double>(tensor_steps))
+                            : nlohmann::json(nullptr)},
+          {"tensor_bytes_sent_per_step_predicted", predicted_tensor_bytes_per_step()}};
+    }
     if (r.stop_signal != 0) summary["stopped_by_signal"] = r.stop_signal;
     if (o.eval) {
       summary["test_loss"] = or_null(r.test_loss);
@@ -1193,6 +1370,10 @@ Tensor Trainer::gather_params() {
 }
 DataParallel& Trainer::data_parallel() {
   return *impl_->dp;
+}
+
+const LoweredProgram* Trainer::lowered_program() const {
+  return impl_->tensor_parallel ? &impl_->lowered : nullptr;
 }
 
 }  // namespace mt

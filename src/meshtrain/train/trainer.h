@@ -24,6 +24,7 @@
 #include "meshtrain/data/dataset.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/models/model.h"
+#include "meshtrain/spmd/plan.h"
 #include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/export.h"
@@ -58,6 +59,12 @@ struct DistOptions {
   // Chrome-trace JSON of every rank's operators, collectives and waits,
   // merged into one file by rank 0 (empty = no trace).
   std::string trace_path;
+  // The parallel plan (spmd/plan.h) when it goes beyond data parallelism:
+  // its tensor axes are lowered into every rank's graph (spmd/lower.h), its
+  // "dp" axis is the data-parallel group everything above applies to (the
+  // batch split, DataParallel and ZeRO, batch_shares over the dp ranks).
+  // null: data parallelism over all ranks.
+  std::shared_ptr<const Plan> plan;
 };
 
 struct TrainerOptions {
@@ -165,6 +172,11 @@ struct TrainResult {
   // stop_signal), after `steps` steps; the highest signal number any rank saw.
   int stop_signal = 0;
   std::string checkpoint;  // the last checkpoint this run wrote ("" if none)
+  // Under tensor parallelism: bytes this rank's tensor groups sent per
+  // training step, as their communicators counted them, and as the lowered
+  // graph's collectives predict (the two are equal).
+  std::optional<double> tensor_bytes_sent_per_step;
+  uint64_t tensor_bytes_predicted_per_step = 0;
 };
 
 class Trainer {
@@ -206,6 +218,9 @@ class Trainer {
   // The current whole parameters, flat (as params()).
   Tensor gather_params();
   DataParallel& data_parallel();
+  // Under a plan with tensor axes, this rank's program: which box of each
+  // parameter params() holds. nullptr otherwise (params() are whole).
+  const struct LoweredProgram* lowered_program() const;
 
  private:
   struct Impl;

@@ -69,12 +69,41 @@ BatchSplit split_batch(const TrainerOptions& o, int rank, int world) {
   return s;
 }
 
+DataParallelPlace data_parallel_place(const TrainerOptions& o, int rank, int world) {
+  DataParallelPlace p{rank, world, false};
+  if (!o.dist.plan || !needs_lowering(*o.dist.plan)) return p;
+  const Mesh& mesh = o.dist.plan->mesh;
+  mesh.check_world(world, "the plan's mesh");
+  p.rank = mesh.coord(rank, "dp");
+  p.world = mesh.axis_size("dp");
+  p.lowered = true;
+  return p;
+}
+
+ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o, int rank,
+                            LoweredProgram* lowered) {
+  ModelGraph m = build_model(spec, batch);
+  if (!o.dist.plan || !needs_lowering(*o.dist.plan)) return m;
+  LoweredProgram lp = lower(m.graph, *o.dist.plan, rank, {m.loss, m.logits});
+  ModelGraph r;
+  r.x = lp[m.x];
+  r.y = lp[m.y];
+  r.logits = lp[m.logits];
+  r.loss = lp[m.loss];
+  for (auto& [id, t] : m.constants) r.constants.emplace_back(lp[id], t);
+  r.batch = m.batch;
+  r.graph = std::move(lp.graph);
+  lp.graph = Graph{};
+  if (lowered != nullptr) *lowered = std::move(lp);
+  return r;
+}
+
 TrainingGraph build_training_graph(const ModelSpec& model_spec, const TrainerOptions& o,
-                                   int64_t micro_batch) {
+                                   int64_t micro_batch, int rank) {
   ModelSpec spec = model_spec;
   spec.compute = o.precision;
   TrainingGraph t;
-  t.model = build_model(spec, micro_batch);
+  t.model = build_rank_model(spec, micro_batch, o, rank, &t.lowered);
   t.objective = t.model.loss;
   if (o.precision == DType::f16) {
     Builder b(t.model.graph);
@@ -137,19 +166,20 @@ TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec, const
 
   int64_t flat = 0;
   const ParamLayout layout = ParamStore::layout(g, &flat);
-  const BucketPlan buckets(layout, flat, o.dist.dp.bucket_bytes, world, rank);
+  const DataParallelPlace place = data_parallel_place(o, rank, world);
+  const BucketPlan buckets(layout, flat, o.dist.dp.bucket_bytes, place.world, place.rank);
   const int kinds = static_cast<int>(make_optimizer(o.optimizer, o.optim)->state_kinds().size());
   p.state = DataParallel::expected_memory(buckets, o.dist.dp, kinds);
 
   if (o.eval) {
     const int64_t n =
         eval_examples >= 0 ? std::min(o.eval_batch_size, eval_examples) : o.eval_batch_size;
-    const auto [eb, ee] = slice(n, {}, rank, world);
+    const auto [eb, ee] = slice(n, {}, place.rank, place.world);
     p.eval_batch = ee - eb;
     if (p.eval_batch > 0) {
       ModelSpec es = spec;
       es.compute = o.precision;
-      const ModelGraph em = build_model(es, p.eval_batch);
+      const ModelGraph em = build_rank_model(es, p.eval_batch, o, rank);
       ExecOptions eo = o.exec;
       eo.outputs = {em.logits, em.loss};
       eo.recompute = false;
@@ -161,8 +191,9 @@ TrainingPlan plan_training(const TrainingGraph& tg, const ModelSpec& spec, const
 
 TrainingPlan plan_training(const ModelSpec& spec, const TrainerOptions& o, int rank, int world,
                            int64_t eval_examples) {
-  const BatchSplit split = split_batch(o, rank, world);
-  const TrainingGraph tg = build_training_graph(spec, o, split.micro_batch);
+  const DataParallelPlace place = data_parallel_place(o, rank, world);
+  const BatchSplit split = split_batch(o, place.rank, place.world);
+  const TrainingGraph tg = build_training_graph(spec, o, split.micro_batch, rank);
   return plan_training(tg, spec, o, split, rank, world, eval_examples);
 }
 

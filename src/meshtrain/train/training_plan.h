@@ -13,6 +13,7 @@
 
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/models/model.h"
+#include "meshtrain/spmd/lower.h"
 #include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/train/trainer.h"
 
@@ -25,18 +26,36 @@ struct BatchSplit {
   int64_t micro_batch = 0;
 };
 // ConfigError when the accumulation steps do not divide the rank's share.
+// rank / world: the data-parallel ones (data_parallel_place()).
 BatchSplit split_batch(const TrainerOptions& o, int rank, int world);
+
+// Where a rank sits in the run's data parallelism: without a plan (or one
+// with nothing to lower) every rank is a data-parallel rank; under a plan
+// with tensor axes, its coordinate on the "dp" axis and that axis's size.
+struct DataParallelPlace {
+  int rank = 0, world = 1;
+  bool lowered = false;  // the plan's tensor axes are lowered into the graph
+};
+DataParallelPlace data_parallel_place(const TrainerOptions& o, int rank, int world);
+
+// The model at `batch` as world rank `rank` runs it: the model itself, or,
+// under a plan with tensor axes, its lowering for this rank (the program's
+// groups and parameter boxes in *lowered; its graph moved into the result,
+// whose x, y, logits (replicated), loss and constants are the local ones).
+ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o, int rank,
+                            LoweredProgram* lowered = nullptr);
 
 // The forward + backward graph at the micro-batch, as the Trainer runs it.
 struct TrainingGraph {
   ModelGraph model;
+  LoweredProgram lowered;            // under a plan with tensor axes (its graph is model.graph)
   ValueId objective = kNoValue;      // what backward differentiates
   ValueId loss_scale_in = kNoValue;  // f16 only: the scalar the loss is multiplied by
   ExecOptions exec;                  // the training executor's options
 };
 // `spec.compute` is taken from o.precision.
 TrainingGraph build_training_graph(const ModelSpec& spec, const TrainerOptions& o,
-                                   int64_t micro_batch);
+                                   int64_t micro_batch, int rank = 0);
 
 // Per-rank memory of a run, in bytes.
 struct TrainingPlan {

@@ -1,0 +1,182 @@
+"""SPMD plans, 2 processes x 1 thread: tensor parallelism against PyTorch's own
+and against meshtrain's data parallelism, and uneven shards on unequal devices.
+
+Lines (GPT = configs/gpt_text.toml, the core benchmark's GPT; gpt_medium =
+configs/gpt_medium.toml, GPT-2-small sized):
+  gpt_tp2_throughput          tokens/s, meshtrain [parallel] tp=2 vs PyTorch
+                              tensor parallelism (ColwiseParallel / RowwiseParallel
+                              on each block, gloo), same model, global batch,
+                              threads; ratio = meshtrain / peer
+  gpt_tp2_sp_throughput       the same with sequence parallelism on meshtrain's
+                              side (the peer as above)
+  gpt_medium_tp2_vs_dp2       value = meshtrain TP=2 tokens/s / meshtrain DP=2
+                              tokens/s on gpt_medium (goal >= 0.9)
+  gpt_medium_tp2_state_per_rank  value = per-rank parameter + gradient + optimizer
+                              bytes (allocator counters) under TP=2 / under DP=2
+                              (goal <= 0.55)
+  gpt_tp2_uneven_speedup      with dist.slowdown = [1, 2]: TP=2 with tp_ratios
+                              [2, 1] tokens/s / even TP=2 tokens/s (goal >= 1.3)
+Every meshtrain line carries the tensor groups' bytes per step as counted and
+as the lowering predicts, and peak RSS per rank.
+"""
+
+import socket
+
+import meshtrain
+from common import PEERS, REPO, meshtrain_engine_context, ratio, thread_env, transport_context
+
+WORLD = 2
+
+
+def add_args(p):
+    p.add_argument("--steps", type=int, default=0,
+                   help="timed steps (0: 20 for gpt, 4 for gpt_medium; --quick: fewer)")
+    p.add_argument("--no-peer", action="store_true", help="skip PyTorch (meshtrain lines only)")
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peer_tp(ctx, steps, warmup, setup_args):
+    """PyTorch tensor parallelism on WORLD ranks; returns (rank 0's result, error)."""
+    py = ctx.torch_python()
+    env = thread_env(1)
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "WORLD_SIZE": str(WORLD)})
+    started = []
+    for rank in range(WORLD):
+        started.append(ctx.start([py, PEERS / "torch_train.py", "--model", "gpt", "--threads", "1",
+                                  "--steps", str(steps), "--warmup", str(warmup),
+                                  "--world", str(WORLD), "--rank", str(rank), "--tp", str(WORLD),
+                                  *setup_args],
+                                 dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                 f"torch-tp-r{rank}", wait_idle=rank == 0))
+    results = ctx.finish(started)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        return None, "; ".join(r.failure() for r in bad)
+    lines = [r.json_lines() for r in results]
+    if not all(lines):
+        return None, "a tensor-parallel rank printed no result line"
+    return dict(lines[0][-1], max_rank_rss_kib=max(r.maxrss_kib for r in results)), None
+
+
+def tokens_per_s(run):
+    return run.get("tokens_per_s") if run.summary else None
+
+
+def plan_fields(run):
+    """Bytes per step and memory per rank from a meshtrain summary."""
+    if not run.summary:
+        return {}
+    s = run.summary
+    out = {}
+    plan = s.get("plan") or {}
+    if plan:
+        out["mesh"] = plan.get("mesh")
+        out["tensor_bytes_per_step"] = plan.get("tensor_bytes_sent_per_step")
+        out["tensor_bytes_per_step_predicted"] = plan.get("tensor_bytes_sent_per_step_predicted")
+    ranks = s.get("ranks") or []
+    out["peak_rss_mib_per_rank"] = [round(r["peak_rss_bytes"] / 2**20, 1) for r in ranks]
+    out["state_mib_per_rank"] = [round(state_bytes(r) / 2**20, 2) for r in ranks]
+    out["planned_arena_mib"] = round(s.get("planned_arena_bytes", 0) / 2**20, 2)
+    return out
+
+
+def state_bytes(rank_line):
+    """Parameters + gradients + optimizer state live on a rank (allocator counters)."""
+    live = rank_line.get("mem_live_bytes", {})
+    return sum(live.get(k, 0) for k in ("params", "grads", "optimizer"))
+
+
+def run(ctx):
+    ctx.add_context(transport_context(distributed=True))
+    quick = ctx.quick
+    gpt_steps = ctx.args.steps or (6 if quick else 20)
+    med_steps = ctx.args.steps or (2 if quick else 4)
+    warmup = 2 if quick else 5
+    med_warmup = 2
+    setup = meshtrain.peer_setup("gpt", 16)
+    seq = setup["seq"]
+    tp2 = ["parallel.tp=2"]
+
+    # --- GPT: TP=2 (and SP) against PyTorch's tensor parallelism.
+    mt_tp = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=tp2,
+                            name="meshtrain-gpt-tp2")
+    mt_sp = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
+                            sets=tp2 + ["parallel.sp=true"], name="meshtrain-gpt-tp2-sp")
+    peer, perr = (None, "skipped (--no-peer)") if ctx.args.no_peer else peer_tp(
+        ctx, gpt_steps, warmup, setup["args"])
+    peer_rate = peer["samples_per_s"] * seq if peer else None
+    version = (peer or {}).get("torch_version", "?")
+    for name, run_ in (("gpt_tp2_throughput", mt_tp), ("gpt_tp2_sp_throughput", mt_sp)):
+        rate = tokens_per_s(run_)
+        line = {"name": name, "unit": "tokens/s", "meshtrain": rate, "peer": peer_rate,
+                "ratio": ratio(rate, peer_rate),
+                "peer_name": f"pytorch-{version} tensor parallel (Colwise/Rowwise) gloo eager",
+                "model": "gpt", "processes": WORLD, "threads_per_process": 1,
+                "batch": setup["batch"], "seq": seq, "steps": gpt_steps, "warmup": warmup,
+                **plan_fields(run_), **meshtrain_engine_context(run_.summary)}
+        if peer:
+            line["peer_engines"] = peer.get("peer_engines")
+            line["peer_max_rank_rss_mib"] = round(peer["max_rank_rss_kib"] / 1024.0, 1)
+        line["note"] = ("meshtrain: vocabulary-split wte (gathered for the lookup and the loss); "
+                        "peer: embeddings and tied head replicated; both: every rank trains the "
+                        "whole global batch; rank 0's median step after warm-up")
+        err = "; ".join(e for e in (run_.error, f"peer: {perr}" if perr else None) if e)
+        if err:
+            line["error"] = err
+        ctx.emit(line)
+
+    # --- Heterogeneous: rank 1 half as fast; uneven 2:1 heads / columns vs even.
+    slow = ["dist.slowdown=[1,2]"]
+    even = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=tp2 + slow,
+                           name="meshtrain-gpt-tp2-slow-even")
+    uneven = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
+                             sets=tp2 + slow + ["parallel.tp_ratios=[2,1]"],
+                             name="meshtrain-gpt-tp2-slow-2to1")
+    line = {"name": "gpt_tp2_uneven_speedup", "unit": "x", "system": "meshtrain",
+            "value": ratio(tokens_per_s(uneven), tokens_per_s(even)),
+            "tokens_per_s_even": tokens_per_s(even), "tokens_per_s_2to1": tokens_per_s(uneven),
+            "slowdown": [1, 2], "goal": ">= 1.3", "model": "gpt", "processes": WORLD,
+            "note": "dist.slowdown stretches each rank's step compute by its factor (emulated "
+                    "unequal devices); tp_ratios 2:1 gives rank 0 two thirds of the heads and "
+                    "columns"}
+    err = "; ".join(e for e in (even.error, uneven.error) if e)
+    if err:
+        line["error"] = err
+    ctx.emit(line)
+
+    # --- gpt_medium: TP=2 against DP=2 (throughput and model state per rank).
+    cfg = REPO / "configs" / "gpt_medium.toml"
+    med = ["train.threads=1"]
+    dp = meshtrain.train(ctx, "gpt", med_steps + med_warmup, 1, nproc=WORLD, config=cfg,
+                         sets=med, name="meshtrain-gpt_medium-dp2")
+    tp = meshtrain.train(ctx, "gpt", med_steps + med_warmup, 1, nproc=WORLD, config=cfg,
+                         sets=med + tp2, name="meshtrain-gpt_medium-tp2")
+    line = {"name": "gpt_medium_tp2_vs_dp2", "unit": "x", "system": "meshtrain",
+            "value": ratio(tokens_per_s(tp), tokens_per_s(dp)),
+            "tokens_per_s_tp2": tokens_per_s(tp), "tokens_per_s_dp2": tokens_per_s(dp),
+            "goal": ">= 0.9", "model": "gpt_medium", "processes": WORLD,
+            "threads_per_process": 1, "steps": med_steps, "warmup": med_warmup,
+            "tp2": plan_fields(tp), "dp2": plan_fields(dp),
+            "note": "short runs (each step is ~1 TFLOP): median of the steps after warm-up"}
+    err = "; ".join(e for e in (tp.error, dp.error) if e)
+    if err:
+        line["error"] = err
+    ctx.emit(line)
+    tp_state = [state_bytes(r) for r in (tp.summary or {}).get("ranks", [])]
+    dp_state = [state_bytes(r) for r in (dp.summary or {}).get("ranks", [])]
+    line = {"name": "gpt_medium_tp2_state_per_rank", "unit": "x", "system": "meshtrain",
+            "value": ratio(max(tp_state), max(dp_state)) if tp_state and dp_state else None,
+            "tp2_state_mib_per_rank": [round(b / 2**20, 1) for b in tp_state],
+            "dp2_state_mib_per_rank": [round(b / 2**20, 1) for b in dp_state],
+            "goal": "<= 0.55", "model": "gpt_medium",
+            "note": "parameters + gradients + optimizer state live at the end of the run, "
+                    "from each rank's allocator counters (largest rank)"}
+    if err:
+        line["error"] = err
+    ctx.emit(line)

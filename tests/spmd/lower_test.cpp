@@ -1,0 +1,332 @@
+// The lowering pass (spmd/lower.h) against the single-process run: the
+// shipped models, expanded from the [parallel] shorthand, lowered for each
+// rank, differentiated, and run with local threads as ranks for 10 SGD steps
+// beside the unlowered model on the same batches. Checked every step: the
+// loss; at the end: every parameter's piece against the same box of the
+// single-process parameter; and the tensor-parallel group's byte counters
+// against the sum of the runner's cost_of() over the lowered graph's
+// collectives (forward and backward).
+//
+// Tolerance. Both runs compute in f32 on the reference backend; they differ
+// in the association of sums that the lowering splits over ranks (row-parallel
+// contractions added by g, f's backward all-reduces, gradients of split
+// parameters in different blocks). Re-associating a sum of K f32 terms moves
+// it by at most about K u relative to the summed magnitudes (u = 2^-24,
+// K <= 128 here: 8e-6), inherited downstream and carried by SGD from step to
+// step; after 10 steps 1e-4 of the largest magnitude bounds it with room. A
+// wrong rule (a missing reduction, a wrong piece, a doubled gradient) is off
+// by O(1) of the values.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/base/random.h"
+#include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/exec/executor.h"
+#include "meshtrain/graph/autodiff.h"
+#include "meshtrain/graph/collective.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/spmd/collective_runner.h"
+#include "meshtrain/spmd/lower.h"
+#include "meshtrain/spmd/shorthand.h"
+
+namespace mt {
+namespace {
+
+constexpr int kSteps = 10;
+constexpr double kLr = 0.1;
+constexpr double kRel = 1e-4;
+
+struct Case {
+  std::string label;
+  ModelSpec spec;
+  int64_t batch = 4;
+  ParallelShorthand sh;
+};
+
+ModelSpec gpt_spec() {
+  ModelSpec s;
+  s.kind = "gpt";
+  s.layers = 2;
+  s.d_model = 24;
+  s.heads = 6;
+  s.seq_len = 8;
+  s.vocab = 32;
+  return s;
+}
+
+ModelSpec image_spec(const std::string& kind) {
+  ModelSpec s;
+  s.kind = kind;
+  s.image_size = 8;
+  s.hidden = {24, 12};
+  s.conv_channels = {2, 4};
+  s.fc = 12;
+  return s;
+}
+
+Tensor random_like(const Shape& s, DType t, Rng& rng, double scale, int64_t modulo) {
+  Tensor x = Tensor::empty(s, t);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    x.set_item(i, modulo > 0 ? static_cast<double>(rng.next() % static_cast<uint64_t>(modulo))
+                             : scale * (2 * rng.uniform() - 1));
+  }
+  return x;
+}
+
+// The box of a whole tensor, copied out.
+Tensor box_of(const Tensor& t, const Box& b) {
+  const Shape bs = b.shape();
+  Tensor out = Tensor::empty(bs, t.dtype());
+  const int r = t.rank();
+  std::vector<int64_t> idx(static_cast<size_t>(r), 0);
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    int64_t rem = i, flat = 0;
+    for (int d = r - 1; d >= 0; --d) {
+      idx[static_cast<size_t>(d)] = rem % bs[d];
+      rem /= bs[d];
+    }
+    for (int d = 0; d < r; ++d) {
+      flat = flat * t.shape()[d] + b.begin[static_cast<size_t>(d)] + idx[static_cast<size_t>(d)];
+    }
+    out.set_item(i, t.item(flat));
+  }
+  return out;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::abs(t.item(i)));
+  return m;
+}
+
+void sgd(Executor& ex, const Graph& g) {
+  for (ValueId p : g.params()) {
+    Tensor w = ex.get(p);
+    const Tensor gr = ex.get(g.grad_of(p));
+    for (int64_t i = 0; i < w.numel(); ++i) w.set_item(i, w.item(i) - kLr * gr.item(i));
+  }
+}
+
+Plan plan_for(const Case& c, const ModelGraph& m, int world) {
+  ShorthandModel sm{c.spec.kind, c.spec.kind == "gpt" ? c.spec.d_model / c.spec.heads : 1};
+  Plan p = expand_shorthand(c.sh, sm, m.graph, world);
+  validate_plan(p, m.graph, world, c.batch, "parallel");
+  return p;
+}
+
+void check_case(const Case& c, Communicator& world) {
+  const int rank = world.rank();
+  ModelGraph single = build_model(c.spec, c.batch);
+  ModelGraph model = build_model(c.spec, c.batch);
+  const Plan plan = plan_for(c, model, world.size());
+  LoweredProgram prog = lower(model.graph, plan, rank, {model.loss});
+  Graph& lg = prog.graph;
+  const ValueId loss = prog[model.loss];
+  build_backward(lg, loss);
+  build_backward(single.graph, single.loss);
+
+  ExecOptions o;
+  o.backend = "reference";
+  o.profile = false;
+  Executor ex_single(single.graph, o);
+  auto runner = std::make_shared<CommCollectiveRunner>(world, prog.groups);
+  o.collectives = runner;
+  Executor ex(lg, o);
+
+  // Parameters: the same seeded values, each rank its box.
+  Rng init(7);
+  std::vector<Tensor> whole, piece;
+  for (ValueId p : single.graph.params()) {
+    const Value& v = single.graph.value(p);
+    Tensor t = random_like(v.shape, DType::f32, init, 0.3, 0);
+    const LoweredParam* lp = prog.param(v.name);
+    ASSERT_NE(lp, nullptr) << v.name;
+    Tensor mine = box_of(t, lp->box);
+    ex_single.bind(p, t);
+    ex.bind(*lg.find(v.name), mine);
+    whole.push_back(t);
+    piece.push_back(mine);
+  }
+  for (auto& [id, t] : single.constants) ex_single.bind(id, t);
+  for (auto& [id, t] : model.constants) ex.bind(prog[id], t);
+
+  const Value& xv = single.graph.value(single.x);
+  const Value& yv = single.graph.value(single.y);
+  const int64_t classes = c.spec.kind == "gpt" ? c.spec.vocab : c.spec.classes;
+  for (int step = 0; step < kSteps; ++step) {
+    Rng data(Rng::derive(99, fmt::format("step{}", step)));
+    Tensor x = random_like(xv.shape, xv.dtype, data, 1.0, xv.dtype == DType::i32 ? classes : 0);
+    Tensor y = random_like(yv.shape, yv.dtype, data, 1.0, classes);
+    ex_single.bind(single.x, x);
+    ex_single.bind(single.y, y);
+    ex.bind(prog[model.x], x);
+    ex.bind(prog[model.y], y);
+    ex_single.run();
+    ex.run();
+    const double want = ex_single.get(single.loss).item();
+    const double got = ex.get(loss).item();
+    ASSERT_LE(std::abs(got - want), kRel * std::abs(want))
+        << c.label << " rank " << rank << " step " << step << ": loss " << got << " vs " << want;
+    sgd(ex_single, single.graph);
+    sgd(ex, lg);
+  }
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const std::string& name = single.graph.value(single.graph.params()[i]).name;
+    const Tensor want = box_of(whole[i], prog.param(name)->box);
+    const double mag = max_abs(want);
+    double diff = 0;
+    for (int64_t k = 0; k < want.numel(); ++k) {
+      diff = std::max(diff, std::abs(piece[i].item(k) - want.item(k)));
+    }
+    EXPECT_LE(diff, kRel * std::max(mag, 1e-3)) << c.label << " rank " << rank << " " << name;
+  }
+
+  // Bytes: the group communicator against the runner's cost functions.
+  uint64_t sent = 0, calls = 0;
+  for (const Node& n : lg.nodes()) {
+    if (!communicates(n.op)) continue;
+    ++calls;
+    sent += runner->cost_of(lg, n).bytes_sent;
+  }
+  uint64_t counted = 0, counted_calls = 0;
+  for (const auto& [axis, gid] : prog.group_of_axis) {
+    const CommCounters k = runner->comm_of(gid)->counters();
+    for (const auto& [kind, cc] : k.by_collective) {
+      if (kind == "handshake") continue;
+      counted += cc.bytes_sent;
+      counted_calls += cc.calls;
+    }
+  }
+  EXPECT_GT(calls, 0u) << c.label;
+  EXPECT_EQ(counted_calls, kSteps * calls) << c.label;
+  EXPECT_EQ(counted, kSteps * sent) << c.label << " rank " << rank;
+}
+
+void run_case(const Case& c, int ranks) {
+  SCOPED_TRACE(c.label);
+  LocalWorldOptions o;
+  o.size = ranks;
+  o.shm_bytes_per_rank = size_t{1} << 20;
+  o.comm.timeout = std::chrono::milliseconds(60'000);
+  LocalWorld::run(o, [&](Communicator& world) { check_case(c, world); });
+}
+
+TEST(Lower, MlpTensorParallelMatchesSingleProcess) {
+  Case c{"mlp tp=2", image_spec("mlp"), 4, {}};
+  c.sh.tp = 2;
+  run_case(c, 2);
+  c.label = "mlp tp=2 ratios 2:1";
+  c.sh.tp_ratios = {2, 1};
+  run_case(c, 2);
+}
+
+TEST(Lower, CnnClassifierTensorParallelMatchesSingleProcess) {
+  Case c{"cnn tp=2", image_spec("cnn"), 4, {}};
+  c.sh.tp = 2;
+  run_case(c, 2);
+}
+
+TEST(Lower, GptTensorParallelMatchesSingleProcess) {
+  Case c{"gpt tp=2", gpt_spec(), 2, {}};
+  c.sh.tp = 2;
+  run_case(c, 2);
+  c.label = "gpt tp=2 ratios 2:1";
+  c.sh.tp_ratios = {2, 1};
+  run_case(c, 2);
+  c.label = "gpt tp=3";
+  c.spec.vocab = 36;
+  c.sh.tp = 3;
+  c.sh.tp_ratios = {};
+  run_case(c, 3);
+}
+
+TEST(Lower, GptSequenceParallelMatchesSingleProcess) {
+  Case c{"gpt tp=2 sp", gpt_spec(), 2, {}};
+  c.sh.tp = 2;
+  c.sh.sp = true;
+  run_case(c, 2);
+  // Megatron-SP's collectives: reduce-scatter into the row-split residual
+  // stream, all-gather before the column-parallel layers (once for q, k, v),
+  // no all-reduce. The stream is split at the first residual add, so block 0's
+  // attention reads the replicated embedding (one all-gather fewer) and the
+  // tied head reads the split stream (one more).
+  ModelGraph m = build_model(c.spec, c.batch);
+  const LoweredProgram p = lower(m.graph, plan_for(c, m, 2), 0, {m.loss});
+  std::map<OpKind, int> ops;
+  std::string listing;
+  for (const InsertedCollective& ic : p.inserted) {
+    ++ops[ic.op];
+    listing += fmt::format("{} {} ({})\n", op_name(ic.op), ic.value, ic.why);
+  }
+  SCOPED_TRACE(listing);
+  EXPECT_EQ(ops[OpKind::reduce_scatter], 2 * c.spec.layers);
+  EXPECT_EQ(ops[OpKind::all_gather], 2 * c.spec.layers);
+  EXPECT_EQ(ops[OpKind::reduce_from_group], 0);
+}
+
+// What the pass inserts for Megatron's transformer block: f before q/k/v and
+// fc, g after the row-parallel projections, no collective inside attention.
+TEST(Lower, GptBlockGetsMegatronCollectives) {
+  ModelSpec s = gpt_spec();
+  s.layers = 1;
+  ModelGraph m = build_model(s, 2);
+  Case c{"gpt", s, 2, {}};
+  c.sh.tp = 2;
+  const Plan plan = plan_for(c, m, 2);
+  const LoweredProgram p = lower(m.graph, plan, 1, {m.loss});
+  // {operator, the converted value's name up to its automatic number}.
+  std::vector<std::string> got;
+  for (const InsertedCollective& ic : p.inserted) {
+    got.push_back(fmt::format("{} {}", op_name(ic.op), ic.value.substr(0, ic.value.rfind('_'))));
+  }
+  const std::vector<std::string> want = {
+      "gather_from_group wte",                      // the vocabulary-split table, for the lookup
+      "copy_to_group block0.layer_norm",            // f before q, k, v (once for the three)
+      "reduce_from_group block0.attn.proj.matmul",  // g after the row-parallel projection
+      "copy_to_group block0.layer_norm",            // f before fc
+      "reduce_from_group block0.proj.matmul",       // g after the MLP's row-parallel proj
+      "copy_to_group layer_norm",                   // f before the tied (vocabulary-split) head
+      "gather_from_group matmul",                   // the vocabulary-split logits, for the loss
+  };
+  EXPECT_EQ(got, want) << fmt::format("{}", fmt::join(got, "\n"));
+  // Local shapes: rank 1 of tp=2 holds 3 of the 6 heads.
+  EXPECT_EQ(p.graph.value(*p.graph.find("block0.attn.q.w")).shape, (Shape{24, 12}));
+  EXPECT_EQ(p.graph.value(*p.graph.find("block0.attn.proj.w")).shape, (Shape{12, 24}));
+  EXPECT_EQ(p.graph.value(*p.graph.find("wte")).shape, (Shape{16, 24}));
+  EXPECT_EQ(p.param("block0.attn.q.w")->box.begin, (std::vector<int64_t>{0, 12}));
+}
+
+TEST(Lower, RejectsWhatItCannotLower) {
+  ModelSpec s = image_spec("mlp");
+  ModelGraph m = build_model(s, 4);
+  Plan plan;
+  plan.mesh = Mesh({{"tp", 2}});
+  ShardingSpec both;
+  both.dims = {DimSharding::over("tp"), DimSharding::over("tp")};
+  plan.set_spec("fc1.w", both);
+  try {
+    lower(m.graph, plan, 0, {m.loss});
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("fc1.w"), std::string::npos) << e.what();
+  }
+  Plan partial;
+  partial.mesh = Mesh({{"tp", 2}});
+  ShardingSpec ps;
+  ps.partial = {"tp"};
+  partial.set_spec("fc1.b", ps);
+  EXPECT_THROW(lower(m.graph, partial, 0, {m.loss}), ConfigError);
+  EXPECT_THROW(lower(m.graph, partial, 2, {m.loss}), ConfigError);  // outside the mesh
+}
+
+}  // namespace
+}  // namespace mt
