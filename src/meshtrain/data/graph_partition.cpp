@@ -186,8 +186,8 @@ Partition partition_graph(const Csr& adj, const PartitionOptions& o) {
   }
   if (o.parts < 1 || o.parts > n) {
     throw ConfigError(fmt::format(
-        "partition: {} parts for a graph of {} vertices (every part must own at least one "
-        "vertex: use at most {} ranks)",
+        "partition: {} parts (dist.nproc / gnn.replication) for a graph of {} vertices (every "
+        "part must own at least one vertex: use at most {} parts)",
         o.parts, n, n));
   }
   if (!(o.imbalance >= 0) || o.rounds < 0) {
