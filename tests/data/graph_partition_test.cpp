@@ -103,7 +103,9 @@ TEST(Partition, MorePartsThanVerticesIsAClearError) {
     partition_graph(a, opts(PartitionMethod::locality, 4));
     FAIL() << "no error";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("4 parts (dist.nproc / gnn.replication) for a graph of 3 vertices"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find(
+                  "4 parts (dist.nproc / gnn.replication) for a graph of 3 vertices"),
+              std::string::npos)
         << e.what();
   }
   EXPECT_THROW(parse_partition_method("metis"), ConfigError);
