@@ -50,6 +50,31 @@ if(NOT from_gen STREQUAL from_file)
   message(FATAL_ERROR "the graph file trains differently: '${from_gen}' vs '${from_file}'")
 endif()
 
+# inspect of a graph config prints the partition's edge cut and halo sizes
+# for dist.nproc ranks; the locality-aware partitioner cuts less than random.
+function(inspect_cut method out_var)
+  execute_process(
+    COMMAND ${MESHTRAIN} inspect --config ${SRC}/configs/gcn_csbm.toml --set dist.nproc=4
+      --set gnn.partition=${method}
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "inspect (${method}) failed (${rc}):\n${out}\n${err}")
+  endif()
+  if(NOT out MATCHES "edge cut: ([0-9]+) of 29842 entries")
+    message(FATAL_ERROR "inspect (${method}) printed no edge cut:\n${out}")
+  endif()
+  set(cut ${CMAKE_MATCH_1})
+  if(NOT out MATCHES "halo rows [^:]*: [0-9]+ in all" OR NOT out MATCHES "\n +3 +[0-9]+ +[0-9]+")
+    message(FATAL_ERROR "inspect (${method}) printed no halo table for 4 parts:\n${out}")
+  endif()
+  set(${out_var} ${cut} PARENT_SCOPE)
+endfunction()
+inspect_cut(random random_cut)
+inspect_cut(locality locality_cut)
+if(NOT locality_cut LESS random_cut)
+  message(FATAL_ERROR "locality cut ${locality_cut} is not below random's ${random_cut}")
+endif()
+
 function(expect_error what expect)
   execute_process(COMMAND ${MESHTRAIN} train --config ${SRC}/configs/gcn_csbm.toml ${ARGN}
     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -61,7 +86,12 @@ function(expect_error what expect)
     message(FATAL_ERROR "${what}: expected '${expect}' in:\n${err}")
   endif()
 endfunction()
-expect_error("two ranks" "full-graph GNN training runs in one process so far" --set dist.nproc=2)
+expect_error("two ranks, one process" "gnn.parallel = \"none\" trains the graph in one process"
+  --set dist.nproc=2)
+expect_error("gat graph parallel" "model.kind gat is not supported" --set model.kind=gat
+  --set "gnn.parallel=\"graph\"" --set dist.nproc=2)
+expect_error("replication not dividing the ranks" "gnn.replication = 2 must divide the 3 ranks"
+  --set "gnn.parallel=\"graph\"" --set gnn.replication=2 --set dist.nproc=3)
 expect_error("wrong data" "data.kind 'fashion_mnist' does not fit model.kind 'gcn'"
   --set data.kind=fashion_mnist)
 expect_error("file without path" "data.graph = \"file\" needs data.graph_file" --set data.graph=file)

@@ -2,11 +2,16 @@
 // values from, and GraphData's validation.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <set>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/base/random.h"
 #include "meshtrain/data/graph_data.h"
+#include "meshtrain/data/knn_graph.h"
 
 namespace mt {
 namespace {
@@ -95,6 +100,105 @@ TEST(Rmat, HasSkewedDegreesAndIsSimpleUndirected) {
   const double mean_deg = static_cast<double>(g.adj.nnz()) / 1024.0;
   EXPECT_GT(static_cast<double>(max_deg), 8 * mean_deg) << "R-MAT should have hubs";
   EXPECT_EQ(make_rmat(o).adj.col_idx, g.adj.col_idx);
+}
+
+TEST(Rmat, QuadrantProbabilitiesShapeTheDegreesAndThreadsDoNotChangeTheGraph) {
+  RmatOptions o;
+  o.scale = 12;
+  o.edge_factor = 8;
+  auto max_degree = [](const Csr& a) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < a.rows; ++i) m = std::max<int64_t>(m, a.row_ptr[i + 1] - a.row_ptr[i]);
+    return m;
+  };
+  const GraphData skewed = make_rmat(o);
+  o.a = o.b = o.c = 0.25;  // d = 0.25: every quadrant alike, an Erdos-Renyi-like graph
+  const GraphData flat = make_rmat(o);
+  expect_simple_undirected(flat.adj);
+  EXPECT_GT(max_degree(skewed.adj), 5 * max_degree(flat.adj));
+  // About edge_factor * 2^scale undirected edges survive (few duplicates when flat).
+  EXPECT_GT(flat.adj.nnz(), 2 * 8 * 4096 * 95 / 100);
+  // Chunks have their own streams: one thread or several give the same graph.
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const GraphData one = make_rmat(o);
+  omp_set_num_threads(3);
+  const GraphData three = make_rmat(o);
+  omp_set_num_threads(before);
+  EXPECT_EQ(one.adj.col_idx, three.adj.col_idx);
+  EXPECT_EQ(one.adj.row_ptr, three.adj.row_ptr);
+  EXPECT_EQ(one.features.item(4095 * 32 + 31), three.features.item(4095 * 32 + 31));
+  EXPECT_EQ(one.train_mask, three.train_mask);
+}
+
+TEST(Knn, NearestNeighboursEqualAnExactF64SearchAndTheGraphIsSymmetric) {
+  // Random points (no near-ties), several query and candidate blocks.
+  const int64_t n = 5000, d = 12, k = 7;
+  Tensor x = Tensor::empty(Shape{n, d}, DType::f32);
+  Rng rng(3);
+  for (int64_t i = 0; i < n * d; ++i) x.data<float>()[i] = static_cast<float>(rng.normal());
+  const std::vector<int32_t> nn = nearest_neighbours(x, k, 2);
+  ASSERT_EQ(nn.size(), static_cast<size_t>(n * k));
+  const float* p = x.data<float>();
+  auto dist = [&](int64_t i, int64_t j) {
+    double s = 0;
+    for (int64_t t = 0; t < d; ++t) {
+      const double v = static_cast<double>(p[i * d + t]) - p[j * d + t];
+      s += v * v;
+    }
+    return s;
+  };
+  for (int64_t i = 0; i < n; i += 97) {  // a sample of queries against every candidate
+    std::vector<std::pair<double, int32_t>> all;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j != i) all.emplace_back(dist(i, j), static_cast<int32_t>(j));
+    }
+    std::partial_sort(all.begin(), all.begin() + k, all.end());
+    for (int64_t t = 0; t < k; ++t) {
+      EXPECT_EQ(nn[static_cast<size_t>(i * k + t)], all[static_cast<size_t>(t)].second)
+          << "query " << i << " rank " << t;
+    }
+  }
+  const Csr g = knn_graph(x, k, 1);
+  expect_simple_undirected(g);
+  for (int64_t i = 0; i < n; ++i) EXPECT_GE(g.row_ptr[i + 1] - g.row_ptr[i], k) << "vertex " << i;
+  EXPECT_THROW(nearest_neighbours(x, n, 1), ConfigError);
+}
+
+TEST(Knn, FashionMnistGraphHasTheDataSetsSplitAndLinksLikeImages) {
+  FashionKnnOptions o;
+  o.k = 8;
+  o.limit_train = 1500;
+  o.limit_test = 500;
+  o.val_fraction = 0.2;
+  const GraphData g = make_fashion_knn(o);
+  g.validate("fashion_knn");
+  EXPECT_EQ(g.num_vertices(), 2000);
+  EXPECT_EQ(g.feature_dim(), 784);
+  EXPECT_EQ(g.classes, 10);
+  expect_simple_undirected(g.adj);
+  EXPECT_EQ(GraphData::members(g.train_mask).size(), 1200u);
+  EXPECT_EQ(GraphData::members(g.val_mask).size(), 300u);
+  const std::vector<int32_t> test = GraphData::members(g.test_mask);
+  ASSERT_EQ(test.size(), 500u);
+  EXPECT_EQ(test.front(), 1500);  // test images come after the training images
+  // Vertex 0 is the first training image (an ankle boot, class 9) and its
+  // pixels are normalised as FashionMnist gives them.
+  FashionMnistOptions fo;
+  fo.limit = 1;
+  fo.flatten = true;
+  const FashionMnist first(fo);
+  EXPECT_EQ(g.labels[0], first.labels()[0]);
+  const Batch b = first.gather(std::vector<int64_t>{0});
+  for (int64_t j = 0; j < 784; j += 41) EXPECT_FLOAT_EQ(g.features.item(j), b.x.item(j)) << j;
+  // Neighbouring images mostly share their class (chance would be 0.1).
+  int64_t same = 0;
+  for (int64_t i = 0; i < g.adj.rows; ++i) {
+    for (int32_t e = g.adj.row_ptr[i]; e < g.adj.row_ptr[i + 1]; ++e) {
+      same += g.labels[i] == g.labels[g.adj.col_idx[e]] ? 1 : 0;
+    }
+  }
+  EXPECT_GT(static_cast<double>(same) / static_cast<double>(g.adj.nnz()), 0.6);
 }
 
 TEST(Generators, RejectBadOptionsNamingThem) {

@@ -52,7 +52,21 @@ struct OpCase {
   int64_t dim = 0;
   Objective objective = Objective::sum_of_losses;
   int64_t concat_dim = 0;  // all_to_all
+  bool uneven = false;     // all_to_all: uneven pieces (all_to_allv), see send_sizes
 };
+
+// Uneven all_to_all: rank r sends send_sizes(r)[q] rows (along dim) to rank
+// q, zero included, and receives send_sizes(q)[r] from each.
+std::vector<int64_t> send_sizes(int ranks, int r) {
+  std::vector<int64_t> s;
+  for (int q = 0; q < ranks; ++q) s.push_back((r + 2 * q) % 3);
+  return s;
+}
+std::vector<int64_t> recv_sizes(int ranks, int r) {
+  std::vector<int64_t> s;
+  for (int q = 0; q < ranks; ++q) s.push_back(send_sizes(ranks, q)[static_cast<size_t>(r)]);
+  return s;
+}
 
 void PrintTo(const OpCase& c, std::ostream* os) {
   *os << c.label;
@@ -69,7 +83,7 @@ Shape input_shape(const OpCase& c, int r) {
   if (c.op == OpKind::reduce_scatter || c.op == OpKind::all_to_all ||
       c.op == OpKind::split_to_group) {
     along = 0;
-    for (int64_t s : c.sizes) along += s;
+    for (int64_t s : c.uneven ? send_sizes(c.ranks, r) : c.sizes) along += s;
   }
   if (c.dim == 0) return Shape{along, 3};
   return Shape{2, along, 2};
@@ -84,6 +98,9 @@ ValueId apply(Builder& b, const OpCase& c, ValueId x, int r) {
     case OpKind::reduce_scatter:
       return b.reduce_scatter(x, 0, c.dim, c.sizes, r);
     case OpKind::all_to_all:
+      if (c.uneven) {
+        return b.all_to_allv(x, 0, c.dim, send_sizes(c.ranks, r), recv_sizes(c.ranks, r), r);
+      }
       return b.all_to_all(x, 0, c.dim, c.concat_dim, c.sizes, r);
     case OpKind::copy_to_group:
       return b.copy_to_group(x, 0);
@@ -124,6 +141,8 @@ std::vector<OpCase> cases() {
         {label("all_to_all_dim1_to_dim0"), O::all_to_all, n, even, 1, J::sum_of_losses, 0});
     out.push_back(
         {label("all_to_all_dim1_to_dim1"), O::all_to_all, n, even, 1, J::sum_of_losses, 1});
+    out.push_back({label("all_to_allv_dim0"), O::all_to_all, n, {}, 0, J::sum_of_losses, 0, true});
+    out.push_back({label("all_to_allv_dim1"), O::all_to_all, n, {}, 1, J::sum_of_losses, 1, true});
     out.push_back({label("copy_to_group"), O::copy_to_group, n, {}, 0, J::replicated_input});
     out.push_back({label("reduce_from_group"), O::reduce_from_group, n, {}, 0, J::replicated_loss});
     out.push_back({label("gather_from_group_dim1_uneven"), O::gather_from_group, n, uneven, 1,
@@ -185,8 +204,32 @@ std::vector<float> expected_all_to_all(const OpCase& c, int r) {
   return y;
 }
 
+// Uneven all_to_all on rank r: for each outer index, rank q's piece r (rows
+// [sum_{t<r} send_sizes(q)[t], + send_sizes(q)[r]) along dim), q ascending.
+std::vector<float> expected_all_to_allv(const OpCase& c, int r) {
+  const int64_t outer = c.dim == 0 ? 1 : 2, inner = c.dim == 0 ? 3 : 2;
+  std::vector<float> y;
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int q = 0; q < c.ranks; ++q) {
+      const std::vector<int64_t> sq = send_sizes(c.ranks, q);
+      int64_t along = 0, off = 0;
+      for (size_t t = 0; t < sq.size(); ++t) {
+        if (static_cast<int>(t) < r) off += sq[t];
+        along += sq[t];
+      }
+      for (int64_t row = 0; row < sq[static_cast<size_t>(r)]; ++row) {
+        for (int64_t i = 0; i < inner; ++i) {
+          y.push_back(static_cast<float>(input_value(q, (o * along + off + row) * inner + i)));
+        }
+      }
+    }
+  }
+  return y;
+}
+
 // The closed form of each op's output on rank r, from every rank's input.
 std::vector<float> expected(const OpCase& c, int r) {
+  if (c.op == OpKind::all_to_all && c.uneven) return expected_all_to_allv(c, r);
   if (c.op == OpKind::all_to_all) return expected_all_to_all(c, r);
   const int n = c.ranks;
   std::vector<Shape> shapes;
@@ -286,8 +329,8 @@ TEST_P(CollectiveForward, BitwiseEqualToTheClosedForm) {
       const bool gathers = node.op == OpKind::all_gather || node.op == OpKind::gather_from_group;
       const char* kind = gathers                             ? "all_gatherv"
                          : node.op == OpKind::reduce_scatter ? "reduce_scatterv"
-                         : node.op == OpKind::all_to_all     ? "all_to_all"
-                                                             : "all_reduce";
+                         : node.op == OpKind::all_to_all ? (c.uneven ? "all_to_allv" : "all_to_all")
+                                                         : "all_reduce";
       ASSERT_EQ(counters.by_collective.count(kind), 1u) << counters.to_json();
       const CollectiveCounter& k = counters.by_collective.at(kind);
       const CollectiveCost cost = runner->cost_of(g, node);

@@ -33,6 +33,7 @@
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/full_graph.h"
 #include "meshtrain/train/graph_file.h"
+#include "meshtrain/train/graph_parallel.h"
 #include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
@@ -464,31 +465,164 @@ void reexec_for_openblas(const std::string& policy, bool quiet, bool launching, 
 
 }  // namespace
 
-// Full-graph GNN training (data.kind = "graph"): one process, the whole
-// graph every epoch (train/full_graph.h).
-static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, bool empty) {
-  if (nproc > 1 || !opts.hostfile.empty() || launched_by_mpi()) {
-    throw ConfigError(
-        fmt::format("dist.nproc = {}: full-graph GNN training runs in one process so far (graph "
-                    "partitioning and halo exchange are not built yet); use dist.nproc = 1",
-                    nproc));
+// Starts `nproc` ranks of this command through mpirun (or the hostfile's),
+// passing on every argument but the launcher's own.
+static int launch_ranks(const CommandOptions& opts, const RunConfig& rc, int nproc, int argc,
+                        char** argv) {
+  LaunchOptions lo;
+  lo.nproc = nproc;
+  lo.stop_grace = std::chrono::seconds(rc.stop_grace_s);
+  if (!opts.hostfile.empty()) {
+    if (access(opts.hostfile.c_str(), R_OK) != 0) {
+      throw FileError(fmt::format("--hosts {}: cannot read the hostfile: {}", opts.hostfile,
+                                  std::strerror(errno)));
+    }
+    lo.hostfile = opts.hostfile;
+  } else if (const int cores = usable_cores(); nproc > cores) {
+    fmt::print(stderr,
+               "meshtrain: warning: {} ranks on {} core{}: they share cores and each runs "
+               "slower (fine for trying things out)\n",
+               nproc, cores, cores == 1 ? "" : "s");
   }
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--nproc" || a == "--hosts" || a == "--write-plan") {
+      ++i;  // skip its value
+    } else if (a.rfind("--nproc=", 0) != 0 && a.rfind("--hosts=", 0) != 0 &&
+               a.rfind("--write-plan=", 0) != 0) {
+      args.push_back(a);
+    }
+  }
+  return run_under_mpirun(lo, args);
+}
+
+// Full-graph GNN training (data.kind = "graph"), the whole graph every
+// epoch (train/full_graph.h): in one process, or graph-parallel over the
+// ranks mpirun starts (gnn.parallel = "graph").
+static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, bool empty, int argc,
+                       char** argv) {
+  const bool several = nproc > 1 || !opts.hostfile.empty() || launched_by_mpi();
+  if (several && rc.gnn.mode == GnnParallel::none) {
+    throw ConfigError(fmt::format(
+        "dist.nproc = {}: gnn.parallel = \"none\" trains the graph in one process; set "
+        "gnn.parallel = \"graph\" for graph parallelism over the ranks, or dist.nproc = 1",
+        nproc));
+  }
+  if (several) check_graph_parallel_model(rc.model);
+  if (several && !launched_by_mpi() && nproc % rc.gnn.replication != 0) {
+    throw ConfigError(fmt::format(
+        "gnn.replication = {} must divide the {} ranks (row blocks = ranks / replication)",
+        rc.gnn.replication, nproc));
+  }
+  if (several && !launched_by_mpi()) return launch_ranks(opts, rc, nproc, argc, argv);
+  std::unique_ptr<Communicator> comm;
+  if (launched_by_mpi()) {
+    CommOptions co;
+    co.timeout = std::chrono::milliseconds(rc.timeout_s * 1000);
+    co.on_stall = [](const std::string& report) {
+      fmt::print(stderr, "meshtrain: stall: {}\n", report);
+    };
+    comm = make_mpi_communicator(co);
+  }
+  const int ranks = comm ? comm->size() : 1;
+  const bool leader = comm == nullptr || comm->rank() == 0;
+  // One rank: the single-process path (a partition of one part is the graph).
+  GraphParallelOptions par = rc.gnn;
+  if (ranks == 1) par.mode = GnnParallel::none;
   if (!opts.metrics_path.empty()) rc.train.metrics_path = opts.metrics_path;
-  if (empty) empty_notice(opts);
+  if (empty && leader) empty_notice(opts);
   const GraphData g = open_graph(rc.data);
-  if (!opts.quiet) {
-    fmt::print(stderr, "meshtrain: training {} on {} (full graph, 1 process, {})\n", rc.model.kind,
-               g.describe(), plural(rc.train.threads, "thread"));
+  if (!opts.quiet && leader) {
+    fmt::print(
+        stderr, "meshtrain: training {} on {} (full graph, {}, {})\n", rc.model.kind, g.describe(),
+        ranks == 1 ? std::string("1 process")
+                   : fmt::format("graph parallel over {} ranks{}, {} partition", ranks,
+                                 par.replication > 1
+                                     ? fmt::format(" (1.5D, replication {})", par.replication)
+                                     : std::string(),
+                                 partition_method_name(par.partition.method)),
+        plural(rc.train.threads, "thread"));
   }
   auto log = [&](const std::string& line) {
     if (!opts.quiet) fmt::print(stderr, "meshtrain: {}\n", line);
   };
-  const FullGraphResult r = train_full_graph(rc.model, g, rc.train, log);
+  FullGraphResult r;
+  try {
+    r = train_full_graph(rc.model, g, rc.train, log, par, comm.get());
+  } catch (...) {
+    // As cmd_train: leave the communicator to the process exit (main ends the job).
+    if (comm && comm->size() > 1) abandoned_communicator = comm.release();
+    throw;
+  }
+  // Bytes per rank per epoch, as each rank's communicator counted them.
+  std::vector<uint64_t> halo(static_cast<size_t>(ranks)), grads(static_cast<size_t>(ranks)),
+      replica(static_cast<size_t>(ranks));
+  if (ranks > 1) {
+    Tensor mine = Tensor::empty(Shape{3}, DType::f64);
+    mine.set_item(0, static_cast<double>(r.halo_bytes_sent_per_epoch));
+    mine.set_item(1, static_cast<double>(r.allreduce_bytes_sent_per_epoch));
+    mine.set_item(2, static_cast<double>(r.replica_bytes_sent_per_epoch));
+    Tensor all = Tensor::empty(Shape{3 * ranks}, DType::f64);
+    comm->all_gather(mine, all);
+    for (int q = 0; q < ranks; ++q) {
+      halo[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q));
+      grads[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q + 1));
+      replica[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q + 2));
+    }
+  }
+  if (!leader) return 0;
   fmt::print(
       "{} epochs: loss {:.4f}, accuracy train {:.3f} val {:.3f} test {:.3f}, median "
       "epoch {:.1f} ms, {} parameters\n",
       r.epochs.size(), r.final_loss, r.train_acc, r.val_acc, r.test_acc,
       1e3 * r.median_epoch_seconds, r.params);
+  if (ranks > 1) {
+    fmt::print("bytes sent per rank per epoch: halo exchange [{}], gradient all-reduce [{}]{}\n",
+               fmt::join(halo, ", "), fmt::join(grads, ", "),
+               par.replication > 1 ? fmt::format(", partial aggregations over the replicas [{}]",
+                                                 fmt::join(replica, ", "))
+                                   : std::string());
+  }
+  return 0;
+}
+
+// `inspect` of a graph config: the graph, the model's size, and how
+// gnn.partition splits the graph over dist.nproc ranks (edge cut, halo rows).
+static int inspect_graph(const RunConfig& rc) {
+  const GraphData g = open_graph(rc.data);
+  fmt::print("graph: {}\n", g.describe());
+  GnnGraph gg;
+  gg.adj = &g.adj;
+  gg.features = g.feature_dim();
+  gg.classes = g.classes;
+  gg.loss_vertices = GraphData::members(g.train_mask);
+  const ModelGraph m = build_gnn(rc.model, gg);
+  fmt::print("model: {} ({} layers, hidden {}), {} parameters; FLOPs per epoch (forward): {}\n",
+             rc.model.kind, rc.model.gnn_layers, rc.model.gnn_hidden, m.graph.param_count(),
+             human_count(graph_cost(m.graph).flops, "FLOP"));
+  PartitionOptions po = rc.gnn.partition;
+  const int64_t c = rc.gnn.replication;
+  if (rc.nproc % c != 0) {
+    throw ConfigError(fmt::format(
+        "gnn.replication = {} must divide dist.nproc = {} (row blocks = ranks / replication)", c,
+        rc.nproc));
+  }
+  po.parts = rc.nproc / c;
+  const Partition part = partition_graph(g.adj, po);
+  fmt::print("partition: {} into {} (dist.nproc{}; gnn.partition)\n",
+             partition_method_name(po.method), plural(po.parts, "part"),
+             c > 1 ? fmt::format(" / gnn.replication {}", c) : std::string());
+  fmt::print("{}", partition_stats(g.adj, part).describe());
+  if (rc.nproc > 1 && graph_parallel_supports(rc.model)) {
+    std::vector<int64_t> bytes;
+    for (int64_t q = 0; q < rc.nproc; ++q) {
+      bytes.push_back(halo_bytes_per_epoch(
+          rc.model, make_graph_shard(g, rc.model, part, q, c).shard, g.feature_dim(), g.classes));
+    }
+    fmt::print("halo bytes each rank sends per epoch (gnn.parallel = graph, {}): [{}]\n",
+               rc.model.kind, fmt::join(bytes, ", "));
+  }
   return 0;
 }
 
@@ -515,7 +649,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     return 0;
   }
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
-  if (rc.data.kind == "graph") return train_graph(opts, rc, nproc, empty);
+  if (rc.data.kind == "graph") return train_graph(opts, rc, nproc, empty, argc, argv);
   if (rc.train.exec.backend == "fast") {
     const bool launching = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
     reexec_for_openblas(rc.openblas_coretype, opts.quiet, launching, argv);
@@ -525,32 +659,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     const std::optional<Plan> tplan =
         check_train_plan(opts, rc, nproc, /*write=*/true, /*announce=*/false);
     check_world(rc, nproc, plan_dp_world(tplan, nproc));
-    LaunchOptions lo;
-    lo.nproc = nproc;
-    lo.stop_grace = std::chrono::seconds(rc.stop_grace_s);
-    if (!opts.hostfile.empty()) {
-      if (access(opts.hostfile.c_str(), R_OK) != 0) {
-        throw FileError(fmt::format("--hosts {}: cannot read the hostfile: {}", opts.hostfile,
-                                    std::strerror(errno)));
-      }
-      lo.hostfile = opts.hostfile;
-    } else if (const int cores = usable_cores(); nproc > cores) {
-      fmt::print(stderr,
-                 "meshtrain: warning: {} ranks on {} core{}: they share cores and each runs "
-                 "slower (fine for trying things out)\n",
-                 nproc, cores, cores == 1 ? "" : "s");
-    }
-    std::vector<std::string> args;
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      if (a == "--nproc" || a == "--hosts" || a == "--write-plan") {
-        ++i;  // skip its value
-      } else if (a.rfind("--nproc=", 0) != 0 && a.rfind("--hosts=", 0) != 0 &&
-                 a.rfind("--write-plan=", 0) != 0) {
-        args.push_back(a);
-      }
-    }
-    return run_under_mpirun(lo, args);
+    return launch_ranks(opts, rc, nproc, argc, argv);
   }
   // This process is a rank from here on: a SIGINT / SIGTERM (from the user,
   // the launcher or a cluster's preemption) now stops it after a step with
@@ -642,6 +751,7 @@ int cmd_inspect(const CommandOptions& opts) {
     return 0;
   }
   if (empty) empty_notice(opts);
+  if (rc.data.kind == "graph") return inspect_graph(rc);
   Graph plan_graph;
   const std::optional<Plan> pplan = run_plan(opts, rc, rc.nproc, &plan_graph);
   if (pplan && !opts.write_plan_path.empty()) {

@@ -17,7 +17,7 @@ namespace {
 const std::vector<KeyMeaning> kMeanings = {
     {"model.kind",
      "which model to train (gpt trains on text, mlp and cnn on fashion_mnist, the graph neural "
-     "networks gcn, sage, gat and resgcn on a graph, full-graph in one process)"},
+     "networks gcn, sage, gat and resgcn on a graph, full-graph (one process, or gnn.parallel)"},
     {"model.hidden", "mlp: widths of the hidden layers"},
     {"model.conv_channels", "cnn: output channels of each conv-relu-pool block"},
     {"model.fc", "cnn: width of the hidden layer of the classifier"},
@@ -37,8 +37,9 @@ const std::vector<KeyMeaning> kMeanings = {
      "data set; default text for model.kind gpt, graph for gcn / sage / gat / resgcn, "
      "fashion_mnist otherwise"},
     {"data.graph",
-     "graph: csbm (contextual stochastic block model) or rmat generated from data.graph_seed, or "
-     "file (data.graph_file, docs/graph_format.md)"},
+     "graph: csbm (contextual stochastic block model) or rmat generated from data.graph_seed, knn "
+     "(the k-nearest-neighbour graph of the Fashion-MNIST images in data.dir), or file "
+     "(data.graph_file, docs/graph_format.md)"},
     {"data.graph_file", "graph: the graph file read when data.graph = file"},
     {"data.vertices", "graph csbm: number of vertices"},
     {"data.classes", "graph csbm / rmat: number of classes (rmat: degree buckets)"},
@@ -48,22 +49,36 @@ const std::vector<KeyMeaning> kMeanings = {
     {"data.feature_signal",
      "graph csbm: length of each class's mean feature vector (noise is standard normal)"},
     {"data.train_fraction", "graph csbm / rmat: fraction of vertices in the training mask"},
-    {"data.val_fraction", "graph csbm / rmat: fraction in the validation mask (the rest: test)"},
-    {"data.graph_seed", "graph csbm / rmat: seed of the generator and of the split"},
+    {"data.val_fraction",
+     "graph csbm / rmat: fraction in the validation mask (the rest: test); knn: fraction of the "
+     "training images held out for validation"},
+    {"data.graph_seed",
+     "graph csbm / rmat: seed of the generator and of the split; knn: of the validation draw"},
     {"data.rmat_scale", "graph rmat: 2^scale vertices"},
     {"data.rmat_edge_factor", "graph rmat: edges drawn per vertex before deduplication"},
-    {"data.dir", "fashion_mnist: directory of the idx(.gz) files (Debian dataset-fashion-mnist)"},
+    {"data.rmat_a", "graph rmat: probability of the top-left quadrant (d = 1 - a - b - c)"},
+    {"data.rmat_b", "graph rmat: probability of the top-right quadrant"},
+    {"data.rmat_c", "graph rmat: probability of the bottom-left quadrant"},
+    {"data.knn_k",
+     "graph knn: neighbours per image (exact Euclidean search; the graph is symmetrised, so "
+     "degrees are >= k)"},
+    {"data.dir",
+     "fashion_mnist, graph knn: directory of the idx(.gz) files (Debian dataset-fashion-mnist)"},
     {"data.path", "text: a file or a directory of files (Debian fortunes)"},
     {"data.test_fraction", "text: fraction at the end of the text held out for evaluation"},
-    {"data.limit_train", "use only the first N training examples (text: windows); -1 = all"},
-    {"data.limit_test", "use only the first N test examples (text: windows); -1 = all"},
+    {"data.limit_train",
+     "use only the first N training examples (text: windows; graph knn: images); -1 = all"},
+    {"data.limit_test",
+     "use only the first N test examples (text: windows; graph knn: images); -1 = all"},
     {"data.shuffle",
      "training batches from a seeded permutation per epoch (train.seed + epoch); false = file "
      "order"},
     {"data.normalize",
-     "fashion_mnist: pixels as (x/255 - data.mean) / data.std (mean_std) or x/255 (none)"},
-    {"data.mean", "fashion_mnist: the mean subtracted by data.normalize = mean_std"},
-    {"data.std", "fashion_mnist: the standard deviation divided by data.normalize = mean_std"},
+     "fashion_mnist, graph knn: pixels as (x/255 - data.mean) / data.std (mean_std) or x/255 "
+     "(none)"},
+    {"data.mean", "fashion_mnist, graph knn: the mean subtracted by data.normalize = mean_std"},
+    {"data.std",
+     "fashion_mnist, graph knn: the standard deviation divided by data.normalize = mean_std"},
 
     {"train.epochs", "passes over the training split"},
     {"train.steps", "> 0: the run is this many optimizer steps (capped by train.epochs)"},
@@ -163,6 +178,18 @@ const std::vector<KeyMeaning> kMeanings = {
      "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
     {"parallel.stage_layers",
      "layers (gpt: transformer blocks) per pipeline stage, e.g. [3, 1]; [] = balanced by FLOPs"},
+    {"gnn.parallel",
+     "full-graph GNN training over dist.nproc ranks: none (one process) or graph (1D row "
+     "partitioning, halo exchange of the boundary rows, docs/graph_format.md)"},
+    {"gnn.partition",
+     "which rank owns each vertex: contiguous id blocks, random (seeded by train.seed), or "
+     "locality (LDG streaming + label propagation, balanced within gnn.imbalance)"},
+    {"gnn.replication",
+     "gnn.parallel = graph: CAGNET's replication factor c; 1 = 1D, c > 1 = 1.5D (dist.nproc / c "
+     "row blocks, each held by c ranks that split its halo and all-reduce their partial "
+     "aggregations); must divide dist.nproc"},
+    {"gnn.imbalance",
+     "gnn.partition = locality: a part holds at most (1 + imbalance) x vertices / ranks"},
 };
 
 std::string section_of(std::string_view key) {

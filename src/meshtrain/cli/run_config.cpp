@@ -4,6 +4,7 @@
 
 #include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
+#include "meshtrain/data/knn_graph.h"
 #include "meshtrain/train/graph_file.h"
 
 namespace mt {
@@ -42,7 +43,7 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
                     c.source(), d.kind, m.kind));
   }
   // Graph keys (read whatever data.kind says, as the others).
-  d.graph = c.get_string("data.graph", "csbm", {"csbm", "rmat", "file"});
+  d.graph = c.get_string("data.graph", "csbm", {"csbm", "rmat", "knn", "file"});
   d.graph_file = c.get_string("data.graph_file", "");
   CsbmOptions& cs = d.csbm;
   cs.vertices = c.get_int("data.vertices", cs.vertices, Bounds<int64_t>::in(2, int64_t{1} << 30));
@@ -60,6 +61,15 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
   RmatOptions& rm = d.rmat;
   rm.scale = c.get_int("data.rmat_scale", rm.scale, Bounds<int64_t>::in(1, 30));
   rm.edge_factor = c.get_int("data.rmat_edge_factor", rm.edge_factor, Bounds<int64_t>::positive());
+  rm.a = c.get_double("data.rmat_a", rm.a, Bounds<double>::in(0.0, 1.0));
+  rm.b = c.get_double("data.rmat_b", rm.b, Bounds<double>::in(0.0, 1.0));
+  rm.c = c.get_double("data.rmat_c", rm.c, Bounds<double>::in(0.0, 1.0));
+  if (!(rm.a > 0 && rm.a + rm.b + rm.c < 1)) {
+    throw ConfigError(fmt::format(
+        "config {}: data.rmat_a + data.rmat_b + data.rmat_c = {:g} + {:g} + {:g} must be below 1 "
+        "with data.rmat_a > 0 (the fourth quadrant gets d = 1 - a - b - c)",
+        c.source(), rm.a, rm.b, rm.c));
+  }
   rm.features = cs.features;
   rm.classes = cs.classes;
   rm.train_fraction = cs.train_fraction;
@@ -89,6 +99,14 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
                     "data.normalize = \"mean_std\" to use them",
                     c.source()));
   }
+  FashionKnnOptions& kn = d.knn;
+  kn.k = c.get_int("data.knn_k", kn.k, Bounds<int64_t>::positive());
+  kn.dir = dir;
+  kn.normalize = normalize;
+  kn.mean = static_cast<float>(mean);
+  kn.std = static_cast<float>(std);
+  kn.val_fraction = cs.val_fraction;
+  kn.seed = cs.seed;
   if (d.kind == "fashion_mnist") {
     d.dir = dir;
     d.normalize = normalize;
@@ -100,6 +118,8 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
   }
   d.limit_train = c.get_int("data.limit_train", -1, Bounds<int64_t>::at_least(-1));
   d.limit_test = c.get_int("data.limit_test", -1, Bounds<int64_t>::at_least(-1));
+  kn.limit_train = d.limit_train;
+  kn.limit_test = d.limit_test;
   return d;
 }
 
@@ -195,6 +215,7 @@ RunConfig read_run_config(const Config& c) {
   r.openblas_coretype = c.get_string("exec.openblas_coretype", "auto", {"auto", "best", "keep"});
   r.train = read_train(c);
   r.train.shuffle = c.get_bool("data.shuffle", true);
+  r.data.knn.threads = r.train.threads;
   if (r.train.eval && r.data.limit_test == 0) {
     throw ConfigError(fmt::format(
         "config {}: data.limit_test = 0 leaves no test examples, but train.eval is on; set "
@@ -241,6 +262,15 @@ RunConfig read_run_config(const Config& c) {
   so.consensus_every =
       c.get_int("sync.consensus_every", so.consensus_every, Bounds<int64_t>::non_negative());
   validate_sync_options(so);
+  r.gnn.mode = c.get_string("gnn.parallel", "none", {"none", "graph"}) == "graph"
+                   ? GnnParallel::graph
+                   : GnnParallel::none;
+  r.gnn.partition.method = parse_partition_method(
+      c.get_string("gnn.partition", "contiguous", {"contiguous", "random", "locality"}));
+  r.gnn.partition.imbalance =
+      c.get_double("gnn.imbalance", r.gnn.partition.imbalance, Bounds<double>::in(0.0, 1.0));
+  r.gnn.partition.seed = r.train.seed;
+  r.gnn.replication = c.get_int("gnn.replication", 1, Bounds<int64_t>::in(1, kMaxRanks));
   c.check_all_used();
   return r;
 }
@@ -248,6 +278,7 @@ RunConfig read_run_config(const Config& c) {
 GraphData open_graph(const DataSpec& d) {
   if (d.graph == "file") return load_graph(d.graph_file);
   if (d.graph == "rmat") return make_rmat(d.rmat);
+  if (d.graph == "knn") return make_fashion_knn(d.knn);
   return make_csbm(d.csbm);
 }
 

@@ -9,8 +9,10 @@
 #include "meshtrain/cli/config.h"
 #include "meshtrain/data/dataset.h"
 #include "meshtrain/data/graph_data.h"
+#include "meshtrain/data/knn_graph.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/spmd/shorthand.h"
+#include "meshtrain/train/full_graph.h"
 #include "meshtrain/train/trainer.h"
 
 namespace mt {
@@ -27,12 +29,13 @@ struct DataSpec {
   bool normalize = true;
   double mean = 0.2860;
   double std = 0.3530;
-  // graph (full-graph GNN training): a generator ("csbm", "rmat") or a file
+  // graph (full-graph GNN training): a generator ("csbm", "rmat", "knn") or a file
   // in the format of docs/graph_format.md ("file", read from graph_file).
   std::string graph = "csbm";
   std::string graph_file;
   CsbmOptions csbm;
   RmatOptions rmat;
+  FashionKnnOptions knn;
 };
 
 // Most ranks one job may have (dist.nproc, --nproc).
@@ -54,6 +57,10 @@ struct RunConfig {
   // when the config names any parallel.* key.
   ParallelShorthand parallel;
   bool parallel_given = false;
+  // gnn.*: how full-graph GNN training spreads over the ranks (gnn.parallel)
+  // and how the graph is partitioned (gnn.partition, gnn.imbalance; parts =
+  // the ranks, random seeded by train.seed).
+  GraphParallelOptions gnn;
   // exec.openblas_coretype: "auto", "best" or "keep" (tensor/machine.h,
   // advise_openblas_coretype); acted on by cmd_train before anything runs.
   std::string openblas_coretype = "auto";

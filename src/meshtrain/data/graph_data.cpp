@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -83,33 +84,6 @@ void check(bool ok, const char* gen, const char* field, double v, const char* wa
   if (!ok) throw ConfigError(fmt::format("{}: {} must be {}, got {}", gen, field, want, v));
 }
 
-// Sorted, duplicate- and self-loop-free undirected CSR from edge pairs.
-Csr undirected(int64_t n, const std::vector<std::pair<int32_t, int32_t>>& pairs) {
-  std::vector<int32_t> r, c;
-  r.reserve(pairs.size() * 2);
-  c.reserve(pairs.size() * 2);
-  for (auto [u, v] : pairs) {
-    if (u == v) continue;
-    r.push_back(u);
-    c.push_back(v);
-    r.push_back(v);
-    c.push_back(u);
-  }
-  Csr a = Csr::from_entries(n, n, r, c);
-  Csr out;
-  out.rows = out.cols = n;
-  out.col_idx.reserve(a.col_idx.size());
-  for (int64_t i = 0; i < n; ++i) {
-    auto b = a.col_idx.begin() + a.row_ptr[static_cast<size_t>(i)];
-    auto e = a.col_idx.begin() + a.row_ptr[static_cast<size_t>(i) + 1];
-    std::sort(b, e);
-    auto last = std::unique(b, e);
-    out.col_idx.insert(out.col_idx.end(), b, last);
-    out.row_ptr.push_back(static_cast<int32_t>(out.col_idx.size()));
-  }
-  return out;
-}
-
 // A random split: a permutation's first train_fraction * n vertices train, the
 // next val_fraction * n validation, the rest test.
 void split(GraphData& g, double train_fraction, double val_fraction, Rng& rng) {
@@ -130,12 +104,71 @@ void split(GraphData& g, double train_fraction, double val_fraction, Rng& rng) {
   }
 }
 
+// The seed of one chunk's stream: hashed, not base + chunk, because SplitMix
+// streams from nearby states overlap (state advances by a constant per draw).
+uint64_t chunk_seed(uint64_t seed, const char* what, int64_t chunk) {
+  return Rng(Rng::derive(seed, what) ^ static_cast<uint64_t>(chunk)).next();
+}
+
 void check_split(const char* gen, double t, double v) {
   check(t > 0 && t < 1, gen, "train_fraction", t, "in (0, 1)");
   check(v >= 0 && t + v < 1, gen, "val_fraction", v, "in [0, 1 - train_fraction)");
 }
 
 }  // namespace
+
+Csr simple_undirected(int64_t n, const std::vector<std::pair<int32_t, int32_t>>& pairs) {
+  // Counting sort by row (both directions of every pair), then each row
+  // sorted and deduplicated in place; rows are independent, so threads
+  // share them out (the result does not depend on the thread count).
+  std::vector<int64_t> start(static_cast<size_t>(n) + 1, 0);
+  for (auto [u, v] : pairs) {
+    if (u == v) continue;
+    if (u < 0 || u >= n || v < 0 || v >= n) {
+      throw ShapeError(
+          fmt::format("simple_undirected: edge ({}, {}) outside [0, {}) (vertex count)", u, v, n));
+    }
+    ++start[static_cast<size_t>(u) + 1];
+    ++start[static_cast<size_t>(v) + 1];
+  }
+  for (size_t i = 1; i < start.size(); ++i) start[i] += start[i - 1];
+  if (start.back() > std::numeric_limits<int32_t>::max()) {
+    throw ShapeError(
+        fmt::format("simple_undirected: {} entries exceed the i32 index range of the graph format",
+                    start.back()));
+  }
+  std::vector<int32_t> cols(static_cast<size_t>(start.back()));
+  {
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (auto [u, v] : pairs) {
+      if (u == v) continue;
+      cols[static_cast<size_t>(next[static_cast<size_t>(u)]++)] = v;
+      cols[static_cast<size_t>(next[static_cast<size_t>(v)]++)] = u;
+    }
+  }
+  std::vector<int64_t> kept(static_cast<size_t>(n), 0);
+#pragma omp parallel for schedule(dynamic, 4096)
+  for (int64_t i = 0; i < n; ++i) {
+    auto b = cols.begin() + start[static_cast<size_t>(i)];
+    auto e = cols.begin() + start[static_cast<size_t>(i) + 1];
+    std::sort(b, e);
+    kept[static_cast<size_t>(i)] = std::unique(b, e) - b;
+  }
+  Csr out;
+  out.rows = out.cols = n;
+  out.row_ptr.assign(static_cast<size_t>(n) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    out.row_ptr[static_cast<size_t>(i) + 1] =
+        out.row_ptr[static_cast<size_t>(i)] + static_cast<int32_t>(kept[static_cast<size_t>(i)]);
+  }
+  out.col_idx.resize(static_cast<size_t>(out.row_ptr.back()));
+#pragma omp parallel for schedule(dynamic, 4096)
+  for (int64_t i = 0; i < n; ++i) {
+    std::copy_n(cols.begin() + start[static_cast<size_t>(i)], kept[static_cast<size_t>(i)],
+                out.col_idx.begin() + out.row_ptr[static_cast<size_t>(i)]);
+  }
+  return out;
+}
 
 GraphData make_csbm(const CsbmOptions& o) {
   const char* G = "csbm";
@@ -182,7 +215,7 @@ GraphData make_csbm(const CsbmOptions& o) {
       pairs.emplace_back(static_cast<int32_t>(u), v);
     }
   }
-  g.adj = undirected(n, pairs);
+  g.adj = simple_undirected(n, pairs);
   // Class means: random directions scaled to feature_signal.
   const int64_t f = o.features;
   std::vector<double> means(static_cast<size_t>(k * f));
@@ -214,34 +247,43 @@ GraphData make_rmat(const RmatOptions& o) {
   check(o.scale >= 1 && o.scale <= 30, G, "scale", static_cast<double>(o.scale), "in [1, 30]");
   check(o.edge_factor >= 1, G, "edge_factor", static_cast<double>(o.edge_factor), ">= 1");
   check(o.a > 0 && o.b >= 0 && o.c >= 0 && o.a + o.b + o.c < 1, G, "a + b + c", o.a + o.b + o.c,
-        "below 1 with a > 0 and b, c >= 0");
+        "below 1 with a > 0 and b, c >= 0 (d = 1 - a - b - c)");
   check(o.features >= 1, G, "features", static_cast<double>(o.features), ">= 1");
   check(o.classes >= 1, G, "classes", static_cast<double>(o.classes), ">= 1");
   check_split(G, o.train_fraction, o.val_fraction);
-  Rng rng(o.seed);
   const int64_t n = int64_t{1} << o.scale;
   const int64_t m = o.edge_factor * n;
-  std::vector<std::pair<int32_t, int32_t>> pairs;
-  pairs.reserve(static_cast<size_t>(m));
-  for (int64_t e = 0; e < m; ++e) {
-    int64_t u = 0, v = 0;
-    for (int64_t bit = o.scale - 1; bit >= 0; --bit) {
-      const double r = rng.uniform();
-      if (r < o.a) {
-      } else if (r < o.a + o.b) {
-        v |= int64_t{1} << bit;
-      } else if (r < o.a + o.b + o.c) {
-        u |= int64_t{1} << bit;
-      } else {
-        u |= int64_t{1} << bit;
-        v |= int64_t{1} << bit;
+  // Edges are drawn in fixed chunks, each from its own stream seeded by
+  // (seed, chunk), so threads can share the chunks out and the graph
+  // depends on the seed alone, not on the thread count.
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  std::vector<std::pair<int32_t, int32_t>> pairs(static_cast<size_t>(m));
+  const double ab = o.a + o.b, abc = o.a + o.b + o.c;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t chunk = 0; chunk < (m + kChunk - 1) / kChunk; ++chunk) {
+    Rng rng(chunk_seed(o.seed, "rmat.edges", chunk));
+    for (int64_t e = chunk * kChunk; e < std::min(m, (chunk + 1) * kChunk); ++e) {
+      int64_t u = 0, v = 0;
+      for (int64_t bit = o.scale - 1; bit >= 0; --bit) {
+        const double r = rng.uniform();
+        if (r < o.a) {
+        } else if (r < ab) {
+          v |= int64_t{1} << bit;
+        } else if (r < abc) {
+          u |= int64_t{1} << bit;
+        } else {
+          u |= int64_t{1} << bit;
+          v |= int64_t{1} << bit;
+        }
       }
+      pairs[static_cast<size_t>(e)] = {static_cast<int32_t>(u), static_cast<int32_t>(v)};
     }
-    pairs.emplace_back(static_cast<int32_t>(u), static_cast<int32_t>(v));
   }
   GraphData g;
-  g.name = fmt::format("rmat(scale={}, edge_factor={}, seed={})", o.scale, o.edge_factor, o.seed);
-  g.adj = undirected(n, pairs);
+  g.name = fmt::format("rmat(scale={}, edge_factor={}, a={:g}, b={:g}, c={:g}, seed={})", o.scale,
+                       o.edge_factor, o.a, o.b, o.c, o.seed);
+  g.adj = simple_undirected(n, pairs);
+  pairs = {};
   g.classes = o.classes;
   // Labels: degree buckets of equal width on a log scale.
   g.labels.resize(static_cast<size_t>(n));
@@ -259,7 +301,15 @@ GraphData make_rmat(const RmatOptions& o) {
   }
   g.features = Tensor::empty(Shape{n, o.features}, DType::f32);
   float* px = g.features.data<float>();
-  for (int64_t i = 0; i < n * o.features; ++i) px[i] = static_cast<float>(rng.normal());
+  const int64_t f = o.features;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t chunk = 0; chunk < (n + kChunk - 1) / kChunk; ++chunk) {
+    Rng rng(chunk_seed(o.seed, "rmat.features", chunk));
+    for (int64_t i = chunk * kChunk * f; i < std::min(n, (chunk + 1) * kChunk) * f; ++i) {
+      px[i] = static_cast<float>(rng.normal());
+    }
+  }
+  Rng rng(Rng::derive(o.seed, "rmat.split"));
   split(g, o.train_fraction, o.val_fraction, rng);
   return g;
 }

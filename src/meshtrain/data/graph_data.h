@@ -7,11 +7,16 @@
 //   `homophily` of them inside its own class; features are the class's mean
 //   vector (a random direction of length `feature_signal`) plus standard
 //   normal noise, so both structure and features carry the label.
-// - R-MAT (Chakrabarti et al.): 2^scale vertices, edge_factor * 2^scale
+// - R-MAT (Chakrabarti et al.; a Kronecker graph with a 2x2 initiator, as
+//   Graph500's generator): 2^scale vertices, edge_factor * 2^scale
 //   undirected edges drawn by recursive quadrant choice with probabilities
-//   (a, b, c, 1 - a - b - c); self-loops and duplicates removed. Skewed
-//   degrees, for timing; features are noise and labels are the vertex's
-//   degree bucket (so a task exists, but accuracy means little).
+//   (a, b, c, d = 1 - a - b - c); self-loops and duplicates removed. Edges
+//   come in fixed chunks of 65,536 with one random stream per (seed, chunk),
+//   drawn by as many threads as OpenMP gives, so the graph depends on the
+//   seed alone. Skewed degrees, for timing; features are noise and labels
+//   are the vertex's degree bucket (so a task exists, but accuracy means
+//   little). Vertex ids are not permuted: low ids are the hubs.
+// - a k-nearest-neighbour graph over Fashion-MNIST: data/knn_graph.h.
 //
 // Plain data: immutable after construction, safe to share between threads.
 // The on-disk format (docs/graph_format.md) is read and written in
@@ -20,6 +25,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "meshtrain/tensor/sparse.h"
@@ -67,6 +73,11 @@ struct RmatOptions {
   double train_fraction = 0.1, val_fraction = 0.1;
   uint64_t seed = 1;
 };
+
+// The simple undirected CSR (n x n) of edge pairs: both directions of every
+// pair, self-loops and duplicates dropped, rows sorted. ShapeError for an
+// endpoint outside [0, n) or more entries than i32 indices hold.
+Csr simple_undirected(int64_t n, const std::vector<std::pair<int32_t, int32_t>>& pairs);
 
 // Throw ConfigError naming the bad option.
 GraphData make_csbm(const CsbmOptions& o);

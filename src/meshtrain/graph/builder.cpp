@@ -193,6 +193,12 @@ ValueId Builder::all_to_all(ValueId x, int64_t group, int64_t dim, int64_t conca
   return append(OpKind::all_to_all, {x}, a.to_attrs(OpKind::all_to_all));
 }
 
+ValueId Builder::all_to_allv(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                             std::vector<int64_t> recv_sizes, int64_t rank) {
+  CollectiveAttrs a{group, dim, std::move(sizes), rank, dim, std::move(recv_sizes)};
+  return append(OpKind::all_to_all, {x}, a.to_attrs(OpKind::all_to_all));
+}
+
 ValueId Builder::copy_to_group(ValueId x, int64_t group) {
   return append(OpKind::copy_to_group, {x}, group_attrs(group, OpKind::copy_to_group));
 }

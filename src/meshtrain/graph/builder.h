@@ -84,6 +84,10 @@ class Builder {
   // Even pieces: x's extent along dim is sizes[0] x the group size.
   ValueId all_to_all(ValueId x, int64_t group, int64_t dim, int64_t concat_dim,
                      std::vector<int64_t> sizes, int64_t rank);
+  // Uneven pieces along dim: sizes[q] of x's rows go to group rank q,
+  // recv_sizes[q] come from it (what rank q's graph sends this rank).
+  ValueId all_to_allv(ValueId x, int64_t group, int64_t dim, std::vector<int64_t> sizes,
+                      std::vector<int64_t> recv_sizes, int64_t rank);
   ValueId copy_to_group(ValueId x, int64_t group);      // Megatron's f
   ValueId reduce_from_group(ValueId x, int64_t group);  // Megatron's g
   // x's pieces joined along dim into one replicated value / this rank's piece

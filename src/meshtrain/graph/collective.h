@@ -13,6 +13,8 @@
 //   reduce_scatter  y_q = piece q of sum_r x_r dx_r = concat_q dy_q  (all_gather)
 //   all_to_all      y_r = concat_q (piece r of x_q along dim) along concat_dim
 //                                              dx = all_to_all(dy) with dim and concat_dim swapped
+//                   (uneven, recv_sizes given: dim == concat_dim, dx = all_to_all(dy)
+//                   with sizes and recv_sizes swapped)
 //   copy_to_group   (f) x replicated, y_r = x: dx = sum_r dy_r  (g, an all-reduce)
 //   reduce_from_group (g) y = sum_q x_q replicated, the loss reads it once
 //                   (every rank computes the same loss; L counts it once):
@@ -50,6 +52,12 @@ struct CollectiveAttrs {
   // all_to_all: x is split along `dim` into even pieces (sizes[q] goes to
   // group rank q); the pieces received join along `concat_dim`.
   int64_t concat_dim = 0;
+  // all_to_all with uneven pieces (e.g. a halo exchange): x's piece
+  // sizes[q] goes to rank q and recv_sizes[q] comes from rank q, joined in
+  // rank order along the same dimension (concat_dim == dim). A rank's
+  // received shape depends on the others' sizes, so the builder of each
+  // rank's graph states it. Empty: even pieces.
+  std::vector<int64_t> recv_sizes = {};
 
   Attrs to_attrs(OpKind op) const;
   static CollectiveAttrs of(const Node& n);

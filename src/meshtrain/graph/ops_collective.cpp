@@ -81,8 +81,9 @@ std::vector<ValueType> infer_reduce_scatter(const InferContext& c) {
   return {{Shape(dims), c.dtype(0)}};
 }
 
-// Even pieces only: with uneven ones a rank's received shape would depend on
-// the other ranks' graphs.
+// Even pieces, or uneven ones with the received sizes stated (recv_sizes):
+// a rank's received shape depends on the other ranks' graphs, so it cannot
+// be inferred from this rank's alone.
 std::vector<ValueType> infer_all_to_all(const InferContext& c) {
   const CollectiveAttrs a = checked_attrs(c);
   std::vector<int64_t> dims = c.shape(0).dims();
@@ -90,6 +91,26 @@ std::vector<ValueType> infer_all_to_all(const InferContext& c) {
     c.fail(fmt::format("concat_dim {} is not a dimension of x", a.concat_dim));
   }
   const auto d = static_cast<size_t>(a.dim);
+  if (!a.recv_sizes.empty()) {
+    if (a.concat_dim != a.dim) {
+      c.fail(fmt::format("uneven pieces (recv_sizes) need concat_dim == dim, got {} and {}",
+                         a.concat_dim, a.dim));
+    }
+    if (a.recv_sizes.size() != a.sizes.size()) {
+      c.fail(fmt::format("recv_sizes [{}] and sizes [{}] differ in length",
+                         fmt::join(a.recv_sizes, ", "), fmt::join(a.sizes, ", ")));
+    }
+    for (int64_t s : a.recv_sizes) {
+      if (s < 0)
+        c.fail(fmt::format("recv_sizes [{}] has a negative piece", fmt::join(a.recv_sizes, ", ")));
+    }
+    if (dims[d] != sum_of(a.sizes)) {
+      c.fail(fmt::format("x has {} along dim {}, but sizes [{}] add up to {}", dims[d], a.dim,
+                         fmt::join(a.sizes, ", "), sum_of(a.sizes)));
+    }
+    dims[d] = sum_of(a.recv_sizes);
+    return {{Shape(dims), c.dtype(0)}};
+  }
   for (int64_t s : a.sizes) {
     if (s != a.sizes[0]) {
       c.fail(fmt::format("sizes [{}] are uneven; all_to_all takes even pieces only",
@@ -124,6 +145,11 @@ void grad_reduce_scatter(GradContext& c) {
 // rank q) and the pieces join along the forward's dim.
 void grad_all_to_all(GradContext& c) {
   CollectiveAttrs a = CollectiveAttrs::of(c.node());
+  if (!a.recv_sizes.empty()) {
+    std::swap(a.sizes, a.recv_sizes);
+    c.give(0, c.emit(OpKind::all_to_all, c.name(0), {c.dy()}, a.to_attrs(OpKind::all_to_all)));
+    return;
+  }
   a.dim = std::exchange(a.concat_dim, a.dim);
   const int64_t n = std::max<int64_t>(a.group_size(), 1);
   const int64_t along = c.value(c.dy()).shape.dims()[static_cast<size_t>(a.dim)];
@@ -161,7 +187,10 @@ Attrs CollectiveAttrs::to_attrs(OpKind op) const {
   Attrs a;
   a.set("group", group);
   if (pieces_op(op)) a.set("dim", dim).set("sizes", sizes).set("rank", rank);
-  if (op == OpKind::all_to_all) a.set("concat_dim", concat_dim);
+  if (op == OpKind::all_to_all) {
+    a.set("concat_dim", concat_dim);
+    if (!recv_sizes.empty()) a.set("recv_sizes", recv_sizes);
+  }
   return a;
 }
 
@@ -173,7 +202,10 @@ CollectiveAttrs CollectiveAttrs::of(const Node& n) {
     a.sizes = n.attrs.ints("sizes");
     a.rank = n.attrs.i("rank");
   }
-  if (n.op == OpKind::all_to_all) a.concat_dim = n.attrs.i("concat_dim");
+  if (n.op == OpKind::all_to_all) {
+    a.concat_dim = n.attrs.i("concat_dim");
+    if (n.attrs.has("recv_sizes")) a.recv_sizes = n.attrs.ints("recv_sizes");
+  }
   return a;
 }
 

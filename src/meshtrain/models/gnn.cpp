@@ -1,6 +1,11 @@
 // Graph neural networks for full-graph node classification (see model.h).
 // The adjacency enters as i32 inputs bound once (ModelGraph::constants), so
-// the same graph code runs for any graph the model was built for.
+// the same graph code runs for any graph the model was built for. Under
+// graph parallelism (GnnGraph::shard) every aggregation also reads the halo
+// rows that one uneven all_to_all brings in, and parameters enter through
+// copy_to_group.
+#include <numeric>
+
 #include <fmt/format.h>
 
 #include "meshtrain/base/error.h"
@@ -35,48 +40,119 @@ AdjInputs bind_adj(Builder& b, ModelGraph& m, const std::string& name, const Csr
   return in;
 }
 
-ValueId bias_add(Builder& b, ValueId h, int64_t width, const std::string& name) {
-  return b.add(h, b.param(name + ".b", {width}, ParamInit{ParamInit::Kind::zeros, 0}));
+// What the layers share: the builder, the adjacency (local part, and the
+// halo part with its exchange under graph parallelism).
+struct Net {
+  Builder& b;
+  ModelGraph& m;
+  const GnnShard* shard = nullptr;
+  AdjInputs adj, halo_adj;
+  ValueId send_rows = kNoValue;
+
+  // A parameter; replicated over the shard's group (its gradient is all-reduced).
+  ValueId param(const std::string& name, const Shape& shape, ParamInit init) {
+    ValueId p = b.param(name, shape, init);
+    return distributed() ? b.copy_to_group(p, shard->group) : p;
+  }
+  bool distributed() const { return shard != nullptr && shard->ranks > 1; }
+
+  // sum over in-neighbours j of w_ij h_j: the local rows' part, plus, under
+  // graph parallelism, the halo part over the rows the exchange brings in
+  // (issued first, so the local product overlaps it).
+  ValueId aggregate(ValueId h) {
+    if (!distributed()) return b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
+    ValueId y = kNoValue;
+    if (shard->exchange_ranks > 1) {
+      ValueId send = b.embedding(h, send_rows);
+      ValueId recv = b.all_to_allv(send, shard->exchange_group, 0, shard->send_counts,
+                                   shard->recv_counts, shard->exchange_rank);
+      ValueId local = b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
+      y = b.add(local, b.spmm(halo_adj.row_ptr, halo_adj.col_idx, recv, halo_adj.values));
+    } else {
+      y = b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
+    }
+    // 1.5D: each replica summed its share of the row's terms.
+    return shard->replication > 1 ? b.all_reduce(y, shard->replica_group) : y;
+  }
+};
+
+ValueId bias_add(Net& n, ValueId h, int64_t width, const std::string& name) {
+  return n.b.add(h, n.param(name + ".b", {width}, ParamInit{ParamInit::Kind::zeros, 0}));
 }
 
-ValueId weight(Builder& b, const std::string& name, int64_t in, int64_t out) {
-  return b.param(name, {in, out}, layers::fan_in_uniform(in));
+ValueId weight(Net& n, const std::string& name, int64_t in, int64_t out) {
+  return n.param(name, {in, out}, layers::fan_in_uniform(in));
 }
 
-ValueId gcn_conv(Builder& b, const AdjInputs& a, ValueId h, int64_t in, int64_t out,
-                 const std::string& name) {
-  ValueId z = b.matmul(h, weight(b, name + ".w", in, out));
-  return bias_add(b, b.spmm(a.row_ptr, a.col_idx, z, a.values), out, name);
+ValueId gcn_conv(Net& n, ValueId h, int64_t in, int64_t out, const std::string& name) {
+  ValueId z = n.b.matmul(h, weight(n, name + ".w", in, out));
+  return bias_add(n, n.aggregate(z), out, name);
 }
 
-ValueId sage_conv(Builder& b, const AdjInputs& a, ValueId h, int64_t in, int64_t out,
-                  const std::string& name, bool max) {
-  ValueId self = b.matmul(h, weight(b, name + ".w_self", in, out));
-  ValueId agg =
-      max ? b.spmm_max(a.row_ptr, a.col_idx, h) : b.spmm(a.row_ptr, a.col_idx, h, a.values);
-  ValueId neigh = b.matmul(agg, weight(b, name + ".w_neigh", in, out));
-  return bias_add(b, b.add(self, neigh), out, name);
+ValueId sage_conv(Net& n, ValueId h, int64_t in, int64_t out, const std::string& name, bool max) {
+  Builder& b = n.b;
+  ValueId self = b.matmul(h, weight(n, name + ".w_self", in, out));
+  ValueId agg = max ? b.spmm_max(n.adj.row_ptr, n.adj.col_idx, h) : n.aggregate(h);
+  ValueId neigh = b.matmul(agg, weight(n, name + ".w_neigh", in, out));
+  return bias_add(n, b.add(self, neigh), out, name);
 }
 
-ValueId gat_conv(Builder& b, const AdjInputs& a, ValueId h, int64_t in, int64_t out, int64_t n,
-                 int64_t e, const std::string& name) {
-  ValueId z = b.matmul(h, weight(b, name + ".w", in, out));
-  ValueId s_src = b.matmul(z, weight(b, name + ".att_src", out, 1));  // [N, 1]
-  ValueId s_dst = b.matmul(z, weight(b, name + ".att_dst", out, 1));
-  (void)n;
+ValueId gat_conv(Net& n, ValueId h, int64_t in, int64_t out, int64_t e, const std::string& name) {
+  Builder& b = n.b;
+  const AdjInputs& a = n.adj;
+  ValueId z = b.matmul(h, weight(n, name + ".w", in, out));
+  ValueId s_src = b.matmul(z, weight(n, name + ".att_src", out, 1));  // [N, 1]
+  ValueId s_dst = b.matmul(z, weight(n, name + ".att_dst", out, 1));
   // Per entry (i <- j): s_dst[i] + s_src[j], gathered with embedding lookups.
   ValueId score = b.add(b.embedding(s_dst, a.rows), b.embedding(s_src, a.col_idx));  // [E, 1]
   score = b.reshape(score, {e});
   // leaky_relu(x, 0.2) = 0.8 relu(x) + 0.2 x
   score = b.add(b.scale(b.relu(score), 0.8), b.scale(score, 0.2));
   ValueId alpha = b.edge_softmax(a.row_ptr, score);
-  return bias_add(b, b.spmm(a.row_ptr, a.col_idx, z, alpha), out, name);
+  return bias_add(n, b.spmm(a.row_ptr, a.col_idx, z, alpha), out, name);
+}
+
+void check_shard(const ModelSpec& spec, const GnnShard& s) {
+  if (spec.kind == "gat" || (spec.kind == "sage" && spec.sage_aggregation == "max")) {
+    throw ConfigError(fmt::format(
+        "gnn.parallel = \"graph\": model.kind {}{} is not supported (its aggregation needs "
+        "a vertex's whole neighbourhood in one place; gcn, resgcn and sage with mean "
+        "aggregation are)",
+        spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
+  }
+  const auto ranks = static_cast<size_t>(s.exchange_ranks);
+  MT_CHECK(s.rank >= 0 && s.rank < s.ranks, "shard rank {} of {}", s.rank, s.ranks);
+  MT_CHECK(s.send_counts.size() == ranks && s.recv_counts.size() == ranks,
+           "shard counts for {} exchange ranks", s.exchange_ranks);
+  MT_CHECK(s.replication >= 1 && s.ranks % s.replication == 0, "replication {} of {} ranks",
+           s.replication, s.ranks);
+  MT_CHECK_EQ(std::accumulate(s.send_counts.begin(), s.send_counts.end(), int64_t{0}),
+              static_cast<int64_t>(s.send_rows.size()));
+  MT_CHECK_EQ(std::accumulate(s.recv_counts.begin(), s.recv_counts.end(), int64_t{0}), s.halo);
+  MT_CHECK(s.local_adj.rows == s.local && s.local_adj.cols == s.local &&
+               s.halo_adj.rows == s.local && s.halo_adj.cols == s.halo,
+           "shard adjacency {}x{} and {}x{} for {} local and {} halo rows", s.local_adj.rows,
+           s.local_adj.cols, s.halo_adj.rows, s.halo_adj.cols, s.local, s.halo);
 }
 
 }  // namespace
 
 bool is_gnn(const std::string& kind) {
   return kind == "gcn" || kind == "sage" || kind == "gat" || kind == "resgcn";
+}
+
+GnnAdjacency gnn_adjacency(const ModelSpec& spec, const Csr& adj) {
+  GnnAdjacency g;
+  if (spec.kind == "gcn" || spec.kind == "resgcn") {
+    g.a = with_self_loops(adj);
+    g.values = gcn_norm_values(g.a);
+  } else if (spec.kind == "sage") {
+    g.a = adj;
+    if (spec.sage_aggregation != "max") g.values = mean_values(adj);
+  } else {
+    g.a = with_self_loops(adj);
+  }
+  return g;
 }
 
 ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
@@ -92,84 +168,109 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
                     "train.precision = \"f32\"",
                     spec.kind));
   }
-  MT_CHECK(g.adj != nullptr, "build_gnn: no adjacency");
-  const Csr& adj = *g.adj;
-  if (adj.rows != adj.cols) {
-    throw ConfigError(fmt::format("build_gnn: adjacency is {}x{}, not square", adj.rows, adj.cols));
-  }
-  if (g.loss_vertices.empty()) {
-    throw ConfigError("build_gnn: no vertex is in the training mask, so the loss is empty");
+  if (spec.kind == "sage" && spec.sage_aggregation != "mean" && spec.sage_aggregation != "max") {
+    throw ConfigError(
+        fmt::format("model.sage_aggregation: '{}' (expected mean or max)", spec.sage_aggregation));
   }
   if (spec.gnn_layers < 1 || spec.gnn_hidden < 1) {
     throw ConfigError(fmt::format("model.gnn_layers ({}) and model.gnn_hidden ({}) must be >= 1",
                                   spec.gnn_layers, spec.gnn_hidden));
   }
-  const int64_t n = adj.rows, f = g.features, c = g.classes, hid = spec.gnn_hidden;
+  const GnnShard* shard = g.shard;
+  GnnAdjacency whole;
+  if (shard != nullptr) {
+    check_shard(spec, *shard);
+  } else {
+    MT_CHECK(g.adj != nullptr, "build_gnn: no adjacency");
+    if (g.adj->rows != g.adj->cols) {
+      throw ConfigError(
+          fmt::format("build_gnn: adjacency is {}x{}, not square", g.adj->rows, g.adj->cols));
+    }
+    whole = gnn_adjacency(spec, *g.adj);
+  }
+  // A rank may own no training vertex; one process must have some.
+  if (g.loss_vertices.empty() && shard == nullptr) {
+    throw ConfigError("build_gnn: no vertex is in the training mask, so the loss is empty");
+  }
+  const Csr& a = shard != nullptr ? shard->local_adj : whole.a;
+  const std::vector<float>& values = shard != nullptr ? shard->local_values : whole.values;
+  const int64_t n = a.rows, f = g.features, c = g.classes, hid = spec.gnn_hidden;
   ModelGraph m;
   m.batch = static_cast<int64_t>(g.loss_vertices.size());
   Builder b(m.graph);
   m.x = b.input("x", {n, f});
   m.y = b.input("y", {m.batch}, DType::i32);
-  ValueId idx = b.input("loss_vertices", {m.batch}, DType::i32);
-  m.constants.emplace_back(idx, tensor_from(g.loss_vertices));
+
+  Net net{b, m, shard, {}, {}, kNoValue};
+  net.adj = bind_adj(b, m, "adj", a, values.empty() ? nullptr : &values, spec.kind == "gat");
+  if (net.distributed() && shard->exchange_ranks > 1) {
+    net.halo_adj = bind_adj(b, m, "halo_adj", shard->halo_adj,
+                            shard->halo_values.empty() ? nullptr : &shard->halo_values, false);
+    net.send_rows =
+        b.input("halo.send_rows", {static_cast<int64_t>(shard->send_rows.size())}, DType::i32);
+    m.constants.emplace_back(net.send_rows, tensor_from(shard->send_rows));
+  }
 
   ValueId h = m.x;
-  if (spec.kind == "gcn" || spec.kind == "resgcn") {
-    const Csr a = with_self_loops(adj);
-    const std::vector<float> w = gcn_norm_values(a);
-    const AdjInputs in = bind_adj(b, m, "adj", a, &w, false);
-    if (spec.kind == "gcn") {
-      int64_t width = f;
-      for (int64_t l = 0; l < spec.gnn_layers; ++l) {
-        const bool last = l + 1 == spec.gnn_layers;
-        const int64_t out = last ? c : hid;
-        h = gcn_conv(b, in, h, width, out, fmt::format("conv{}", l + 1));
-        if (!last) h = b.relu(h);
-        width = out;
-      }
-    } else {
-      h = b.matmul(h, weight(b, "input.w", f, hid));
-      auto norm = [&](ValueId v, const std::string& name) {
-        ValueId gm = b.param(name + ".gamma", {hid}, ParamInit{ParamInit::Kind::ones, 0});
-        ValueId bt = b.param(name + ".beta", {hid}, ParamInit{ParamInit::Kind::zeros, 0});
-        return b.relu(b.layer_norm(v, gm, bt));
-      };
-      for (int64_t l = 0; l < spec.gnn_layers; ++l) {
-        const std::string name = fmt::format("block{}", l + 1);
-        h = b.add(h, gcn_conv(b, in, norm(h, name + ".norm"), hid, hid, name + ".conv"));
-      }
-      h = bias_add(b, b.matmul(norm(h, "final_norm"), weight(b, "head.w", hid, c)), c, "head");
-    }
-  } else if (spec.kind == "sage") {
-    if (spec.sage_aggregation != "mean" && spec.sage_aggregation != "max") {
-      throw ConfigError(fmt::format("model.sage_aggregation: '{}' (expected mean or max)",
-                                    spec.sage_aggregation));
-    }
-    const bool max = spec.sage_aggregation == "max";
-    const std::vector<float> w = mean_values(adj);
-    const AdjInputs in = bind_adj(b, m, "adj", adj, max ? nullptr : &w, false);
+  if (spec.kind == "gcn") {
     int64_t width = f;
     for (int64_t l = 0; l < spec.gnn_layers; ++l) {
       const bool last = l + 1 == spec.gnn_layers;
       const int64_t out = last ? c : hid;
-      h = sage_conv(b, in, h, width, out, fmt::format("conv{}", l + 1), max);
+      h = gcn_conv(net, h, width, out, fmt::format("conv{}", l + 1));
+      if (!last) h = b.relu(h);
+      width = out;
+    }
+  } else if (spec.kind == "resgcn") {
+    h = b.matmul(h, weight(net, "input.w", f, hid));
+    auto norm = [&](ValueId v, const std::string& name) {
+      ValueId gm = net.param(name + ".gamma", {hid}, ParamInit{ParamInit::Kind::ones, 0});
+      ValueId bt = net.param(name + ".beta", {hid}, ParamInit{ParamInit::Kind::zeros, 0});
+      return b.relu(b.layer_norm(v, gm, bt));
+    };
+    for (int64_t l = 0; l < spec.gnn_layers; ++l) {
+      const std::string name = fmt::format("block{}", l + 1);
+      h = b.add(h, gcn_conv(net, norm(h, name + ".norm"), hid, hid, name + ".conv"));
+    }
+    h = bias_add(net, b.matmul(norm(h, "final_norm"), weight(net, "head.w", hid, c)), c, "head");
+  } else if (spec.kind == "sage") {
+    const bool max = spec.sage_aggregation == "max";
+    int64_t width = f;
+    for (int64_t l = 0; l < spec.gnn_layers; ++l) {
+      const bool last = l + 1 == spec.gnn_layers;
+      const int64_t out = last ? c : hid;
+      h = sage_conv(net, h, width, out, fmt::format("conv{}", l + 1), max);
       if (!last) h = b.relu(h);
       width = out;
     }
   } else {  // gat
-    const Csr a = with_self_loops(adj);
-    const AdjInputs in = bind_adj(b, m, "adj", a, nullptr, true);
     int64_t width = f;
     for (int64_t l = 0; l < spec.gnn_layers; ++l) {
       const bool last = l + 1 == spec.gnn_layers;
       const int64_t out = last ? c : hid;
-      h = gat_conv(b, in, h, width, out, n, a.nnz(), fmt::format("conv{}", l + 1));
+      h = gat_conv(net, h, width, out, a.nnz(), fmt::format("conv{}", l + 1));
       if (!last) h = b.relu(h);
       width = out;
     }
   }
   m.logits = b.name(h, "logits");
-  m.loss = b.cross_entropy(b.embedding(m.logits, idx), m.y);
+  if (shard == nullptr) {
+    ValueId idx = b.input("loss_vertices", {m.batch}, DType::i32);
+    m.constants.emplace_back(idx, tensor_from(g.loss_vertices));
+    m.loss = b.cross_entropy(b.embedding(m.logits, idx), m.y);
+  } else if (m.batch > 0) {
+    // This rank's share of the global mean: (its mean) x (its count / total).
+    ValueId idx = b.input("loss_vertices", {m.batch}, DType::i32);
+    m.constants.emplace_back(idx, tensor_from(g.loss_vertices));
+    m.loss = b.scale(b.cross_entropy(b.embedding(m.logits, idx), m.y),
+                     static_cast<double>(m.batch) / (static_cast<double>(shard->loss_total) *
+                                                     static_cast<double>(shard->replication)));
+  } else {
+    // No loss vertex here: a zero loss that still differentiates to the
+    // logits (zeros), so backward -- and its halo exchanges -- run as on the
+    // other ranks.
+    m.loss = b.scale(b.sum_to(m.logits, {}), 0.0);
+  }
   return m;
 }
 

@@ -55,10 +55,61 @@ struct ModelGraph {
 // The graph a GNN is built for: its structure (row i = vertex i's
 // in-neighbours), feature width, class count, and the vertices whose labels
 // the loss sees (the train mask's members, ascending).
+struct GnnShard;
+
 struct GnnGraph {
   const Csr* adj = nullptr;
   int64_t features = 0, classes = 0;
   std::vector<int32_t> loss_vertices;
+  // Graph parallelism (1D): this rank's share of the graph. adj is then
+  // ignored; x, logits and loss_vertices are the shard's local rows.
+  const GnnShard* shard = nullptr;
+};
+
+// The adjacency a GNN aggregates over, with its edge values: gcn / resgcn:
+// A + I with D^-1/2 (A + I) D^-1/2; sage mean: A with 1 / in-degree; sage
+// max: A, no values; gat: A + I, no values (attention computes them).
+struct GnnAdjacency {
+  Csr a;
+  std::vector<float> values;  // one per entry, or empty
+};
+GnnAdjacency gnn_adjacency(const ModelSpec& spec, const Csr& adj);
+
+// One rank's share of a graph under 1D graph parallelism (built by
+// train/graph_parallel.h from a partition). The rank owns `local` vertices
+// (rows 0 .. local-1 of x and of the logits) and reads halo vertices other
+// ranks own: the rows of gnn_adjacency() for its vertices are split into a
+// local part (columns = local rows) and a halo part (columns = halo rows,
+// ordered by owner rank, then global id). Each aggregation's input is
+// exchanged: rows send_rows (grouped by destination rank, send_counts[q] for
+// rank q) go out, recv_counts[q] halo rows come in from rank q, by one
+// uneven all_to_all over collective group `group`; the aggregation is
+// local part x local rows + halo part x received rows. Parameters are
+// replicated: each enters through copy_to_group (Megatron's f), so autodiff
+// all-reduces their gradients. The loss is this rank's share of the global
+// mean: sum of its loss vertices' cross-entropy / loss_total, so the sum
+// over ranks is the single-process loss. gcn, resgcn and sage (mean) only:
+// GAT's edge softmax and the max aggregation need the whole row.
+//
+// 1.5D (replication > 1, CAGNET's replication factor c): `replication`
+// ranks hold the same rows (a replica group, collective group
+// replica_group); each computes its part of every aggregation -- the local
+// part and the halo parts the round-robin assigned to it (the others are
+// empty) -- and the parts are all-reduced over the replica group. The halo
+// exchange runs over exchange_group (the ranks with the same position in
+// their replica groups, one per row block; this rank is exchange_rank
+// there, and send / recv counts are per exchange_group rank). The loss is
+// divided by replication (every replica computes it).
+struct GnnShard {
+  int64_t group = 0, rank = 0, ranks = 1;  // parameters: replicated over `group`
+  int64_t exchange_group = 0, exchange_rank = 0, exchange_ranks = 1;
+  int64_t replica_group = -1, replication = 1;
+  int64_t local = 0, halo = 0;
+  Csr local_adj, halo_adj;                       // [local, local], [local, halo]
+  std::vector<float> local_values, halo_values;  // empty when the adjacency has none
+  std::vector<int32_t> send_rows;
+  std::vector<int64_t> send_counts, recv_counts;
+  int64_t loss_total = 0;  // loss vertices over all ranks
 };
 
 // Full-graph node classification: x = f32 features [N, F] and y = i32
@@ -74,6 +125,7 @@ struct GnnGraph {
 //           a_src.z_j) over A + I, alpha = edge_softmax(e), h' = sum alpha z + b
 //   resgcn: h = x W_in; gnn_layers times h = h + gcn(relu(layer_norm(h)));
 //           logits = relu(layer_norm(h)) W_out + b
+// With a shard: logits [local, classes], loss as GnnShard says.
 // Throws ConfigError for an unknown kind or a GnnGraph that does not fit.
 ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g);
 bool is_gnn(const std::string& kind);

@@ -154,6 +154,31 @@ CollectiveHandle CommCollectiveRunner::start(const CollectiveCall& call) {
       }
       const bool gather = call.op == OpKind::all_gather || call.op == OpKind::gather_from_group;
       const size_t elem = dtype_size(in.dtype());
+      if (call.op == OpKind::all_to_all && !a.recv_sizes.empty()) {
+        // Uneven pieces (all_to_allv): pack x's pieces rank-major when they
+        // are not contiguous, receive rank-major, unpack after the call.
+        const Pieces send = pieces_of(in.shape(), a);
+        const void* src = in.raw();
+        if (!send.contiguous()) {
+          p->send_staging = Tensor::empty(in.shape(), in.dtype());
+          shuffle(send, elem, static_cast<const char*>(in.raw()),
+                  static_cast<char*>(p->send_staging.raw()), true);
+          src = p->send_staging.raw();
+        }
+        CollectiveAttrs received = a;
+        received.sizes = a.recv_sizes;
+        p->pieces = pieces_of(out.shape(), received);
+        void* dst = out.raw();
+        if (!p->pieces.contiguous()) {
+          p->staging = Tensor::empty(out.shape(), out.dtype());
+          p->out = out;
+          p->unpack = true;
+          dst = p->staging.raw();
+        }
+        p->handle =
+            comm.all_to_allv_async(src, send.counts, dst, p->pieces.counts, in.dtype(), opts_);
+        break;
+      }
       if (call.op == OpKind::all_to_all) {
         // Pack x's pieces along dim rank-major, exchange equal blocks, and
         // join the received blocks along concat_dim.
@@ -253,6 +278,20 @@ CollectiveCost CommCollectiveRunner::cost_of(const Graph& g, const Node& n) cons
     }
     case OpKind::all_to_all: {
       const Pieces p = pieces_of(x.shape, a);
+      if (!a.recv_sizes.empty()) {
+        // Pairwise exchange, as comm's all_to_allv: every other rank's
+        // piece, one step per peer (no cost model call: comm has none for
+        // the v-variant's two count lists).
+        CollectiveAttrs received = a;
+        received.sizes = a.recv_sizes;
+        const Pieces r = pieces_of(g.value(n.outputs[0]).shape, received);
+        const auto me = static_cast<size_t>(a.rank);
+        const size_t sent =
+            std::accumulate(p.counts.begin(), p.counts.end(), size_t{0}) - p.counts[me];
+        const size_t got =
+            std::accumulate(r.counts.begin(), r.counts.end(), size_t{0}) - r.counts[me];
+        return {comm.size() - 1, sent * elem, got * elem};
+      }
       const size_t per_rank = p.counts.empty() ? 0 : p.counts[0];
       return comm.cost(Collective::all_to_all,
                        algorithm(Collective::all_to_all, per_rank * p.counts.size() * elem),

@@ -14,20 +14,38 @@
 // pieces (ParamStore, optimizers, LR schedule, executor, metrics lines) and
 // reads the same TrainerOptions; options it does not support are refused.
 //
-// Blocks for the whole run; single-threaded apart from the kernels' threads.
+// Blocks for the whole run; single-threaded apart from the kernels' threads
+// (and, under graph parallelism, the communicator's progress thread).
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "meshtrain/comm/communicator.h"
 #include "meshtrain/data/graph_data.h"
+#include "meshtrain/data/graph_partition.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/train/trainer.h"
 
 namespace mt {
+
+// How full-graph training spreads over the ranks of a communicator.
+enum class GnnParallel : uint8_t {
+  none,   // one process (the communicator, if any, must have one rank)
+  graph,  // 1D graph parallelism: rows partitioned, halo rows exchanged per layer
+};
+
+struct GraphParallelOptions {
+  GnnParallel mode = GnnParallel::none;
+  PartitionOptions partition;  // parts is set to ranks / replication
+  // CAGNET's replication factor c: 1 = 1D; c > 1 = 1.5D (P / c row blocks,
+  // each held by c ranks; must divide the ranks).
+  int64_t replication = 1;
+};
 
 struct GraphEpoch {
   int64_t epoch = 0;  // 1-based
@@ -43,6 +61,19 @@ struct FullGraphResult {
   double train_acc = 0, val_acc = 0, test_acc = 0;
   double median_epoch_seconds = 0;
   int64_t params = 0;
+  // The final parameters by name (every rank holds the same under graph
+  // parallelism).
+  std::vector<std::pair<std::string, Tensor>> final_params;
+  // Graph parallelism, this rank: vertices owned and halo rows read; bytes
+  // it sent per training epoch as the communicator counted them (halo
+  // exchanges: all_to_allv; gradient all-reduces: all_reduce) and the halo
+  // bytes halo_bytes_per_epoch() predicts.
+  int64_t local_vertices = 0, halo_vertices = 0;
+  uint64_t halo_bytes_sent_per_epoch = 0, allreduce_bytes_sent_per_epoch = 0;
+  int64_t expected_halo_bytes_per_epoch = 0;
+  // 1.5D: bytes of the all-reduces of partial aggregations over the
+  // replica group, counted and as the runner's cost function predicts.
+  uint64_t replica_bytes_sent_per_epoch = 0, expected_replica_bytes_per_epoch = 0;
 };
 
 // Fraction of `vertices` whose argmax over logits [N, C] equals its label
@@ -56,8 +87,20 @@ double masked_accuracy(const Tensor& logits, const std::vector<int32_t>& labels,
 // options this path does not support (mixed precision, data parallelism,
 // checkpoints, resume, max_steps) naming the key, and whatever the model
 // builder and executor throw. `log` gets one line per logged epoch.
+//
+// par.mode = graph: every rank of `comm` calls this with the same graph and
+// options; the graph is partitioned over comm's ranks (par.partition) and
+// trained with 1D graph parallelism (train/graph_parallel.h). Losses and
+// accuracies are the global ones (summed over ranks), on every rank; rank 0
+// alone writes metrics and logs. It equals the single-process run up to
+// float rounding: aggregations sum the same terms in another order (local
+// part, then halo part) and gradients are summed over ranks. ConfigError
+// when par.mode = graph has no communicator, or mode none gets one of
+// several ranks.
 FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
                                  const TrainerOptions& opts,
-                                 const std::function<void(const std::string&)>& log = {});
+                                 const std::function<void(const std::string&)>& log = {},
+                                 const GraphParallelOptions& par = {},
+                                 Communicator* comm = nullptr);
 
 }  // namespace mt

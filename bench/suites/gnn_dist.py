@@ -1,0 +1,105 @@
+"""Graph-parallel full-graph GNN training: meshtrain --nproc 2 vs its own single process.
+
+For each graph (a CSBM graph from configs/gcn_csbm.toml with --vertices;
+the Fashion-MNIST kNN graph, --knn-k neighbours of every image, whose exact
+search takes ~20 s; an R-MAT graph of 2^--rmat-scale vertices), written once
+by `meshtrain graph-gen`, the 2-layer GCN of configs/gcn_csbm.toml trains
+--epochs epochs in one process (1 thread) and with gnn.parallel = "graph"
+over 2 ranks x 1 thread for each partitioner (contiguous, random, locality).
+One line per (graph, partitioner):
+  gnn_graph_parallel_epoch  ms; meshtrain = median epoch of the 2-rank run,
+                            peer = the single process's ("peer_name":
+                            "meshtrain 1 process"), ratio = peer / meshtrain
+                            (the speed-up), halo and gradient all-reduce bytes
+                            each rank sent per epoch (the communicator's
+                            counters), the partition's edge cut (`inspect`).
+The 2-rank run must end with the single process's loss and accuracies (to
+the printed 4 and 3 decimals): otherwise the line is an error.
+"""
+
+import json
+import re
+
+from common import REPO, cpu_context, ratio, thread_env
+
+CONFIG = REPO / "configs" / "gcn_csbm.toml"
+PARTITIONS = ("contiguous", "random", "locality")
+SUMMARY = re.compile(r"loss [0-9.]+, accuracy train [0-9.]+ val [0-9.]+ test [0-9.]+")
+BYTES = re.compile(r"halo exchange \[([0-9, ]+)\], gradient all-reduce \[([0-9, ]+)\]")
+CUT = re.compile(r"edge cut: ([0-9]+) of ([0-9]+) entries")
+
+
+def add_args(p):
+    p.add_argument("--graphs", default="csbm,knn,rmat", help="subset of csbm,knn,rmat")
+    p.add_argument("--vertices", type=int, default=100000, help="CSBM vertices (default 100000)")
+    p.add_argument("--knn-k", type=int, default=10, help="kNN neighbours (default 10)")
+    p.add_argument("--rmat-scale", type=int, default=18, help="R-MAT 2^scale vertices (default 18)")
+    p.add_argument("--epochs", type=int, default=20, help="timed epochs (default 20)")
+
+
+def graph_sets(ctx, name):
+    if name == "csbm":
+        return ["--set", f"data.vertices={5000 if ctx.quick else ctx.args.vertices}"]
+    if name == "knn":
+        sets = ["--set", 'data.graph="knn"', "--set", f"data.knn_k={ctx.args.knn_k}",
+                "--set", "train.threads=2"]
+        if ctx.quick:
+            sets += ["--set", "data.limit_train=5000", "--set", "data.limit_test=1000"]
+        return sets
+    return ["--set", 'data.graph="rmat"', "--set",
+            f"data.rmat_scale={12 if ctx.quick else ctx.args.rmat_scale}"]
+
+
+def run(ctx):
+    exe = ctx.ensure_built("meshtrain")
+    epochs = 5 if ctx.quick else ctx.args.epochs
+    cpu = cpu_context()
+    for gname in ctx.args.graphs.split(","):
+        graph = ctx.workdir / f"{gname}.safetensors"
+        r = ctx.run([exe, "graph-gen", "--config", CONFIG, *graph_sets(ctx, gname), "--out", graph],
+                    name=f"graph-gen-{gname}")
+        base = {"name": "gnn_graph_parallel_epoch", "unit": "ms", "graph": gname, "model": "gcn",
+                "ranks": 2, "threads": 1, "epochs": epochs, **cpu}
+        if not r.ok:
+            ctx.emit({**base, "error": r.failure()})
+            continue
+        ctx.log(r.stdout.strip())
+        common = ["--config", CONFIG, "--set", 'data.graph="file"', "--set",
+                  f'data.graph_file="{graph}"', "--set", "train.threads=1"]
+        train = [exe, "train", *common, "--quiet", "--set", f"train.epochs={epochs + 2}",
+                 "--set", f"train.log_every={epochs + 2}"]
+        metrics = ctx.workdir / f"{gname}_single.jsonl"
+        s = ctx.run([*train, "--metrics", metrics], thread_env(1), f"single-{gname}")
+        single = json.loads(metrics.read_text().splitlines()[-1]) if s.ok else None
+        single_summary = SUMMARY.search(s.stdout).group(0) if s.ok and SUMMARY.search(s.stdout) else None
+        for part in PARTITIONS:
+            line = {**base, "partition": part, "peer_name": "meshtrain 1 process"}
+            insp = ctx.run([exe, "inspect", *common, "--set", "dist.nproc=2",
+                            "--set", f'gnn.partition="{part}"'], name=f"inspect-{gname}-{part}")
+            cut = CUT.search(insp.stdout) if insp.ok else None
+            if cut:
+                line["edge_cut_fraction"] = round(int(cut.group(1)) / max(int(cut.group(2)), 1), 4)
+            metrics = ctx.workdir / f"{gname}_{part}.jsonl"
+            d = ctx.run([*train, "--nproc", "2", "--metrics", metrics, "--set",
+                         'gnn.parallel="graph"', "--set", f'gnn.partition="{part}"'],
+                        thread_env(1), f"graph-{gname}-{part}")
+            if single is None or not d.ok:
+                line["error"] = s.failure() if single is None else d.failure()
+                ctx.emit(line)
+                continue
+            dist = json.loads(metrics.read_text().splitlines()[-1])
+            b = BYTES.search(d.stdout)
+            line.update({"meshtrain": 1e3 * dist["median_epoch_s"],
+                         "peer": 1e3 * single["median_epoch_s"],
+                         "ratio": ratio(single["median_epoch_s"], dist["median_epoch_s"]),
+                         "test_acc": dist["test_acc"]})
+            if b:
+                line["halo_bytes_per_rank_epoch"] = [int(x) for x in b.group(1).split(",")]
+                line["allreduce_bytes_per_rank_epoch"] = [int(x) for x in b.group(2).split(",")]
+            dist_summary = SUMMARY.search(d.stdout)
+            if dist_summary is None or dist_summary.group(0) != single_summary:
+                line["error"] = (f"graph parallel ended with '{dist_summary and dist_summary.group(0)}'"
+                                 f", one process with '{single_summary}'")
+            elif not b:
+                line["error"] = "no bytes line printed"
+            ctx.emit(line)
