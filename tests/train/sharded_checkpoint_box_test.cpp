@@ -287,10 +287,14 @@ class ShardedCheckpointBoxes : public ::testing::Test {
   // Loads into m ranks under layout l; returns per-rank comparison failures.
   std::string load_and_compare(int m, Layout l, const Tensors& model,
                                const std::string& sub = "ckpt") {
+    return load_path_and_compare(m, l, model, dir(sub));
+  }
+  static std::string load_path_and_compare(int m, Layout l, const Tensors& model,
+                                           const std::string& path) {
     std::vector<std::string> bad(static_cast<size_t>(m));
     LocalWorld::run(world(m), [&](Communicator& c) {
       auto want = destinations(layout_pieces(l, model, c.rank(), c.size()));
-      load_sharded(&c, dir(sub), want);
+      load_sharded(&c, path, want);
       bad[static_cast<size_t>(c.rank())] = compare(model, want);
     });
     std::string all;
@@ -435,6 +439,36 @@ TEST_F(ShardedCheckpointBoxes, FormatOneIndexesWithoutBoxesStillLoad) {
   edit_index(dir(), [](nlohmann::json& j) { j["format"] = "meshtrain-sharded-9"; });
   expect_has(error_of<CheckpointError>([&] { read_index(dir()); }),
              {"meshtrain-sharded-9", "meshtrain-sharded-2", "meshtrain-sharded-1"});
+}
+
+// A checkpoint the format-1 code wrote (main at 50719ba: `meshtrain train
+// --config configs/mlp_fashion.toml --set 'model.hidden=[2]' --set
+// train.steps=2 --set dist.nproc=2 --set optim.name=adamw --set
+// dist.zero_stage=1 --set train.checkpoint=DIR`): ZeRO-1 ranges cut
+// fc1.w [784, 2] and its Adam state in two. Loaded whole (every block
+// verified against the old writer's checksums) and under box layouts,
+// which must agree with the whole tensors bitwise.
+TEST_F(ShardedCheckpointBoxes, ACheckpointWrittenByTheFormatOneCodeLoadsUnderBoxLayouts) {
+  const std::string path = std::string(MT_SOURCE_DIR) + "/tests/train/fixtures/sharded_format1";
+  const ShardedIndex index = read_index(path);
+  EXPECT_EQ(index.world_size, 2);
+  EXPECT_EQ(index.mode, "zero1");
+  EXPECT_EQ(nlohmann::json::parse(slurp(sharded_index_path(path)))["format"],
+            "meshtrain-sharded-1");
+  ASSERT_EQ(index.tensors.at("param/fc1.w").pieces.size(), 2u);
+  for (const auto& [name, info] : index.tensors) {
+    for (const ShardedPieceRef& p : info.pieces) EXPECT_TRUE(p.box.begin.empty()) << name;
+  }
+  const CheckpointContents whole = load_sharded_full(path);
+  ASSERT_EQ(whole.tensors.size(), 12u);
+  EXPECT_EQ(whole.tensors.at("param/fc1.w").shape(), Shape({784, 2}));
+  EXPECT_EQ(whole.metadata.at("optimizer"), "adamw");
+  for (int m = 1; m <= 3; ++m) {
+    for (Layout rl : {Layout::dim1, Layout::dim1_ratio, Layout::dim1_zero, Layout::dim0_ratio}) {
+      EXPECT_EQ(load_path_and_compare(m, rl, whole.tensors, path), "")
+          << m << " ranks " << layout_name(rl);
+    }
+  }
 }
 
 TEST_F(ShardedCheckpointBoxes, CorruptBlockOfABoxPieceIsNamedAndNothingIsWritten) {
