@@ -41,18 +41,6 @@ std::string ShardingSpec::describe() const {
   return out;
 }
 
-Shape Box::shape() const {
-  std::vector<int64_t> d(begin.size());
-  for (size_t i = 0; i < begin.size(); ++i) d[i] = end[i] - begin[i];
-  return Shape(d);
-}
-
-int64_t Box::elements() const {
-  int64_t n = 1;
-  for (size_t i = 0; i < begin.size(); ++i) n *= end[i] - begin[i];
-  return n;
-}
-
 std::vector<int64_t> split_sizes(int64_t n, int parts, const std::vector<int64_t>& ratios,
                                  int64_t unit) {
   MT_CHECK(parts >= 1 && unit >= 1 && n % unit == 0, "split {} into {} parts of unit {}", n, parts,

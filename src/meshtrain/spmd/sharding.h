@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "meshtrain/spmd/mesh.h"
+#include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/shape.h"
 
 namespace mt {
@@ -48,13 +49,8 @@ struct ShardingSpec {
   bool operator==(const ShardingSpec&) const = default;
 };
 
-// An N-d box of a global tensor: [begin[d], end[d]) in each dimension.
-struct Box {
-  std::vector<int64_t> begin, end;
-  Shape shape() const;
-  int64_t elements() const;
-  bool operator==(const Box&) const = default;
-};
+// Box (tensor/box.h): an N-d box of a global tensor, [begin[d], end[d]) in
+// each dimension.
 
 // Splits `n` elements into `parts` pieces of whole `unit`s: evenly when
 // `ratios` is empty (n / unit must be a multiple of parts), else in

@@ -96,6 +96,7 @@
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/graph.h"
 #include "meshtrain/sync/buckets.h"
+#include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/tensor.h"
 
 namespace mt {
@@ -127,17 +128,24 @@ struct ParamSlice {
   bool whole() const { return begin == 0 && end == full_shape.numel(); }
 };
 
-// One piece of a checkpointed tensor: elements [begin, end) of the row-major
-// flattening of the whole tensor `name` (shape full_shape), held in `data`
-// (f32 [end - begin], or the full shape for whole tensors). Pieces from
-// DataParallel are views of live memory: saving reads them, loading writes
-// into them.
+// One piece of a checkpointed tensor `name` (shape full_shape): elements
+// [begin, end) of the row-major flattening of `box`, an N-d box of the whole
+// tensor (tensor/box.h; empty = the whole tensor, so [begin, end) indexes
+// the whole tensor's flattening), held in `data` (end - begin elements in
+// that order: f32 [end - begin], or the box's shape for whole boxes). A
+// column shard of a matrix is one piece (box [0:R, c0:c1], range [0, R *
+// (c1 - c0))); a ZeRO range of it is a sub-range of the same box. Pieces
+// from DataParallel are views of live memory with an empty box (its
+// tensors are whole as it sees them): saving reads them, loading writes
+// into them; train/sharded_checkpoint.h's in_box() re-anchors them when
+// those tensors are boxes of larger ones.
 struct ShardPiece {
   std::string name;
   Shape full_shape;
   int64_t begin = 0;
   int64_t end = 0;
   Tensor data;
+  Box box = {};  // empty: the whole tensor
 };
 
 enum class PieceUse {

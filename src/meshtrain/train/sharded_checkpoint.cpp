@@ -12,6 +12,7 @@
 #include <fstream>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +24,9 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 
 constexpr std::string_view kIndexFile = "index.json";
-constexpr std::string_view kFormat = "meshtrain-sharded-1";
+// Format 2 adds boxes to pieces; format 1 (no boxes) still loads.
+constexpr std::string_view kFormat = "meshtrain-sharded-2";
+constexpr std::string_view kFormat1 = "meshtrain-sharded-1";
 constexpr std::string_view kIndexCrcKey = "index_crc32";
 
 std::string hex32(uint32_t v) {
@@ -194,6 +197,17 @@ std::vector<std::string> exchange(Communicator* comm, std::exception_ptr local,
 
 // ---- saving ------------------------------------------------------------------
 
+// "[i, j, k]": the index in `shape` of flat element `flat`.
+std::string element_index(const Shape& shape, int64_t flat) {
+  std::vector<int64_t> idx(shape.dims().size());
+  for (size_t d = idx.size(); d-- > 0;) {
+    const int64_t n = shape.dims()[d];
+    idx[d] = n > 0 ? flat % n : 0;
+    flat = n > 0 ? flat / n : 0;
+  }
+  return Shape(idx).str();
+}
+
 int64_t piece_numel(const ShardPiece& p) {
   return p.end - p.begin;
 }
@@ -206,10 +220,18 @@ void check_piece(const std::string& dir, const ShardPiece& p) {
       throw ConfigError(fmt::format("{}: negative dimension in {}", where(), p.full_shape.str()));
     }
   }
-  const int64_t numel = p.full_shape.numel();
-  if (p.begin < 0 || p.begin > p.end || p.end > numel) {
-    throw ConfigError(fmt::format("{}: range [{}, {}) is outside shape {} ({} elements)", where(),
-                                  p.begin, p.end, p.full_shape.str(), numel));
+  if (p.box.begin.empty() && p.box.end.empty()) {
+    const int64_t numel = p.full_shape.numel();
+    if (p.begin < 0 || p.begin > p.end || p.end > numel) {
+      throw ConfigError(fmt::format("{}: range [{}, {}) is outside shape {} ({} elements)", where(),
+                                    p.begin, p.end, p.full_shape.str(), numel));
+    }
+  } else {
+    try {
+      piece_runs(p.full_shape, p.box, p.begin, p.end);  // checks the box and the range
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("{}: {}", where(), e.what()));
+    }
   }
   if (piece_numel(p) == 0) return;
   if (!p.data.defined() || p.data.numel() != piece_numel(p)) {
@@ -254,11 +276,31 @@ std::string write_shard(const std::string& dir, const std::string& file, int ran
     json e = {{"name", p.name}, {"shape", p.full_shape.dims()}, {"begin", p.begin}, {"end", p.end}};
     if (p.data.defined()) e["dtype"] = safetensors_dtype(p.data.dtype());
     if (piece_numel(p) > 0) {
-      const std::string key = fmt::format("{}@{}-{}", p.name, p.begin, p.end);
+      // Contiguous in the whole tensor: stored as that range, without a box
+      // (so whole tensors and row blocks read as format 1 pieces did).
+      const std::vector<ElementRun> runs = piece_runs(p.full_shape, p.box, p.begin, p.end);
+      std::string key;
+      std::string what;  // for messages
+      if (runs.size() == 1) {
+        e["begin"] = runs[0].begin;
+        e["end"] = runs[0].end;
+        key = fmt::format("{}@{}-{}", p.name, runs[0].begin, runs[0].end);
+        what = fmt::format("[{}, {})", runs[0].begin, runs[0].end);
+      } else {
+        json box = json::array();
+        std::string dims;
+        for (size_t d = 0; d < p.box.begin.size(); ++d) {
+          box.push_back({p.box.begin[d], p.box.end[d]});
+          dims += fmt::format("{}{}:{}", d ? "," : "", p.box.begin[d], p.box.end[d]);
+        }
+        e["box"] = std::move(box);
+        key = fmt::format("{}@{}@{}-{}", p.name, dims, p.begin, p.end);
+        what = fmt::format("box {} [{}, {})", p.box.str(), p.begin, p.end);
+      }
       const Tensor flat = p.data.reshape(Shape{piece_numel(p)});
       if (!tensors.emplace(key, flat).second) {
-        throw ConfigError(fmt::format("sharded checkpoint {}: rank {} passes '{}' [{}, {}) twice",
-                                      dir, rank, p.name, p.begin, p.end));
+        throw ConfigError(fmt::format("sharded checkpoint {}: rank {} passes '{}' {} twice", dir,
+                                      rank, p.name, what));
       }
       e["key"] = key;
       e["crc32"] = hex32(tensor_checksum(flat));
@@ -332,11 +374,13 @@ std::string build_index(const std::string& dir, const std::vector<std::string>& 
         }
       }
       if (e.contains("key")) {
-        t["pieces"].push_back({{"shard", shard},
-                               {"key", e["key"]},
-                               {"begin", e["begin"]},
-                               {"end", e["end"]},
-                               {"crc32", e["crc32"]}});
+        json ref = {{"shard", shard},
+                    {"key", e["key"]},
+                    {"begin", e["begin"]},
+                    {"end", e["end"]},
+                    {"crc32", e["crc32"]}};
+        if (e.contains("box")) ref["box"] = e["box"];
+        t["pieces"].push_back(std::move(ref));
       }
     }
   }
@@ -345,32 +389,60 @@ std::string build_index(const std::string& dir, const std::vector<std::string>& 
     json& t = it.value();
     // Named only by empty pieces without data: nothing says otherwise.
     if (!t.contains("dtype")) t["dtype"] = safetensors_dtype(DType::f32);
-    std::vector<json> ps(t["pieces"].begin(), t["pieces"].end());
-    std::sort(ps.begin(), ps.end(), [](const json& a, const json& b) {
-      return std::pair(a["begin"].get<int64_t>(), a["end"].get<int64_t>()) <
-             std::pair(b["begin"].get<int64_t>(), b["end"].get<int64_t>());
+    const Shape shape(t["shape"].get<std::vector<int64_t>>());
+    // Each piece with its runs in the whole tensor, sorted by where it starts.
+    struct Entry {
+      Box box;
+      int64_t begin, end;
+      std::vector<ElementRun> runs;
+      json ref;
+    };
+    std::vector<Entry> ps;
+    std::vector<ElementRun> all;
+    for (json& p : t["pieces"]) {
+      Entry en;
+      if (p.contains("box")) {
+        for (const json& d : p["box"]) {
+          en.box.begin.push_back(d[0].get<int64_t>());
+          en.box.end.push_back(d[1].get<int64_t>());
+        }
+      }
+      en.begin = p["begin"].get<int64_t>();
+      en.end = p["end"].get<int64_t>();
+      en.runs = piece_runs(shape, en.box, en.begin, en.end);
+      all.insert(all.end(), en.runs.begin(), en.runs.end());
+      en.ref = std::move(p);
+      ps.push_back(std::move(en));
+    }
+    std::sort(ps.begin(), ps.end(), [](const Entry& a, const Entry& b) {
+      return std::tie(a.runs.front().begin, a.box.begin, a.box.end, a.begin, a.end) <
+             std::tie(b.runs.front().begin, b.box.begin, b.box.end, b.begin, b.end);
     });
-    int64_t numel = 1;
-    for (const json& d : t["shape"]) numel *= d.get<int64_t>();
+    std::sort(all.begin(), all.end(),
+              [](const ElementRun& a, const ElementRun& b) { return a.begin < b.begin; });
+    const int64_t numel = shape.numel();
     int64_t covered = 0;
-    for (const json& p : ps) {
-      const auto b = p["begin"].get<int64_t>();
-      if (b > covered) break;
-      covered = std::max(covered, p["end"].get<int64_t>());
+    for (const ElementRun& r : all) {
+      if (r.begin > covered) break;
+      covered = std::max(covered, r.end);
     }
     if (covered < numel) {
       int64_t gap_end = numel;
-      for (const json& p : ps) {
-        if (p["begin"].get<int64_t>() > covered) {
-          gap_end = p["begin"].get<int64_t>();
+      for (const ElementRun& r : all) {
+        if (r.begin > covered) {
+          gap_end = r.begin;
           break;
         }
       }
       throw ConfigError(fmt::format(
-          "sharded checkpoint {}: tensor '{}' ({} {}): elements [{}, {}) are held by no rank", dir,
-          name, t["dtype"].get<std::string>(), t["shape"].dump(), covered, gap_end));
+          "sharded checkpoint {}: tensor '{}' ({} {}): elements [{}, {}) (from element {}) are "
+          "held by no rank",
+          dir, name, t["dtype"].get<std::string>(), t["shape"].dump(), covered, gap_end,
+          element_index(shape, covered)));
     }
-    t["pieces"] = ps;
+    json sorted = json::array();
+    for (Entry& en : ps) sorted.push_back(std::move(en.ref));
+    t["pieces"] = std::move(sorted);
   }
   json root = {{"format", kFormat},
                {"world_size", lists.size()},
@@ -435,7 +507,7 @@ std::string str_field(const std::string& path, const json& obj, std::string_view
 }
 
 ShardedTensorInfo parse_tensor(const std::string& path, const std::string& name, const json& t,
-                               size_t n_shards) {
+                               size_t n_shards, bool boxes) {
   const std::string where = fmt::format("tensor '{}'", name);
   if (!t.is_object()) bad_index(path, fmt::format("{}: expected an object", where));
   ShardedTensorInfo info;
@@ -471,16 +543,55 @@ ShardedTensorInfo parse_tensor(const std::string& path, const std::string& name,
       bad_index(path, fmt::format("{}: piece '{}' names shard {} but the index lists {}", where,
                                   ref.key, ref.shard, n_shards));
     }
-    if (ref.begin >= ref.end || ref.end > numel) {
-      bad_index(path, fmt::format("{}: piece '{}' range [{}, {}) is empty or outside {} ({} "
+    if (const auto b = p.find("box"); b != p.end()) {
+      if (!boxes) {
+        bad_index(path, fmt::format("{}: piece '{}' has a box, which format '{}' does not have",
+                                    where, ref.key, kFormat1));
+      }
+      const bool ok = b->is_array() && std::all_of(b->begin(), b->end(), [](const json& d) {
+                        return d.is_array() && d.size() == 2 && d[0].is_number_integer() &&
+                               d[1].is_number_integer();
+                      });
+      if (!ok) {
+        bad_index(path, fmt::format("{}: piece '{}' box {} is not [[begin, end], ...]", where,
+                                    ref.key, b->dump()));
+      }
+      for (const json& d : *b) {
+        ref.box.begin.push_back(d[0].get<int64_t>());
+        ref.box.end.push_back(d[1].get<int64_t>());
+      }
+    }
+    const bool has_box = !ref.box.begin.empty();
+    const int64_t limit = has_box ? ref.box.elements() : numel;
+    bool fits = ref.begin < ref.end && ref.end <= limit;
+    if (fits && has_box) {
+      try {
+        piece_runs(info.shape, ref.box, ref.begin, ref.end);
+      } catch (const ConfigError&) {
+        fits = false;
+      }
+    }
+    if (!fits) {
+      bad_index(path, fmt::format("{}: piece '{}' range [{}, {}){} is empty or outside {} ({} "
                                   "elements)",
-                                  where, ref.key, ref.begin, ref.end, info.shape.str(), numel));
+                                  where, ref.key, ref.begin, ref.end,
+                                  has_box ? " of box " + ref.box.str() : std::string(),
+                                  has_box ? "the box" : info.shape.str(), limit));
     }
     info.pieces.push_back(std::move(ref));
   }
-  std::sort(info.pieces.begin(), info.pieces.end(), [](const auto& a, const auto& b) {
-    return std::pair(a.begin, a.end) < std::pair(b.begin, b.end);
+  // By first element in the whole tensor (for box-less pieces: begin).
+  std::vector<std::pair<int64_t, ShardedPieceRef>> order;
+  for (ShardedPieceRef& r : info.pieces) {
+    const int64_t first = piece_runs(info.shape, r.box, r.begin, r.end).front().begin;
+    order.emplace_back(first, std::move(r));
+  }
+  std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.first, a.second.box.begin, a.second.box.end, a.second.begin, a.second.end) <
+           std::tie(b.first, b.second.box.begin, b.second.box.end, b.second.begin, b.second.end);
   });
+  info.pieces.clear();
+  for (auto& [first, r] : order) info.pieces.push_back(std::move(r));
   return info;
 }
 
@@ -525,6 +636,121 @@ std::vector<ShardPiece> even_pieces(const std::map<std::string, Tensor>& tensors
     out.push_back(slice_piece(name, t, b, e));
   }
   return out;
+}
+
+std::vector<ElementRun> piece_runs(const Shape& whole, const Box& box, int64_t begin, int64_t end) {
+  const std::vector<int64_t>& dims = whole.dims();
+  const size_t n = dims.size();
+  const bool has_box = !box.begin.empty() || !box.end.empty();
+  if (has_box) {
+    bool fits = box.begin.size() == n && box.end.size() == n;
+    for (size_t d = 0; fits && d < n; ++d) {
+      fits = 0 <= box.begin[d] && box.begin[d] <= box.end[d] && box.end[d] <= dims[d];
+    }
+    if (!fits) {
+      throw ConfigError(fmt::format("box {} does not fit shape {}", box.str(), whole.str()));
+    }
+  }
+  const int64_t limit = has_box ? box.elements() : whole.numel();
+  if (begin < 0 || begin > end || end > limit) {
+    throw ConfigError(fmt::format("range [{}, {}) is outside {} ({} elements)", begin, end,
+                                  has_box ? "box " + box.str() : "shape " + whole.str(), limit));
+  }
+  std::vector<ElementRun> out;
+  if (begin >= end) return out;
+  // Dimensions [inner, n) are whole in the box: a row of the box, its
+  // extent in dimension inner - 1 times those, is contiguous in `whole`.
+  size_t inner = has_box ? n : 0;  // no box: the whole tensor
+  while (inner > 0 && box.begin[inner - 1] == 0 && box.end[inner - 1] == dims[inner - 1]) --inner;
+  if (inner == 0) {
+    out.push_back({begin, end, 0});
+    return out;
+  }
+  std::vector<int64_t> stride(n, 1);
+  for (size_t d = n - 1; d-- > 0;) stride[d] = stride[d + 1] * dims[d + 1];
+  const size_t p = inner - 1;  // the innermost dimension the box cuts
+  const int64_t row = (box.end[p] - box.begin[p]) * stride[p];
+  const int64_t r0 = begin / row;
+  const int64_t r1 = (end - 1) / row;
+  std::vector<int64_t> idx(p);  // row r0's index in the box's dimensions [0, p)
+  for (size_t d = p, rem = static_cast<size_t>(r0); d-- > 0;) {
+    const auto ext = static_cast<size_t>(box.end[d] - box.begin[d]);
+    idx[d] = static_cast<int64_t>(rem % ext);
+    rem /= ext;
+  }
+  out.reserve(static_cast<size_t>(r1 - r0 + 1));
+  for (int64_t r = r0; r <= r1; ++r) {
+    int64_t g = box.begin[p] * stride[p];
+    for (size_t d = 0; d < p; ++d) g += (box.begin[d] + idx[d]) * stride[d];
+    const int64_t lo = std::max(begin, r * row);
+    const int64_t hi = std::min(end, (r + 1) * row);
+    out.push_back({g + lo - r * row, g + hi - r * row, lo - begin});
+    for (size_t d = p; d-- > 0;) {  // the next row
+      if (++idx[d] < box.end[d] - box.begin[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+ShardPiece box_piece(std::string name, const Shape& whole, const Box& box, const Tensor& data) {
+  try {
+    piece_runs(whole, box, 0, 0);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("box_piece '{}': {}", name, e.what()));
+  }
+  const int64_t n = box.elements();
+  if (!data.defined() ? n != 0 : data.numel() != n) {
+    throw ShapeError(fmt::format("box_piece '{}': box {} holds {} elements but the data is {}",
+                                 name, box.str(), n,
+                                 data.defined() ? data.desc() : std::string("unset")));
+  }
+  ShardPiece p;
+  p.name = std::move(name);
+  p.full_shape = whole;
+  p.begin = 0;
+  p.end = n;
+  p.data = data;
+  p.box = box;
+  return p;
+}
+
+ShardPiece in_box(ShardPiece local, const TensorPlace& place) {
+  if (!(local.full_shape == place.box.shape())) {
+    throw ConfigError(fmt::format(
+        "in_box '{}': the piece is of a tensor of shape {} but box {} of {} has shape {}",
+        local.name, local.full_shape.str(), place.box.str(), place.whole.str(),
+        place.box.shape().str()));
+  }
+  try {
+    piece_runs(place.whole, place.box, 0, 0);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("in_box '{}': {}", local.name, e.what()));
+  }
+  if (local.box.begin.empty() && local.box.end.empty()) {
+    local.box = place.box;
+  } else {
+    try {
+      piece_runs(local.full_shape, local.box, 0, 0);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("in_box '{}': the piece's own {}", local.name, e.what()));
+    }
+    for (size_t d = 0; d < local.box.begin.size(); ++d) {
+      local.box.begin[d] += place.box.begin[d];
+      local.box.end[d] += place.box.begin[d];
+    }
+  }
+  local.full_shape = place.whole;
+  return local;
+}
+
+std::vector<ShardPiece> in_boxes(std::vector<ShardPiece> pieces,
+                                 const std::map<std::string, TensorPlace>& places) {
+  for (ShardPiece& p : pieces) {
+    if (const auto it = places.find(p.name); it != places.end())
+      p = in_box(std::move(p), it->second);
+  }
+  return pieces;
 }
 
 std::vector<ShardPiece> with_prefix(std::vector<ShardPiece> pieces, std::string_view prefix) {
@@ -657,9 +883,9 @@ ShardedIndex read_index(const std::string& dir) {
   }
   if (!root.is_object()) bad_index(path, "expected a JSON object");
   const std::string format = str_field(path, root, "format", "index");
-  if (format != kFormat) {
-    bad_index(path,
-              fmt::format("unsupported format '{}' (this build reads '{}')", format, kFormat));
+  if (format != kFormat && format != kFormat1) {
+    bad_index(path, fmt::format("unsupported format '{}' (this build reads '{}' and '{}')", format,
+                                kFormat, kFormat1));
   }
   uint32_t want = 0;
   const std::string crc = str_field(path, root, kIndexCrcKey, "index");
@@ -699,7 +925,8 @@ ShardedIndex read_index(const std::string& dir) {
   const json& tensors = field(path, root, "tensors", "index");
   if (!tensors.is_object()) bad_index(path, "'tensors' must be an object");
   for (const auto& [name, t] : tensors.items()) {
-    index.tensors.emplace(name, parse_tensor(path, name, t, index.shards.size()));
+    index.tensors.emplace(name,
+                          parse_tensor(path, name, t, index.shards.size(), format == kFormat));
   }
   return index;
 }

@@ -1,12 +1,15 @@
 // Loading sharded checkpoints: plan which stored pieces cover each wanted
-// range, read only the checksum blocks those ranges touch, verify, stage,
-// and write the destinations only once everything (on every rank) is good.
+// piece, run by run of elements contiguous in the whole tensor (a box piece
+// has one per row), read only the checksum blocks those runs touch (runs
+// that share or neighbour blocks in one read), verify, stage, and write the
+// destinations only once everything (on every rank) is good.
 #include <zlib.h>
 
 #include <algorithm>
 #include <charconv>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <tuple>
 
@@ -22,14 +25,53 @@ std::string hex32(uint32_t v) {
   return fmt::format("{:08x}", v);
 }
 
-// One run of elements [lo, hi) of a tensor, read from one stored piece into
-// one wanted piece.
+// One run of n elements contiguous in the whole tensor, read from element
+// `src` of a stored piece's data into element `dst` of a wanted piece's.
 struct Read {
   const ShardedPieceRef* piece;
-  int64_t lo;
-  int64_t hi;
+  int64_t src;
+  int64_t n;
   size_t wanted;
+  int64_t dst;
 };
+
+// A tensor's stored pieces as runs of the whole tensor, sorted by begin;
+// reach[i] is the index of the run reaching furthest among runs[0..i].
+struct StoredRuns {
+  struct Run {
+    int64_t begin, end, offset;
+    const ShardedPieceRef* piece;
+  };
+  std::vector<Run> runs;
+  std::vector<size_t> reach;
+};
+
+StoredRuns stored_runs(const ShardedTensorInfo& info) {
+  StoredRuns s;
+  for (const ShardedPieceRef& p : info.pieces) {
+    for (const ElementRun& r : piece_runs(info.shape, p.box, p.begin, p.end)) {
+      s.runs.push_back({r.begin, r.end, r.offset, &p});
+    }
+  }
+  std::stable_sort(s.runs.begin(), s.runs.end(),
+                   [](const auto& a, const auto& b) { return a.begin < b.begin; });
+  s.reach.resize(s.runs.size());
+  for (size_t i = 0; i < s.runs.size(); ++i) {
+    s.reach[i] = i > 0 && s.runs[s.reach[i - 1]].end >= s.runs[i].end ? s.reach[i - 1] : i;
+  }
+  return s;
+}
+
+// "[i, j, k]": the index in `shape` of flat element `flat`.
+std::string element_index(const Shape& shape, int64_t flat) {
+  std::vector<int64_t> idx(shape.dims().size());
+  for (size_t d = idx.size(); d-- > 0;) {
+    const int64_t n = shape.dims()[d];
+    idx[d] = n > 0 ? flat % n : 0;
+    flat = n > 0 ? flat / n : 0;
+  }
+  return Shape(idx).str();
+}
 
 int64_t piece_numel(const ShardPiece& p) {
   return p.end - p.begin;
@@ -51,10 +93,19 @@ void check_wanted(const ShardedIndex& index, const ShardPiece& w) {
         index.dir, w.name, dtype_name(info.dtype), info.shape.str(),
         dtype_name(w.data.defined() ? w.data.dtype() : info.dtype), w.full_shape.str()));
   }
-  if (w.begin < 0 || w.begin > w.end || w.end > w.full_shape.numel()) {
-    throw ConfigError(fmt::format(
-        "sharded checkpoint {}: wanted range [{}, {}) of '{}' is outside shape {} ({} elements)",
-        index.dir, w.begin, w.end, w.name, w.full_shape.str(), w.full_shape.numel()));
+  if (w.box.begin.empty() && w.box.end.empty()) {
+    if (w.begin < 0 || w.begin > w.end || w.end > w.full_shape.numel()) {
+      throw ConfigError(fmt::format(
+          "sharded checkpoint {}: wanted range [{}, {}) of '{}' is outside shape {} ({} elements)",
+          index.dir, w.begin, w.end, w.name, w.full_shape.str(), w.full_shape.numel()));
+    }
+  } else {
+    try {
+      piece_runs(w.full_shape, w.box, w.begin, w.end);  // checks the box and the range
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("sharded checkpoint {}: wanted piece of '{}': {}", index.dir,
+                                    w.name, e.what()));
+    }
   }
   if (piece_numel(w) > 0 && (!w.data.defined() || w.data.numel() != piece_numel(w))) {
     throw ShapeError(fmt::format(
@@ -65,31 +116,43 @@ void check_wanted(const ShardedIndex& index, const ShardPiece& w) {
   }
 }
 
-// Covers [w.begin, w.end) greedily with the stored pieces that reach
-// furthest, so each element is read once.
-void plan_reads(const ShardedIndex& index, const ShardPiece& w, size_t wi,
+// Covers each run of the wanted piece greedily with the stored runs that
+// reach furthest, so each element is read once.
+void plan_reads(const ShardedIndex& index, const StoredRuns& stored, const ShardPiece& w, size_t wi,
                 std::vector<Read>* reads) {
-  const auto& pieces = index.tensors.at(w.name).pieces;  // sorted by begin
-  int64_t cur = w.begin;
-  while (cur < w.end) {
-    const ShardedPieceRef* best = nullptr;
-    int64_t next_begin = w.end;
-    for (const ShardedPieceRef& p : pieces) {
-      if (p.begin > cur) {
-        next_begin = std::min(next_begin, p.begin);
-        break;
+  const auto& runs = stored.runs;
+  for (const ElementRun& wr : piece_runs(w.full_shape, w.box, w.begin, w.end)) {
+    int64_t cur = wr.begin;
+    while (cur < wr.end) {
+      const auto after = std::upper_bound(runs.begin(), runs.end(), cur,
+                                          [](int64_t v, const auto& r) { return v < r.begin; });
+      const StoredRuns::Run* best = nullptr;
+      if (after != runs.begin()) {
+        const auto& r = runs[stored.reach[static_cast<size_t>(after - runs.begin()) - 1]];
+        if (r.end > cur) best = &r;
       }
-      if (p.end > cur && (best == nullptr || p.end > best->end)) best = &p;
+      if (best == nullptr) {
+        const int64_t next = after == runs.end() ? wr.end : std::min(after->begin, wr.end);
+        const std::string from =
+            w.full_shape.rank() > 1
+                ? fmt::format(" (from element {})", element_index(w.full_shape, cur))
+                : std::string();
+        if (w.box.begin.empty()) {
+          throw CheckpointError(
+              fmt::format("sharded checkpoint {}: tensor '{}': elements [{}, {}){} of the "
+                          "wanted range [{}, {}) are in no piece of the checkpoint",
+                          index.dir, w.name, cur, next, from, w.begin, w.end));
+        }
+        throw CheckpointError(fmt::format(
+            "sharded checkpoint {}: tensor '{}' {}: elements [{}, {}) of the whole tensor{}, "
+            "wanted by the piece [{}, {}) of box {}, are in no piece of the checkpoint",
+            index.dir, w.name, w.full_shape.str(), cur, next, from, w.begin, w.end, w.box.str()));
+      }
+      const int64_t hi = std::min(best->end, wr.end);
+      reads->push_back({best->piece, best->offset + (cur - best->begin), hi - cur, wi,
+                        wr.offset + (cur - wr.begin)});
+      cur = hi;
     }
-    if (best == nullptr) {
-      throw CheckpointError(fmt::format(
-          "sharded checkpoint {}: tensor '{}': elements [{}, {}) of the wanted range [{}, {}) "
-          "are in no piece of the checkpoint",
-          index.dir, w.name, cur, next_begin, w.begin, w.end));
-    }
-    const int64_t hi = std::min(best->end, w.end);
-    reads->push_back({best, cur, hi, wi});
-    cur = hi;
   }
 }
 
@@ -113,18 +176,17 @@ class ShardSource {
     }
   }
 
-  // Reads elements [lo, hi) of the stored piece `ref` of tensor `tensor`
-  // into dst, verifying every block it touches.
-  void read(const std::string& tensor, const ShardedPieceRef& ref, DType dtype, int64_t lo,
-            int64_t hi, std::byte* dst) {
+  uint64_t block_bytes() const { return block_bytes_; }
+
+  // Reads blocks [k0, k1) of the stored piece `ref` of tensor `tensor`,
+  // verifying each, and returns them (byte k0 * block_bytes() first; valid
+  // until the next call).
+  const std::byte* blocks(const std::string& tensor, const ShardedPieceRef& ref, DType dtype,
+                          uint64_t k0, uint64_t k1) {
     const std::string& blocks = checked_blocks(tensor, ref, dtype);
     const uint64_t esize = dtype_size(dtype);
     const uint64_t piece_bytes = static_cast<uint64_t>(ref.end - ref.begin) * esize;
-    const uint64_t b0 = static_cast<uint64_t>(lo - ref.begin) * esize;
-    const uint64_t b1 = static_cast<uint64_t>(hi - ref.begin) * esize;
     const uint64_t B = block_bytes_;
-    const uint64_t k0 = b0 / B;
-    const uint64_t k1 = (b1 + B - 1) / B;
     const uint64_t r0 = k0 * B;
     const uint64_t r1 = std::min(k1 * B, piece_bytes);
     buf_.resize(static_cast<size_t>(r1 - r0));
@@ -142,7 +204,7 @@ class ShardSource {
             dir_, path_, tensor, off, off + len, ref.key, want, hex32(got)));
       }
     }
-    std::memcpy(dst, buf_.data() + (b0 - r0), static_cast<size_t>(b1 - b0));
+    return buf_.data();
   }
 
  private:
@@ -203,18 +265,28 @@ class ShardSource {
   std::vector<std::byte> buf_;
 };
 
-// Reads every wanted range into fresh staging tensors (one per wanted
+// Reads of one stored piece whose blocks overlap or touch are served by one
+// file read while it stays under this size (a single larger read is read
+// whole, as before).
+constexpr uint64_t kGroupBytes = uint64_t{16} << 20;
+
+// Reads every wanted piece into fresh staging tensors (one per wanted
 // piece, in order; undefined for empty ones).
 std::vector<Tensor> stage(const ShardedIndex& index, std::span<const ShardPiece> wanted) {
   std::vector<Read> reads;
+  std::map<std::string, StoredRuns> stored;  // per tensor, built on first use
   for (size_t i = 0; i < wanted.size(); ++i) {
     check_wanted(index, wanted[i]);
-    plan_reads(index, wanted[i], i, &reads);
+    auto it = stored.find(wanted[i].name);
+    if (it == stored.end()) {
+      it = stored.emplace(wanted[i].name, stored_runs(index.tensors.at(wanted[i].name))).first;
+    }
+    plan_reads(index, it->second, wanted[i], i, &reads);
   }
   // Shard by shard, and in file order within one, for sequential I/O.
   std::sort(reads.begin(), reads.end(), [](const Read& a, const Read& b) {
-    return std::tie(a.piece->shard, a.piece->key, a.lo) <
-           std::tie(b.piece->shard, b.piece->key, b.lo);
+    return std::tie(a.piece->shard, a.piece->key, a.src) <
+           std::tie(b.piece->shard, b.piece->key, b.src);
   });
   std::vector<Tensor> staged(wanted.size());
   for (size_t i = 0; i < wanted.size(); ++i) {
@@ -224,17 +296,40 @@ std::vector<Tensor> stage(const ShardedIndex& index, std::span<const ShardPiece>
   }
   std::unique_ptr<ShardSource> source;
   int open_shard = -1;
-  for (const Read& r : reads) {
-    if (r.piece->shard != open_shard) {
+  for (size_t i = 0; i < reads.size();) {
+    const ShardedPieceRef* piece = reads[i].piece;
+    if (piece->shard != open_shard) {
       source.reset();  // one shard file open at a time
       source =
-          std::make_unique<ShardSource>(index, index.shards[static_cast<size_t>(r.piece->shard)]);
-      open_shard = r.piece->shard;
+          std::make_unique<ShardSource>(index, index.shards[static_cast<size_t>(piece->shard)]);
+      open_shard = piece->shard;
     }
-    const ShardPiece& w = wanted[r.wanted];
-    auto* dst = static_cast<std::byte*>(staged[r.wanted].raw()) +
-                (r.lo - w.begin) * static_cast<int64_t>(dtype_size(w.data.dtype()));
-    source->read(w.name, *r.piece, w.data.dtype(), r.lo, r.hi, dst);
+    const ShardPiece& w0 = wanted[reads[i].wanted];
+    const DType dtype = w0.data.dtype();
+    const auto esize = static_cast<uint64_t>(dtype_size(dtype));
+    const uint64_t B = source->block_bytes();
+    auto first_block = [&](const Read& r) { return static_cast<uint64_t>(r.src) * esize / B; };
+    auto end_block = [&](const Read& r) {
+      return (static_cast<uint64_t>(r.src + r.n) * esize + B - 1) / B;
+    };
+    // The group: following reads of this piece whose blocks overlap or
+    // touch the group's, while it stays under kGroupBytes.
+    const uint64_t k0 = first_block(reads[i]);
+    uint64_t k1 = end_block(reads[i]);
+    size_t j = i + 1;
+    for (; j < reads.size() && reads[j].piece == piece; ++j) {
+      const uint64_t e = std::max(k1, end_block(reads[j]));
+      if (first_block(reads[j]) > k1 || (e - k0) * B > kGroupBytes) break;
+      k1 = e;
+    }
+    const std::byte* bytes = source->blocks(w0.name, *piece, dtype, k0, k1);
+    for (; i < j; ++i) {
+      const Read& r = reads[i];
+      auto* dst =
+          static_cast<std::byte*>(staged[r.wanted].raw()) + static_cast<uint64_t>(r.dst) * esize;
+      std::memcpy(dst, bytes + (static_cast<uint64_t>(r.src) * esize - k0 * B),
+                  static_cast<size_t>(static_cast<uint64_t>(r.n) * esize));
+    }
   }
   return staged;
 }
