@@ -91,10 +91,16 @@ if(NOT EXISTS ${dir}/again.json)
   message(FATAL_ERROR "train --write-plan did not write ${dir}/again.json")
 endif()
 run(0 "steps 2  final loss" "" train ${gpt} ${quick} --nproc 2 --plan ${dir}/again.json)
-# What tensor parallelism does not carry yet is refused before any step.
-run(1 "" "error: train.checkpoint: not available under tensor parallelism yet \\(mesh dp=1 x tp=2\\)"
-  train ${gpt} --quiet --set train.threads=1 --set train.steps=2 --set train.eval=false
-  --set parallel.tp=2 --nproc 2 "--set" "train.checkpoint=\"${dir}/tp_ckpt\"")
+# A checkpoint directory under tensor parallelism (N-d pieces) resumes
+# under data parallelism; train.init is refused before any rank starts.
+run(0 "steps 2  final loss.*checkpoint: ${dir}/tp_ckpt" ""
+  train ${gpt} --quiet --set train.threads=1 --set train.steps=4 --set train.halt_after=2
+  --set train.eval=false --set parallel.tp=2 --nproc 2 "--set" "train.checkpoint=\"${dir}/tp_ckpt\"")
+run(0 "steps 4  final loss" ""
+  train ${gpt} --quiet --set train.threads=1 --set train.steps=4 --set train.eval=false --nproc 2
+  "--set" "train.checkpoint=\"${dir}/tp_ckpt\"" "--set" "train.resume=\"${dir}/tp_ckpt\"")
+run(1 "" "error: train.init: not available under tensor parallelism yet \\(mesh dp=1 x tp=2\\)"
+  train ${gpt} ${quick} --set parallel.tp=2 --nproc 2 "--set" "train.init=\"${dir}/none.safetensors\"")
 # A data-parallel plan runs as today's data parallelism.
 run(0 "wrote the plan to ${dir}/dp.json" "" inspect ${mlp} --write-plan ${dir}/dp.json)
 run(0 "steps 2  final loss" "" train ${mlp} ${quick} --plan ${dir}/dp.json)

@@ -20,6 +20,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <unistd.h>
 #include <memory>
 #include <string>
 #include <vector>
@@ -245,6 +249,64 @@ std::vector<TpCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Plans, TensorParallelMpi, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<TpCase>& p) { return p.param.label; });
+
+// Checkpoints carry N-d pieces: a run checkpointed under TP=2 (split
+// parameters stored as column / row boxes) resumes under data parallelism
+// with ZeRO-2, and one checkpointed under DP with ZeRO-2 resumes under TP=2;
+// both continue exactly as the uninterrupted single-process run (loss of
+// every later step, final parameters), within the tolerance above.
+TEST(TensorParallelMpiCheckpoint, ResumesUnderAnotherPlan) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  TpCase c;
+  c.label = "gpt";
+  c.model = "gpt";
+  c.optimizer = "adamw";
+  c.sh.tp = 2;
+  TrainerOptions base = options_of(c);
+  base.eval = false;
+  const Outcome want = train(c, base, nullptr);
+  std::string dir = fmt::format("/tmp/mt-tp-ckpt-{:010d}", ::getpid());  // same length everywhere
+  world().broadcast(dir.data(), dir.size(), DType::u8, 0);
+  for (int direction = 0; direction < 2; ++direction) {
+    const std::string ck = dir + (direction == 0 ? "/tp" : "/dp");
+    TrainerOptions first = base, second = base;
+    first.checkpoint_path = second.checkpoint_path = ck;
+    first.halt_after = kSteps / 2;
+    second.resume_path = ck;
+    (direction == 0 ? first : second).dist.plan = plan_for(c, 2);
+    (direction == 0 ? second : first).dist.dp.stage = 2;
+    train(c, first, &world());
+    const Outcome got = train(c, second, &world());
+    ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps / 2));  // the resumed steps
+    for (int i = kSteps / 2; i < kSteps; ++i) {
+      EXPECT_NEAR(got.losses[static_cast<size_t>(i - kSteps / 2)],
+                  want.losses[static_cast<size_t>(i)],
+                  kRel * std::abs(want.losses[static_cast<size_t>(i)]))
+          << (direction == 0 ? "TP -> DP" : "DP -> TP") << " step " << i;
+    }
+    Outcome cmp = got;
+    if (cmp.boxes.empty()) {  // whole tensors
+      for (const auto& [name, t] : cmp.params) {
+        LoweredParam lp;
+        lp.name = name;
+        lp.global = t.shape();
+        lp.box.begin.assign(static_cast<size_t>(t.rank()), 0);
+        lp.box.end = t.shape().dims();
+        cmp.boxes.push_back(lp);
+      }
+    }
+    cmp.losses = want.losses;  // compared above, from the resumed step on
+    std::string where;
+    const double worst = divergence(want, cmp, &where);
+    EXPECT_LE(worst, kRel) << (direction == 0 ? "TP -> DP" : "DP -> TP") << ": " << where;
+    if (world().rank() == 0) {
+      std::printf("checkpoint %s: worst relative error %.3g at %s\n",
+                  direction == 0 ? "TP=2 -> DP ZeRO-2" : "DP ZeRO-2 -> TP=2", worst, where.c_str());
+    }
+  }
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
 
 // Pipeline plans through the Trainer (train/pipeline_training.h): every
 // schedule, and DP x PP, against the single-process run: the loss of every

@@ -356,19 +356,13 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
     t.dist.plan = std::make_shared<const Plan>(*plan);
     check_pipeline_options(t);
   }
-  if (lowered) {
+  if (lowered && !rc.train.init_path.empty()) {
     // What tensor parallelism does not carry yet, refused before any rank
     // starts (the Trainer refuses it too, for library users).
-    for (const auto& [key, value] : {std::pair{"train.checkpoint", rc.train.checkpoint_path},
-                                     std::pair{"train.resume", rc.train.resume_path},
-                                     std::pair{"train.init", rc.train.init_path}}) {
-      if (value.empty()) continue;
-      throw ConfigError(fmt::format(
-          "{}: not available under tensor parallelism yet (mesh {}): checkpoints of split "
-          "parameters need N-d checkpoint pieces, which come next; run without it, or with "
-          "data parallelism only",
-          key, plan->mesh.describe()));
-    }
+    throw ConfigError(
+        fmt::format("train.init: not available under tensor parallelism yet (mesh {}); checkpoint "
+                    "directories are (sharded, N-d pieces: they load under any other plan)",
+                    plan->mesh.describe()));
   }
   // Data parallelism reads the batch as the loader splits it (by
   // dist.batch_shares over the data-parallel ranks); a plan that splits it

@@ -153,11 +153,10 @@ const std::vector<KeyMeaning> kMeanings = {
      "seconds the --nproc launcher gives ranks to stop after SIGINT/SIGTERM before SIGKILL"},
     {"parallel.dp", "data-parallel degree of the plan; 0 = the ranks left: dist.nproc / (tp * pp)"},
     {"parallel.tp",
-     "tensor-parallel degree (Megatron column/row splits, lowered into each rank's graph; no "
-     "checkpoints under tp > 1 yet)"},
+     "tensor-parallel degree (Megatron column/row splits, lowered into each rank's graph)"},
     {"parallel.pp",
-     "pipeline stages (the runtime does not execute pp > 1 yet: inspect and --write-plan show "
-     "the plan)"},
+     "pipeline stages (run by the pipeline runtime; not with tp > 1, evaluation or "
+     "checkpoints yet)"},
     {"parallel.sp", "sequence parallelism in the layer-norm regions over the tp axis (gpt)"},
     {"parallel.microbatches", "micro-batches per step through the pipeline (pp > 1)"},
     {"parallel.schedule", "pipeline schedule"},

@@ -470,13 +470,14 @@ struct Trainer::Impl {
     auto refuse = [&](bool bad, const std::string& what) {
       if (!bad) return;
       throw ConfigError(fmt::format(
-          "{}: not available under tensor parallelism yet (mesh {}): checkpoints of split "
-          "parameters need N-d checkpoint pieces, which come next; run without it, or with "
-          "data parallelism only",
+          "{}: not available under tensor parallelism yet (mesh {}); checkpoint directories "
+          "are (sharded, N-d pieces: they load under any other plan)",
           what, mesh.describe()));
     };
-    refuse(!o.checkpoint_path.empty(), "train.checkpoint");
-    refuse(!o.resume_path.empty(), "train.resume");
+    std::error_code ec;
+    refuse(!o.resume_path.empty() && o.resume_path != "auto" &&
+               !std::filesystem::is_directory(o.resume_path, ec),
+           "train.resume from one .safetensors file (whole tensors)");
     refuse(!o.init_path.empty(), "train.init");
   }
 
@@ -496,6 +497,36 @@ struct Trainer::Impl {
         g->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, co);
       }
     };
+  }
+
+  // Under tensor parallelism: where each split parameter (and its optimizer
+  // state) lies in the whole tensor, for checkpoint pieces.
+  std::map<std::string, TensorPlace> tensor_places() const {
+    std::map<std::string, TensorPlace> places;
+    if (!tensor_parallel) return places;
+    for (const LoweredParam& lp : lowered.params) {
+      if (lp.axis.empty()) continue;
+      places[lp.name] = {lp.global, lp.box};
+      for (const std::string& k : optimizer->state_kinds()) {
+        places[lp.name + "." + k] = {lp.global, lp.box};
+      }
+    }
+    return places;
+  }
+
+  // Checkpoint pieces of this rank in the whole tensors' coordinates: split
+  // parameters' boxes; a replicated one written by the first rank of its
+  // tensor group only (the others name it with an empty piece).
+  std::vector<ShardPiece> whole_pieces(std::vector<ShardPiece> pieces, bool state) const {
+    if (!tensor_parallel) return pieces;
+    pieces = in_boxes(std::move(pieces), tensor_places());
+    for (ShardPiece& p : pieces) {
+      std::string param = p.name;
+      if (state) param = param.substr(0, param.rfind('.'));
+      if (!p.box.begin.empty() || counted(param)) continue;
+      p = ShardPiece{p.name, p.full_shape, 0, 0, Tensor()};
+    }
+    return pieces;
   }
 
   // Whether this rank counts parameter `name` in sums over its tensor
@@ -673,16 +704,18 @@ struct Trainer::Impl {
       return;
     }
     std::vector<ShardPiece> pieces;
-    for (ShardPiece p : dp->param_pieces(PieceUse::save)) {
+    for (ShardPiece p : whole_pieces(dp->param_pieces(PieceUse::save), false)) {
       p.name = "param/" + p.name;
       pieces.push_back(std::move(p));
     }
-    for (ShardPiece p : dp->state_pieces(optimizer->state().tensors, PieceUse::save)) {
+    for (ShardPiece p :
+         whole_pieces(dp->state_pieces(optimizer->state().tensors, PieceUse::save), true)) {
       p.name = "optim/" + p.name;
       pieces.push_back(std::move(p));
     }
     SaveShardedOptions so;
     so.mode = o.dist.dp.stage == 0 ? "dp" : fmt::format("zero{}", o.dist.dp.stage);
+    if (tensor_parallel) so.mode += "+" + o.dist.plan->mesh.describe();
     so.collective = o.dist.dp.collective;
     save_sharded(comm, path, pieces, state_metadata(), so);
   }
@@ -773,7 +806,10 @@ struct Trainer::Impl {
 
   TensorSignatures expected_params() const {
     TensorSignatures t;
-    for (const auto& e : store->entries()) t[e.name] = {DType::f32, e.shape};
+    for (const auto& e : store->entries()) {
+      const LoweredParam* lp = tensor_parallel ? lowered.param(e.name) : nullptr;
+      t[e.name] = {DType::f32, lp != nullptr ? lp->global : e.shape};
+    }
     return t;
   }
 
@@ -862,7 +898,12 @@ struct Trainer::Impl {
     }
     check_sharded_fits(path);
     std::vector<ShardPiece> wanted;
-    for (auto& e : store->entries()) wanted.push_back(full_piece("param/" + e.name, e.value));
+    for (auto& e : store->entries()) {
+      const LoweredParam* lp = tensor_parallel ? lowered.param(e.name) : nullptr;
+      wanted.push_back(lp != nullptr && !lp->axis.empty()
+                           ? box_piece("param/" + e.name, lp->global, lp->box, e.value)
+                           : full_piece("param/" + e.name, e.value));
+    }
     LoadShardedOptions lo;
     lo.collective = o.dist.dp.collective;
     ShardedIndex idx = load_sharded(comm, path, wanted, lo);
@@ -932,7 +973,8 @@ struct Trainer::Impl {
       for (const std::string& k : kinds) {
         if (stored_state_kinds.contains(k)) stored_kinds.push_back(k);
       }
-      std::vector<ShardPiece> wanted = dp->new_state_pieces(stored_kinds);
+      std::vector<ShardPiece> wanted =
+          in_boxes(dp->new_state_pieces(stored_kinds), tensor_places());
       for (ShardPiece& p : wanted) p.name = "optim/" + p.name;
       LoadShardedOptions lo;
       lo.collective = o.dist.dp.collective;
