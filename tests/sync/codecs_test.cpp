@@ -150,8 +150,9 @@ TEST(TopK, KeepsExactlyTheKLargestMagnitudes) {
     for (size_t k : {size_t{1}, n / 3 + 1, n}) {
       SCOPED_TRACE(fmt::format("n {} k {}", n, k));
       std::vector<float> e = normal_vector(n, 11 + n);
-      // Ties: a block of equal magnitudes with both signs.
-      for (size_t i = 0; i < n / 4; ++i) e[i * 4 % n] = (i % 2 ? 0.5f : -0.5f);
+      // Ties everywhere (k falls inside a group of equal magnitudes, both
+      // signs): multiples of 0.5, so the lower index must win.
+      for (float& x : e) x = std::round(2 * x) / 2;
       std::vector<uint32_t> want(n);
       std::iota(want.begin(), want.end(), 0u);
       std::stable_sort(want.begin(), want.end(),
