@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -19,6 +21,7 @@
 #include "meshtrain/base/random.h"
 #include "meshtrain/sync/codec_spec.h"
 #include "meshtrain/sync/codecs.h"
+#include "meshtrain/tensor/dtype.h"
 
 namespace mt {
 namespace {
@@ -269,6 +272,38 @@ TEST(ErrorFeedback, F16SaturatesAndKeepsTheExcess) {
   FeedbackEncoder plain(make_payload_codec(parse_codec_spec("f16"), 3), false);
   plain.encode(g, 0, payload);
   EXPECT_EQ(plain.residual()[0], 0.0f);
+}
+
+// The casts' vectorized loops round exactly as tensor/dtype.h's converters:
+// nearest even, subnormals exact, f16 saturated at 65504 (NaN stays NaN).
+TEST(Casts, RoundExactlyAsTheDtypeConverters) {
+  std::vector<float> e = normal_vector(1003, 31, 3.0);
+  const float specials[] = {0.0f,    -0.0f,          1e-40f,          -1e-42f,
+                            6e-8f,   3e-8f,          1e-5f,           65504.f,
+                            65519.f, 65520.f,        -7e4f,           1e30f,
+                            3.4e38f, 1.0f + 0x1p-8f, 1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f};
+  for (size_t i = 0; i < std::size(specials); ++i) e[7 * i + 1] = specials[i];
+  e[500] = std::numeric_limits<float>::quiet_NaN();
+  for (const char* text : {"f16", "bf16"}) {
+    SCOPED_TRACE(text);
+    auto codec = make_payload_codec(parse_codec_spec(text), e.size());
+    std::vector<std::byte> p(codec->payload_bytes());
+    codec->encode(e, 0, p);
+    const std::vector<float> d = decode(*codec, p);
+    for (size_t i = 0; i < e.size(); ++i) {
+      uint16_t got;
+      std::memcpy(&got, p.data() + 2 * i, 2);
+      if (std::isnan(e[i])) {
+        EXPECT_TRUE(std::isnan(d[i]));
+        continue;
+      }
+      const uint16_t want = std::string(text) == "f16"
+                                ? f32_to_f16(std::clamp(e[i], -65504.0f, 65504.0f)).bits
+                                : f32_to_bf16(e[i]).bits;
+      EXPECT_EQ(got, want) << "element " << i << " = " << e[i];
+      EXPECT_EQ(d[i], std::string(text) == "f16" ? f16_to_f32(f16{want}) : bf16_to_f32(bf16{want}));
+    }
+  }
 }
 
 // ---- QSGD

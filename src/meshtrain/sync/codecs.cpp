@@ -3,8 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <unordered_set>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <fmt/format.h>
 
@@ -36,28 +41,64 @@ size_t chunk_count(size_t numel, size_t chunk) {
 
 // ---- f16 / bf16
 
+// f32 -> bf16 bits, round to nearest even, NaN kept quiet: f32_to_bf16 bit
+// for bit (tests/sync/codecs_test.cpp checks it), inline so the loops below
+// vectorize instead of calling across translation units per element.
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
 class CastCodec final : public PayloadCodec {
  public:
   CastCodec(size_t numel, bool half) : PayloadCodec(numel), half_(half) {}
   size_t payload_bytes() const override { return 2 * numel_; }
   void encode(std::span<const float> e, uint64_t, std::span<std::byte> payload) const override {
     auto* out = reinterpret_cast<uint16_t*>(payload.data());
-    if (half_) {
-      // Saturate rather than overflow to inf: the excess stays in the residual.
-      constexpr float kMax = 65504.0f;
-      for (size_t i = 0; i < numel_; ++i) out[i] = f32_to_f16(std::clamp(e[i], -kMax, kMax)).bits;
-    } else {
-      for (size_t i = 0; i < numel_; ++i) out[i] = f32_to_bf16(e[i]).bits;
+    if (!half_) {
+      for (size_t i = 0; i < numel_; ++i) out[i] = bf16_bits(e[i]);
+      return;
     }
+    // Saturate rather than overflow to inf: the excess stays in the residual.
+    constexpr float kMax = 65504.0f;
+    size_t i = 0;
+#if defined(__F16C__)
+    // vcvtps2ph rounds to nearest even with exact subnormals, as f32_to_f16.
+    const __m256 lo = _mm256_set1_ps(-kMax), hi = _mm256_set1_ps(kMax);
+    for (; i + 8 <= numel_; i += 8) {
+      // max/min return the second operand for a NaN: put e second to keep it.
+      const __m256 x = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(e.data() + i)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                       _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; i < numel_; ++i) out[i] = f32_to_f16(std::clamp(e[i], -kMax, kMax)).bits;
   }
   void decode_add(std::span<const std::byte> payload, float scale,
                   std::span<float> out) const override {
     const auto* in = reinterpret_cast<const uint16_t*>(payload.data());
-    if (half_) {
-      for (size_t i = 0; i < numel_; ++i) out[i] += scale * f16_to_f32(f16{in[i]});
-    } else {
-      for (size_t i = 0; i < numel_; ++i) out[i] += scale * bf16_to_f32(bf16{in[i]});
+    if (!half_) {
+      for (size_t i = 0; i < numel_; ++i) out[i] += scale * bf16_value(in[i]);
+      return;
     }
+    size_t i = 0;
+#if defined(__F16C__)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; i + 8 <= numel_; i += 8) {
+      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+      _mm256_storeu_ps(out.data() + i,
+                       _mm256_add_ps(_mm256_loadu_ps(out.data() + i), _mm256_mul_ps(s, x)));
+    }
+#endif
+    for (; i < numel_; ++i) out[i] += scale * f16_to_f32(f16{in[i]});
   }
 
  private:
@@ -214,8 +255,9 @@ class QsgdCodec final : public PayloadCodec {
       const float unit = load_f32(payload.data() + 4 * b) / static_cast<float>(levels_);
       for (size_t i = lo; i < hi; ++i) {
         const uint32_t code = rd.get(bits_);
-        const float v = unit * static_cast<float>(code >> 1);
-        out[i] += scale * ((code & 1u) ? -v : v);
+        // Branch-free: random signs would mispredict a branch half the time.
+        const float sign = 1.0f - 2.0f * static_cast<float>(code & 1u);
+        out[i] += scale * (sign * (unit * static_cast<float>(code >> 1)));
       }
     }
   }
@@ -243,7 +285,13 @@ class SignCodec final : public PayloadCodec {
       double sum = 0;
       for (size_t i = lo; i < hi; ++i) sum += std::fabs(static_cast<double>(e[i]));
       store_f32(payload.data() + 4 * c, static_cast<float>(sum / static_cast<double>(hi - lo)));
-      for (size_t i = lo; i < hi; ++i) w.put(std::signbit(e[i]) ? 0u : 1u, 1);
+      size_t i = lo;
+      for (; i + 8 <= hi; i += 8) {
+        uint32_t byte = 0;
+        for (int b = 0; b < 8; ++b) byte |= (std::signbit(e[i + b]) ? 0u : 1u) << b;
+        w.put(byte, 8);
+      }
+      for (; i < hi; ++i) w.put(std::signbit(e[i]) ? 0u : 1u, 1);
     }
     w.flush();
   }
@@ -253,7 +301,15 @@ class SignCodec final : public PayloadCodec {
     for (size_t c = 0; c < chunks_; ++c) {
       const size_t lo = c * chunk_, hi = std::min(numel_, lo + chunk_);
       const float m = scale * load_f32(payload.data() + 4 * c);
-      for (size_t i = lo; i < hi; ++i) out[i] += rd.get(1) ? m : -m;
+      size_t i = lo;
+      for (; i + 8 <= hi; i += 8) {
+        // Branch-free (random signs would mispredict a branch half the time).
+        const uint32_t byte = rd.get(8);
+        for (int b = 0; b < 8; ++b) {
+          out[i + b] += m * (2.0f * static_cast<float>((byte >> b) & 1u) - 1.0f);
+        }
+      }
+      for (; i < hi; ++i) out[i] += m * (2.0f * static_cast<float>(rd.get(1)) - 1.0f);
     }
   }
 
@@ -297,23 +353,37 @@ uint64_t codec_seed(uint64_t base, int rank, uint64_t step) {
 
 std::vector<uint32_t> top_k_indices(std::span<const float> e, size_t k) {
   MT_CHECK_LE(k, e.size());
-  std::vector<uint32_t> idx(e.size());
-  for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<uint32_t>(i);
-  auto mag = [&](uint32_t i) {
-    const float a = std::fabs(e[i]);
+  const size_t n = e.size();
+  std::vector<uint32_t> idx;
+  if (k == 0) return idx;
+  idx.reserve(k);
+  if (k == n) {
+    for (size_t i = 0; i < n; ++i) idx.push_back(static_cast<uint32_t>(i));
+    return idx;
+  }
+  // The k-th largest magnitude (NaN counts as +inf) by nth_element over the
+  // magnitudes alone; then one pass in index order takes everything above
+  // it and, of the elements equal to it, the lowest indices until k. So the
+  // result is exactly the k largest, ties to the lower index, ascending.
+  auto mag = [](float v) {
+    const float a = std::fabs(v);
     return std::isnan(a) ? std::numeric_limits<float>::infinity() : a;
   };
-  // A strict total order (magnitude descending, then index ascending), so
-  // the k first are exactly the k largest with ties to the lower index.
-  auto before = [&](uint32_t a, uint32_t b) {
-    const float ma = mag(a), mb = mag(b);
-    return ma > mb || (ma == mb && a < b);
-  };
-  if (k < idx.size()) {
-    std::nth_element(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k), idx.end(), before);
+  std::vector<float> m(n);
+  for (size_t i = 0; i < n; ++i) m[i] = mag(e[i]);
+  std::vector<float> sorted = m;
+  std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(k - 1),
+                   sorted.end(), std::greater<float>());
+  const float t = sorted[k - 1];
+  size_t above = 0;
+  for (size_t i = 0; i < n; ++i) above += m[i] > t;
+  size_t ties = k - above;
+  for (size_t i = 0; i < n; ++i) {
+    if (m[i] > t || (m[i] == t && ties > 0 && (--ties, true))) {
+      idx.push_back(static_cast<uint32_t>(i));
+    }
   }
-  idx.resize(k);
-  std::sort(idx.begin(), idx.end());
+  MT_CHECK_EQ(idx.size(), k);
   return idx;
 }
 
