@@ -184,6 +184,24 @@ TEST(TopK, KeepsExactlyTheKLargestMagnitudes) {
   }
 }
 
+TEST(TopK, APayloadIndexOutsideTheTensorIsACommError) {
+  auto big = make_payload_codec(parse_codec_spec("topk:1"), 100);
+  auto small = make_payload_codec(parse_codec_spec("topk:1"), 50);
+  std::vector<float> e(100, 0.0f);
+  e[99] = 1.0f;
+  std::vector<std::byte> p(8);
+  big->encode(e, 0, p);
+  std::vector<float> out(50, 0.0f);
+  try {
+    small->decode_add(p, 1.0f, out);
+    FAIL() << "decoded index 99 into 50 elements";
+  } catch (const CommError& err) {
+    EXPECT_NE(std::string(err.what()).find("index 99 of entry 0 is outside the tensor's 50"),
+              std::string::npos)
+        << err.what();
+  }
+}
+
 TEST(RandK, DrawsKDistinctIndicesDependingOnTheSeed) {
   const size_t n = 1000;
   const std::vector<float> e = normal_vector(n, 3);

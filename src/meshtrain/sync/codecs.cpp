@@ -124,6 +124,14 @@ class SparseCodec final : public PayloadCodec {
     for (size_t j = 0; j < k_; ++j) {
       uint32_t i;
       std::memcpy(&i, payload.data() + 4 * j, 4);
+      // A payload from a peer that disagrees on the tensor must not write
+      // out of bounds (the handshake checks sizes, not contents).
+      if (i >= numel_) {
+        throw CommError(
+            fmt::format("sparse codec payload: index {} of entry {} is outside "
+                        "the tensor's {} elements (ranks disagree on the tensor?)",
+                        i, j, numel_));
+      }
       out[i] += scale * load_f32(values + 4 * j);
     }
   }
