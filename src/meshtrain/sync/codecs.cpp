@@ -5,7 +5,6 @@
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <unordered_set>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -137,31 +136,29 @@ class SparseCodec final : public PayloadCodec {
   }
 
  private:
-  // k distinct uniform indices, ascending. Floyd's algorithm (k draws) when
-  // k is small against numel, selection sampling (one draw per element)
-  // otherwise.
+  // k distinct uniform indices, ascending: Floyd's algorithm (exactly k
+  // draws, each index equally likely) over a bitmap of the tensor, which
+  // then yields the indices in order in one pass over numel / 64 words.
   std::vector<uint32_t> random_indices(uint64_t seed) const {
     Rng rng(seed);
+    std::vector<uint64_t> taken((numel_ + 63) / 64, 0);
+    auto test_and_set = [&](size_t i) {
+      uint64_t& w = taken[i / 64];
+      const uint64_t bit = uint64_t{1} << (i % 64);
+      const bool was = (w & bit) != 0;
+      w |= bit;
+      return was;
+    };
+    for (size_t j = numel_ - k_; j < numel_; ++j) {
+      auto t = static_cast<size_t>(rng.uniform() * static_cast<double>(j + 1));
+      if (t > j) t = j;
+      if (test_and_set(t)) test_and_set(j);  // j is new: every index below j was drawn before
+    }
     std::vector<uint32_t> idx;
     idx.reserve(k_);
-    if (k_ * 8 < numel_) {
-      std::unordered_set<uint32_t> taken;
-      taken.reserve(2 * k_);
-      for (size_t j = numel_ - k_; j < numel_; ++j) {
-        auto t = static_cast<uint32_t>(rng.uniform() * static_cast<double>(j + 1));
-        if (t > j) t = static_cast<uint32_t>(j);
-        const uint32_t pick = taken.insert(t).second ? t : static_cast<uint32_t>(j);
-        if (pick != t) taken.insert(pick);
-        idx.push_back(pick);
-      }
-      std::sort(idx.begin(), idx.end());
-    } else {
-      size_t need = k_;
-      for (size_t i = 0; i < numel_ && need > 0; ++i) {
-        if (rng.uniform() * static_cast<double>(numel_ - i) < static_cast<double>(need)) {
-          idx.push_back(static_cast<uint32_t>(i));
-          --need;
-        }
+    for (size_t w = 0; w < taken.size(); ++w) {
+      for (uint64_t bits = taken[w]; bits != 0; bits &= bits - 1) {
+        idx.push_back(static_cast<uint32_t>(w * 64 + static_cast<size_t>(__builtin_ctzll(bits))));
       }
     }
     return idx;

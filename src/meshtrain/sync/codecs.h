@@ -16,7 +16,7 @@
 //               than everything); ties go to the lower index, so the choice
 //               is a function of e alone.
 //   randk       same layout; k distinct indices drawn uniformly without
-//               replacement from Rng(seed) (selection sampling), values not
+//               replacement from Rng(seed) (Floyd's algorithm), values not
 //               rescaled (error feedback keeps the rest; an unbiased d/k
 //               rescaling would blow up the residual).
 //   qsgd:b      one f32 L2 norm per bucket, then numel codes of b bits
