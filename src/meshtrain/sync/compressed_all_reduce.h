@@ -42,7 +42,8 @@
 // plan into the bytes this rank sends and receives over a communicator,
 // with the algorithms its policy picks (Communicator::cost), and the
 // handshake's 48 (n - 1) bytes per collective. The communicator's counters
-// report exactly those numbers (tests/sync/codecs_test.cpp checks it). The
+// report exactly those numbers (tests/sync/compressed_all_reduce_test.cpp
+// and compressed_all_reduce_mpi_test.cpp check it, byte for byte). The
 // engine's native collectives report no bytes, and neither does the
 // prediction for them.
 //
