@@ -155,6 +155,7 @@ TEST(CompressedAllReduce, CountedBytesEqualThePrediction) {
     const char* codec;
     CastExchange cast = CastExchange::all_reduce;
     SparseExchange sparse = SparseExchange::all_gather;
+    CommAlgorithm algorithm = CommAlgorithm::automatic;
   };
   std::vector<Variant> variants;
   for (const char* codec : kCodecs) variants.push_back({codec});
@@ -162,6 +163,12 @@ TEST(CompressedAllReduce, CountedBytesEqualThePrediction) {
   variants.push_back({"bf16", CastExchange::all_gather});
   variants.push_back({"topk:0.01", CastExchange::all_reduce, SparseExchange::dense_all_reduce});
   variants.push_back({"powersgd:40", CastExchange::all_reduce});  // not worth it: dense
+  // An algorithm the caller names instead of the policy's choice.
+  for (CommAlgorithm a : {CommAlgorithm::ring, CommAlgorithm::halving_doubling}) {
+    variants.push_back({"bf16", CastExchange::all_reduce, SparseExchange::all_gather, a});
+    variants.push_back({"topk:0.01", CastExchange::all_reduce, SparseExchange::all_gather, a});
+    variants.push_back({"powersgd:2", CastExchange::all_reduce, SparseExchange::all_gather, a});
+  }
   for (int n : {1, 2, 3, 4}) {
     for (bool shm : {false, true}) {
       LocalWorld::run(world(n, shm), [&](Communicator& c) {
@@ -171,6 +178,7 @@ TEST(CompressedAllReduce, CountedBytesEqualThePrediction) {
             CompressedAllReduceOptions o = with(v.codec);
             o.cast_exchange = v.cast;
             o.sparse_exchange = v.sparse;
+            o.collective.algorithm = v.algorithm;
             CompressedAllReduce car(c, "w", shape, o);
             const std::vector<float> g = normal_vector(numel, c.rank());
             std::vector<float> out(numel);
@@ -190,8 +198,9 @@ TEST(CompressedAllReduce, CountedBytesEqualThePrediction) {
                 calls += counter.calls;
               }
             }
-            const std::string where = fmt::format("{} {} ranks shm {} shape {}x{} rank {}", v.codec,
-                                                  n, shm, shape[0], shape[1], c.rank());
+            const std::string where =
+                fmt::format("{} algorithm {} {} ranks shm {} shape {}x{} rank {}", v.codec,
+                            algorithm_name(v.algorithm), n, shm, shape[0], shape[1], c.rank());
             if (sent != 2 * want.bytes_sent || received != 2 * want.bytes_received ||
                 hs_sent != 2 * want.handshake_bytes_sent ||
                 hs_received != 2 * want.handshake_bytes_received ||
