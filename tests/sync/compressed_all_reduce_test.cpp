@@ -212,6 +212,19 @@ TEST(CompressedAllReduce, CountedBytesEqualThePrediction) {
                   where, sent, received, hs_sent, calls, want.bytes_sent, want.bytes_received,
                   want.handshake_bytes_sent, want.calls));
             }
+            // The pure prediction (no communicator) says the same; the
+            // local backend's slot is half of shm_bytes_per_rank.
+            const CodecTraffic pure =
+                predict_traffic(car.plan(), n, c.rank(), shm ? 64 * 1024 / 2 : 0,
+                                c.options().policy, c.options().handshake, v.algorithm);
+            if (pure.bytes_sent != want.bytes_sent || pure.bytes_received != want.bytes_received ||
+                pure.handshake_bytes_sent != want.handshake_bytes_sent ||
+                pure.handshake_bytes_received != want.handshake_bytes_received) {
+              throw std::runtime_error(fmt::format(
+                  "{}: the pure prediction says {} / {} / {}, the communicator's {} / {} / {}",
+                  where, pure.bytes_sent, pure.bytes_received, pure.handshake_bytes_sent,
+                  want.bytes_sent, want.bytes_received, want.handshake_bytes_sent));
+            }
             // The sparse codecs travel as (index, value) pairs in an
             // all-gather unless the densified all-reduce was asked for.
             const CodecKind k = o.codec.kind;

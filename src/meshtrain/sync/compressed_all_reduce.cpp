@@ -6,6 +6,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/base/random.h"
+#include "meshtrain/comm/algorithms.h"
 
 namespace mt {
 namespace {
@@ -78,6 +79,49 @@ CodecTraffic predict_traffic(const Communicator& comm, std::span<const PlannedCo
     if (handshake) {
       t.handshake_bytes_sent += 48 * (n - 1);
       t.handshake_bytes_received += 48 * (n - 1);
+    }
+    ++t.calls;
+  }
+  return t;
+}
+
+CodecTraffic predict_traffic(std::span<const PlannedCollective> plan, int world_size, int rank,
+                             size_t shm_slot_bytes, const AlgorithmPolicy& policy, bool handshake,
+                             CommAlgorithm algorithm) {
+  using A = CommAlgorithm;
+  CodecTraffic t;
+  const int n = world_size;
+  const bool shm = shm_slot_bytes > 0;
+  // The handshake record (comm/agreement.h's CallRecord), exchanged directly
+  // or through the arena.
+  constexpr size_t kRecord = 48;
+  for (const PlannedCollective& c : plan) {
+    const size_t elem = dtype_size(c.dtype);
+    const size_t bytes =
+        c.count * elem * (c.kind == Collective::all_gather ? static_cast<size_t>(n) : 1);
+    const A a = algorithm == A::automatic ? policy.choose(c.kind, bytes, n, shm, false) : algorithm;
+    const std::vector<size_t> blocks(static_cast<size_t>(n), c.count);
+    CollectiveCost cost;
+    if (c.kind == Collective::all_reduce) {
+      cost = a == A::ring               ? comm::ring_all_reduce_cost(n, rank, c.count, elem)
+             : a == A::halving_doubling ? comm::hd_all_reduce_cost(n, rank, c.count, elem)
+             : a == A::shared_memory
+                 ? comm::shm_all_reduce_cost(n, rank, c.count, elem, shm_slot_bytes)
+                 : CollectiveCost{};
+    } else {
+      cost = a == A::ring               ? comm::ring_all_gatherv_cost(n, rank, blocks, elem)
+             : a == A::halving_doubling ? comm::hd_all_gatherv_cost(n, rank, blocks, elem)
+             : a == A::shared_memory
+                 ? comm::shm_all_gatherv_cost(n, rank, blocks, elem, shm_slot_bytes)
+                 : CollectiveCost{};
+    }
+    t.bytes_sent += cost.bytes_sent;
+    t.bytes_received += cost.bytes_received;
+    if (handshake && n > 1) {
+      const CollectiveCost h = shm ? comm::shm_exchange_cost(n, rank, kRecord)
+                                   : comm::direct_exchange_cost(n, rank, kRecord);
+      t.handshake_bytes_sent += h.bytes_sent;
+      t.handshake_bytes_received += h.bytes_received;
     }
     ++t.calls;
   }

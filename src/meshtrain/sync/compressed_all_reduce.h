@@ -105,6 +105,16 @@ std::vector<PlannedCollective> compressed_all_reduce_plan(const CompressedAllRed
 // opts.algorithm, picks them; handshake per opts / the comm's options).
 CodecTraffic predict_traffic(const Communicator& comm, std::span<const PlannedCollective> plan,
                              const CollectiveOptions& opts = {});
+// The same without a communicator (a planner's question): rank `rank` of
+// `world_size` ranks on one node with a shared window of `shm_slot_bytes`
+// per slot (0: no shared memory, e.g. ranks on several nodes), algorithms as
+// `policy` picks them (the engine's native ones are never assumed) unless
+// `algorithm` names one. Equal to the communicator version for such a
+// communicator (tests/sync/compressed_all_reduce_test.cpp).
+CodecTraffic predict_traffic(std::span<const PlannedCollective> plan, int world_size, int rank,
+                             size_t shm_slot_bytes, const AlgorithmPolicy& policy = {},
+                             bool handshake = true,
+                             CommAlgorithm algorithm = CommAlgorithm::automatic);
 
 class CompressedAllReduce {
  public:
