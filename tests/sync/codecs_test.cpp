@@ -184,6 +184,33 @@ TEST(TopK, KeepsExactlyTheKLargestMagnitudes) {
   }
 }
 
+// Large tensors with small k take the sampled-threshold path of
+// top_k_indices: the same exact answer, also when the strided sample holds
+// all the largest values (threshold too high: fallback) or none of them.
+TEST(TopK, LargeTensorsSmallKAreExact) {
+  const size_t n = 100'003;
+  const size_t stride = n / 4096;
+  for (int layout = 0; layout < 3; ++layout) {
+    std::vector<float> e = normal_vector(n, 500 + layout);
+    for (float& x : e) x = std::round(8 * x) / 8;  // ties
+    if (layout == 1) {
+      for (size_t j = 0; j < 4096; ++j) e[j * stride] = 100.0f + static_cast<float>(j % 50);
+    } else if (layout == 2) {
+      for (size_t j = 0; j < 4096; ++j) e[j * stride] = 0.0f;
+      for (size_t j = 0; j < 300; ++j) e[j * stride + 1] = -50.0f;
+    }
+    std::vector<uint32_t> order(n);
+    std::iota(order.begin(), order.end(), 0u);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t a, uint32_t b) { return std::fabs(e[a]) > std::fabs(e[b]); });
+    for (size_t k : {size_t{1}, size_t{37}, size_t{1000}, size_t{6000}}) {
+      std::vector<uint32_t> want(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k));
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(top_k_indices(e, k), want) << "layout " << layout << " k " << k;
+    }
+  }
+}
+
 TEST(TopK, APayloadIndexOutsideTheTensorIsACommError) {
   auto big = make_payload_codec(parse_codec_spec("topk:1"), 100);
   auto small = make_payload_codec(parse_codec_spec("topk:1"), 50);

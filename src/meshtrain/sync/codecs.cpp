@@ -376,10 +376,30 @@ std::vector<uint32_t> top_k_indices(std::span<const float> e, size_t k) {
   };
   std::vector<float> m(n);
   for (size_t i = 0; i < n; ++i) m[i] = mag(e[i]);
-  std::vector<float> sorted = m;
-  std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(k - 1),
-                   sorted.end(), std::greater<float>());
-  const float t = sorted[k - 1];
+  // The candidates for the k-th largest: for small k, every magnitude at or
+  // above a threshold t0 read off a strided sample (its (2q + 8)-th largest,
+  // q = the sample's expected share of the top k, so t0 lies below the k-th
+  // largest with a wide margin); if fewer than k reach t0, all of them.
+  // Either way the candidates hold the k largest, so their k-th largest is
+  // exact; the sample only saves selecting among all n.
+  std::vector<float> cand;
+  constexpr size_t kSample = 4096;
+  if (n >= 4 * kSample && k * 16 < n) {
+    const size_t stride = n / kSample;
+    std::vector<float> sample(kSample);
+    for (size_t j = 0; j < kSample; ++j) sample[j] = m[j * stride];
+    const size_t r = std::min(kSample - 1, 2 * (k * kSample / n) + 8);
+    std::nth_element(sample.begin(), sample.begin() + static_cast<std::ptrdiff_t>(r), sample.end(),
+                     std::greater<float>());
+    const float t0 = sample[r];
+    for (size_t i = 0; i < n; ++i) {
+      if (m[i] >= t0) cand.push_back(m[i]);
+    }
+  }
+  if (cand.size() < k) cand = m;
+  std::nth_element(cand.begin(), cand.begin() + static_cast<std::ptrdiff_t>(k - 1), cand.end(),
+                   std::greater<float>());
+  const float t = cand[k - 1];
   size_t above = 0;
   for (size_t i = 0; i < n; ++i) above += m[i] > t;
   size_t ties = k - above;
