@@ -112,6 +112,7 @@ class SparseCodec final : public PayloadCodec {
   size_t payload_bytes() const override { return 8 * k_; }
   void encode(std::span<const float> e, uint64_t seed,
               std::span<std::byte> payload) const override {
+    if (k_ == 0) return;  // an empty tensor (memcpy from a null pointer is undefined)
     const std::vector<uint32_t> idx = random_ ? random_indices(seed) : top_k_indices(e, k_);
     std::memcpy(payload.data(), idx.data(), 4 * k_);
     std::byte* values = payload.data() + 4 * k_;
@@ -242,9 +243,13 @@ class QsgdCodec final : public PayloadCodec {
         uint32_t level = 0;
         if (norm > 0) {
           const double l = std::fabs(static_cast<double>(e[i])) / norm * s;
-          const double fl = std::floor(l);
-          level = static_cast<uint32_t>(fl) + (rng.uniform() < l - fl ? 1u : 0u);
-          level = std::min(level, levels_);
+          if (std::isfinite(l)) {
+            const double fl = std::floor(l);
+            level = static_cast<uint32_t>(fl) + (rng.uniform() < l - fl ? 1u : 0u);
+            level = std::min(level, levels_);
+          } else {
+            level = levels_;  // an inf or NaN in the bucket: its norm is not finite
+          }
         }
         const uint32_t sign = std::signbit(e[i]) ? 1u : 0u;
         w.put(sign | (level << 1), bits_);
