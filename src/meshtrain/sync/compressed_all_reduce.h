@@ -14,8 +14,8 @@
 //               CastExchange::all_gather: all_gather of the 16-bit tensors,
 //               summed in f32 in rank order, divided by n. Measured on this
 //               machine (bench/comm/codec_bench.cpp, docs/codecs.md): the
-//               all-reduce is faster in 9 of 12 cases (256K-4M elements,
-//               2 and 4 ranks; 1.3-1.5x at 4M) and sends ~2(n-1)/n B
+//               all-reduce is faster in 11 of 12 cases (256K-4M elements,
+//               2 and 4 ranks; 1.2-2.3x at 1M and 4M) and sends ~2(n-1)/n B
 //               instead of (n-1) B, so it is the default; the all-gather
 //               rounds only once (the exact f32 sum of the cast values)
 //               and stays as an option. With f16 the ring and
@@ -28,12 +28,12 @@
 //               Never a silent dense all-reduce: SparseExchange::dense_
 //               all_reduce (the densified k values, all_reduce(avg) in f32)
 //               exists for the measured comparison and only when asked for.
-//               Measured on this machine (2 shared cores, loaded;
-//               docs/codecs.md, bench/run codec): the all-gather is faster
-//               up to ~1% density at 2 ranks and ~3% at 4 ranks (1.3-3x),
-//               even around 10% at 4 ranks, and the densified all-reduce
-//               faster from ~3% at 2 ranks and 20% at 4 ranks (1.1-1.4x).
-//               By bytes the crossover is at density 1/n.
+//               Measured on this machine (2 shared cores; docs/codecs.md,
+//               bench/run codec; 256K-4M elements, 2 and 4 ranks): the
+//               all-gather is faster up to 3% density (1.1-7x), the two
+//               are even around 10%, and the densified all-reduce is
+//               faster from 20% on at 1M-4M elements (1.04-1.4x). By bytes
+//               the crossover is at density 1/n.
 //   qsgd, sign  all_gather of the packed payloads, decoded and summed in f32
 //               in rank order, / n.
 //   powersgd    M = tensor as shape[0] x (numel / shape[0]), Q (cols x r)
