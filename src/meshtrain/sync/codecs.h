@@ -1,0 +1,125 @@
+// Gradient codecs: what one rank sends for one f32 tensor, and the
+// error-feedback residual that keeps what it did not send.
+//
+// A PayloadCodec turns a vector e of `numel` f32 values into a byte payload
+// of a size fixed by (spec, numel) alone, equal on every rank, and adds a
+// payload's decoded values into an f32 vector. They are pure: no state, no
+// communication; randomness comes from the `seed` argument, so a payload is
+// a function of (e, seed). Layouts (little-endian, as this machine stores
+// them; every rank of a job runs on the same architecture):
+//
+//   f16 / bf16  numel 16-bit floats, rounded to nearest even. f16 saturates
+//               at +-65504 (a larger magnitude is sent as 65504 and the rest
+//               stays in the residual) instead of overflowing to inf.
+//   topk        k u32 indices (ascending), then the k f32 values e[index]
+//               exactly. The k indices of largest |e| (NaN counts as larger
+//               than everything); ties go to the lower index, so the choice
+//               is a function of e alone.
+//   randk       same layout; k distinct indices drawn uniformly without
+//               replacement from Rng(seed) (Floyd's algorithm), values not
+//               rescaled (error feedback keeps the rest; an unbiased d/k
+//               rescaling would blow up the residual).
+//   qsgd:b      one f32 L2 norm per bucket, then numel codes of b bits
+//               packed LSB first (bit 0 sign, bits 1..b-1 the level in
+//               0..s, s = 2^(b-1) - 1). Level = floor(l) + Bernoulli(l -
+//               floor(l)) with l = |e_i| / norm * s, so the decoded value
+//               sign * norm * level / s has expectation e_i (unbiased: QSGD,
+//               Alistarh et al. 2017) and variance at most (norm / s)^2 / 4.
+//   sign        one f32 scale per chunk (mean |e| over the chunk, as
+//               EF-signSGD, Karimireddy et al. 2019), then numel bits (1:
+//               e_i >= 0, decoded +scale; 0: decoded -scale).
+//
+// FeedbackEncoder wraps a PayloadCodec with the residual r (zero at first):
+// e = grad + r; payload = encode(e); r = e - decode(payload). So r + decoded
+// == e: exactly (bitwise) for topk and randk, whose sent values are e's own
+// and whose residual is e with those entries zeroed, and for f16/bf16 within
+// rounding (e - cast(e) is exact in f32 unless f16 saturates); for qsgd and
+// sign within one f32 rounding of the subtraction.
+//
+// PowerSGD (Vogels et al. 2019) is not a payload: it interleaves two
+// all-reduces with local algebra, so it lives in sync/compressed_all_reduce.h;
+// the algebra (a tensor viewed as a rows x cols matrix, row-major) is here.
+//
+// Threading: PayloadCodecs are immutable after construction (callable from
+// any thread); a FeedbackEncoder is one tensor's state, used by one thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "meshtrain/sync/codec_spec.h"
+
+namespace mt {
+
+class PayloadCodec {
+ public:
+  virtual ~PayloadCodec() = default;
+  size_t numel() const { return numel_; }
+  // Bytes of one payload; equal on every rank.
+  virtual size_t payload_bytes() const = 0;
+  // Writes e's payload (payload.size() == payload_bytes()).
+  virtual void encode(std::span<const float> e, uint64_t seed,
+                      std::span<std::byte> payload) const = 0;
+  // out[i] += scale * decoded[i] for every element the payload carries.
+  virtual void decode_add(std::span<const std::byte> payload, float scale,
+                          std::span<float> out) const = 0;
+
+ protected:
+  explicit PayloadCodec(size_t numel) : numel_(numel) {}
+  size_t numel_;
+};
+
+// The payload codec of `spec` for tensors of `numel` elements (checks
+// spec.check_fits). Throws ConfigError for "none" and "powersgd", which have
+// no payload.
+std::unique_ptr<PayloadCodec> make_payload_codec(const CodecSpec& spec, size_t numel);
+
+// The seed of one rank's draws at one step: a SplitMix64 mix of the three,
+// so ranks and steps get independent streams from one base seed.
+uint64_t codec_seed(uint64_t base, int rank, uint64_t step);
+
+// The k largest-magnitude indices of e, ascending (ties to the lower index).
+std::vector<uint32_t> top_k_indices(std::span<const float> e, size_t k);
+
+class FeedbackEncoder {
+ public:
+  // error_feedback false: the residual stays zero (e = grad).
+  FeedbackEncoder(std::unique_ptr<PayloadCodec> codec, bool error_feedback);
+  const PayloadCodec& codec() const { return *codec_; }
+  // e = grad + residual; payload = encode(e, seed); residual = e - decoded.
+  void encode(std::span<const float> grad, uint64_t seed, std::span<std::byte> payload);
+  std::span<const float> residual() const { return residual_; }
+  // Replaces the residual (e.g. restored from a checkpoint); size numel.
+  void set_residual(std::span<const float> r);
+
+ private:
+  std::unique_ptr<PayloadCodec> codec_;
+  bool error_feedback_;
+  std::vector<float> residual_;
+  std::vector<float> e_;
+};
+
+// ---- PowerSGD algebra (row-major; m is rows x cols, p rows x r, q cols x r)
+
+// Whether a rows x cols tensor is worth compressing at rank r: the two
+// factors (rows + cols) * r are fewer elements than the tensor. When not
+// (vectors, small matrices, r >= min(rows, cols)), the compressed all-reduce
+// sends the tensor uncompressed, as PyTorch's PowerSGD hook does.
+bool powersgd_compresses(size_t rows, size_t cols, int r);
+// p = m q
+void powersgd_project(std::span<const float> m, size_t rows, size_t cols, std::span<const float> q,
+                      int r, std::span<float> p);
+// q = m^T p
+void powersgd_back_project(std::span<const float> m, size_t rows, size_t cols,
+                           std::span<const float> p, int r, std::span<float> q);
+// Orthonormalizes p's r columns in place (modified Gram-Schmidt in double).
+// A column that is (numerically) dependent on the earlier ones becomes zero.
+void orthogonalize_columns(std::span<float> p, size_t rows, int r);
+// out = p q^T
+void powersgd_expand(std::span<const float> p, std::span<const float> q, size_t rows, size_t cols,
+                     int r, std::span<float> out);
+
+}  // namespace mt
