@@ -19,6 +19,10 @@
 #include "meshtrain/comm/collective_context.h"
 #include "meshtrain/comm/options.h"
 
+namespace mt {
+class Communicator;
+}
+
 namespace mt::comm {
 
 class ShmChannel;
@@ -111,5 +115,37 @@ CollectiveCost shm_barrier_cost(int n, int rank);
 void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, void* all,
                   size_t record_bytes);
 CollectiveCost shm_exchange_cost(int n, int rank, size_t record_bytes);
+
+// ---- hierarchical (hierarchical.cpp) -------------------------------------------
+// Ranks grouped into `nodes` nodes of `per_node` ranks each. `node` is the
+// communicator of this rank's node (local rank = index in the node),
+// `cross` that of the ranks with the same local index on every node (rank =
+// node index); node_members / cross_members map their ranks to ranks of the
+// calling communicator. Local rank j owns chunk j (hier_chunk_counts): the
+// node reduce-scatters into it, the cross group all-reduces it, the node
+// all-gathers the chunks. Sub-calls run without their own handshake (the
+// caller's agreed on the call) within ctx's deadline; their bytes are
+// counted on ctx per peer of the calling communicator.
+struct HierGroups {
+  Communicator* node = nullptr;
+  Communicator* cross = nullptr;
+  std::vector<int> node_members;
+  std::vector<int> cross_members;
+  int nodes = 0;
+  int per_node = 0;
+};
+std::vector<size_t> hier_chunk_counts(size_t count, int per_node, size_t elem_bytes);
+void hier_all_reduce(CollectiveContext& ctx, HierGroups& g, const void* send, void* recv,
+                     size_t count, DType dtype, ReduceOp op);
+// What the three sub-calls cost with the algorithms they run (as their
+// communicators' policy picks them; `intra_slot_bytes` for shared_memory).
+struct HierAlgorithms {
+  CommAlgorithm intra_reduce_scatter = CommAlgorithm::ring;
+  CommAlgorithm inter_all_reduce = CommAlgorithm::ring;
+  CommAlgorithm intra_all_gather = CommAlgorithm::ring;
+  size_t intra_slot_bytes = 0;
+};
+CollectiveCost hier_all_reduce_cost(int nodes, int per_node, int node_index, int local,
+                                    size_t count, size_t elem_bytes, const HierAlgorithms& a);
 
 }  // namespace mt::comm

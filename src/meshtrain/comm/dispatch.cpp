@@ -17,6 +17,8 @@ bool applies(Collective c, CommAlgorithm a) {
   using A = CommAlgorithm;
   switch (c) {
     case Collective::all_reduce:
+      return a == A::ring || a == A::halving_doubling || a == A::shared_memory || a == A::native ||
+             a == A::hierarchical;
     case Collective::reduce_scatter:
     case Collective::reduce_scatterv:
     case Collective::all_gather:
@@ -59,6 +61,9 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
                                                                call.op, max_count(call, size));
   CommAlgorithm a = call.opts.algorithm;
   if (a == CommAlgorithm::automatic) {
+    if (call.kind == Collective::all_reduce && node_comm && options.policy.prefer_hierarchical) {
+      return CommAlgorithm::hierarchical;
+    }
     return options.policy.choose(call.kind, info.bytes, size, shm != nullptr, native_ok);
   }
   if (!applies(call.kind, a)) {
@@ -70,6 +75,13 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
         "{}: {} asks for the shared_memory algorithm, but the {} transport has no shared "
         "memory window (ranks on several nodes?)",
         info.where(), collective_name(call.kind), transport->backend()));
+  }
+  if (a == CommAlgorithm::hierarchical && !node_comm) {
+    throw ConfigError(fmt::format(
+        "{}: {} asks for the hierarchical algorithm, but the ranks are not on several nodes "
+        "with the same number (> 1) of them on each (set dist.node_size or a cluster file to "
+        "group them)",
+        info.where(), collective_name(call.kind)));
   }
   if (a == CommAlgorithm::native && !native_ok) {
     throw ConfigError(fmt::format(
@@ -126,6 +138,8 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, Comm
       } else if (algorithm == A::shared_memory) {
         comm::shm_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype, call.op,
                              staged);
+      } else if (algorithm == A::hierarchical) {
+        comm::hier_all_reduce(ctx, hier, call.send, call.recv, call.count, call.dtype, call.op);
       } else {
         run_native(native->all_reduce(call.send, call.recv, call.count, call.dtype, native_op));
         if (call.op == ReduceOp::avg) comm::divide(call.recv, call.count, call.dtype, size);
@@ -229,6 +243,20 @@ CollectiveCost Communicator::cost(Collective c, CommAlgorithm algorithm, size_t 
       if (algorithm == A::halving_doubling) return comm::hd_all_reduce_cost(n, r, count, elem);
       if (algorithm == A::shared_memory) {
         return comm::shm_all_reduce_cost(n, r, count, elem, slot);
+      }
+      if (algorithm == A::hierarchical && impl_->node_comm) {
+        const auto& h = impl_->hier;
+        const std::vector<size_t> chunks = comm::hier_chunk_counts(count, h.per_node, elem);
+        const int local = h.node->rank();
+        comm::HierAlgorithms a;
+        a.intra_reduce_scatter =
+            h.node->choose_algorithm(Collective::reduce_scatterv, count * elem);
+        a.inter_all_reduce = h.cross->choose_algorithm(Collective::all_reduce,
+                                                       chunks[static_cast<size_t>(local)] * elem);
+        a.intra_all_gather = h.node->choose_algorithm(Collective::all_gatherv, count * elem);
+        a.intra_slot_bytes = h.node->impl_->shm ? h.node->impl_->shm->slot_bytes() : 0;
+        return comm::hier_all_reduce_cost(h.nodes, h.per_node, h.cross->rank(), local, count, elem,
+                                          a);
       }
       break;
     case Collective::all_gather:
