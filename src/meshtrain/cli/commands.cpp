@@ -22,6 +22,7 @@
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
+#include "meshtrain/comm/launch_env.h"
 #include "meshtrain/data/loader.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
@@ -85,6 +86,8 @@ void check_world(const RunConfig& rc, int world) {
         fmt::format("dist.slowdown: {} factors [{}] given for {} rank{} (one factor per rank)",
                     slow.size(), fmt::join(slow, ", "), world, world == 1 ? "" : "s"));
   }
+  // Nodes must cover the job's ranks, the slowdown list have one per rank.
+  if (rc.cluster) resolve_cluster(*rc.cluster, world);
   if (!rc.fault.empty()) {
     const FaultSpec f = parse_fault(rc.fault);
     if (f.victim >= world) {
@@ -516,7 +519,22 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     co.on_stall = [](const std::string& report) {
       fmt::print(stderr, "meshtrain: stall: {}\n", report);
     };
+    // Node groups and emulated links for the whole job (docs/cluster.md).
+    const int world = read_launch_env().size;
+    if (rc.cluster) {
+      co.cluster = std::make_shared<ClusterLayout>(resolve_cluster(*rc.cluster, world));
+    } else if (rc.node_size > 0) {
+      co.cluster =
+          std::make_shared<ClusterLayout>(ClusterLayout::by_node_size(world, rc.node_size));
+    }
     comm = make_mpi_communicator(co);
+    if (co.cluster && comm->rank() == 0 && !opts.quiet) {
+      fmt::print(stderr, "meshtrain: cluster {}: {}{}\n", co.cluster->source,
+                 co.cluster->describe(),
+                 co.cluster->emulates() ? " (emulated in the transport: every message waits "
+                                          "latency + bytes / bandwidth of its link)"
+                                        : "");
+    }
   }
   check_world(rc, comm ? comm->size() : 1);
   const bool leader = comm == nullptr || comm->rank() == 0;
