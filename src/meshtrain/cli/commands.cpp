@@ -74,6 +74,9 @@ FaultSpec parse_fault(const std::string& spec) {
 // by the launcher before any rank starts, and by every rank against its
 // communicator (under mpirun / srun).
 void check_world(const RunConfig& rc, int world) {
+  // The cluster file's nodes must cover the job's ranks, its slowdown list
+  // have one factor per rank (checked before dist.slowdown, which it fills).
+  if (rc.cluster) resolve_cluster(*rc.cluster, world);
   const auto& shares = rc.train.dist.batch_shares;
   if (!shares.empty() && static_cast<int64_t>(shares.size()) != world) {
     throw ConfigError(
@@ -86,8 +89,6 @@ void check_world(const RunConfig& rc, int world) {
         fmt::format("dist.slowdown: {} factors [{}] given for {} rank{} (one factor per rank)",
                     slow.size(), fmt::join(slow, ", "), world, world == 1 ? "" : "s"));
   }
-  // Nodes must cover the job's ranks, the slowdown list have one per rank.
-  if (rc.cluster) resolve_cluster(*rc.cluster, world);
   if (!rc.fault.empty()) {
     const FaultSpec f = parse_fault(rc.fault);
     if (f.victim >= world) {
@@ -529,8 +530,11 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     }
     comm = make_mpi_communicator(co);
     if (co.cluster && comm->rank() == 0 && !opts.quiet) {
-      fmt::print(stderr, "meshtrain: cluster {}: {}{}\n", co.cluster->source,
+      fmt::print(stderr, "meshtrain: cluster {}: {}; all-reduce {}{}\n", co.cluster->source,
                  co.cluster->describe(),
+                 comm->has_hierarchy() ? "hierarchical (reduce-scatter in each node, all-reduce "
+                                         "across nodes, all-gather in each node)"
+                                       : "flat (not several nodes of equal size)",
                  co.cluster->emulates() ? " (emulated in the transport: every message waits "
                                           "latency + bytes / bandwidth of its link)"
                                         : "");
