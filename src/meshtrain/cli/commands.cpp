@@ -528,13 +528,15 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
       co.cluster =
           std::make_shared<ClusterLayout>(ClusterLayout::by_node_size(world, rc.node_size));
     }
+    co.policy.prefer_hierarchical = rc.hierarchical;
     comm = make_mpi_communicator(co);
     if (co.cluster && comm->rank() == 0 && !opts.quiet) {
       fmt::print(stderr, "meshtrain: cluster {}: {}; all-reduce {}{}\n", co.cluster->source,
                  co.cluster->describe(),
                  comm->has_hierarchy() ? "hierarchical (reduce-scatter in each node, all-reduce "
                                          "across nodes, all-gather in each node)"
-                                       : "flat (not several nodes of equal size)",
+                 : rc.hierarchical     ? "flat (not several nodes of equal size)"
+                                       : "flat (dist.hierarchical = false)",
                  co.cluster->emulates() ? " (emulated in the transport: every message waits "
                                           "latency + bytes / bandwidth of its link)"
                                         : "");

@@ -138,6 +138,9 @@ const std::vector<KeyMeaning> kMeanings = {
     {"dist.node_size",
      "group ranks into nodes of this many (hierarchical all-reduce, for tests without a "
      "cluster file); 0 = the machine's hosts"},
+    {"dist.hierarchical",
+     "all-reduce in node groups (reduce-scatter, all-reduce across nodes, all-gather) when the "
+     "ranks span several nodes of equal size; false = flat ring / halving-doubling"},
     {"dist.fault", "drill: \"kill:RANK@STEP\" or \"stall:RANK@STEP\"; \"\" = none"},
     {"dist.timeout_s", "deadline of every collective, in seconds"},
     {"dist.stop_grace_s",

@@ -224,6 +224,7 @@ RunConfig read_run_config(const Config& c) {
   d.slowdown = c.get_double_list("dist.slowdown", {}, Bounds<double>::at_least(1.0));
   const std::string cluster = c.get_string("dist.cluster", "");
   r.node_size = static_cast<int>(c.get_int("dist.node_size", 0, Bounds<int64_t>::in(0, kMaxRanks)));
+  r.hierarchical = c.get_bool("dist.hierarchical", true);
   if (!cluster.empty()) {
     if (r.node_size > 0) {
       throw ConfigError(fmt::format(

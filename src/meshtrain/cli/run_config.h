@@ -58,6 +58,9 @@ struct RunConfig {
   // groups of this many ranks without a file (0 = the machine's grouping).
   std::optional<ClusterFile> cluster;
   int node_size = 0;
+  // dist.hierarchical: all-reduce hierarchically when the ranks span several
+  // nodes of equal size (AlgorithmPolicy::prefer_hierarchical).
+  bool hierarchical = true;
   // [parallel]: the plan shorthand (spmd/shorthand.h); `parallel_given`
   // when the config names any parallel.* key.
   ParallelShorthand parallel;
