@@ -28,6 +28,18 @@ expect_run(RC 0 TIMEOUT 120
   STDERR "meshtrain: cluster file [^\n]*2x2_1gbit\\.toml: 4 ranks on 2 nodes \\(2 \\+ 2\\); emulated links: intra-node unconstrained, inter-node 1 Gbit/s, 1 ms; all-reduce hierarchical"
   COMMAND ${base} "--set" "dist.cluster=\"${SRC}/configs/cluster/2x2_1gbit.toml\"")
 final_loss(emulated)
+# ZeRO-3 (reduce-scatter of gradients, all-gather of parameters, both
+# hierarchical on 2 nodes) against the flat ZeRO-3 run.
+expect_run(RC 0 TIMEOUT 120 COMMAND ${base} --set dist.zero_stage=3)
+final_loss(zero3_flat)
+expect_run(RC 0 TIMEOUT 120 STDERR "all-reduce hierarchical"
+  COMMAND ${base} --set dist.zero_stage=3 --set dist.node_size=2)
+final_loss(zero3_hier)
+string(SUBSTRING "${zero3_hier}" 0 5 got)
+string(SUBSTRING "${zero3_flat}" 0 5 want)
+if(NOT got STREQUAL want)
+  message(FATAL_ERROR "ZeRO-3 with node_size 2: final loss ${zero3_hier}, flat ${zero3_flat}")
+endif()
 foreach(v hier emulated)
   string(SUBSTRING "${${v}}" 0 5 got)
   string(SUBSTRING "${flat}" 0 5 want)
@@ -35,4 +47,4 @@ foreach(v hier emulated)
     message(FATAL_ERROR "${v} run's final loss ${${v}} differs from the flat run's ${flat}")
   endif()
 endforeach()
-message(STATUS "ok: flat ${flat}, hierarchical ${hier}, emulated ${emulated}")
+message(STATUS "ok: flat ${flat}, hierarchical ${hier}, emulated ${emulated}, ZeRO-3 flat ${zero3_flat} hierarchical ${zero3_hier}")

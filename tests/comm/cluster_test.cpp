@@ -265,6 +265,93 @@ TEST(Hierarchical, EqualsFlatAllReduce) {
   }
 }
 
+// Reduce-scatter(v) and all-gather(v) run hierarchically too (packed by
+// local index): equal to the flat ring bit for bit (exact sums; gathers
+// move data only), with uneven and empty blocks, all-gather also in place;
+// and their counters equal their cost functions.
+TEST(Hierarchical, ReduceScatterAndAllGatherEqualFlat) {
+  for (const HierCase h : {HierCase{4, 2, false, 1 << 20}, HierCase{6, 3, true, 1 << 16},
+                           HierCase{6, 2, false, 0}, HierCase{8, 4, false, 1 << 16}}) {
+    SCOPED_TRACE(fmt::format("{} ranks, node size {}, emulated {}, shm {}", h.world, h.node_size,
+                             h.emulate, h.shm_bytes));
+    LocalWorldOptions o;
+    o.size = h.world;
+    o.shm_bytes_per_rank = h.shm_bytes;
+    o.comm.cluster = layout_for(h);
+    LocalWorld::run(o, [&](Communicator& c) {
+      const size_t n = static_cast<size_t>(c.size());
+      if (c.choose_algorithm(Collective::reduce_scatter, 1 << 20) != CommAlgorithm::hierarchical ||
+          c.choose_algorithm(Collective::all_gatherv, 64) != CommAlgorithm::hierarchical) {
+        throw std::runtime_error("automatic does not pick hierarchical for RS / AG");
+      }
+      CollectiveOptions ring;
+      ring.algorithm = CommAlgorithm::ring;
+      for (size_t base : {size_t{0}, size_t{1}, size_t{5}, size_t{3001}}) {
+        std::vector<size_t> counts(n);
+        for (size_t r = 0; r < n; ++r) counts[r] = base == 0 ? 0 : base + (r * 7) % 5;
+        if (base == 5) counts[1] = 0;  // an empty block in the middle
+        size_t total = 0;
+        for (size_t x : counts) total += x;
+        std::vector<float> in(total);
+        for (size_t i = 0; i < total; ++i) {
+          in[i] = static_cast<float>(test::input_value(DType::f32, c.rank(), i));
+        }
+        const size_t mine = counts[static_cast<size_t>(c.rank())];
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::max}) {
+          std::vector<float> flat(mine + 1), hier(mine + 1);
+          c.reduce_scatterv(in.data(), flat.data(), counts, DType::f32, op, ring);
+          c.reset_counters();
+          c.reduce_scatterv(in.data(), hier.data(), counts, DType::f32, op);
+          if (std::memcmp(flat.data(), hier.data(), mine * 4) != 0) {
+            throw std::runtime_error(fmt::format("reduce_scatterv {} base {}: rank {} differs",
+                                                 reduce_op_name(op), base, c.rank()));
+          }
+          const CollectiveCost want = c.cost(Collective::reduce_scatterv,
+                                             CommAlgorithm::hierarchical, 0, DType::f32, counts);
+          const CollectiveCounter got = c.counters().by_collective.at("reduce_scatterv");
+          if (got.bytes_sent != want.bytes_sent || got.bytes_received != want.bytes_received) {
+            throw std::runtime_error(fmt::format(
+                "reduce_scatterv base {} rank {}: counted {} / {}, cost {} / {}", base, c.rank(),
+                got.bytes_sent, got.bytes_received, want.bytes_sent, want.bytes_received));
+          }
+        }
+        std::vector<float> block(mine + 1);
+        for (size_t i = 0; i < mine; ++i) block[i] = static_cast<float>(c.rank() * 1000 + i);
+        std::vector<float> flat(total + 1), hier(total + 1), inplace(total + 1);
+        c.all_gatherv(block.data(), flat.data(), counts, DType::f32, ring);
+        c.reset_counters();
+        c.all_gatherv(block.data(), hier.data(), counts, DType::f32);
+        const CollectiveCost want =
+            c.cost(Collective::all_gatherv, CommAlgorithm::hierarchical, 0, DType::f32, counts);
+        const CollectiveCounter got = c.counters().by_collective.at("all_gatherv");
+        size_t off = 0;
+        for (int r = 0; r < c.rank(); ++r) off += counts[static_cast<size_t>(r)];
+        std::copy(block.begin(), block.begin() + static_cast<std::ptrdiff_t>(mine),
+                  inplace.begin() + static_cast<std::ptrdiff_t>(off));
+        c.all_gatherv(inplace.data() + off, inplace.data(), counts, DType::f32);
+        if (std::memcmp(flat.data(), hier.data(), total * 4) != 0 ||
+            std::memcmp(flat.data(), inplace.data(), total * 4) != 0) {
+          throw std::runtime_error(
+              fmt::format("all_gatherv base {}: rank {} differs", base, c.rank()));
+        }
+        if (got.bytes_sent != want.bytes_sent || got.bytes_received != want.bytes_received) {
+          throw std::runtime_error(fmt::format(
+              "all_gatherv base {} rank {}: counted {} / {}, cost {} / {}", base, c.rank(),
+              got.bytes_sent, got.bytes_received, want.bytes_sent, want.bytes_received));
+        }
+      }
+      // The even variant (what ZeRO calls) against its closed form.
+      std::vector<float> full(n * 4), part(4);
+      for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<float>(i % 7);
+      c.reduce_scatter(full.data(), part.data(), 4, DType::f32, ReduceOp::sum);
+      for (size_t i = 0; i < 4; ++i) {
+        const float want = static_cast<float>(((static_cast<size_t>(c.rank()) * 4 + i) % 7) * n);
+        if (part[i] != want) throw std::runtime_error("reduce_scatter closed form");
+      }
+    });
+  }
+}
+
 // The counters of a hierarchical all-reduce equal its cost function, with
 // the node's sub-calls on shared memory or on point-to-point messages.
 TEST(Hierarchical, CountersEqualCostFunction) {

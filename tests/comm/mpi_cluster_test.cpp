@@ -1,10 +1,8 @@
-// Hierarchical all-reduce over the mpi backend, 4 ranks grouped into 2 nodes
-// of 2 (a forced layout, as dist.node_size = 2 gives): equal to the flat
-// algorithms bit for bit on exactly representable sums, within 1e-5 on
-// random floats; counters equal to the cost function; the node's sub-calls
-// on the real shared window, the cross-node ones on MPI messages; and the
-// same under emulated links. The machine's own grouping (one host) builds
-// no hierarchy.
+// Hierarchical all-reduce, reduce-scatter and all-gather over the mpi backend, 4 ranks grouped into
+// 2 nodes of 2 (a forced layout, as dist.node_size = 2 gives): equal to the flat algorithms bit for
+// bit on exactly representable sums, within 1e-5 on random floats; counters equal to the cost
+// function; the node's sub-calls on the real shared window, the cross-node ones on MPI messages;
+// and the same under emulated links. The machine's own grouping (one host) builds no hierarchy.
 #include <random>
 
 #include <gtest/gtest.h>
@@ -64,10 +62,47 @@ void check_equal_to_flat(Communicator& c) {
   }
 }
 
+void check_rs_ag_equal_to_flat(Communicator& c) {
+  const size_t n = static_cast<size_t>(c.size());
+  ASSERT_EQ(c.choose_algorithm(Collective::reduce_scatter, 1 << 20), CommAlgorithm::hierarchical);
+  CollectiveOptions ring;
+  ring.algorithm = CommAlgorithm::ring;
+  for (size_t base : {size_t{1}, size_t{1000}, size_t{70000}}) {
+    std::vector<size_t> counts(n);
+    for (size_t r = 0; r < n; ++r) counts[r] = base + r % 3;
+    size_t total = 0;
+    for (size_t x : counts) total += x;
+    const size_t mine = counts[static_cast<size_t>(c.rank())];
+    std::vector<float> in(total), flat(mine), hier(mine);
+    for (size_t i = 0; i < total; ++i) {
+      in[i] = static_cast<float>(test::input_value(DType::f32, c.rank(), i));
+    }
+    c.reduce_scatterv(in.data(), flat.data(), counts, DType::f32, ReduceOp::sum, ring);
+    c.reset_counters();
+    c.reduce_scatterv(in.data(), hier.data(), counts, DType::f32, ReduceOp::sum);
+    ASSERT_EQ(0, std::memcmp(flat.data(), hier.data(), mine * 4)) << "base " << base;
+    CollectiveCost want =
+        c.cost(Collective::reduce_scatterv, CommAlgorithm::hierarchical, 0, DType::f32, counts);
+    CollectiveCounter got = c.counters().by_collective.at("reduce_scatterv");
+    EXPECT_EQ(got.bytes_sent, want.bytes_sent);
+    EXPECT_EQ(got.bytes_received, want.bytes_received);
+    std::vector<float> gflat(total), ghier(total);
+    c.all_gatherv(hier.data(), gflat.data(), counts, DType::f32, ring);
+    c.reset_counters();
+    c.all_gatherv(hier.data(), ghier.data(), counts, DType::f32);
+    ASSERT_EQ(0, std::memcmp(gflat.data(), ghier.data(), total * 4)) << "base " << base;
+    want = c.cost(Collective::all_gatherv, CommAlgorithm::hierarchical, 0, DType::f32, counts);
+    got = c.counters().by_collective.at("all_gatherv");
+    EXPECT_EQ(got.bytes_sent, want.bytes_sent);
+    EXPECT_EQ(got.bytes_received, want.bytes_received);
+  }
+}
+
 TEST(MpiCluster, HierarchicalEqualsFlatWithNodeSize2) {
   auto c = world(std::make_shared<ClusterLayout>(ClusterLayout::by_node_size(4, 2)));
   EXPECT_FALSE(c->has_shared_memory());  // the world spans the two (forced) nodes
   check_equal_to_flat(*c);
+  check_rs_ag_equal_to_flat(*c);
 }
 
 TEST(MpiCluster, HierarchicalEqualsFlatOverEmulatedLinks) {
@@ -77,6 +112,7 @@ TEST(MpiCluster, HierarchicalEqualsFlatOverEmulatedLinks) {
   auto c = world(layout);
   EXPECT_FALSE(c->has_native());
   check_equal_to_flat(*c);
+  check_rs_ag_equal_to_flat(*c);
 }
 
 TEST(MpiCluster, OneHostBuildsNoHierarchy) {

@@ -139,8 +139,9 @@ const std::vector<KeyMeaning> kMeanings = {
      "group ranks into nodes of this many (hierarchical all-reduce, for tests without a "
      "cluster file); 0 = the machine's hosts"},
     {"dist.hierarchical",
-     "all-reduce in node groups (reduce-scatter, all-reduce across nodes, all-gather) when the "
-     "ranks span several nodes of equal size; false = flat ring / halving-doubling"},
+     "all-reduce, reduce-scatter and all-gather in two levels (inside each node, then across "
+     "nodes) when the ranks span several nodes of equal size; false = flat ring / "
+     "halving-doubling"},
     {"dist.fault", "drill: \"kill:RANK@STEP\" or \"stall:RANK@STEP\"; \"\" = none"},
     {"dist.timeout_s", "deadline of every collective, in seconds"},
     {"dist.stop_grace_s",

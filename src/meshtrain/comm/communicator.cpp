@@ -168,7 +168,8 @@ bool Communicator::has_native() const {
 }
 
 CommAlgorithm Communicator::choose_algorithm(Collective c, size_t bytes) const {
-  if (c == Collective::all_reduce && impl_->node_comm && impl_->options.policy.prefer_hierarchical) {
+  if (comm::hierarchical_applies(c) && impl_->node_comm &&
+      impl_->options.policy.prefer_hierarchical) {
     return CommAlgorithm::hierarchical;
   }
   return impl_->options.policy.choose(c, bytes, impl_->size, has_shared_memory(), has_native());

@@ -1,4 +1,5 @@
 // Which algorithm runs a call, running it, and what it costs.
+#include <numeric>
 #include <vector>
 
 #include "meshtrain/base/error.h"
@@ -17,12 +18,12 @@ bool applies(Collective c, CommAlgorithm a) {
   using A = CommAlgorithm;
   switch (c) {
     case Collective::all_reduce:
-      return a == A::ring || a == A::halving_doubling || a == A::shared_memory || a == A::native ||
-             a == A::hierarchical;
     case Collective::reduce_scatter:
     case Collective::reduce_scatterv:
     case Collective::all_gather:
     case Collective::all_gatherv:
+      return a == A::ring || a == A::halving_doubling || a == A::shared_memory || a == A::native ||
+             a == A::hierarchical;
     case Collective::split:
       return a == A::ring || a == A::halving_doubling || a == A::shared_memory || a == A::native;
     case Collective::broadcast:
@@ -61,7 +62,7 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
                                                                call.op, max_count(call, size));
   CommAlgorithm a = call.opts.algorithm;
   if (a == CommAlgorithm::automatic) {
-    if (call.kind == Collective::all_reduce && node_comm && options.policy.prefer_hierarchical) {
+    if (comm::hierarchical_applies(call.kind) && node_comm && options.policy.prefer_hierarchical) {
       return CommAlgorithm::hierarchical;
     }
     return options.policy.choose(call.kind, info.bytes, size, shm != nullptr, native_ok);
@@ -150,7 +151,9 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, Comm
     case Collective::all_gatherv: {
       const bool even = call.kind != Collective::all_gatherv;
       const std::vector<size_t> counts = even ? std::vector<size_t>(n, call.count) : call.counts;
-      if (algorithm == A::ring) {
+      if (algorithm == A::hierarchical) {
+        comm::hier_all_gatherv(ctx, hier, call.send, call.recv, counts, call.dtype);
+      } else if (algorithm == A::ring) {
         comm::ring_all_gatherv(ctx, call.send, call.recv, counts, elem);
       } else if (algorithm == A::halving_doubling) {
         comm::hd_all_gatherv(ctx, call.send, call.recv, counts, elem);
@@ -167,7 +170,9 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, Comm
     case Collective::reduce_scatterv: {
       const bool even = call.kind == Collective::reduce_scatter;
       const std::vector<size_t> counts = even ? std::vector<size_t>(n, call.count) : call.counts;
-      if (algorithm == A::ring) {
+      if (algorithm == A::hierarchical) {
+        comm::hier_reduce_scatterv(ctx, hier, call.send, call.recv, counts, call.dtype, call.op);
+      } else if (algorithm == A::ring) {
         comm::ring_reduce_scatterv(ctx, call.send, call.recv, counts, call.dtype, call.op);
       } else if (algorithm == A::halving_doubling) {
         comm::hd_reduce_scatterv(ctx, call.send, call.recv, counts, call.dtype, call.op);
@@ -261,6 +266,17 @@ CollectiveCost Communicator::cost(Collective c, CommAlgorithm algorithm, size_t 
       break;
     case Collective::all_gather:
     case Collective::all_gatherv:
+      if (algorithm == A::hierarchical && impl_->node_comm) {
+        const auto& h = impl_->hier;
+        const size_t bytes = std::accumulate(blocks.begin(), blocks.end(), size_t{0}) * elem;
+        comm::HierAlgorithms a;
+        a.inter_all_reduce = h.cross->choose_algorithm(
+            Collective::all_gatherv,
+            comm::hier_group_counts(h, blocks)[static_cast<size_t>(h.node->rank())] * elem);
+        a.intra_all_gather = h.node->choose_algorithm(Collective::all_gatherv, bytes);
+        a.intra_slot_bytes = h.node->impl_->shm ? h.node->impl_->shm->slot_bytes() : 0;
+        return comm::hier_all_gatherv_cost(h, h.cross->rank(), h.node->rank(), blocks, elem, a);
+      }
       if (algorithm == A::ring) return comm::ring_all_gatherv_cost(n, r, blocks, elem);
       if (algorithm == A::halving_doubling) return comm::hd_all_gatherv_cost(n, r, blocks, elem);
       if (algorithm == A::shared_memory) {
@@ -269,6 +285,17 @@ CollectiveCost Communicator::cost(Collective c, CommAlgorithm algorithm, size_t 
       break;
     case Collective::reduce_scatter:
     case Collective::reduce_scatterv:
+      if (algorithm == A::hierarchical && impl_->node_comm) {
+        const auto& h = impl_->hier;
+        const size_t bytes = std::accumulate(blocks.begin(), blocks.end(), size_t{0}) * elem;
+        comm::HierAlgorithms a;
+        a.intra_reduce_scatter = h.node->choose_algorithm(Collective::reduce_scatterv, bytes);
+        a.inter_all_reduce = h.cross->choose_algorithm(
+            Collective::reduce_scatterv,
+            comm::hier_group_counts(h, blocks)[static_cast<size_t>(h.node->rank())] * elem);
+        a.intra_slot_bytes = h.node->impl_->shm ? h.node->impl_->shm->slot_bytes() : 0;
+        return comm::hier_reduce_scatterv_cost(h, h.cross->rank(), h.node->rank(), blocks, elem, a);
+      }
       if (algorithm == A::ring) return comm::ring_reduce_scatterv_cost(n, r, blocks, elem);
       if (algorithm == A::halving_doubling) {
         return comm::hd_reduce_scatterv_cost(n, r, blocks, elem);

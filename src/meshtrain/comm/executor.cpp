@@ -85,6 +85,7 @@ void Communicator::Impl::build_hierarchy(Deadline deadline) {
   hier.cross_members = cross;
   hier.nodes = nodes;
   hier.per_node = static_cast<int>(per_node);
+  for (const auto& m : members) hier.grid.insert(hier.grid.end(), m.begin(), m.end());
 }
 
 uint32_t Communicator::Impl::wire_tag(const Call& call) const {

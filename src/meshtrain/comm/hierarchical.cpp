@@ -116,4 +116,142 @@ CollectiveCost hier_all_reduce_cost(int nodes, int per_node, int node_index, int
   return total;
 }
 
+std::vector<size_t> hier_group_counts(const HierGroups& g, std::span<const size_t> counts) {
+  std::vector<size_t> out(static_cast<size_t>(g.per_node), 0);
+  for (int j = 0; j < g.per_node; ++j) {
+    for (int i = 0; i < g.nodes; ++i) {
+      out[static_cast<size_t>(j)] +=
+          counts[static_cast<size_t>(g.grid[static_cast<size_t>(i * g.per_node + j)])];
+    }
+  }
+  return out;
+}
+
+std::vector<size_t> hier_cross_counts(const HierGroups& g, int local,
+                                      std::span<const size_t> counts) {
+  std::vector<size_t> out;
+  for (int i = 0; i < g.nodes; ++i) {
+    out.push_back(counts[static_cast<size_t>(g.grid[static_cast<size_t>(i * g.per_node + local)])]);
+  }
+  return out;
+}
+
+namespace {
+
+// Copies between rank order (`flat`, blocks by rank) and the packed order
+// (for each local index j, the blocks of grid(0, j), grid(1, j), ...).
+void repack(const HierGroups& g, std::span<const size_t> counts, size_t elem, const void* from,
+            void* to, bool to_packed) {
+  const std::vector<size_t> offs = prefix_offsets(counts);
+  size_t packed = 0;
+  for (int j = 0; j < g.per_node; ++j) {
+    for (int i = 0; i < g.nodes; ++i) {
+      const size_t r = static_cast<size_t>(g.grid[static_cast<size_t>(i * g.per_node + j)]);
+      const size_t bytes = counts[r] * elem;
+      const size_t flat = offs[r] * elem;
+      if (to_packed) {
+        copy_bytes(static_cast<std::byte*>(to) + packed, static_cast<const std::byte*>(from) + flat,
+                   bytes);
+      } else {
+        copy_bytes(static_cast<std::byte*>(to) + flat, static_cast<const std::byte*>(from) + packed,
+                   bytes);
+      }
+      packed += bytes;
+    }
+  }
+}
+
+CollectiveOptions sub_options(const CollectiveContext& ctx) {
+  CollectiveOptions o;
+  o.handshake = false;
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline() - CommClock::now());
+  o.timeout = std::max(left, std::chrono::milliseconds(1));
+  return o;
+}
+
+size_t total(std::span<const size_t> c) {
+  size_t t = 0;
+  for (size_t x : c) t += x;
+  return t;
+}
+
+}  // namespace
+
+void hier_reduce_scatterv(CollectiveContext& ctx, HierGroups& g, const void* send, void* recv,
+                          std::span<const size_t> counts, DType dtype, ReduceOp op) {
+  const size_t elem = dtype_size(dtype);
+  const int local = g.node->rank();
+  const std::vector<size_t> groups = hier_group_counts(g, counts);
+  const std::vector<size_t> cross = hier_cross_counts(g, local, counts);
+  std::byte* packed = ctx.scratch(total(counts) * elem, 0);
+  std::byte* mine = ctx.scratch(groups[static_cast<size_t>(local)] * elem, 1);
+  const ReduceOp inner = op == ReduceOp::avg ? ReduceOp::sum : op;
+  repack(g, counts, elem, send, packed, true);
+  ctx.set_step(0, 2);
+  counted(ctx, *g.node, g.node_members,
+          [&] { g.node->reduce_scatterv(packed, mine, groups, dtype, inner, sub_options(ctx)); });
+  ctx.set_step(1, 2);
+  counted(ctx, *g.cross, g.cross_members,
+          [&] { g.cross->reduce_scatterv(mine, recv, cross, dtype, inner, sub_options(ctx)); });
+  if (op == ReduceOp::avg) {
+    divide(recv, counts[static_cast<size_t>(ctx.rank())], dtype, ctx.size());
+  }
+}
+
+void hier_all_gatherv(CollectiveContext& ctx, HierGroups& g, const void* send, void* recv,
+                      std::span<const size_t> counts, DType dtype) {
+  const size_t elem_bytes = dtype_size(dtype);
+  const int local = g.node->rank();
+  const std::vector<size_t> groups = hier_group_counts(g, counts);
+  const std::vector<size_t> cross = hier_cross_counts(g, local, counts);
+  std::byte* packed = ctx.scratch(total(counts) * elem_bytes, 0);
+  // The cross group's gather lands where this group's part of the packed
+  // buffer is, so the node's gather runs in place.
+  const std::vector<size_t> group_offs = prefix_offsets(groups);
+  std::byte* mine = packed + group_offs[static_cast<size_t>(local)] * elem_bytes;
+  ctx.set_step(0, 2);
+  counted(ctx, *g.cross, g.cross_members,
+          [&] { g.cross->all_gatherv(send, mine, cross, dtype, sub_options(ctx)); });
+  ctx.set_step(1, 2);
+  counted(ctx, *g.node, g.node_members,
+          [&] { g.node->all_gatherv(mine, packed, groups, dtype, sub_options(ctx)); });
+  repack(g, counts, elem_bytes, packed, recv, false);
+}
+
+CollectiveCost hier_reduce_scatterv_cost(const HierGroups& g, int node_index, int local,
+                                         std::span<const size_t> counts, size_t elem_bytes,
+                                         const HierAlgorithms& a) {
+  const std::vector<size_t> groups = hier_group_counts(g, counts);
+  const std::vector<size_t> cross = hier_cross_counts(g, local, counts);
+  CollectiveCost t;
+  for (const CollectiveCost& c :
+       {sub_cost(Collective::reduce_scatterv, a.intra_reduce_scatter, g.per_node, local, groups, 0,
+                 elem_bytes, a.intra_slot_bytes),
+        sub_cost(Collective::reduce_scatterv, a.inter_all_reduce, g.nodes, node_index, cross, 0,
+                 elem_bytes, 0)}) {
+    t.steps += c.steps;
+    t.bytes_sent += c.bytes_sent;
+    t.bytes_received += c.bytes_received;
+  }
+  return t;
+}
+
+CollectiveCost hier_all_gatherv_cost(const HierGroups& g, int node_index, int local,
+                                     std::span<const size_t> counts, size_t elem_bytes,
+                                     const HierAlgorithms& a) {
+  const std::vector<size_t> groups = hier_group_counts(g, counts);
+  const std::vector<size_t> cross = hier_cross_counts(g, local, counts);
+  CollectiveCost t;
+  for (const CollectiveCost& c : {sub_cost(Collective::all_gatherv, a.inter_all_reduce, g.nodes,
+                                           node_index, cross, 0, elem_bytes, 0),
+                                  sub_cost(Collective::all_gatherv, a.intra_all_gather, g.per_node,
+                                           local, groups, 0, elem_bytes, a.intra_slot_bytes)}) {
+    t.steps += c.steps;
+    t.bytes_sent += c.bytes_sent;
+    t.bytes_received += c.bytes_received;
+  }
+  return t;
+}
+
 }  // namespace mt::comm
