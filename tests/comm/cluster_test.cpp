@@ -51,6 +51,9 @@ TEST(LinkEmulation, TransferTakesLatencyPlusBytesOverBandwidth) {
     }
   });
   const double expected = 2 * (L + static_cast<double>(B) / W);
+  fmt::print("round trip of {} bytes over {}: {:.4f} s, expected {:.4f} s ({:+.1f}%)\n", B,
+             LinkSpec{L, W}.describe(), measured.load(), expected,
+             100 * (measured.load() / expected - 1));
   EXPECT_GE(measured.load(), expected * 0.99) << "faster than the emulated link allows";
   EXPECT_LE(measured.load(), expected * 1.10)
       << "round trip " << measured.load() << " s, expected " << expected << " s";
