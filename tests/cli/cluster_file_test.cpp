@@ -4,8 +4,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "common/temp_dir.h"
 #include "meshtrain/base/error.h"
 #include "meshtrain/cli/cluster_file.h"
+#include "meshtrain/cli/run_config.h"
 
 namespace mt {
 namespace {
@@ -97,6 +99,33 @@ TEST(ClusterFile, BadFilesNameFileKeyAndExpectation) {
   expect_rejected("node_size = 1\n[[link_pairs]]\nnodes = [\"node0\", \"node0\"]\n", 1,
                   "link_pairs[0].nodes: a link joins two different nodes");
   expect_rejected("node_size = [1\n", 1, "line 1");
+}
+
+// dist.cluster is read with the config; its slowdown becomes dist.slowdown
+// (the trainer's mechanism); dist.slowdown as well, or dist.node_size with
+// it, is an error naming both.
+TEST(ClusterFile, RunConfigReadsItAndFeedsSlowdown) {
+  mt::testing::TempDir dir;
+  const std::string path = dir.write("c.toml", "node_size = 2\n[ranks]\nslowdown = [1, 3]\n");
+  Config c = Config::parse(fmt::format("[dist]\ncluster = \"{}\"\n", path), "run.toml");
+  const RunConfig rc = read_run_config(c);
+  ASSERT_TRUE(rc.cluster.has_value());
+  EXPECT_EQ(rc.cluster->node_size, 2);
+  EXPECT_EQ(rc.train.dist.slowdown, (std::vector<double>{1, 3}));
+  EXPECT_TRUE(rc.hierarchical);
+
+  Config both =
+      Config::parse(fmt::format("[dist]\ncluster = \"{}\"\nslowdown = [1, 2]\n", path), "run.toml");
+  EXPECT_THAT([&] { read_run_config(both); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr(
+                  "dist.slowdown and the cluster file " + path + "'s ranks.slowdown both")));
+  Config grouped =
+      Config::parse(fmt::format("[dist]\ncluster = \"{}\"\nnode_size = 2\n", path), "run.toml");
+  EXPECT_THAT([&] { read_run_config(grouped); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("both group ranks into nodes")));
+  Config bad = Config::parse("[dist]\nnode_size = -1\n", "run.toml");
+  EXPECT_THAT([&] { read_run_config(bad); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("dist.node_size")));
 }
 
 }  // namespace
