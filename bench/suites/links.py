@@ -11,8 +11,11 @@ rank pair; shared memory off under emulation):
 
   unconstrained   dist.node_size = 2 (no emulation; the nodes' own
                   sub-calls use the shared window, the flat run does not)
-  1gbit_1ms       configs/cluster/2x2_1gbit.toml
-  100mbit_50ms    configs/cluster/2x2_100mbit.toml
+  1gbit_1ms       node_size = 2, links.inter_node 1 ms, 1 Gbit/s
+  100mbit_50ms    node_size = 2, links.inter_node 50 ms, 0.1 Gbit/s
+(cluster files written to the work directory; --sharing rank_pair and/or
+node_pair: whether the two ranks of a node share its link to the other
+node; lines for node_pair carry the suffix _node_pair)
 
 Lines:
   <model>_np4_2nodes_<net>_step_time   ms per step, meshtrain = hierarchical,
@@ -31,10 +34,11 @@ import tomllib
 
 from common import REPO, mpi_env, summary_line, thread_env
 
+# name, (latency ms, bandwidth Gbit/s) between the nodes or None, steps (normal, --quick)
 NETS = [
-    ("unconstrained", ["dist.node_size=2"], (40, 20)),
-    ("1gbit_1ms", [f'dist.cluster="{REPO}/configs/cluster/2x2_1gbit.toml"'], (30, 15)),
-    ("100mbit_50ms", [f'dist.cluster="{REPO}/configs/cluster/2x2_100mbit.toml"'], (12, 6)),
+    ("unconstrained", None, (40, 20)),
+    ("1gbit_1ms", (1, 1), (30, 15)),
+    ("100mbit_50ms", (50, 0.1), (12, 6)),
 ]
 CONFIGS = {"mlp": "mlp_fashion", "cnn": "cnn_fashion"}
 
@@ -43,6 +47,20 @@ def add_args(p):
     p.add_argument("--models", default="mlp", help="comma-separated subset of mlp,cnn")
     p.add_argument("--nets", default=",".join(n for n, _, _ in NETS),
                    help="comma-separated subset of " + ",".join(n for n, _, _ in NETS))
+    p.add_argument("--sharing", default="rank_pair",
+                   help="comma-separated links.sharing values: rank_pair (one link per rank "
+                        "pair), node_pair (a node's ranks share its link to the other node)")
+
+
+def cluster_sets(ctx, net, link, sharing):
+    """The --set arguments for one network: dist.node_size alone when
+    unconstrained, else a cluster file written to the work directory."""
+    if link is None:
+        return ["dist.node_size=2"]
+    path = ctx.workdir / f"cluster-{net}-{sharing}.toml"
+    path.write_text(f'node_size = 2\n[links]\nsharing = "{sharing}"\n[links.inter_node]\n'
+                    f"latency_ms = {link[0]}\nbandwidth_gbit_s = {link[1]}\n")
+    return [f'dist.cluster="{path}"']
 
 
 def batch_of(model):
@@ -90,26 +108,34 @@ def run(ctx):
             line["meshtrain"] = step_ms(one, batch)
             line["final_loss"] = one.get("final_loss")
         ctx.emit(line)
-        for net, sets, (steps, quick_steps) in NETS:
+        sharings = ctx.args.sharing.split(",")
+        for net, link, (steps, quick_steps) in NETS:
             if net not in nets:
                 continue
-            n = quick_steps if ctx.quick else steps
-            hier, err_h = train(ctx, model, n, sets, f"{model}-np4-{net}-hierarchical")
-            flat, err_f = train(ctx, model, n, sets + ["dist.hierarchical=false"],
-                                f"{model}-np4-{net}-flat")
-            line = {"name": f"{model}_np4_2nodes_{net}_step_time", "unit": "ms", "model": model,
-                    "network": net, "steps": n, "batch": batch,
-                    "peer_name": "meshtrain flat all-reduce (ring / halving-doubling)"}
-            if err_h or err_f:
-                line["error"] = "; ".join(e for e in (err_h, err_f) if e)
-                ctx.emit(line)
-                continue
-            lh, lf = hier.get("final_loss"), flat.get("final_loss")
-            line.update({"meshtrain": step_ms(hier, batch), "peer": step_ms(flat, batch),
-                         "final_loss_hierarchical": lh, "final_loss_flat": lf,
-                         "comm_wait_s_per_step_hierarchical": hier.get("comm_wait_s_per_step"),
-                         "comm_wait_s_per_step_flat": flat.get("comm_wait_s_per_step")})
-            line["ratio"] = line["peer"] / line["meshtrain"]
-            if lh is None or lf is None or abs(lh - lf) > 1e-3 * max(1.0, abs(lf)):
-                line["error"] = f"final losses differ: hierarchical {lh}, flat {lf}"
-            ctx.emit(line)
+            for sharing in sharings if link else sharings[:1]:
+                run_net(ctx, model, batch, net, link, quick_steps if ctx.quick else steps, sharing)
+
+
+def run_net(ctx, model, batch, net, link, n, sharing):
+    """Hierarchical and flat runs on one network; emits their line."""
+    sets = cluster_sets(ctx, net, link, sharing)
+    tag = net if link is None or sharing == "rank_pair" else f"{net}_{sharing}"
+    hier, err_h = train(ctx, model, n, sets, f"{model}-np4-{tag}-hierarchical")
+    flat, err_f = train(ctx, model, n, sets + ["dist.hierarchical=false"],
+                        f"{model}-np4-{tag}-flat")
+    line = {"name": f"{model}_np4_2nodes_{tag}_step_time", "unit": "ms", "model": model,
+            "network": net, "sharing": sharing if link else None, "steps": n, "batch": batch,
+            "peer_name": "meshtrain flat all-reduce (ring / halving-doubling)"}
+    if err_h or err_f:
+        line["error"] = "; ".join(e for e in (err_h, err_f) if e)
+        ctx.emit(line)
+        return
+    lh, lf = hier.get("final_loss"), flat.get("final_loss")
+    line.update({"meshtrain": step_ms(hier, batch), "peer": step_ms(flat, batch),
+                 "final_loss_hierarchical": lh, "final_loss_flat": lf,
+                 "comm_wait_s_per_step_hierarchical": hier.get("comm_wait_s_per_step"),
+                 "comm_wait_s_per_step_flat": flat.get("comm_wait_s_per_step")})
+    line["ratio"] = line["peer"] / line["meshtrain"]
+    if lh is None or lf is None or abs(lh - lf) > 1e-3 * max(1.0, abs(lf)):
+        line["error"] = f"final losses differ: hierarchical {lh}, flat {lf}"
+    ctx.emit(line)

@@ -25,7 +25,7 @@ expect_run(RC 0 TIMEOUT 120
   COMMAND ${base} --set dist.node_size=2)
 final_loss(hier)
 expect_run(RC 0 TIMEOUT 120
-  STDERR "meshtrain: cluster file [^\n]*2x2_1gbit\\.toml: 4 ranks on 2 nodes \\(2 \\+ 2\\); emulated links: intra-node unconstrained, inter-node 1 Gbit/s, 1 ms; all-reduce hierarchical"
+  STDERR "meshtrain: cluster file [^\n]*2x2_1gbit\\.toml: 4 ranks on 2 nodes \\(2 \\+ 2\\); emulated links: intra-node unconstrained, inter-node 1 Gbit/s, 1 ms; one link per rank pair and direction; all-reduce hierarchical"
   COMMAND ${base} "--set" "dist.cluster=\"${SRC}/configs/cluster/2x2_1gbit.toml\"")
 final_loss(emulated)
 # ZeRO-3 (reduce-scatter of gradients, all-gather of parameters, both

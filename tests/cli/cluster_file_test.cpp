@@ -47,6 +47,10 @@ TEST(ClusterFile, NodeSizeAndUnconstrainedDefaults) {
   EXPECT_EQ(lg.site_of_node, (std::vector<int>{0, 1, 0}));  // renumbered densely
   EXPECT_DOUBLE_EQ(lg.link(0, 1).latency_s, 3e-3);
   EXPECT_FALSE(lg.link(0, 2).constrained());
+  EXPECT_EQ(lg.sharing, LinkSharing::rank_pair);
+  const ClusterFile h =
+      parse_cluster_file("node_size = 2\n[links]\nsharing = \"node_pair\"\n", "t");
+  EXPECT_EQ(resolve_cluster(h, 4).sharing, LinkSharing::node_pair);
 }
 
 void expect_rejected(const std::string& text, int world, const std::string& message) {
@@ -98,6 +102,8 @@ TEST(ClusterFile, BadFilesNameFileKeyAndExpectation) {
                   "devices.cpu.peak_tflops: expected a number > 0, got -2");
   expect_rejected("node_size = 1\n[[link_pairs]]\nnodes = [\"node0\", \"node0\"]\n", 1,
                   "link_pairs[0].nodes: a link joins two different nodes");
+  expect_rejected("node_size = 1\n[links]\nsharing = \"node\"\n", 1,
+                  "links.sharing: expected \"rank_pair\" or \"node_pair\", got \"node\"");
   expect_rejected("node_size = [1\n", 1, "line 1");
 }
 

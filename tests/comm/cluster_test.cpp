@@ -100,7 +100,8 @@ TEST(LinkEmulation, MessagesOnOneLinkAreSerialisedInOrder) {
   auto layout = std::make_shared<ClusterLayout>(ClusterLayout::by_node_size(3, 1));
   layout->inter_node = {L, W};
   auto inner = std::make_shared<RecordingTransport>(0);
-  std::shared_ptr<Transport> t = make_cluster_transport(inner, layout);
+  std::shared_ptr<Transport> t =
+      make_cluster_transport(inner, layout, CommClock::now() + std::chrono::seconds(10));
   std::vector<std::byte> buf(B);
   const auto t0 = CommClock::now();
   auto a = t->isend(1, 5, buf.data(), B);
@@ -127,6 +128,43 @@ TEST(LinkEmulation, MessagesOnOneLinkAreSerialisedInOrder) {
   EXPECT_NEAR(at(ia), L + one, 0.004);
   EXPECT_NEAR(at(ib), L + 1.5 * one, 0.004);
   EXPECT_NEAR(at(ic), L + one, 0.004);  // its own link
+}
+
+// Two ranks of node 0 send to two ranks of node 1 at once: with one link per
+// rank pair both arrive after L + B/W; with node_pair sharing the node
+// pair's link carries them one after the other (the second at L + 2 B/W).
+TEST(LinkEmulation, NodePairSharingSerialisesANodesRanks) {
+  const double L = 0.010, W = 10e6;
+  const size_t B = size_t{1} << 20;  // 105 ms each
+  for (LinkSharing sharing : {LinkSharing::rank_pair, LinkSharing::node_pair}) {
+    SCOPED_TRACE(std::string(link_sharing_name(sharing)));
+    auto layout = std::make_shared<ClusterLayout>(ClusterLayout::by_node_size(4, 2));
+    layout->inter_node = {L, W};
+    layout->sharing = sharing;
+    LocalWorldOptions o;
+    o.size = 4;
+    o.comm.cluster = layout;
+    std::atomic<double> first{1e9}, last{0};
+    LocalWorld::run(o, [&](Communicator& c) {
+      std::vector<std::byte> buf(B);
+      c.barrier();
+      const auto t0 = CommClock::now();
+      if (c.rank() < 2) {
+        c.send(buf.data(), B, DType::u8, c.rank() + 2);
+      } else {
+        c.recv(buf.data(), B, DType::u8, c.rank() - 2);
+        const double t = Seconds(CommClock::now() - t0).count();
+        for (double f = first.load(); t < f && !first.compare_exchange_weak(f, t);) {
+        }
+        for (double l = last.load(); t > l && !last.compare_exchange_weak(l, t);) {
+        }
+      }
+    });
+    const double one = L + static_cast<double>(B) / W;
+    EXPECT_NEAR(first.load(), one, 0.1 * one);
+    const double want = sharing == LinkSharing::node_pair ? one + static_cast<double>(B) / W : one;
+    EXPECT_NEAR(last.load(), want, 0.1 * want);
+  }
 }
 
 // Collectives pay the emulated links too, and the call observer (the

@@ -109,6 +109,7 @@ TEST(MpiCluster, HierarchicalEqualsFlatOverEmulatedLinks) {
   auto layout = std::make_shared<ClusterLayout>(ClusterLayout::by_node_size(4, 2));
   layout->intra_node = {10e-6, 0};
   layout->inter_node = {100e-6, 0};
+  layout->sharing = LinkSharing::node_pair;  // the node pairs' table shared by the processes
   auto c = world(layout);
   EXPECT_FALSE(c->has_native());
   check_equal_to_flat(*c);

@@ -227,7 +227,16 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
   }
   if (const toml::node* n = root.get("links")) {
     const toml::table& t = rd.table(*n, "links");
-    rd.only(t, "links.", {"intra_node", "inter_node", "inter_site"});
+    rd.only(t, "links.", {"intra_node", "inter_node", "inter_site", "sharing"});
+    if (const toml::node* x = t.get("sharing")) {
+      const std::string v = rd.string(*x, "links.sharing");
+      if (v == "node_pair") {
+        f.sharing = LinkSharing::node_pair;
+      } else if (v != "rank_pair") {
+        rd.fail("links.sharing",
+                fmt::format("expected \"rank_pair\" or \"node_pair\", got \"{}\"", v));
+      }
+    }
     if (const toml::node* x = t.get("intra_node")) {
       f.intra_node = rd.link(rd.table(*x, "links.intra_node"), "links.intra_node.");
     }
@@ -340,6 +349,7 @@ ClusterLayout resolve_cluster(const ClusterFile& f, int world) {
     for (int& s : site) s = dense.try_emplace(s, static_cast<int>(dense.size())).first->second;
     l.site_of_node = site;
   }
+  l.sharing = f.sharing;
   l.intra_node = f.intra_node;
   l.inter_node = f.inter_node;
   l.inter_site = f.inter_site;

@@ -34,6 +34,7 @@ struct ClusterFile {
   };
   std::vector<Site> sites;
   LinkSpec intra_node, inter_node, inter_site;
+  LinkSharing sharing = LinkSharing::rank_pair;  // links.sharing
   struct Pair {
     std::string a, b;
     LinkSpec link;

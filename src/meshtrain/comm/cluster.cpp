@@ -1,8 +1,18 @@
 #include "meshtrain/comm/cluster.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <deque>
 #include <mutex>
+#include <thread>
 
 #include "meshtrain/base/error.h"
 
@@ -19,6 +29,10 @@ std::string LinkSpec::describe() const {
                      : fmt::format("{:g} Mbit/s", bits / 1e6);
   }
   return fmt::format("{}, {:g} ms", bw, latency_s * 1e3);
+}
+
+std::string_view link_sharing_name(LinkSharing s) {
+  return s == LinkSharing::node_pair ? "node_pair" : "rank_pair";
 }
 
 std::string_view link_kind_name(LinkKind k) {
@@ -109,6 +123,9 @@ std::string ClusterLayout::describe() const {
                      inter_node.describe());
     if (sites > 1) s += fmt::format(", inter-site {}", inter_site.describe());
     if (!node_pairs.empty()) s += fmt::format(", {} node pair(s) of their own", node_pairs.size());
+    s += sharing == LinkSharing::node_pair
+             ? "; one link per node pair and direction, shared by the nodes' ranks"
+             : "; one link per rank pair and direction";
   } else {
     s += "; links unconstrained";
   }
@@ -163,20 +180,84 @@ struct DelayedSend {
   bool cancelled = false;
 };
 
+// When each directed node pair's link is free again (steady_clock
+// nanoseconds, CLOCK_MONOTONIC: the same in every process of a host), in a
+// file under /dev/shm that every rank maps.
+class NodeLinkTable {
+ public:
+  NodeLinkTable(const std::string& path, int nodes, bool owner)
+      : path_(path), nodes_(nodes), owner_(owner) {
+    bytes_ = sizeof(std::atomic<int64_t>) * static_cast<size_t>(nodes) * static_cast<size_t>(nodes);
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT, 0600);
+    if (fd < 0) {
+      throw CommError(fmt::format("link emulation: cannot open the shared link table {}: {}", path,
+                                  std::strerror(errno)));
+    }
+    if (::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw CommError(fmt::format("link emulation: cannot size the shared link table {}: {}", path,
+                                  std::strerror(err)));
+    }
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) {
+      throw CommError(fmt::format("link emulation: cannot map the shared link table {}: {}", path,
+                                  std::strerror(errno)));
+    }
+    free_ = static_cast<std::atomic<int64_t>*>(p);  // zero-filled by ftruncate
+  }
+  ~NodeLinkTable() {
+    ::munmap(free_, bytes_);
+    if (owner_) ::unlink(path_.c_str());  // the others keep their mappings
+  }
+  NodeLinkTable(const NodeLinkTable&) = delete;
+  NodeLinkTable& operator=(const NodeLinkTable&) = delete;
+
+  // Reserves the link a -> b for `duration` from max(now, free); returns the start.
+  int64_t reserve(int a, int b, int64_t now, int64_t duration) {
+    std::atomic<int64_t>& free = free_[static_cast<size_t>(a * nodes_ + b)];
+    int64_t seen = free.load(std::memory_order_relaxed);
+    int64_t start;
+    do {
+      start = std::max(now, seen);
+    } while (!free.compare_exchange_weak(seen, start + duration, std::memory_order_acq_rel));
+    return start;
+  }
+
+ private:
+  std::string path_;
+  int nodes_;
+  bool owner_;
+  size_t bytes_ = 0;
+  std::atomic<int64_t>* free_ = nullptr;
+};
+
 class LinkQueues {
  public:
-  explicit LinkQueues(int world)
-      : free_at_(static_cast<size_t>(world)), queue_(static_cast<size_t>(world)) {}
+  LinkQueues(int world, std::shared_ptr<NodeLinkTable> shared)
+      : free_at_(static_cast<size_t>(world)),
+        queue_(static_cast<size_t>(world)),
+        shared_(std::move(shared)) {}
 
-  // The message enters the link when the link is free (FIFO per destination:
-  // a link direction carries one message at a time at its full bandwidth),
-  // leaves it bytes / bandwidth later and arrives a latency after that.
-  void enqueue(int dst, const std::shared_ptr<DelayedSend>& s, const LinkSpec& link) {
+  // The message enters the link when the link is free (a link direction
+  // carries one message at a time at its full bandwidth, in the order sent),
+  // leaves it bytes / bandwidth later and arrives a latency after that. The
+  // link is the rank pair's, or (node_pair sharing, between two nodes) the
+  // node pair's, which every rank of the sending node reserves in the shared
+  // table; either way later messages to one destination never arrive first.
+  void enqueue(int dst, const std::shared_ptr<DelayedSend>& s, const LinkSpec& link, int src_node,
+               int dst_node) {
     std::lock_guard<std::mutex> lock(mu_);
     const Clock::time_point now = Clock::now();
+    const Clock::duration transfer = seconds(link.transfer_s(s->bytes));
     Clock::time_point& free = free_at_[static_cast<size_t>(dst)];
-    const Clock::time_point start = std::max(now, free);
-    free = start + seconds(link.transfer_s(s->bytes));
+    Clock::time_point start = std::max(now, free);
+    if (shared_ && src_node != dst_node) {
+      start = Clock::time_point(Clock::duration(shared_->reserve(
+          src_node, dst_node, start.time_since_epoch().count(), transfer.count())));
+    }
+    free = start + transfer;
     s->due = free + seconds(link.latency_s);
     queue_[static_cast<size_t>(dst)].push_back(s);
   }
@@ -205,6 +286,7 @@ class LinkQueues {
   std::mutex mu_;
   std::vector<Clock::time_point> free_at_;
   std::vector<std::deque<std::shared_ptr<DelayedSend>>> queue_;
+  std::shared_ptr<NodeLinkTable> shared_;
 };
 
 namespace {
@@ -274,7 +356,9 @@ class ClusterTransport final : public Transport {
     s->tag = tag;
     s->buf = buf;
     s->bytes = bytes;
-    links_->enqueue(dst, s, link);
+    links_->enqueue(dst, s, link,
+                    layout_->node_of[static_cast<size_t>(world_[static_cast<size_t>(rank())])],
+                    layout_->node_of[static_cast<size_t>(dst)]);
     return std::make_unique<DelayedSendRequest>(links_, dst, std::move(s));
   }
 
@@ -311,8 +395,42 @@ class ClusterTransport final : public Transport {
 
 }  // namespace
 
+namespace {
+
+// Rank 0 names the shared link table and sends the name to every rank.
+std::shared_ptr<NodeLinkTable> share_link_table(Transport& t, int nodes, Deadline deadline) {
+  constexpr uint32_t kTag = (1u << 30) - 1;  // before any call: nothing else in flight
+  std::array<char, 128> name{};
+  std::vector<std::unique_ptr<TransportRequest>> reqs;
+  if (t.rank() == 0) {
+    static std::atomic<int> counter{0};
+    const std::string path =
+        fmt::format("/dev/shm/meshtrain-links-{}-{}-{}", ::getpid(), counter.fetch_add(1),
+                    CommClock::now().time_since_epoch().count());
+    std::snprintf(name.data(), name.size(), "%s", path.c_str());
+    for (int r = 1; r < t.size(); ++r) reqs.push_back(t.isend(r, kTag, name.data(), name.size()));
+  } else {
+    reqs.push_back(t.irecv(0, kTag, name.data(), name.size()));
+  }
+  for (auto& r : reqs) {
+    while (!r->test()) {
+      if (CommClock::now() >= deadline) {
+        throw TimeoutError(fmt::format(
+            "link emulation: rank {} of {} timed out exchanging the shared link table's name "
+            "(rank 0 sends it to every rank when the communicator is made)",
+            t.rank(), t.size()));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return std::make_shared<NodeLinkTable>(std::string(name.data()), nodes, t.rank() == 0);
+}
+
+}  // namespace
+
 std::shared_ptr<Transport> make_cluster_transport(std::shared_ptr<Transport> inner,
-                                                  std::shared_ptr<const ClusterLayout> layout) {
+                                                  std::shared_ptr<const ClusterLayout> layout,
+                                                  Deadline deadline) {
   if (inner->size() != layout->world()) {
     throw ConfigError(fmt::format("cluster {}: describes {} rank{}, but the communicator has {}",
                                   layout->source, layout->world(), layout->world() == 1 ? "" : "s",
@@ -321,7 +439,11 @@ std::shared_ptr<Transport> make_cluster_transport(std::shared_ptr<Transport> inn
   layout->validate();
   std::vector<int> world(static_cast<size_t>(inner->size()));
   for (int r = 0; r < inner->size(); ++r) world[static_cast<size_t>(r)] = r;
-  auto links = std::make_shared<LinkQueues>(inner->size());
+  std::shared_ptr<NodeLinkTable> table;
+  if (layout->sharing == LinkSharing::node_pair && layout->emulates() && inner->size() > 1) {
+    table = share_link_table(*inner, layout->nodes(), deadline);
+  }
+  auto links = std::make_shared<LinkQueues>(inner->size(), std::move(table));
   return std::make_shared<ClusterTransport>(std::move(inner), std::move(layout), std::move(world),
                                             std::move(links));
 }

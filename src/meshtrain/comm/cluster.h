@@ -44,6 +44,13 @@ struct LinkSpec {
 
 enum class LinkKind : uint8_t { self, intra_node, inter_node, inter_site };
 
+// What one emulated link is. rank_pair: every ordered pair of ranks has its
+// own link (one network interface per rank). node_pair: the messages from
+// all ranks of node A to all ranks of node B (A != B) share one link per
+// direction, one message at a time in the order they were sent (one
+// interface per node); links inside a node stay per rank pair.
+enum class LinkSharing : uint8_t { rank_pair, node_pair };
+
 struct ClusterLayout {
   std::vector<int> node_of;       // per world rank
   std::vector<int> site_of_node;  // per node (all 0 without sites)
@@ -54,6 +61,7 @@ struct ClusterLayout {
   LinkSpec inter_site;
   // Node pairs (lower index first) whose link differs from its kind's.
   std::map<std::pair<int, int>, LinkSpec> node_pairs;
+  LinkSharing sharing = LinkSharing::rank_pair;
 
   // node_size ranks per node in rank order (the last node may hold fewer);
   // no emulated links.
@@ -73,6 +81,7 @@ struct ClusterLayout {
 };
 
 std::string_view link_kind_name(LinkKind k);
+std::string_view link_sharing_name(LinkSharing s);
 
 // The messages a process sends over emulated links, per destination world
 // rank: when each link is free again, and the sends that wait for their
@@ -85,7 +94,13 @@ class LinkQueues;
 // its ranks are on one node of the layout and no link is emulated (a
 // shared-memory copy cannot be delayed per link), and its native collectives
 // only without emulation; splits are wrapped too.
+// With LinkSharing::node_pair and emulation, the ranks share a table of
+// when each node pair's link is free again: a small file in /dev/shm whose
+// name rank 0 sends to the others over `inner` before `deadline` (ranks of
+// one node must run on one host to share it; a rank on another host gets
+// its own table and shares only with the ranks there).
 std::shared_ptr<Transport> make_cluster_transport(std::shared_ptr<Transport> inner,
-                                                  std::shared_ptr<const ClusterLayout> layout);
+                                                  std::shared_ptr<const ClusterLayout> layout,
+                                                  Deadline deadline);
 
 }  // namespace mt

@@ -33,7 +33,8 @@ Communicator::Impl::Impl(std::shared_ptr<Transport> t, CommOptions o)
       counters(transport->size()) {
   if (options.cluster) {
     // Split communicators inherit the wrapped transport, not the field.
-    transport = make_cluster_transport(std::move(transport), std::move(options.cluster));
+    transport = make_cluster_transport(std::move(transport), std::move(options.cluster),
+                                       CommClock::now() + options.timeout);
     options.cluster = nullptr;
   }
   if (transport->max_tag() < (kCollectiveTagBit | kHandshakeTagBit | kSeqTagMask)) {
