@@ -11,6 +11,9 @@ set(gpt --config ${SRC}/configs/gpt_text.toml --set model.layers=2 --set model.d
 set(quick --quiet --set train.threads=1 --set train.steps=2 --set train.eval=false
   "--set" "train.checkpoint=\"\"")
 set(dir ${OUT}/cli_plan)
+if(MPIRUN)
+  set(dir ${OUT}/cli_plan_mpirun)  # the two variants may run at once
+endif()
 file(REMOVE_RECURSE ${dir})
 file(MAKE_DIRECTORY ${dir})
 

@@ -22,6 +22,7 @@
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
+#include "meshtrain/comm/launch_env.h"
 #include "meshtrain/data/loader.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
@@ -78,6 +79,9 @@ FaultSpec parse_fault(const std::string& spec) {
 // dp_world: the data-parallel ranks the batch is shared by (the world, or
 // the plan's dp axis under tensor parallelism).
 void check_world(const RunConfig& rc, int world, int dp_world) {
+  // The cluster file's nodes must cover the job's ranks, its slowdown list
+  // have one factor per rank (checked before dist.slowdown, which it fills).
+  if (rc.cluster) resolve_cluster(*rc.cluster, world);
   const auto& shares = rc.train.dist.batch_shares;
   if (!shares.empty() && static_cast<int64_t>(shares.size()) != dp_world) {
     throw ConfigError(fmt::format(
@@ -673,7 +677,27 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     co.on_stall = [](const std::string& report) {
       fmt::print(stderr, "meshtrain: stall: {}\n", report);
     };
+    // Node groups and emulated links for the whole job (docs/cluster.md).
+    const int world = read_launch_env().size;
+    if (rc.cluster) {
+      co.cluster = std::make_shared<ClusterLayout>(resolve_cluster(*rc.cluster, world));
+    } else if (rc.node_size > 0) {
+      co.cluster =
+          std::make_shared<ClusterLayout>(ClusterLayout::by_node_size(world, rc.node_size));
+    }
+    co.policy.prefer_hierarchical = rc.hierarchical;
     comm = make_mpi_communicator(co);
+    if (co.cluster && comm->rank() == 0 && !opts.quiet) {
+      fmt::print(stderr, "meshtrain: cluster {}: {}; all-reduce {}{}\n", co.cluster->source,
+                 co.cluster->describe(),
+                 comm->has_hierarchy() ? "hierarchical (reduce-scatter in each node, all-reduce "
+                                         "across nodes, all-gather in each node)"
+                 : rc.hierarchical     ? "flat (not several nodes of equal size)"
+                                       : "flat (dist.hierarchical = false)",
+                 co.cluster->emulates() ? " (emulated in the transport: every message waits "
+                                          "latency + bytes / bandwidth of its link)"
+                                        : "");
+    }
   }
   const int world = comm ? comm->size() : 1;
   const bool leader = comm == nullptr || comm->rank() == 0;

@@ -147,6 +147,16 @@ const std::vector<KeyMeaning> kMeanings = {
     {"dist.straggler_threshold", "a straggler is this many times slower than the others' median"},
     {"dist.trace", "Chrome-trace JSON timeline of every rank, merged (as --trace); \"\" = none"},
     {"dist.slowdown", "per-rank factor stretching compute, to stand in for slower devices"},
+    {"dist.cluster",
+     "cluster file (TOML, docs/cluster.md): node groups, emulated link latency and bandwidth, "
+     "per-rank slowdown; \"\" = none (links unconstrained)"},
+    {"dist.node_size",
+     "group ranks into nodes of this many (hierarchical all-reduce, for tests without a "
+     "cluster file); 0 = the machine's hosts"},
+    {"dist.hierarchical",
+     "all-reduce, reduce-scatter and all-gather in two levels (inside each node, then across "
+     "nodes) when the ranks span several nodes of equal size; false = flat ring / "
+     "halving-doubling"},
     {"dist.fault", "drill: \"kill:RANK@STEP\" or \"stall:RANK@STEP\"; \"\" = none"},
     {"dist.timeout_s", "deadline of every collective, in seconds"},
     {"dist.stop_grace_s",

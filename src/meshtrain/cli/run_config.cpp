@@ -243,6 +243,27 @@ RunConfig read_run_config(const Config& c) {
       c.get_double("dist.straggler_threshold", 1.2, Bounds<double>::at_least(1.0));
   d.trace_path = c.get_string("dist.trace", "");
   d.slowdown = c.get_double_list("dist.slowdown", {}, Bounds<double>::at_least(1.0));
+  const std::string cluster = c.get_string("dist.cluster", "");
+  r.node_size = static_cast<int>(c.get_int("dist.node_size", 0, Bounds<int64_t>::in(0, kMaxRanks)));
+  r.hierarchical = c.get_bool("dist.hierarchical", true);
+  if (!cluster.empty()) {
+    if (r.node_size > 0) {
+      throw ConfigError(fmt::format(
+          "config {}: dist.node_size = {} and dist.cluster = \"{}\" both group ranks into "
+          "nodes; expected one of them (the cluster file's node_size or [[nodes]])",
+          c.source(), r.node_size, cluster));
+    }
+    r.cluster = read_cluster_file(cluster);
+    if (!r.cluster->slowdown.empty()) {
+      if (!d.slowdown.empty()) {
+        throw ConfigError(fmt::format(
+            "config {}: dist.slowdown and the cluster file {}'s ranks.slowdown both give "
+            "per-rank slowdown; expected one of them",
+            c.source(), cluster));
+      }
+      d.slowdown = r.cluster->slowdown;  // the trainer's emulated device speed
+    }
+  }
   r.fault = c.get_string("dist.fault", "");
   r.timeout_s = c.get_int("dist.timeout_s", 300, Bounds<int64_t>::positive());
   d.dp.collective.timeout = std::chrono::milliseconds(r.timeout_s * 1000);

@@ -4,8 +4,10 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "meshtrain/cli/cluster_file.h"
 #include "meshtrain/cli/config.h"
 #include "meshtrain/data/dataset.h"
 #include "meshtrain/data/graph_data.h"
@@ -53,6 +55,15 @@ struct RunConfig {
   // Fault drill: "kill:RANK@STEP" (the rank dies abruptly after that step)
   // or "stall:RANK@STEP" (it stops responding); empty = none.
   std::string fault;
+  // dist.cluster: the cluster file (node groups, emulated links, per-rank
+  // slowdown; docs/cluster.md), read and checked when the config is read;
+  // its slowdown is already in train.dist.slowdown. dist.node_size: node
+  // groups of this many ranks without a file (0 = the machine's grouping).
+  std::optional<ClusterFile> cluster;
+  int node_size = 0;
+  // dist.hierarchical: all-reduce hierarchically when the ranks span several
+  // nodes of equal size (AlgorithmPolicy::prefer_hierarchical).
+  bool hierarchical = true;
   // [parallel]: the plan shorthand (spmd/shorthand.h); `parallel_given`
   // when the config names any parallel.* key.
   ParallelShorthand parallel;

@@ -19,6 +19,10 @@
 #include "meshtrain/comm/collective_context.h"
 #include "meshtrain/comm/options.h"
 
+namespace mt {
+class Communicator;
+}
+
 namespace mt::comm {
 
 class ShmChannel;
@@ -111,5 +115,72 @@ CollectiveCost shm_barrier_cost(int n, int rank);
 void shm_exchange(CollectiveContext& ctx, ShmChannel& ch, const void* record, void* all,
                   size_t record_bytes);
 CollectiveCost shm_exchange_cost(int n, int rank, size_t record_bytes);
+
+// ---- hierarchical (hierarchical.cpp) -------------------------------------------
+// Ranks grouped into `nodes` nodes of `per_node` ranks each. `node` is the
+// communicator of this rank's node (local rank = index in the node),
+// `cross` that of the ranks with the same local index on every node (rank =
+// node index); node_members / cross_members map their ranks to ranks of the
+// calling communicator. Local rank j owns chunk j (hier_chunk_counts): the
+// node reduce-scatters into it, the cross group all-reduces it, the node
+// all-gathers the chunks. Sub-calls run without their own handshake (the
+// caller's agreed on the call) within ctx's deadline; their bytes are
+// counted on ctx per peer of the calling communicator.
+struct HierGroups {
+  Communicator* node = nullptr;
+  Communicator* cross = nullptr;
+  std::vector<int> node_members;
+  std::vector<int> cross_members;
+  int nodes = 0;
+  int per_node = 0;
+  // grid[i * per_node + j]: the rank (of the calling communicator) with
+  // local index j on node i.
+  std::vector<int> grid;
+};
+// The collectives the hierarchical algorithm runs.
+inline bool hierarchical_applies(Collective c) {
+  return c == Collective::all_reduce || c == Collective::reduce_scatter ||
+         c == Collective::reduce_scatterv || c == Collective::all_gather ||
+         c == Collective::all_gatherv;
+}
+std::vector<size_t> hier_chunk_counts(size_t count, int per_node, size_t elem_bytes);
+void hier_all_reduce(CollectiveContext& ctx, HierGroups& g, const void* send, void* recv,
+                     size_t count, DType dtype, ReduceOp op);
+// What the three sub-calls cost with the algorithms they run (as their
+// communicators' policy picks them; `intra_slot_bytes` for shared_memory).
+struct HierAlgorithms {
+  CommAlgorithm intra_reduce_scatter = CommAlgorithm::ring;
+  CommAlgorithm inter_all_reduce = CommAlgorithm::ring;
+  CommAlgorithm intra_all_gather = CommAlgorithm::ring;
+  size_t intra_slot_bytes = 0;
+};
+CollectiveCost hier_all_reduce_cost(int nodes, int per_node, int node_index, int local,
+                                    size_t count, size_t elem_bytes, const HierAlgorithms& a);
+// Reduce-scatter(v) and all-gather(v): the blocks are packed by local index
+// (for each j, the blocks of the ranks with local index j, in node order);
+// reduce-scatter: the node reduce-scatters the packed groups (local rank j
+// gets its group's node sums), the cross group reduce-scatters that among
+// the nodes (each rank its own block); all-gather: the cross group gathers
+// its blocks, the node gathers the groups, and the result is unpacked into
+// rank order. Inter-node bytes: (k-1)/k of B/m per rank instead of the flat
+// ring's (n-1)/n of B. `intra` / `inter`: the sub-calls' algorithms (for
+// reduce-scatter intra_reduce_scatter and inter_all_reduce stand for the
+// node's and the cross group's reduce-scatter; for all-gather
+// intra_all_gather and inter_all_reduce for the two gathers).
+void hier_reduce_scatterv(CollectiveContext& ctx, HierGroups& g, const void* send, void* recv,
+                          std::span<const size_t> counts, DType dtype, ReduceOp op);
+void hier_all_gatherv(CollectiveContext& ctx, HierGroups& g, const void* send, void* recv,
+                      std::span<const size_t> counts, DType dtype);
+// The per-local-index group sizes (node sub-call counts) and this rank's
+// cross-group block sizes, for `counts` over the whole communicator.
+std::vector<size_t> hier_group_counts(const HierGroups& g, std::span<const size_t> counts);
+std::vector<size_t> hier_cross_counts(const HierGroups& g, int local,
+                                      std::span<const size_t> counts);
+CollectiveCost hier_reduce_scatterv_cost(const HierGroups& g, int node_index, int local,
+                                         std::span<const size_t> counts, size_t elem_bytes,
+                                         const HierAlgorithms& a);
+CollectiveCost hier_all_gatherv_cost(const HierGroups& g, int node_index, int local,
+                                     std::span<const size_t> counts, size_t elem_bytes,
+                                     const HierAlgorithms& a);
 
 }  // namespace mt::comm

@@ -160,11 +160,18 @@ std::string Communicator::backend() const {
 bool Communicator::has_shared_memory() const {
   return impl_->shm != nullptr;
 }
+bool Communicator::has_hierarchy() const {
+  return impl_->node_comm != nullptr;
+}
 bool Communicator::has_native() const {
   return impl_->transport->native() != nullptr;
 }
 
 CommAlgorithm Communicator::choose_algorithm(Collective c, size_t bytes) const {
+  if (comm::hierarchical_applies(c) && impl_->node_comm &&
+      impl_->options.policy.prefer_hierarchical) {
+    return CommAlgorithm::hierarchical;
+  }
   return impl_->options.policy.choose(c, bytes, impl_->size, has_shared_memory(), has_native());
 }
 

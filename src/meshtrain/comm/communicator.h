@@ -86,6 +86,10 @@ class Communicator {
   std::string backend() const;  // "self", "local", "mpi"
   bool has_shared_memory() const;
   bool has_native() const;
+  // Whether the ranks sit on several nodes with the same number (> 1) on each
+  // (from the machine or CommOptions::cluster): the hierarchical all-reduce
+  // is then available, and automatic picks it.
+  bool has_hierarchy() const;
   // The algorithm `automatic` resolves to for `c` over `bytes` payload bytes.
   CommAlgorithm choose_algorithm(Collective c, size_t bytes) const;
   // Set after a timeout or lost peer: the first error's message.

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "meshtrain/comm/agreement.h"
+#include "meshtrain/comm/algorithms.h"
 #include "meshtrain/comm/call.h"
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/comm/counters.h"
@@ -49,6 +50,10 @@ struct Communicator::Impl {
   std::string watchdog_report(const comm::CallInfo& info) const;
   void publish(const comm::CallInfo& info, comm::ShmChannel::State state, int64_t time_ns);
   uint32_t wire_tag(const comm::Call& call) const;
+  // Builds the node and cross-node communicators when this one's ranks sit
+  // on several nodes with the same number (> 1) on each (collective: every
+  // rank's constructor runs it).
+  void build_hierarchy(Deadline deadline);
 
   std::shared_ptr<Transport> transport;
   CommOptions options;
@@ -56,6 +61,9 @@ struct Communicator::Impl {
   int size;
   CounterBook counters;
   std::unique_ptr<comm::ShmChannel> shm;
+  // Set when the ranks span several equal nodes (build_hierarchy).
+  std::unique_ptr<Communicator> node_comm, cross_comm;
+  comm::HierGroups hier;
   std::chrono::nanoseconds spin;  // options.spin, or short when ranks outnumber cores
   std::vector<std::byte> scratch0, scratch1;
   uint64_t agreements = 0;                // handshakes without shared memory

@@ -1,4 +1,5 @@
 // Which algorithm runs a call, running it, and what it costs.
+#include <numeric>
 #include <vector>
 
 #include "meshtrain/base/error.h"
@@ -21,6 +22,8 @@ bool applies(Collective c, CommAlgorithm a) {
     case Collective::reduce_scatterv:
     case Collective::all_gather:
     case Collective::all_gatherv:
+      return a == A::ring || a == A::halving_doubling || a == A::shared_memory || a == A::native ||
+             a == A::hierarchical;
     case Collective::split:
       return a == A::ring || a == A::halving_doubling || a == A::shared_memory || a == A::native;
     case Collective::broadcast:
@@ -59,6 +62,9 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
                                                                call.op, max_count(call, size));
   CommAlgorithm a = call.opts.algorithm;
   if (a == CommAlgorithm::automatic) {
+    if (comm::hierarchical_applies(call.kind) && node_comm && options.policy.prefer_hierarchical) {
+      return CommAlgorithm::hierarchical;
+    }
     return options.policy.choose(call.kind, info.bytes, size, shm != nullptr, native_ok);
   }
   if (!applies(call.kind, a)) {
@@ -70,6 +76,13 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
         "{}: {} asks for the shared_memory algorithm, but the {} transport has no shared "
         "memory window (ranks on several nodes?)",
         info.where(), collective_name(call.kind), transport->backend()));
+  }
+  if (a == CommAlgorithm::hierarchical && !node_comm) {
+    throw ConfigError(fmt::format(
+        "{}: {} asks for the hierarchical algorithm, but the ranks are not on several nodes "
+        "with the same number (> 1) of them on each (set dist.node_size or a cluster file to "
+        "group them)",
+        info.where(), collective_name(call.kind)));
   }
   if (a == CommAlgorithm::native && !native_ok) {
     throw ConfigError(fmt::format(
@@ -126,6 +139,8 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, Comm
       } else if (algorithm == A::shared_memory) {
         comm::shm_all_reduce(ctx, *shm, call.send, call.recv, call.count, call.dtype, call.op,
                              staged);
+      } else if (algorithm == A::hierarchical) {
+        comm::hier_all_reduce(ctx, hier, call.send, call.recv, call.count, call.dtype, call.op);
       } else {
         run_native(native->all_reduce(call.send, call.recv, call.count, call.dtype, native_op));
         if (call.op == ReduceOp::avg) comm::divide(call.recv, call.count, call.dtype, size);
@@ -136,7 +151,9 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, Comm
     case Collective::all_gatherv: {
       const bool even = call.kind != Collective::all_gatherv;
       const std::vector<size_t> counts = even ? std::vector<size_t>(n, call.count) : call.counts;
-      if (algorithm == A::ring) {
+      if (algorithm == A::hierarchical) {
+        comm::hier_all_gatherv(ctx, hier, call.send, call.recv, counts, call.dtype);
+      } else if (algorithm == A::ring) {
         comm::ring_all_gatherv(ctx, call.send, call.recv, counts, elem);
       } else if (algorithm == A::halving_doubling) {
         comm::hd_all_gatherv(ctx, call.send, call.recv, counts, elem);
@@ -153,7 +170,9 @@ void Communicator::Impl::dispatch(comm::CollectiveContext& ctx, Call& call, Comm
     case Collective::reduce_scatterv: {
       const bool even = call.kind == Collective::reduce_scatter;
       const std::vector<size_t> counts = even ? std::vector<size_t>(n, call.count) : call.counts;
-      if (algorithm == A::ring) {
+      if (algorithm == A::hierarchical) {
+        comm::hier_reduce_scatterv(ctx, hier, call.send, call.recv, counts, call.dtype, call.op);
+      } else if (algorithm == A::ring) {
         comm::ring_reduce_scatterv(ctx, call.send, call.recv, counts, call.dtype, call.op);
       } else if (algorithm == A::halving_doubling) {
         comm::hd_reduce_scatterv(ctx, call.send, call.recv, counts, call.dtype, call.op);
@@ -230,9 +249,34 @@ CollectiveCost Communicator::cost(Collective c, CommAlgorithm algorithm, size_t 
       if (algorithm == A::shared_memory) {
         return comm::shm_all_reduce_cost(n, r, count, elem, slot);
       }
+      if (algorithm == A::hierarchical && impl_->node_comm) {
+        const auto& h = impl_->hier;
+        const std::vector<size_t> chunks = comm::hier_chunk_counts(count, h.per_node, elem);
+        const int local = h.node->rank();
+        comm::HierAlgorithms a;
+        a.intra_reduce_scatter =
+            h.node->choose_algorithm(Collective::reduce_scatterv, count * elem);
+        a.inter_all_reduce = h.cross->choose_algorithm(Collective::all_reduce,
+                                                       chunks[static_cast<size_t>(local)] * elem);
+        a.intra_all_gather = h.node->choose_algorithm(Collective::all_gatherv, count * elem);
+        a.intra_slot_bytes = h.node->impl_->shm ? h.node->impl_->shm->slot_bytes() : 0;
+        return comm::hier_all_reduce_cost(h.nodes, h.per_node, h.cross->rank(), local, count, elem,
+                                          a);
+      }
       break;
     case Collective::all_gather:
     case Collective::all_gatherv:
+      if (algorithm == A::hierarchical && impl_->node_comm) {
+        const auto& h = impl_->hier;
+        const size_t bytes = std::accumulate(blocks.begin(), blocks.end(), size_t{0}) * elem;
+        comm::HierAlgorithms a;
+        a.inter_all_reduce = h.cross->choose_algorithm(
+            Collective::all_gatherv,
+            comm::hier_group_counts(h, blocks)[static_cast<size_t>(h.node->rank())] * elem);
+        a.intra_all_gather = h.node->choose_algorithm(Collective::all_gatherv, bytes);
+        a.intra_slot_bytes = h.node->impl_->shm ? h.node->impl_->shm->slot_bytes() : 0;
+        return comm::hier_all_gatherv_cost(h, h.cross->rank(), h.node->rank(), blocks, elem, a);
+      }
       if (algorithm == A::ring) return comm::ring_all_gatherv_cost(n, r, blocks, elem);
       if (algorithm == A::halving_doubling) return comm::hd_all_gatherv_cost(n, r, blocks, elem);
       if (algorithm == A::shared_memory) {
@@ -241,6 +285,17 @@ CollectiveCost Communicator::cost(Collective c, CommAlgorithm algorithm, size_t 
       break;
     case Collective::reduce_scatter:
     case Collective::reduce_scatterv:
+      if (algorithm == A::hierarchical && impl_->node_comm) {
+        const auto& h = impl_->hier;
+        const size_t bytes = std::accumulate(blocks.begin(), blocks.end(), size_t{0}) * elem;
+        comm::HierAlgorithms a;
+        a.intra_reduce_scatter = h.node->choose_algorithm(Collective::reduce_scatterv, bytes);
+        a.inter_all_reduce = h.cross->choose_algorithm(
+            Collective::reduce_scatterv,
+            comm::hier_group_counts(h, blocks)[static_cast<size_t>(h.node->rank())] * elem);
+        a.intra_slot_bytes = h.node->impl_->shm ? h.node->impl_->shm->slot_bytes() : 0;
+        return comm::hier_reduce_scatterv_cost(h, h.cross->rank(), h.node->rank(), blocks, elem, a);
+      }
       if (algorithm == A::ring) return comm::ring_reduce_scatterv_cost(n, r, blocks, elem);
       if (algorithm == A::halving_doubling) {
         return comm::hd_reduce_scatterv_cost(n, r, blocks, elem);

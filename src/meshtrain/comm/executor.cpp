@@ -7,6 +7,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/comm/algorithms.h"
+#include "meshtrain/comm/cluster.h"
 #include "meshtrain/comm/communicator_impl.h"
 
 namespace mt {
@@ -30,6 +31,12 @@ Communicator::Impl::Impl(std::shared_ptr<Transport> t, CommOptions o)
       rank(transport->rank()),
       size(transport->size()),
       counters(transport->size()) {
+  if (options.cluster) {
+    // Split communicators inherit the wrapped transport, not the field.
+    transport = make_cluster_transport(std::move(transport), std::move(options.cluster),
+                                       CommClock::now() + options.timeout);
+    options.cluster = nullptr;
+  }
   if (transport->max_tag() < (kCollectiveTagBit | kHandshakeTagBit | kSeqTagMask)) {
     throw CommError(
         fmt::format("comm '{}': the {} transport allows message tags up to {}, but "
@@ -43,6 +50,43 @@ Communicator::Impl::Impl(std::shared_ptr<Transport> t, CommOptions o)
   if (SharedArena* arena = transport->arena()) {
     shm = std::make_unique<ShmChannel>(*arena, rank);
   }
+  if (size > 2) build_hierarchy(CommClock::now() + options.timeout);
+}
+
+void Communicator::Impl::build_hierarchy(Deadline deadline) {
+  const std::vector<int> node_of = transport->node_of();
+  const int nodes = *std::max_element(node_of.begin(), node_of.end()) + 1;
+  std::vector<std::vector<int>> members(static_cast<size_t>(nodes));
+  for (int r = 0; r < size; ++r)
+    members[static_cast<size_t>(node_of[static_cast<size_t>(r)])].push_back(r);
+  const size_t per_node = members[0].size();
+  if (nodes < 2 || per_node < 2) return;
+  for (const auto& m : members) {
+    if (m.size() != per_node) return;  // unequal nodes: flat algorithms only (docs/comm.md)
+  }
+  const int my_node = node_of[static_cast<size_t>(rank)];
+  const auto& mine = members[static_cast<size_t>(my_node)];
+  const int local = static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+  std::vector<int> cross;
+  for (const auto& m : members) cross.push_back(m[static_cast<size_t>(local)]);
+  // Split ids above every sequence number Impl::split uses.
+  constexpr uint64_t kNodeSplit = (uint64_t{1} << 62) | 1;
+  constexpr uint64_t kCrossSplit = (uint64_t{1} << 62) | 2;
+  std::shared_ptr<Transport> tn = transport->split(my_node, mine, kNodeSplit, deadline);
+  std::shared_ptr<Transport> tc = transport->split(local, cross, kCrossSplit, deadline);
+  CommOptions o = options;
+  o.on_call_done = nullptr;  // the timeline shows the hierarchical call itself
+  o.name = fmt::format("{}/node{}", options.name, my_node);
+  node_comm = std::make_unique<Communicator>(std::move(tn), o);
+  o.name = fmt::format("{}/cross{}", options.name, local);
+  cross_comm = std::make_unique<Communicator>(std::move(tc), o);
+  hier.node = node_comm.get();
+  hier.cross = cross_comm.get();
+  hier.node_members = mine;
+  hier.cross_members = cross;
+  hier.nodes = nodes;
+  hier.per_node = static_cast<int>(per_node);
+  for (const auto& m : members) hier.grid.insert(hier.grid.end(), m.begin(), m.end());
 }
 
 uint32_t Communicator::Impl::wire_tag(const Call& call) const {

@@ -66,19 +66,22 @@ std::string_view algorithm_name(CommAlgorithm a) {
       return "pairwise";
     case CommAlgorithm::dissemination:
       return "dissemination";
+    case CommAlgorithm::hierarchical:
+      return "hierarchical";
   }
   return "?";
 }
 
 CommAlgorithm parse_algorithm(std::string_view name) {
-  for (auto a : {CommAlgorithm::automatic, CommAlgorithm::ring, CommAlgorithm::halving_doubling,
-                 CommAlgorithm::shared_memory, CommAlgorithm::native, CommAlgorithm::tree,
-                 CommAlgorithm::pairwise, CommAlgorithm::dissemination}) {
+  for (auto a :
+       {CommAlgorithm::automatic, CommAlgorithm::ring, CommAlgorithm::halving_doubling,
+        CommAlgorithm::shared_memory, CommAlgorithm::native, CommAlgorithm::tree,
+        CommAlgorithm::pairwise, CommAlgorithm::dissemination, CommAlgorithm::hierarchical}) {
     if (algorithm_name(a) == name) return a;
   }
   throw ConfigError(
       fmt::format("unknown collective algorithm '{}' (expected automatic, ring, halving_doubling, "
-                  "shared_memory, native, tree, pairwise or dissemination)",
+                  "shared_memory, native, tree, pairwise, dissemination or hierarchical)",
                   name));
 }
 

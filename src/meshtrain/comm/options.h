@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -16,6 +17,8 @@
 #include "meshtrain/tensor/dtype.h"
 
 namespace mt {
+
+struct ClusterLayout;
 
 // How contributions combine. `avg` is a sum divided by the group size once, at
 // the end (integer dtypes divide with truncation toward zero).
@@ -47,6 +50,8 @@ enum class CommAlgorithm : uint8_t {
   tree,              // binomial tree (broadcast)
   pairwise,          // n-1 pairwise exchanges (all-to-all)
   dissemination,     // ceil(log2 n) rounds of tokens (barrier)
+  hierarchical,      // all-reduce on several nodes: reduce-scatter in each node,
+                     // all-reduce across nodes, all-gather in each node
 };
 
 std::string_view collective_name(Collective c);
@@ -83,6 +88,11 @@ struct AlgorithmPolicy {
   size_t halving_doubling_max_bytes = 256 * 1024;
   // Without shared memory, use the engine's own collectives when it has them.
   bool prefer_native = false;
+  // All-reduce on a communicator whose ranks sit on several nodes, each node
+  // holding the same number (> 1) of them: the hierarchical algorithm (the
+  // node groups come from Transport::node_of, i.e. the machine or
+  // CommOptions::cluster). Checked by the communicator, not by choose().
+  bool prefer_hierarchical = true;
 
   // The algorithm for `c` on `bytes` payload bytes (the full buffer for
   // all-reduce, the gathered size for all-gather/reduce-scatter) and `size`
@@ -119,6 +129,12 @@ struct CommOptions {
   // Called after every call on the thread that ran it (the caller's, or the
   // progress thread for async calls); must be cheap and thread-safe.
   std::function<void(const CallEvent&)> on_call_done;
+  // Node groups and emulated links (comm/cluster.h): the communicator wraps
+  // its transport in a ClusterTransport over this layout, whose world must
+  // be the communicator's ranks. Null: the machine's own grouping, links
+  // unconstrained. Communicators split from it inherit the wrapped
+  // transport, not this field.
+  std::shared_ptr<const ClusterLayout> cluster;
 };
 
 // Cost of one call of an algorithm on one rank: latency-bound steps (rounds of

@@ -99,6 +99,12 @@ class Transport {
 
   // Ranks of this transport on this rank's node (sets how waits spin).
   virtual int ranks_on_node() const { return size(); }
+  // The node of each rank of this transport (numbered from 0 in order of
+  // first appearance): what hierarchical collectives group by. Default: one
+  // node. mpi: by host name; a ClusterTransport: by its layout.
+  virtual std::vector<int> node_of() const {
+    return std::vector<int>(static_cast<size_t>(size()), 0);
+  }
 
   // Largest tag isend/irecv accept (at least 2^30 - 1).
   virtual uint32_t max_tag() const { return (1u << 30) - 1; }

@@ -282,6 +282,23 @@ int MpiTransport::ranks_on_node() const {
       std::count_if(peers_.begin(), peers_.end(), [](const Peer& p) { return p.same_host; }));
 }
 
+std::vector<int> MpiTransport::node_of() const {
+  // Ranks on the same host share memory (what MPI_Comm_split_type with
+  // MPI_COMM_TYPE_SHARED groups by, as Open MPI decides it); numbered by first
+  // appearance.
+  std::vector<int> out;
+  std::vector<std::string> hosts;
+  for (const Peer& p : peers_) {
+    auto it = std::find(hosts.begin(), hosts.end(), p.host);
+    if (it == hosts.end()) {
+      hosts.push_back(p.host);
+      it = hosts.end() - 1;
+    }
+    out.push_back(static_cast<int>(it - hosts.begin()));
+  }
+  return out;
+}
+
 void MpiTransport::mark_broken(const std::string& /*why*/) {
   broken_ = true;
 }

@@ -39,6 +39,7 @@ class MpiTransport : public Transport {
   std::string backend() const override { return "mpi"; }
   uint32_t max_tag() const override { return max_tag_; }
   int ranks_on_node() const override;
+  std::vector<int> node_of() const override;
   std::unique_ptr<TransportRequest> isend(int peer, uint32_t tag, const void* buf,
                                           size_t bytes) override;
   std::unique_ptr<TransportRequest> irecv(int peer, uint32_t tag, void* buf, size_t bytes) override;

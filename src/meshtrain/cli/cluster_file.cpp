@@ -1,0 +1,370 @@
+#include "meshtrain/cli/cluster_file.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <toml++/toml.h>
+
+#include "meshtrain/base/error.h"
+
+namespace mt {
+
+namespace {
+
+class Reader {
+ public:
+  explicit Reader(std::string source) : source_(std::move(source)) {}
+
+  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
+    throw ConfigError(fmt::format("cluster file {}: {}: {}", source_, key, what));
+  }
+
+  static std::string show(const toml::node& n) {
+    std::ostringstream s;
+    if (n.is_string()) {
+      s << "string \"" << *n.value<std::string>() << "\"";
+    } else if (n.is_table()) {
+      s << "a table";
+    } else if (n.is_array()) {
+      s << "an array";
+    } else if (n.is_integer()) {
+      s << *n.value<int64_t>();
+    } else if (n.is_floating_point()) {
+      s << *n.value<double>();
+    } else if (n.is_boolean()) {
+      s << (*n.value<bool>() ? "true" : "false");
+    } else {
+      s << "a date or time";
+    }
+    return s.str();
+  }
+
+  // Keys of `t` must be among `known`.
+  void only(const toml::table& t, const std::string& prefix,
+            std::initializer_list<std::string_view> known) const {
+    for (const auto& [k, v] : t) {
+      bool ok = false;
+      for (std::string_view w : known) ok = ok || k.str() == w;
+      if (!ok) {
+        std::string list;
+        for (std::string_view w : known) list += fmt::format("{}{}", list.empty() ? "" : ", ", w);
+        fail(prefix + std::string(k.str()), fmt::format("unknown key (expected one of: {})", list));
+      }
+    }
+  }
+
+  double number(const toml::node& n, const std::string& key, double lo, bool lo_open) const {
+    std::optional<double> v = n.value<double>();
+    if (!v || n.is_boolean() || n.is_string()) {
+      fail(key, fmt::format("expected a number, got {}", show(n)));
+    }
+    if (lo_open ? !(*v > lo) : !(*v >= lo)) {
+      fail(key, fmt::format("expected a number {} {}, got {}", lo_open ? ">" : ">=", lo, show(n)));
+    }
+    return *v;
+  }
+
+  int64_t integer(const toml::node& n, const std::string& key, int64_t lo) const {
+    if (!n.is_integer()) fail(key, fmt::format("expected an integer, got {}", show(n)));
+    const int64_t v = *n.value<int64_t>();
+    if (v < lo) fail(key, fmt::format("expected an integer >= {}, got {}", lo, v));
+    return v;
+  }
+
+  std::string string(const toml::node& n, const std::string& key) const {
+    if (!n.is_string()) fail(key, fmt::format("expected a string, got {}", show(n)));
+    return *n.value<std::string>();
+  }
+
+  const toml::table& table(const toml::node& n, const std::string& key) const {
+    if (!n.is_table()) fail(key, fmt::format("expected a table, got {}", show(n)));
+    return *n.as_table();
+  }
+
+  const toml::array& array(const toml::node& n, const std::string& key) const {
+    if (!n.is_array()) fail(key, fmt::format("expected an array, got {}", show(n)));
+    return *n.as_array();
+  }
+
+  LinkSpec link(const toml::table& t, const std::string& prefix,
+                std::initializer_list<std::string_view> extra = {}) const {
+    std::vector<std::string_view> known = {"latency_ms", "bandwidth_gbit_s"};
+    known.insert(known.end(), extra.begin(), extra.end());
+    for (const auto& [k, v] : t) {
+      if (std::find(known.begin(), known.end(), k.str()) == known.end()) {
+        fail(prefix + std::string(k.str()), "unknown key (expected latency_ms, bandwidth_gbit_s)");
+      }
+    }
+    LinkSpec l;
+    if (const toml::node* n = t.get("latency_ms")) {
+      l.latency_s = number(*n, prefix + "latency_ms", 0, false) * 1e-3;
+    }
+    if (const toml::node* n = t.get("bandwidth_gbit_s")) {
+      l.bandwidth_bytes_s = number(*n, prefix + "bandwidth_gbit_s", 0, true) * 1e9 / 8;
+    }
+    return l;
+  }
+
+ private:
+  std::string source_;
+};
+
+}  // namespace
+
+ClusterFile parse_cluster_file(const std::string& text, const std::string& source) {
+  Reader rd(source);
+  toml::table root;
+  try {
+    root = toml::parse(text, std::string_view(source));
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(fmt::format("cluster file {}: line {}, column {}: {}", source,
+                                  e.source().begin.line, e.source().begin.column, e.description()));
+  }
+  ClusterFile f;
+  f.path = source;
+  rd.only(root, "", {"node_size", "nodes", "sites", "links", "link_pairs", "ranks", "devices"});
+  if (const toml::node* n = root.get("node_size")) {
+    f.node_size = static_cast<int>(rd.integer(*n, "node_size", 1));
+  }
+  if (const toml::node* n = root.get("devices")) {
+    for (const auto& [name, v] : rd.table(*n, "devices")) {
+      const std::string p = fmt::format("devices.{}.", name.str());
+      const toml::table& d = rd.table(v, p.substr(0, p.size() - 1));
+      rd.only(d, p, {"peak_tflops", "memory_gb"});
+      ClusterFile::Device dev;
+      if (const toml::node* x = d.get("peak_tflops")) {
+        dev.peak_tflops = rd.number(*x, p + "peak_tflops", 0, true);
+      }
+      if (const toml::node* x = d.get("memory_gb")) {
+        dev.memory_gb = rd.number(*x, p + "memory_gb", 0, true);
+      }
+      f.devices[std::string(name.str())] = dev;
+    }
+  }
+  std::set<std::string> names;
+  if (const toml::node* n = root.get("nodes")) {
+    if (f.node_size > 0) {
+      rd.fail("nodes", "give either node_size or [[nodes]], not both");
+    }
+    const toml::array& arr = rd.array(*n, "nodes");
+    std::map<int64_t, std::string> owner;
+    for (size_t i = 0; i < arr.size(); ++i) {
+      const std::string p = fmt::format("nodes[{}].", i);
+      const toml::table& t = rd.table(arr[i], p.substr(0, p.size() - 1));
+      rd.only(t, p, {"name", "ranks", "device"});
+      ClusterFile::Node node;
+      node.name = t.get("name") ? rd.string(*t.get("name"), p + "name") : fmt::format("node{}", i);
+      if (!names.insert(node.name).second) {
+        rd.fail(p + "name", fmt::format("node \"{}\" is defined twice", node.name));
+      }
+      const toml::node* rn = t.get("ranks");
+      if (rn == nullptr) rd.fail(p + "ranks", "required key is missing (the node's ranks)");
+      const toml::array& ranks = rd.array(*rn, p + "ranks");
+      if (ranks.empty()) rd.fail(p + "ranks", "expected at least one rank, got []");
+      for (size_t j = 0; j < ranks.size(); ++j) {
+        const int64_t r = rd.integer(ranks[j], fmt::format("{}ranks[{}]", p, j), 0);
+        if (auto [it, added] = owner.try_emplace(r, node.name); !added) {
+          rd.fail(p + "ranks", fmt::format("rank {} is already on node \"{}\" (a rank belongs to "
+                                           "one node)",
+                                           r, it->second));
+        }
+        node.ranks.push_back(static_cast<int>(r));
+      }
+      if (const toml::node* d = t.get("device")) {
+        node.device = rd.string(*d, p + "device");
+        if (!f.devices.count(node.device)) {
+          rd.fail(p + "device",
+                  fmt::format("device \"{}\" is not defined (expected a [devices.{}] table)",
+                              node.device, node.device));
+        }
+      }
+      f.nodes.push_back(std::move(node));
+    }
+  } else if (f.node_size == 0) {
+    rd.fail("nodes", "required: either node_size = N or [[nodes]] entries with their ranks");
+  }
+  auto known_node = [&](const std::string& key, const std::string& name) {
+    if (f.node_size > 0) {
+      // node0, node1, ...: the names node_size gives; their count depends on the world.
+      if (name.rfind("node", 0) == 0 && name.size() > 4 &&
+          name.find_first_not_of("0123456789", 4) == std::string::npos) {
+        return;
+      }
+      rd.fail(key,
+              fmt::format("no node \"{}\" (with node_size the nodes are node0, node1, ...)", name));
+    }
+    if (!names.count(name)) {
+      std::string list;
+      for (const auto& n : f.nodes)
+        list += fmt::format("{}\"{}\"", list.empty() ? "" : ", ", n.name);
+      rd.fail(key, fmt::format("no node \"{}\" (the nodes are {})", name, list));
+    }
+  };
+  if (const toml::node* n = root.get("sites")) {
+    const toml::array& arr = rd.array(*n, "sites");
+    std::map<std::string, std::string> site_of;
+    for (size_t i = 0; i < arr.size(); ++i) {
+      const std::string p = fmt::format("sites[{}].", i);
+      const toml::table& t = rd.table(arr[i], p.substr(0, p.size() - 1));
+      rd.only(t, p, {"name", "nodes"});
+      ClusterFile::Site site;
+      site.name = t.get("name") ? rd.string(*t.get("name"), p + "name") : fmt::format("site{}", i);
+      const toml::node* nn = t.get("nodes");
+      if (nn == nullptr) rd.fail(p + "nodes", "required key is missing (the site's node names)");
+      const toml::array& nodes = rd.array(*nn, p + "nodes");
+      for (size_t j = 0; j < nodes.size(); ++j) {
+        const std::string key = fmt::format("{}nodes[{}]", p, j);
+        std::string name = rd.string(nodes[j], key);
+        known_node(key, name);
+        if (auto [it, added] = site_of.try_emplace(name, site.name); !added) {
+          rd.fail(key, fmt::format("node \"{}\" is already in site \"{}\"", name, it->second));
+        }
+        site.nodes.push_back(std::move(name));
+      }
+      f.sites.push_back(std::move(site));
+    }
+  }
+  if (const toml::node* n = root.get("links")) {
+    const toml::table& t = rd.table(*n, "links");
+    rd.only(t, "links.", {"intra_node", "inter_node", "inter_site", "sharing"});
+    if (const toml::node* x = t.get("sharing")) {
+      const std::string v = rd.string(*x, "links.sharing");
+      if (v == "node_pair") {
+        f.sharing = LinkSharing::node_pair;
+      } else if (v != "rank_pair") {
+        rd.fail("links.sharing",
+                fmt::format("expected \"rank_pair\" or \"node_pair\", got \"{}\"", v));
+      }
+    }
+    if (const toml::node* x = t.get("intra_node")) {
+      f.intra_node = rd.link(rd.table(*x, "links.intra_node"), "links.intra_node.");
+    }
+    if (const toml::node* x = t.get("inter_node")) {
+      f.inter_node = rd.link(rd.table(*x, "links.inter_node"), "links.inter_node.");
+    }
+    if (const toml::node* x = t.get("inter_site")) {
+      f.inter_site = rd.link(rd.table(*x, "links.inter_site"), "links.inter_site.");
+    }
+  }
+  if (const toml::node* n = root.get("link_pairs")) {
+    const toml::array& arr = rd.array(*n, "link_pairs");
+    for (size_t i = 0; i < arr.size(); ++i) {
+      const std::string p = fmt::format("link_pairs[{}].", i);
+      const toml::table& t = rd.table(arr[i], p.substr(0, p.size() - 1));
+      const toml::node* nn = t.get("nodes");
+      if (nn == nullptr) rd.fail(p + "nodes", "required key is missing (two node names)");
+      const toml::array& two = rd.array(*nn, p + "nodes");
+      if (two.size() != 2) {
+        rd.fail(p + "nodes", fmt::format("expected two node names, got {}", two.size()));
+      }
+      ClusterFile::Pair pair;
+      pair.a = rd.string(two[0], p + "nodes[0]");
+      pair.b = rd.string(two[1], p + "nodes[1]");
+      known_node(p + "nodes[0]", pair.a);
+      known_node(p + "nodes[1]", pair.b);
+      if (pair.a == pair.b) {
+        rd.fail(p + "nodes",
+                fmt::format("a link joins two different nodes, got \"{}\" twice", pair.a));
+      }
+      pair.link = rd.link(t, p, {"nodes"});
+      f.pairs.push_back(std::move(pair));
+    }
+  }
+  if (const toml::node* n = root.get("ranks")) {
+    const toml::table& t = rd.table(*n, "ranks");
+    rd.only(t, "ranks.", {"slowdown"});
+    if (const toml::node* s = t.get("slowdown")) {
+      const toml::array& arr = rd.array(*s, "ranks.slowdown");
+      for (size_t i = 0; i < arr.size(); ++i) {
+        f.slowdown.push_back(rd.number(arr[i], fmt::format("ranks.slowdown[{}]", i), 1, false));
+      }
+    }
+  }
+  return f;
+}
+
+ClusterFile read_cluster_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw FileError(fmt::format("cluster file {}: cannot read it (dist.cluster names it): {}", path,
+                                std::strerror(errno)));
+  }
+  std::ostringstream s;
+  s << in.rdbuf();
+  return parse_cluster_file(s.str(), path);
+}
+
+ClusterLayout resolve_cluster(const ClusterFile& f, int world) {
+  Reader rd(f.path);
+  ClusterLayout l;
+  l.source = fmt::format("file {}", f.path);
+  if (f.node_size > 0) {
+    l = ClusterLayout::by_node_size(world, f.node_size);
+    l.source = fmt::format("file {}", f.path);
+  } else {
+    l.node_of.assign(static_cast<size_t>(world), -1);
+    for (size_t k = 0; k < f.nodes.size(); ++k) {
+      for (int r : f.nodes[k].ranks) {
+        if (r >= world) {
+          rd.fail(fmt::format("nodes[{}].ranks", k),
+                  fmt::format("rank {} is not in the job, which has {} rank{} (0..{})", r, world,
+                              world == 1 ? "" : "s", world - 1));
+        }
+        l.node_of[static_cast<size_t>(r)] = static_cast<int>(k);
+      }
+      l.node_names.push_back(f.nodes[k].name);
+    }
+    std::vector<int> missing;
+    for (int r = 0; r < world; ++r) {
+      if (l.node_of[static_cast<size_t>(r)] < 0) missing.push_back(r);
+    }
+    if (!missing.empty()) {
+      rd.fail("nodes", fmt::format("the nodes do not cover the job's {} ranks: rank{} {} {} on "
+                                   "no node (expected every rank 0..{} on exactly one node)",
+                                   world, missing.size() == 1 ? "" : "s", fmt::join(missing, ", "),
+                                   missing.size() == 1 ? "is" : "are", world - 1));
+    }
+    l.site_of_node.assign(f.nodes.size(), 0);
+  }
+  auto index_of = [&](const std::string& key, const std::string& name) {
+    const auto it = std::find(l.node_names.begin(), l.node_names.end(), name);
+    if (it == l.node_names.end()) {
+      rd.fail(key, fmt::format("no node \"{}\" in a job of {} ranks (nodes: {})", name, world,
+                               fmt::join(l.node_names, ", ")));
+    }
+    return static_cast<int>(it - l.node_names.begin());
+  };
+  // Nodes outside every [[sites]] entry share one more site.
+  if (!f.sites.empty()) {
+    std::vector<int> site(l.node_names.size(), static_cast<int>(f.sites.size()));
+    for (size_t s = 0; s < f.sites.size(); ++s) {
+      for (size_t j = 0; j < f.sites[s].nodes.size(); ++j) {
+        site[static_cast<size_t>(index_of(fmt::format("sites[{}].nodes[{}]", s, j),
+                                          f.sites[s].nodes[j]))] = static_cast<int>(s);
+      }
+    }
+    // Renumber densely (a site may have no node in this job).
+    std::map<int, int> dense;
+    for (int& s : site) s = dense.try_emplace(s, static_cast<int>(dense.size())).first->second;
+    l.site_of_node = site;
+  }
+  l.sharing = f.sharing;
+  l.intra_node = f.intra_node;
+  l.inter_node = f.inter_node;
+  l.inter_site = f.inter_site;
+  for (size_t i = 0; i < f.pairs.size(); ++i) {
+    const int a = index_of(fmt::format("link_pairs[{}].nodes[0]", i), f.pairs[i].a);
+    const int b = index_of(fmt::format("link_pairs[{}].nodes[1]", i), f.pairs[i].b);
+    l.node_pairs[{std::min(a, b), std::max(a, b)}] = f.pairs[i].link;
+  }
+  if (!f.slowdown.empty() && static_cast<int>(f.slowdown.size()) != world) {
+    rd.fail("ranks.slowdown",
+            fmt::format("{} factors given for {} rank{} (expected one factor per rank)",
+                        f.slowdown.size(), world, world == 1 ? "" : "s"));
+  }
+  l.validate();
+  return l;
+}
+
+}  // namespace mt

@@ -1,0 +1,138 @@
+// The cluster file (cli/cluster_file.h): the documented example parses and
+// resolves to the layout it describes; node_size and the defaults; every
+// kind of bad file is rejected with the file, the key and what was expected.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "common/temp_dir.h"
+#include "meshtrain/base/error.h"
+#include "meshtrain/cli/cluster_file.h"
+#include "meshtrain/cli/run_config.h"
+
+namespace mt {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ClusterFile, TheDocumentedExampleResolves) {
+  const ClusterFile f = read_cluster_file(MT_SOURCE_DIR "/configs/cluster/example.toml");
+  ASSERT_EQ(f.nodes.size(), 4u);
+  EXPECT_EQ(f.devices.at("cpu").peak_tflops, 2.0);
+  EXPECT_EQ(f.nodes[0].device, "cpu");
+  const ClusterLayout l = resolve_cluster(f, 8);
+  EXPECT_EQ(l.node_of, (std::vector<int>{0, 0, 1, 1, 2, 2, 3, 3}));
+  EXPECT_EQ(l.site_of_node, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(l.kind(0, 1), LinkKind::intra_node);
+  EXPECT_EQ(l.kind(0, 2), LinkKind::inter_node);
+  EXPECT_EQ(l.kind(0, 4), LinkKind::inter_site);
+  EXPECT_DOUBLE_EQ(l.link(0, 2).bandwidth_bytes_s, 1e9 / 8);
+  EXPECT_DOUBLE_EQ(l.link(0, 2).latency_s, 1e-3);
+  EXPECT_DOUBLE_EQ(l.link(1, 7).latency_s, 50e-3);
+  EXPECT_DOUBLE_EQ(l.link(3, 4).latency_s, 20e-3);  // the b-c pair
+  EXPECT_DOUBLE_EQ(l.link(4, 3).bandwidth_bytes_s, 0.5e9 / 8);
+  EXPECT_EQ(f.slowdown, (std::vector<double>{1, 1, 1, 1, 1, 3, 1, 1}));
+  EXPECT_TRUE(l.emulates());
+}
+
+TEST(ClusterFile, NodeSizeAndUnconstrainedDefaults) {
+  const ClusterFile f = parse_cluster_file("node_size = 3\n", "t.toml");
+  const ClusterLayout l = resolve_cluster(f, 7);
+  EXPECT_EQ(l.node_of, (std::vector<int>{0, 0, 0, 1, 1, 1, 2}));
+  EXPECT_EQ(l.node_names, (std::vector<std::string>{"node0", "node1", "node2"}));
+  EXPECT_FALSE(l.emulates());
+  // Generated names can be used by sites and pairs.
+  const ClusterFile g = parse_cluster_file(
+      "node_size = 1\n[[sites]]\nnodes = [\"node1\"]\n[links.inter_site]\nlatency_ms = 3\n", "t");
+  const ClusterLayout lg = resolve_cluster(g, 3);
+  EXPECT_EQ(lg.site_of_node, (std::vector<int>{0, 1, 0}));  // renumbered densely
+  EXPECT_DOUBLE_EQ(lg.link(0, 1).latency_s, 3e-3);
+  EXPECT_FALSE(lg.link(0, 2).constrained());
+  EXPECT_EQ(lg.sharing, LinkSharing::rank_pair);
+  const ClusterFile h =
+      parse_cluster_file("node_size = 2\n[links]\nsharing = \"node_pair\"\n", "t");
+  EXPECT_EQ(resolve_cluster(h, 4).sharing, LinkSharing::node_pair);
+}
+
+void expect_rejected(const std::string& text, int world, const std::string& message) {
+  try {
+    resolve_cluster(parse_cluster_file(text, "bad.toml"), world);
+    ADD_FAILURE() << "accepted:\n" << text;
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cluster file bad.toml: " + message)) << text;
+  }
+}
+
+TEST(ClusterFile, BadFilesNameFileKeyAndExpectation) {
+  expect_rejected("node_size = 2\n[links.inter_node]\nbandwidth_gbit_s = -1\n", 4,
+                  "links.inter_node.bandwidth_gbit_s: expected a number > 0, got -1");
+  expect_rejected("node_size = 2\n[links.inter_node]\nbandwidth_gbit_s = 0\n", 4,
+                  "links.inter_node.bandwidth_gbit_s: expected a number > 0, got 0");
+  expect_rejected("node_size = 2\n[links.inter_node]\nlatency_ms = -1\n", 4,
+                  "links.inter_node.latency_ms: expected a number >= 0, got -1");
+  expect_rejected("node_size = 2\n[links.inter_node]\nlatency_ms = \"1 ms\"\n", 4,
+                  "links.inter_node.latency_ms: expected a number, got string \"1 ms\"");
+  expect_rejected("[[nodes]]\nname = \"a\"\nranks = [0]\n[[link_pairs]]\nnodes = [\"a\", \"x\"]\n",
+                  1, "link_pairs[0].nodes[1]: no node \"x\" (the nodes are \"a\")");
+  expect_rejected("[[nodes]]\nranks = [0, 1]\n[[nodes]]\nranks = [1]\n", 2,
+                  "nodes[1].ranks: rank 1 is already on node \"node0\"");
+  expect_rejected("[[nodes]]\nranks = [0, 2]\n", 4,
+                  "nodes: the nodes do not cover the job's 4 ranks: ranks 1, 3 are on no node");
+  expect_rejected("[[nodes]]\nranks = [0, 5]\n", 4,
+                  "nodes[0].ranks: rank 5 is not in the job, which has 4 ranks (0..3)");
+  expect_rejected("[[nodes]]\nranks = []\n", 1, "nodes[0].ranks: expected at least one rank");
+  expect_rejected("[links.inter_node]\nlatency_ms = 1\n", 1,
+                  "nodes: required: either node_size = N or [[nodes]]");
+  expect_rejected("node_size = 2\n[[nodes]]\nranks = [0]\n", 1,
+                  "nodes: give either node_size or [[nodes]], not both");
+  expect_rejected("node_size = 0\n", 1, "node_size: expected an integer >= 1, got 0");
+  expect_rejected("node_size = 1\n[[sites]]\nnodes = [\"a\"]\n", 1,
+                  "sites[0].nodes[0]: no node \"a\" (with node_size the nodes are node0, node1");
+  expect_rejected("node_size = 1\n[[sites]]\nnodes = [\"node0\"]\n[[sites]]\nnodes = [\"node0\"]\n",
+                  1, "sites[1].nodes[0]: node \"node0\" is already in site \"site0\"");
+  expect_rejected("node_size = 1\n[[sites]]\nnodes = [\"node7\"]\n", 2,
+                  "sites[0].nodes[0]: no node \"node7\" in a job of 2 ranks");
+  expect_rejected("node_size = 1\n[ranks]\nslowdown = [1, 0.5]\n", 2,
+                  "ranks.slowdown[1]: expected a number >= 1, got 0.5");
+  expect_rejected("node_size = 1\n[ranks]\nslowdown = [1, 2, 3]\n", 2,
+                  "ranks.slowdown: 3 factors given for 2 ranks");
+  expect_rejected("node_size = 1\n[linkz]\n", 1, "linkz: unknown key (expected one of:");
+  expect_rejected("[[nodes]]\nranks = [0]\ndevice = \"gpu\"\n", 1,
+                  "nodes[0].device: device \"gpu\" is not defined");
+  expect_rejected("node_size = 1\n[devices.cpu]\npeak_tflops = -2\n", 1,
+                  "devices.cpu.peak_tflops: expected a number > 0, got -2");
+  expect_rejected("node_size = 1\n[[link_pairs]]\nnodes = [\"node0\", \"node0\"]\n", 1,
+                  "link_pairs[0].nodes: a link joins two different nodes");
+  expect_rejected("node_size = 1\n[links]\nsharing = \"node\"\n", 1,
+                  "links.sharing: expected \"rank_pair\" or \"node_pair\", got \"node\"");
+  expect_rejected("node_size = [1\n", 1, "line 1");
+}
+
+// dist.cluster is read with the config; its slowdown becomes dist.slowdown
+// (the trainer's mechanism); dist.slowdown as well, or dist.node_size with
+// it, is an error naming both.
+TEST(ClusterFile, RunConfigReadsItAndFeedsSlowdown) {
+  mt::testing::TempDir dir;
+  const std::string path = dir.write("c.toml", "node_size = 2\n[ranks]\nslowdown = [1, 3]\n");
+  Config c = Config::parse(fmt::format("[dist]\ncluster = \"{}\"\n", path), "run.toml");
+  const RunConfig rc = read_run_config(c);
+  ASSERT_TRUE(rc.cluster.has_value());
+  EXPECT_EQ(rc.cluster->node_size, 2);
+  EXPECT_EQ(rc.train.dist.slowdown, (std::vector<double>{1, 3}));
+  EXPECT_TRUE(rc.hierarchical);
+
+  Config both =
+      Config::parse(fmt::format("[dist]\ncluster = \"{}\"\nslowdown = [1, 2]\n", path), "run.toml");
+  EXPECT_THAT([&] { read_run_config(both); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr(
+                  "dist.slowdown and the cluster file " + path + "'s ranks.slowdown both")));
+  Config grouped =
+      Config::parse(fmt::format("[dist]\ncluster = \"{}\"\nnode_size = 2\n", path), "run.toml");
+  EXPECT_THAT([&] { read_run_config(grouped); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("both group ranks into nodes")));
+  Config bad = Config::parse("[dist]\nnode_size = -1\n", "run.toml");
+  EXPECT_THAT([&] { read_run_config(bad); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("dist.node_size")));
+}
+
+}  // namespace
+}  // namespace mt
