@@ -335,6 +335,38 @@ def matmul_probe(a, model, opt, batch):
             "peer_matmul_ops": sorted({f.overloadpacket.__name__ for f, _, _ in calls})}
 
 
+def clip_tensor_parallel(model, max_norm):
+    """clip_grad_norm_ for a model whose blocks are tensor-parallel DTensors
+    and whose other parameters are plain replicated tensors (PyTorch's own
+    clip refuses the mix): sharded gradients' squares are summed over the
+    group, replicated ones counted once."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    sharded, replicated = torch.zeros(()), torch.zeros(())
+    grads = []
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            local = g.to_local()
+            if any(pl.is_shard() for pl in g.placements):
+                sharded += local.float().pow(2).sum()
+            else:
+                replicated += local.float().pow(2).sum()
+            grads.append(local)
+        else:
+            replicated += g.float().pow(2).sum()
+            grads.append(g)
+    dist.all_reduce(sharded)
+    total = (sharded + replicated).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+
+
 def describe_optimizer(a):
     if a.opt == "sgd":
         text = f"sgd lr={a.lr} momentum={a.momentum} nesterov={a.nesterov} wd={a.weight_decay}"
@@ -415,7 +447,9 @@ def main(argv):
         logits = step_model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
-        if a.clip_grad_norm > 0:
+        if a.clip_grad_norm > 0 and a.tp > 1:
+            clip_tensor_parallel(model, a.clip_grad_norm)
+        elif a.clip_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad_norm)
         opt.step()
         return loss.detach()

@@ -16,6 +16,12 @@ configs/gpt_medium.toml, GPT-2-small sized):
                               (goal <= 0.55)
   gpt_tp2_uneven_speedup      with dist.slowdown = [1, 2]: TP=2 with tp_ratios
                               [2, 1] tokens/s / even TP=2 tokens/s (goal >= 1.3)
+  gpt_pp2_<schedule>_throughput  tokens/s, meshtrain [parallel] pp=2, 4
+                              micro-batches (interleaved: 2 chunks per rank) vs
+                              PyTorch's torch.distributed.pipelining with the same
+                              schedule (zero_bubble: PyTorch's interleaved
+                              zero-bubble, 2 chunks per rank); the line carries
+                              the measured pipeline idle fraction and the formula
 Every meshtrain line carries the tensor groups' bytes per step as counted and
 as the lowering predicts, and peak RSS per rank.
 """
@@ -62,6 +68,31 @@ def peer_tp(ctx, steps, warmup, setup_args):
     if not all(lines):
         return None, "a tensor-parallel rank printed no result line"
     return dict(lines[0][-1], max_rank_rss_kib=max(r.maxrss_kib for r in results)), None
+
+
+def peer_pipe(ctx, schedule, steps, warmup, batch, model):
+    """PyTorch pipelining on WORLD ranks; returns (rank 0's tokens/s, error)."""
+    py = ctx.torch_python()
+    env = thread_env(1)
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "WORLD_SIZE": str(WORLD)})
+    args = ["--schedule", schedule, "--microbatches", "4", "--steps", str(steps), "--warmup",
+            str(warmup), "--batch", str(batch), "--world", str(WORLD)]
+    for key, flag in (("layers", "--layers"), ("d_model", "--d-model"), ("heads", "--heads"),
+                      ("seq_len", "--seq")):
+        if key in model:
+            args += [flag, str(model[key])]
+    started = [ctx.start([py, PEERS / "torch_pipe.py", "--rank", str(r), *args],
+                         dict(env, RANK=str(r), LOCAL_RANK=str(r)), f"torch-pp-{schedule}-r{r}",
+                         wait_idle=r == 0) for r in range(WORLD)]
+    results = ctx.finish(started)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        return None, "; ".join(r.failure() for r in bad)
+    lines = [r.json_lines() for r in results]
+    if not all(lines):
+        return None, "a pipeline rank printed no result line"
+    return lines[0][-1]["tokens_per_s"], None
 
 
 def tokens_per_s(run):
@@ -130,6 +161,45 @@ def run(ctx):
         if err:
             line["error"] = err
         ctx.emit(line)
+
+    # --- Pipelines: PP=2 under each schedule against PyTorch's pipelining.
+    cfg_gpt = meshtrain.config_path("gpt")
+    import tomllib
+    m = tomllib.loads(cfg_gpt.read_text()).get("model", {})
+    idle = {}
+    for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+        sets = ["parallel.pp=2", "parallel.microbatches=4", f'parallel.schedule="{schedule}"']
+        if schedule == "interleaved":
+            sets.append("parallel.virtual_stages=2")
+        run_ = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=sets,
+                               name=f"meshtrain-gpt-pp2-{schedule}")
+        prate, perr2 = (None, "skipped (--no-peer)") if ctx.args.no_peer else peer_pipe(
+            ctx, schedule, gpt_steps, warmup, setup["batch"], m)
+        rate = tokens_per_s(run_)
+        plan = (run_.summary or {}).get("plan", {})
+        idle[schedule] = plan.get("pipeline_idle_fraction")
+        line = {"name": f"gpt_pp2_{schedule}_throughput", "unit": "tokens/s", "meshtrain": rate,
+                "peer": prate, "ratio": ratio(rate, prate),
+                "peer_name": f"pytorch-{version} torch.distributed.pipelining gloo eager",
+                "model": "gpt", "processes": WORLD, "threads_per_process": 1, "microbatches": 4,
+                "schedule": schedule, "steps": gpt_steps, "warmup": warmup,
+                "pipeline_idle_fraction": idle[schedule],
+                "pipeline_idle_fraction_formula": plan.get("pipeline_idle_fraction_formula"),
+                "pipeline_bytes_per_step": plan.get("pipeline_bytes_sent_per_step"),
+                "pipeline_bytes_per_step_predicted":
+                    plan.get("pipeline_bytes_sent_per_step_predicted"),
+                "peak_stash_mib": round(plan.get("peak_stash_bytes", 0) / 2**20, 2),
+                **meshtrain_engine_context(run_.summary),
+                "note": "peer: head untied (pipelining cannot tie across stages); zero_bubble "
+                        "peer is PyTorch's interleaved zero-bubble (2 chunks per rank)"}
+        err = "; ".join(e for e in (run_.error, f"peer: {perr2}" if perr2 else None) if e)
+        if err:
+            line["error"] = err
+        ctx.emit(line)
+    if idle.get("zero_bubble") is not None and idle.get("1f1b") is not None:
+        ctx.emit({"name": "gpt_pp2_zero_bubble_idle_vs_1f1b", "unit": "fraction",
+                  "system": "meshtrain", "value": idle["zero_bubble"],
+                  "idle_1f1b": idle["1f1b"], "goal": "below 1f1b's"})
 
     # --- Heterogeneous: rank 1 half as fast; uneven 2:1 heads / columns vs even.
     slow = ["dist.slowdown=[1,2]"]

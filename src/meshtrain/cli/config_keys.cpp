@@ -183,6 +183,11 @@ const std::vector<KeyMeaning> kMeanings = {
     {"sync.outer_lr", "diloco: the outer Nesterov step's learning rate"},
     {"sync.outer_momentum", "diloco: the outer Nesterov momentum"},
     {"sync.topology", "gossip: the graph replicas average over (uniform weights 1 / (degree + 1))"},
+    {"sync.codec",
+     "gradient codec on the all-reduce exchange: none, f16, bf16, topk:K, randk:K (K a count or a "
+     "fraction), qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK (docs/codecs.md)"},
+    {"sync.codec_error_feedback",
+     "keep what a codec did not send and add it to the next step's gradient"},
     {"sync.consensus_every",
      "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
     {"parallel.stage_layers",

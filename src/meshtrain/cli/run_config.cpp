@@ -282,6 +282,8 @@ RunConfig read_run_config(const Config& c) {
       c.get_string("sync.topology", so.topology, {"ring", "torus", "exponential", "complete"});
   so.consensus_every =
       c.get_int("sync.consensus_every", so.consensus_every, Bounds<int64_t>::non_negative());
+  so.codec = c.get_string("sync.codec", so.codec);
+  so.codec_error_feedback = c.get_bool("sync.codec_error_feedback", so.codec_error_feedback);
   validate_sync_options(so);
   r.gnn.mode = c.get_string("gnn.parallel", "none", {"none", "graph"}) == "graph"
                    ? GnnParallel::graph

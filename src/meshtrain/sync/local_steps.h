@@ -36,4 +36,14 @@ std::unique_ptr<ReplicaSync> make_local_steps_sync(const SyncOptions& o, Communi
                                                    ParamLayout layout, Tensor flat_params,
                                                    DataParallelOptions dp, double local_share);
 
+// allreduce with a gradient codec (SyncOptions::codec): each rank's
+// gradient (weighted by its batch share x ranks, so the average is the
+// global batch's gradient) is compressed and averaged per parameter by
+// CompressedAllReduce before the optimizer runs; every replica then holds
+// the same parameters. ConfigError for ZeRO stages > 0 or a codec that
+// does not fit a parameter (naming it).
+std::unique_ptr<ReplicaSync> make_compressed_sync(const SyncOptions& o, Communicator& group,
+                                                  ParamLayout layout, Tensor flat_params,
+                                                  DataParallelOptions dp, double local_share);
+
 }  // namespace mt

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/sync/codec_spec.h"
 #include "meshtrain/sync/local_steps.h"
 
 namespace mt {
@@ -85,6 +86,15 @@ void validate_sync_options(const SyncOptions& o) {
         "sync.topology: unknown topology '{}' (expected ring, torus, exponential or complete)",
         o.topology));
   }
+  {
+    const CodecSpec spec = parse_codec_spec(o.codec);  // ConfigError naming sync.codec
+    if (spec.kind != CodecKind::none && o.scheme != "allreduce") {
+      throw ConfigError(
+          fmt::format("sync.codec = \"{}\": codecs ride on the gradient exchange of sync.scheme = "
+                      "\"allreduce\" so far, not \"{}\"",
+                      o.codec, o.scheme));
+    }
+  }
   if (o.consensus_every < 0) {
     throw ConfigError(fmt::format("sync.consensus_every: must be >= 0 (0 = at the end), got {}",
                                   o.consensus_every));
@@ -129,6 +139,10 @@ std::unique_ptr<ReplicaSync> make_replica_sync(const SyncOptions& o, Communicato
                                                ParamLayout layout, Tensor flat_params,
                                                DataParallelOptions dp, double local_share) {
   validate_sync_options(o);
+  if (o.scheme == "allreduce" && parse_codec_spec(o.codec).kind != CodecKind::none) {
+    return make_compressed_sync(o, group, std::move(layout), std::move(flat_params), std::move(dp),
+                                local_share);
+  }
   if (o.scheme == "allreduce") {
     return std::make_unique<AllReduceSync>(group, std::move(layout), std::move(flat_params),
                                            std::move(dp));

@@ -3,13 +3,17 @@
 //
 //   allreduce  (sync/data_parallel.h) every step's gradients summed across
 //              replicas, ZeRO 0-3: replicas stay identical
-//   local_sgd  (sync/periodic_sync.h) each replica steps on its own
+//   local_sgd  (sync/local_steps.h) each replica steps on its own
 //              gradients; parameters are averaged every `period` steps
 //              (post-local: synchronous for the first steps)
-//   diloco     (sync/periodic_sync.h) as local_sgd with the trainer's
+//   diloco     (sync/local_steps.h) as local_sgd with the trainer's
 //              optimizer as the inner one; every `period` steps the averaged
 //              pseudo-gradient (start - local) takes an outer Nesterov step
-//   gossip     (sync/gossip.h) D-PSGD: after each local step every replica
+//   allreduce with a codec (sync/compressed_sync.cpp): every step's
+//              gradients compressed (sync/codecs.h, error feedback) and
+//              averaged by sync/compressed_all_reduce.h: replicas stay
+//              identical
+//   gossip     (sync/local_steps.h) D-PSGD: after each local step every replica
 //              averages its parameters with its neighbours on a graph
 //
 // The calling sequence is DataParallel's (see its header for the contract):
@@ -55,6 +59,11 @@ struct SyncOptions {
   std::string topology = "ring";
   // Steps between consensus-distance reports (0: only at the end).
   int64_t consensus_every = 0;
+  // allreduce: the gradient codec on the exchange (sync/codec_spec.h:
+  // none | f16 | bf16 | topk:K | randk:K | qsgd:BITS[:BUCKET] | sign[:CHUNK]
+  // | powersgd:RANK), with error feedback unless codec_error_feedback is off.
+  std::string codec = "none";
+  bool codec_error_feedback = true;
 };
 
 // ConfigError naming the sync.* key and what was expected (period < 1, an

@@ -338,7 +338,7 @@ struct Trainer::Impl {
     }
 
     Communicator* replicas = dp_comm;
-    if (o.dist.sync.scheme != "allreduce") {
+    if (o.dist.sync.scheme != "allreduce" || o.dist.sync.codec != "none") {
       sync_comm = dp_comm->split(0, dp_rank, "sync", o.dist.dp.collective);
       replicas = sync_comm.get();
     }
