@@ -343,15 +343,14 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
   }
   const bool lowered = needs_lowering(*plan);
   const bool pipelined = plan->pipeline_stages() > 1;
-  if ((pipelined && lowered) || (!pipelined && plan->microbatches > 1) ||
+  if ((!pipelined && plan->microbatches > 1) ||
       (!lowered && !pipelined && !plan->data_parallel_only(g))) {
     throw ConfigError(fmt::format(
         "{}: this plan ({}; mesh {}) {}, which the trainer does not execute yet (data, "
         "tensor, sequence and pipeline parallelism run, and dp with either; `meshtrain inspect` "
         "shows the plan{})",
         where, beyond_data_parallel(*plan, g), plan->mesh.describe(),
-        pipelined ? "combines tensor axes with pipeline stages"
-                  : "has micro-batches without pipeline stages",
+        "has micro-batches without pipeline stages",
         write && !opts.write_plan_path.empty() ? ", and it was written to " + opts.write_plan_path
                                                : ""));
   }
@@ -824,11 +823,6 @@ int cmd_inspect(const CommandOptions& opts) {
                    format_bytes(pr.activations.arena_bytes),
                    format_bytes(pr.state.expected_param_bytes));
       }
-    } else if (pplan->pipeline_stages() > 1 && needs_lowering(*pplan)) {
-      fmt::print(
-          "the trainer does not execute this plan yet ({}): it combines tensor axes with "
-          "pipeline stages; meshtrain train refuses it\n",
-          beyond_data_parallel(*pplan, plan_graph));
     } else if (pplan->pipeline_stages() > 1) {
       fmt::print(
           "meshtrain train runs this plan through the pipeline runtime (docs/plan.md); the "

@@ -12,6 +12,7 @@
 #include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/data/loader.h"
+#include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
@@ -22,6 +23,7 @@
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/progress.h"
+#include "meshtrain/train/training_plan.h"
 
 namespace mt {
 
@@ -74,7 +76,6 @@ void check_pipeline_options(const TrainerOptions& o) {
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.dp.stage != 0, "dist.zero_stage > 0");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
-  refuse(needs_lowering(*o.dist.plan), "tensor axes inside a pipeline (tp x pp)");
 }
 
 bool pipeline_plan(const TrainerOptions& o) {
@@ -99,6 +100,38 @@ struct PipelineTraining::Impl {
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<LrSchedule> lr;
   std::map<std::string, bool> counted;  // per parameter held here: counts in norms
+  LoweredProgram lowered;               // tensor axes: this rank's program
+  bool tensor_parallel = false;
+  std::shared_ptr<CommCollectiveRunner> runner;
+  std::vector<std::unique_ptr<Communicator>> tensor_norm_comms;
+
+  // The box of a whole tensor, copied out (row-major).
+  static Tensor box_of(const Tensor& t, const Box& b) {
+    const Shape bs = b.shape();
+    Tensor out = Tensor::empty(bs, DType::f32);
+    const int r = t.rank();
+    const int64_t row = r == 0 ? 1 : bs[r - 1];
+    const int64_t rows = row == 0 ? 0 : bs.numel() / row;
+    for (int64_t k = 0; k < rows; ++k) {
+      int64_t rest = k, flat = r == 0 ? 0 : b.begin[static_cast<size_t>(r - 1)];
+      int64_t stride = r == 0 ? 1 : t.shape()[r - 1];
+      for (int d = r - 2; d >= 0; --d) {
+        flat += (b.begin[static_cast<size_t>(d)] + rest % bs[d]) * stride;
+        rest /= bs[d];
+        stride *= t.shape()[d];
+      }
+      std::copy_n(t.data<float>() + flat, row, out.data<float>() + k * row);
+    }
+    return out;
+  }
+
+  // The first rank of its tensor groups (every rank without tensor axes).
+  bool tensor_leader() const {
+    for (const std::string& axis : lowered.axes) {
+      if (plan.mesh.coord(rank, axis) != 0) return false;
+    }
+    return true;
+  }
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> d, TrainerOptions opts, Communicator& w)
       : spec(s), o(std::move(opts)), data(std::move(d)), world(w), plan(*o.dist.plan) {
@@ -138,7 +171,12 @@ struct PipelineTraining::Impl {
     if (o.max_steps > 0) total_steps = std::min(total_steps, o.max_steps);
     if (total_steps <= 0) throw ConfigError("train.epochs / train.steps: the run has no steps");
 
-    model = build_model(spec, micro_batch);
+    // Tensor axes inside the pipeline: the micro-batch model is lowered for
+    // this rank first (spmd/lower.h), then cut; the stages' executors run
+    // its collectives over the tensor groups.
+    const ModelGraph whole = build_model(spec, micro_batch);
+    model = build_rank_model(spec, micro_batch, o, rank, &lowered);
+    tensor_parallel = needs_lowering(plan);
     for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
     cut = cut_pipeline(model.graph, model.loss, plan.stages);
     schedule = make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
@@ -146,31 +184,58 @@ struct PipelineTraining::Impl {
     po.exec = o.exec;
     po.exec.slowdown =
         rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
+    if (tensor_parallel) {
+      runner = std::make_shared<CommCollectiveRunner>(world, lowered.groups, co);
+      po.exec.collectives = runner;
+      for (const std::string& axis : lowered.axes) {
+        tensor_norm_comms.push_back(world.split(group_index(plan.mesh.groups(axis), rank),
+                                                plan.mesh.coord(rank, axis), axis + ".norms", co));
+      }
+    }
     runtime = std::make_unique<PipelineRuntime>(*pp_comm, cut, schedule, po);
 
     // The same initial values as the unpipelined model: each parameter from
-    // its name's seeded stream, drawn only where it is held.
-    const ParamStore layout(model.graph, o.seed, /*with_grads=*/false, /*with_values=*/false);
+    // its name's seeded stream, drawn only where it is held (its box of the
+    // whole parameter under tensor parallelism).
+    const ParamStore layout(whole.graph, o.seed, /*with_grads=*/false, /*with_values=*/false);
     for (const std::string& name : runtime->param_names()) {
       size_t i = 0;
       while (layout.entries()[i].name != name) ++i;
       const ParamStore::Entry& e = layout.entries()[i];
       Tensor t = Tensor::empty(e.shape, DType::f32);
       layout.initial_range(i, 0, e.shape.numel(), t.data<float>());
-      runtime->set_param(name, t);
-      counted[name] = true;
+      const LoweredParam* lp = tensor_parallel ? lowered.param(name) : nullptr;
+      runtime->set_param(name, lp != nullptr && !lp->axis.empty() ? box_of(t, lp->box) : t);
+      // Norms: a piece of a split parameter always counts; a replicated one
+      // on the first rank of each tensor group only.
+      bool count = true;
+      for (const std::string& axis : lowered.axes) {
+        if ((lp == nullptr || lp->axis != axis) && plan.mesh.coord(rank, axis) != 0) count = false;
+      }
+      counted[name] = count;
     }
     // A parameter held by several stages counts on the first holder only.
     for (const auto& [name, holders] : cut.shared_params) {
       if (!counted.count(name)) continue;
       const int first = *std::min_element(holders.begin(), holders.end()) % p;
-      counted[name] = first == plan.mesh.coord(rank, "pp");
+      counted[name] = counted[name] && first == plan.mesh.coord(rank, "pp");
     }
 
-    // Every parameter is whole on each rank that holds it (a shared one
-    // identical on its holders), so LARS / LAMB norms need no reduction;
-    // only the global clipping norm sums over the pipeline.
+    // A parameter is whole on each rank that holds it (a shared one
+    // identical on its holders), or under tensor axes split over its tensor
+    // group, whose ranks hold the same stages: LARS / LAMB norms sum over
+    // the tensor groups only; the global clipping norm also over the pipeline.
     optimizer = make_optimizer(o.optimizer, o.optim);
+    if (tensor_parallel) {
+      std::vector<Communicator*> groups;
+      for (const auto& c : tensor_norm_comms) groups.push_back(c.get());
+      const CollectiveOptions c2 = co;
+      optimizer->set_norm_reducer([groups, c2](std::span<double> v) {
+        for (Communicator* g : groups) {
+          g->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, c2);
+        }
+      });
+    }
     LrScheduleOptions so = o.schedule;
     so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
     lr = std::make_unique<LrSchedule>(so);
@@ -202,8 +267,9 @@ struct PipelineTraining::Impl {
         for (int64_t k = 0, n = g.numel(); k < n; ++k) d[k] *= inv;
       }
     }
-    double red[2] = {runtime->has_loss() ? runtime->loss() / dp_world : 0.0,
-                     0.0};  // the loss: the last stage of every dp replica
+    // The loss: the last stage of every dp replica, once per tensor group.
+    double red[2] = {runtime->has_loss() && tensor_leader() ? runtime->loss() / dp_world : 0.0,
+                     0.0};
     world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
     std::vector<ParamRef> refs;
     for (const std::string& name : names) {
@@ -214,6 +280,10 @@ struct PipelineTraining::Impl {
       clip_grad_norm(refs, o.clip_grad_norm, [this](std::span<double> v) {
         norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
                               o.dist.dp.collective);
+        for (const auto& c : tensor_norm_comms) {
+          c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
+                        o.dist.dp.collective);
+        }
       });
     }
     optimizer->step(refs, lr->lr_at(step));
@@ -328,6 +398,10 @@ std::vector<std::string> PipelineTraining::param_names() const {
 
 Tensor PipelineTraining::param(const std::string& name) const {
   return impl_->runtime->param(name);
+}
+
+const LoweredProgram* PipelineTraining::lowered() const {
+  return impl_->tensor_parallel ? &impl_->lowered : nullptr;
 }
 
 }  // namespace mt

@@ -12,10 +12,16 @@
 // parameter counted once) and handed to the configured optimizer and
 // learning-rate schedule; the step's loss comes from the last stage.
 //
+// Tensor axes inside the pipeline (TP x PP, DP x TP x PP): the micro-batch
+// model is lowered for the rank (spmd/lower.h) before it is cut, the
+// stages' executors run its collectives over the tensor groups, parameters
+// start as their boxes, and norms also sum over the tensor groups
+// (replicated parameters counted once).
+//
 // Not yet (each refused with a ConfigError naming the key, before any step):
 // evaluation, checkpoints / resume / train.init, f16 loss scaling,
-// dist.batch_shares, tensor axes inside a pipeline, accumulation steps
-// (micro-batches are the pipeline's).
+// dist.batch_shares, ZeRO, accumulation steps (micro-batches are the
+// pipeline's).
 //
 // Collective over the world communicator; one per process.
 #pragma once
@@ -42,6 +48,9 @@ class PipelineTraining {
   // This rank's parameters (its stages'), by name, and their values.
   std::vector<std::string> param_names() const;
   Tensor param(const std::string& name) const;
+  // Under tensor axes, this rank's program (which box of each parameter it
+  // holds); nullptr otherwise.
+  const struct LoweredProgram* lowered() const;
 
  private:
   struct Impl;
