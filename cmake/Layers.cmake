@@ -62,3 +62,26 @@ function(mt_add_test name)
     add_dependencies(mt_core_tests ${name})
   endif()
 endfunction()
+
+# mt_add_mpi_test(NAME SOURCES <files...> DEPS <targets...> RANKS <n...>
+#                 [LABELS <labels...>] [TIMEOUT s])
+# A GoogleTest binary with its own main (it initialises MPI) run under
+# mpirun once per rank count, as NAME_np<n>, shared-memory BTL only; label
+# "mpi" is added.
+function(mt_add_mpi_test name)
+  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;DEPS;LABELS;RANKS" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_DEPS} GTest::gtest mt_flags)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/tests)
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 600)
+  endif()
+  foreach(np IN LISTS T_RANKS)
+    add_test(NAME ${name}_np${np}
+      COMMAND ${MPIEXEC_EXECUTABLE} --allow-run-as-root --oversubscribe --bind-to none
+        --mca btl self,vader -np ${np} $<TARGET_FILE:${name}>)
+    set_tests_properties(${name}_np${np} PROPERTIES LABELS "mpi;${T_LABELS}"
+      TIMEOUT ${T_TIMEOUT}
+      ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+  endforeach()
+endfunction()
