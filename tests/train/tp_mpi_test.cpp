@@ -335,16 +335,18 @@ TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
   TpCase tc;
   tc.model = c.model;
   tc.optimizer = c.optimizer;
-  TrainerOptions o = options_of(tc);
-  o.eval = false;
+  TrainerOptions o = options_of(tc);  // evaluation on: the whole model, joined per replica
   o.dist.consistency_every = 0;
   ModelSpec spec = spec_of(tc);
   if (c.model == "mlp") spec.hidden = {24, 18, 12};  // four layers: 2 stages x 2 chunks
   const Outcome ref = [&] {
     auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-    Trainer t(spec, data, nullptr, o, nullptr);
+    auto test_data = std::make_shared<test::SyntheticData>(spec, 30, 6);
+    Trainer t(spec, data, test_data, o, nullptr);
     Outcome out;
-    out.losses = t.run().losses;
+    const TrainResult res = t.run();
+    out.losses = res.losses;
+    out.test_loss = res.test_loss;
     for (const auto& e : t.params().entries()) out.params.emplace_back(e.name, e.value.clone());
     return out;
   }();
@@ -361,9 +363,13 @@ TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
   validate_plan(plan, m.graph, c.ranks, o.batch_size, "parallel");
   o.dist.plan = std::make_shared<const Plan>(std::move(plan));
   auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-  Trainer t(spec, data, nullptr, o, &world());
+  auto test_data = std::make_shared<test::SyntheticData>(spec, 30, 6);
+  Trainer t(spec, data, test_data, o, &world());
   ASSERT_NE(t.pipeline(), nullptr);
-  const std::vector<double> losses = t.run().losses;
+  const TrainResult res = t.run();
+  const std::vector<double> losses = res.losses;
+  ASSERT_TRUE(res.test_loss && ref.test_loss);
+  EXPECT_NEAR(*res.test_loss, *ref.test_loss, kRel * std::abs(*ref.test_loss)) << c.label;
   ASSERT_EQ(losses.size(), ref.losses.size());
   double worst = 0;
   std::string where;

@@ -165,8 +165,7 @@ const std::vector<KeyMeaning> kMeanings = {
     {"parallel.tp",
      "tensor-parallel degree (Megatron column/row splits, lowered into each rank's graph)"},
     {"parallel.pp",
-     "pipeline stages (run by the pipeline runtime; no evaluation or checkpoints under pp > 1 "
-     "yet)"},
+     "pipeline stages (run by the pipeline runtime; no checkpoints under pp > 1 yet)"},
     {"parallel.sp", "sequence parallelism in the layer-norm regions over the tp axis (gpt)"},
     {"parallel.microbatches", "micro-batches per step through the pipeline (pp > 1)"},
     {"parallel.schedule", "pipeline schedule"},

@@ -66,7 +66,6 @@ void check_pipeline_options(const TrainerOptions& o) {
         "without it (docs/plan.md, \"Pipeline runtime\")",
         what));
   };
-  refuse(o.eval, "train.eval (evaluation; set train.eval = false)");
   refuse(!o.checkpoint_path.empty(), "train.checkpoint");
   refuse(!o.resume_path.empty(), "train.resume");
   refuse(!o.init_path.empty(), "train.init");
@@ -85,7 +84,7 @@ bool pipeline_plan(const TrainerOptions& o) {
 struct PipelineTraining::Impl {
   ModelSpec spec;
   TrainerOptions o;
-  std::shared_ptr<const Dataset> data;
+  std::shared_ptr<const Dataset> data, test_data;
   Communicator& world;
   const Plan& plan;
   int rank = 0, p = 1, dp_rank = 0, dp_world = 1;
@@ -133,8 +132,21 @@ struct PipelineTraining::Impl {
     return true;
   }
 
-  Impl(const ModelSpec& s, std::shared_ptr<const Dataset> d, TrainerOptions opts, Communicator& w)
-      : spec(s), o(std::move(opts)), data(std::move(d)), world(w), plan(*o.dist.plan) {
+  // Evaluation: the whole model on every rank of a model replica (the ranks
+  // that share a dp coordinate), its parameters joined from the pieces the
+  // replica's ranks hold; each replica evaluates its slice of the test batches.
+  std::unique_ptr<Communicator> model_comm;
+  std::unique_ptr<ParamStore> whole_params;
+  std::map<int64_t, std::pair<ModelGraph, std::unique_ptr<Executor>>> eval_models;
+
+  Impl(const ModelSpec& s, std::shared_ptr<const Dataset> d, std::shared_ptr<const Dataset> test,
+       TrainerOptions opts, Communicator& w)
+      : spec(s),
+        o(std::move(opts)),
+        data(std::move(d)),
+        test_data(std::move(test)),
+        world(w),
+        plan(*o.dist.plan) {
     check_pipeline_options(o);
     rank = world.rank();
     plan.mesh.check_world(world.size(), "the plan's mesh");
@@ -147,6 +159,10 @@ struct PipelineTraining::Impl {
     dp_comm = world.split(group_index(plan.mesh.groups("dp"), rank), dp_rank, "dp", co);
     norm_comm = world.split(group_index(plan.mesh.groups("pp"), rank), plan.mesh.coord(rank, "pp"),
                             "pp.norms", co);
+    model_comm = world.split(dp_rank, rank, "replica", co);
+    if (o.eval && (!test_data || test_data->size() == 0)) {
+      throw ConfigError("train.eval: no test examples to evaluate (data.limit_test = 0?)");
+    }
     kernels(o.exec.backend, o.exec.fast).set_num_threads(o.threads);
     spec.compute = o.precision;
 
@@ -290,6 +306,90 @@ struct PipelineTraining::Impl {
     return red[0];
   }
 
+  // Joins the whole parameters on every rank of this model replica: each
+  // element written by exactly one rank (the `counted` one), then summed.
+  void join_whole_params() {
+    if (!whole_params) {
+      whole_params = std::make_unique<ParamStore>(build_model(spec, 1).graph, o.seed, false, true);
+    }
+    whole_params->flat_values().fill(0.0);
+    for (const std::string& name : runtime->param_names()) {
+      if (!counted[name]) continue;
+      const ParamStore::Entry* e = whole_params->find(name);
+      Tensor whole = e->value;  // a handle on the store's memory
+      const Tensor piece = runtime->param(name);
+      const LoweredParam* lp = tensor_parallel ? lowered.param(name) : nullptr;
+      if (lp == nullptr || lp->axis.empty()) {
+        std::copy_n(piece.data<float>(), piece.numel(), whole.data<float>());
+        continue;
+      }
+      // Rows of the box into the whole tensor.
+      const Box& b = lp->box;
+      const Shape bs = b.shape();
+      const int r = bs.rank();
+      const int64_t row = bs[r - 1], rows = bs.numel() / row;
+      for (int64_t k = 0; k < rows; ++k) {
+        int64_t rest = k, flat = b.begin[static_cast<size_t>(r - 1)], stride = e->shape[r - 1];
+        for (int d = r - 2; d >= 0; --d) {
+          flat += (b.begin[static_cast<size_t>(d)] + rest % bs[d]) * stride;
+          rest /= bs[d];
+          stride *= e->shape[d];
+        }
+        std::copy_n(piece.data<float>() + k * row, row, whole.data<float>() + flat);
+      }
+    }
+    model_comm->all_reduce(whole_params->flat_values(), ReduceOp::sum, o.dist.dp.collective);
+  }
+
+  // {loss, accuracy, examples} on the test split (or its first eval_batches
+  // batches), every data-parallel replica a slice of each batch.
+  std::tuple<double, double, int64_t> evaluate() {
+    join_whole_params();
+    LoaderOptions lo;
+    lo.batch_size = std::min<int64_t>(o.eval_batch_size, test_data->size());
+    lo.shuffle = false;
+    lo.drop_last = false;
+    lo.rank = dp_rank;
+    lo.world_size = dp_world;
+    const DataLoader tl(*test_data, lo);
+    const int64_t steps =
+        o.eval_batches > 0 ? std::min(o.eval_batches, tl.steps_per_epoch()) : tl.steps_per_epoch();
+    double sums[3] = {0, 0, 0};
+    for (int64_t s = 0; s < steps; ++s) {
+      const Batch b = tl.batch(0, s);
+      const int64_t n = b.size();
+      if (n == 0) continue;
+      auto it = eval_models.find(n);
+      if (it == eval_models.end()) {
+        ModelGraph m = build_model(spec, n);
+        ExecOptions eo = o.exec;
+        eo.outputs = {m.logits, m.loss};
+        eo.recompute = false;
+        auto ex = std::make_unique<Executor>(m.graph, eo);
+        whole_params->bind(*ex, m.graph, false);
+        for (auto& [id, t] : m.constants) ex->bind(id, t);
+        it = eval_models.emplace(n, std::make_pair(std::move(m), std::move(ex))).first;
+      }
+      ModelGraph& m = it->second.first;
+      Executor& ex = *it->second.second;
+      ex.bind(m.x, b.x.reshape(m.graph.value(m.x).shape));
+      ex.bind(m.y, b.y);
+      ex.run_forward();
+      const Tensor logits = ex.get(m.logits);
+      const int64_t rws = logits.shape()[0], classes = logits.shape()[1];
+      sums[0] += ex.get(m.loss).item() * static_cast<double>(rws);
+      const float* l = logits.data<float>();
+      const int32_t* y = b.y.data<int32_t>();
+      for (int64_t q = 0; q < rws; ++q) {
+        const float* rowp = l + q * classes;
+        sums[1] += (std::max_element(rowp, rowp + classes) - rowp) == y[q] ? 1 : 0;
+      }
+      sums[2] += static_cast<double>(rws);
+    }
+    dp_comm->all_reduce(sums, sums, 3, DType::f64);
+    return {sums[0] / sums[2], sums[1] / sums[2], static_cast<int64_t>(sums[2])};
+  }
+
   // 1 - (compute of all stages) / (p x the step's makespan), from every
   // rank's spans (collective over the pipeline group).
   double idle_fraction() {
@@ -342,6 +442,20 @@ struct PipelineTraining::Impl {
       if ((step + 1) % o.log_every == 0 || step + 1 == total_steps) metrics.write(line);
       progress.update(ProgressUpdate{step + 1, epoch + 1, (total_steps + spe - 1) / spe, loss, rate,
                                      rate * tokens_per_sample, lr->lr_at(step)});
+      // Evaluation after each whole epoch and at the end of the run.
+      if (o.eval && ((step + 1) % spe == 0 || step + 1 == total_steps)) {
+        const auto [tl, ta, n] = evaluate();
+        metrics.write({{"step", step + 1},
+                       {"epoch", static_cast<double>(step + 1) / static_cast<double>(spe)},
+                       {"test_loss", tl},
+                       {"test_accuracy", ta},
+                       {"test_examples", n}});
+        progress.message(fmt::format("step {}: test loss {:.4f}, test accuracy {:.2f}%", step + 1,
+                                     tl, 100.0 * ta));
+        r.test_loss = tl;
+        r.test_accuracy = ta;
+        r.test_examples = n;
+      }
       if (o.dist.after_step) o.dist.after_step(step + 1, rank);
     }
     progress.finish();
@@ -377,14 +491,21 @@ struct PipelineTraining::Impl {
           {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
           {"peak_stash_bytes", peak_stash}}}};
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
+    if (r.test_loss) {
+      summary["test_loss"] = *r.test_loss;
+      summary["test_accuracy"] = *r.test_accuracy;
+      summary["test_examples"] = r.test_examples;
+    }
     metrics.write(summary);
     return r;
   }
 };
 
 PipelineTraining::PipelineTraining(const ModelSpec& model, std::shared_ptr<const Dataset> data,
-                                   TrainerOptions options, Communicator& world)
-    : impl_(std::make_unique<Impl>(model, std::move(data), std::move(options), world)) {}
+                                   std::shared_ptr<const Dataset> test_data, TrainerOptions options,
+                                   Communicator& world)
+    : impl_(std::make_unique<Impl>(model, std::move(data), std::move(test_data), std::move(options),
+                                   world)) {}
 
 PipelineTraining::~PipelineTraining() = default;
 

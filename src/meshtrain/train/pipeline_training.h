@@ -18,8 +18,12 @@
 // start as their boxes, and norms also sum over the tensor groups
 // (replicated parameters counted once).
 //
+// Evaluation (after each epoch and at the end) runs the whole model on every
+// rank of a model replica: the replica's ranks join their parameter pieces
+// into whole parameters first (one all-reduce of the model's size).
+//
 // Not yet (each refused with a ConfigError naming the key, before any step):
-// evaluation, checkpoints / resume / train.init, f16 loss scaling,
+// checkpoints / resume / train.init, f16 loss scaling,
 // dist.batch_shares, ZeRO, accumulation steps (micro-batches are the
 // pipeline's).
 //
@@ -38,7 +42,8 @@ namespace mt {
 class PipelineTraining {
  public:
   PipelineTraining(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
-                   TrainerOptions options, Communicator& world);
+                   std::shared_ptr<const Dataset> test_data, TrainerOptions options,
+                   Communicator& world);
   ~PipelineTraining();
   PipelineTraining(const PipelineTraining&) = delete;
   PipelineTraining& operator=(const PipelineTraining&) = delete;

@@ -1484,8 +1484,8 @@ Trainer::Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_da
     if (comm == nullptr) {
       throw ConfigError("a plan with pipeline stages needs a communicator (one rank per stage)");
     }
-    pipe_ =
-        std::make_unique<PipelineTraining>(model, std::move(train_data), std::move(options), *comm);
+    pipe_ = std::make_unique<PipelineTraining>(model, std::move(train_data), std::move(test_data),
+                                               std::move(options), *comm);
     return;
   }
   impl_ = std::make_unique<Impl>(model, std::move(train_data), std::move(test_data),
