@@ -16,6 +16,8 @@ configs/gpt_medium.toml, GPT-2-small sized):
                               (goal <= 0.55)
   gpt_tp2_uneven_speedup      with dist.slowdown = [1, 2]: TP=2 with tp_ratios
                               [2, 1] tokens/s / even TP=2 tokens/s (goal >= 1.3)
+  gpt_pp2_uneven_speedup      with dist.slowdown = [1, 2]: PP=2 1F1B with
+                              stage_layers [3, 1] tokens/s / even [2, 2] (goal >= 1.3)
   gpt_pp2_<schedule>_throughput  tokens/s, meshtrain [parallel] pp=2, 4
                               micro-batches (interleaved: 2 chunks per rank) vs
                               PyTorch's torch.distributed.pipelining with the same
@@ -216,6 +218,25 @@ def run(ctx):
                     "unequal devices); tp_ratios 2:1 gives rank 0 two thirds of the heads and "
                     "columns"}
     err = "; ".join(e for e in (even.error, uneven.error) if e)
+    if err:
+        line["error"] = err
+    ctx.emit(line)
+
+    pp = ["parallel.pp=2", "parallel.microbatches=4", 'parallel.schedule="1f1b"']
+    pp_even = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
+                              sets=pp + slow + ["parallel.stage_layers=[2,2]"],
+                              name="meshtrain-gpt-pp2-slow-even")
+    pp_uneven = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
+                                sets=pp + slow + ["parallel.stage_layers=[3,1]"],
+                                name="meshtrain-gpt-pp2-slow-3to1")
+    line = {"name": "gpt_pp2_uneven_speedup", "unit": "x", "system": "meshtrain",
+            "value": ratio(tokens_per_s(pp_uneven), tokens_per_s(pp_even)),
+            "tokens_per_s_even": tokens_per_s(pp_even),
+            "tokens_per_s_3to1": tokens_per_s(pp_uneven), "slowdown": [1, 2], "goal": ">= 1.3",
+            "model": "gpt", "processes": WORLD,
+            "note": "stage_layers [3, 1] gives the fast rank 3 of the 4 blocks (the last stage "
+                    "also holds the final norm, the head and the loss)"}
+    err = "; ".join(e for e in (pp_even.error, pp_uneven.error) if e)
     if err:
         line["error"] = err
     ctx.emit(line)
