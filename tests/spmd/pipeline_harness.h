@@ -35,7 +35,10 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c);
 
 // GPipe on a wider MLP (fast backend, one thread): the median over steps of
 // the measured idle fraction, 1 - sum(compute) / (p * makespan) from the
-// runtime's spans on every rank, is within `tolerance` of (p-1)/(m+p-1).
-void check_gpipe_idle_fraction(Communicator& comm, int microbatches, double tolerance);
+// runtime's spans on every rank, is not below the formula (p-1)/(m+p-1)
+// (the spans and the clock are right) and, on a machine that is not
+// oversubscribed, below (p-1)/p (the stages overlap); printed beside the
+// formula.
+void check_gpipe_idle_fraction(Communicator& comm, int microbatches);
 
 }  // namespace mt::test
