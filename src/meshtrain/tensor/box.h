@@ -12,6 +12,8 @@
 
 namespace mt {
 
+class Tensor;
+
 struct Box {
   std::vector<int64_t> begin, end;
 
@@ -41,5 +43,12 @@ struct Box {
   }
   bool operator==(const Box&) const = default;
 };
+
+// Copies box `b` of `whole` into `piece` (its elements in row-major order;
+// piece.numel() == b.elements(), same dtype), or `piece` back into box `b`
+// of `whole`: one contiguous run per row of the box. InternalError for a box
+// outside `whole` or a piece of another size or dtype.
+void copy_box_out(const Tensor& whole, const Box& b, Tensor& piece);
+void copy_box_in(Tensor& whole, const Box& b, const Tensor& piece);
 
 }  // namespace mt

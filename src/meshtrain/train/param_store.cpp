@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "meshtrain/base/random.h"
+#include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
@@ -93,31 +94,13 @@ void ParamStore::initial_range(size_t i, int64_t begin, int64_t end, float* dst)
 
 void ParamStore::initial_box(size_t i, const Shape& global, const std::vector<int64_t>& begin) {
   Entry& e = entries_.at(i);
-  const int r = e.shape.rank();
-  MT_CHECK(global.rank() == r && static_cast<int>(begin.size()) == r && e.value.defined(),
+  MT_CHECK(global.rank() == e.shape.rank() && e.value.defined(),
            "initial_box of '{}': shape {} in {}", e.name, e.shape.str(), global.str());
-  for (int d = 0; d < r; ++d) {
-    MT_CHECK(begin[static_cast<size_t>(d)] >= 0 &&
-                 begin[static_cast<size_t>(d)] + e.shape[d] <= global[d],
-             "initial_box of '{}': box {} at dim {} outside {}", e.name, e.shape.str(), d,
-             global.str());
-  }
-  std::vector<float> whole(static_cast<size_t>(global.numel()));
-  init_range(whole.data(), 0, global.numel(), e.init, seed_, e.name);
-  float* dst = e.value.data<float>();
-  const int64_t row = r == 0 ? 1 : e.shape[r - 1];
-  const int64_t rows = row == 0 ? 0 : e.shape.numel() / row;
-  for (int64_t k = 0; k < rows; ++k) {
-    // Global flat offset of the box's row k.
-    int64_t rest = k, flat = 0, stride = r == 0 ? 1 : global[r - 1];
-    flat = r == 0 ? 0 : begin[static_cast<size_t>(r - 1)];
-    for (int d = r - 2; d >= 0; --d) {
-      flat += (begin[static_cast<size_t>(d)] + rest % e.shape[d]) * stride;
-      rest /= e.shape[d];
-      stride *= global[d];
-    }
-    std::copy_n(whole.data() + flat, row, dst + k * row);
-  }
+  Box box{begin, begin};
+  for (size_t d = 0; d < begin.size(); ++d) box.end[d] += e.shape[static_cast<int>(d)];
+  Tensor whole = Tensor::empty(global, DType::f32);
+  init_range(whole.data<float>(), 0, global.numel(), e.init, seed_, e.name);
+  copy_box_out(whole, box, e.value);
 }
 
 void ParamStore::drop_values() {

@@ -17,6 +17,7 @@
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
+#include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/grad_clip.h"
@@ -103,26 +104,6 @@ struct PipelineTraining::Impl {
   bool tensor_parallel = false;
   std::shared_ptr<CommCollectiveRunner> runner;
   std::vector<std::unique_ptr<Communicator>> tensor_norm_comms;
-
-  // The box of a whole tensor, copied out (row-major).
-  static Tensor box_of(const Tensor& t, const Box& b) {
-    const Shape bs = b.shape();
-    Tensor out = Tensor::empty(bs, DType::f32);
-    const int r = t.rank();
-    const int64_t row = r == 0 ? 1 : bs[r - 1];
-    const int64_t rows = row == 0 ? 0 : bs.numel() / row;
-    for (int64_t k = 0; k < rows; ++k) {
-      int64_t rest = k, flat = r == 0 ? 0 : b.begin[static_cast<size_t>(r - 1)];
-      int64_t stride = r == 0 ? 1 : t.shape()[r - 1];
-      for (int d = r - 2; d >= 0; --d) {
-        flat += (b.begin[static_cast<size_t>(d)] + rest % bs[d]) * stride;
-        rest /= bs[d];
-        stride *= t.shape()[d];
-      }
-      std::copy_n(t.data<float>() + flat, row, out.data<float>() + k * row);
-    }
-    return out;
-  }
 
   // The first rank of its tensor groups (every rank without tensor axes).
   bool tensor_leader() const {
@@ -221,7 +202,13 @@ struct PipelineTraining::Impl {
       Tensor t = Tensor::empty(e.shape, DType::f32);
       layout.initial_range(i, 0, e.shape.numel(), t.data<float>());
       const LoweredParam* lp = tensor_parallel ? lowered.param(name) : nullptr;
-      runtime->set_param(name, lp != nullptr && !lp->axis.empty() ? box_of(t, lp->box) : t);
+      if (lp != nullptr && !lp->axis.empty()) {
+        Tensor piece = Tensor::empty(lp->box.shape(), DType::f32);
+        copy_box_out(t, lp->box, piece);
+        runtime->set_param(name, piece);
+      } else {
+        runtime->set_param(name, t);
+      }
       // Norms: a piece of a split parameter always counts; a replicated one
       // on the first rank of each tensor group only.
       bool count = true;
@@ -323,20 +310,7 @@ struct PipelineTraining::Impl {
         std::copy_n(piece.data<float>(), piece.numel(), whole.data<float>());
         continue;
       }
-      // Rows of the box into the whole tensor.
-      const Box& b = lp->box;
-      const Shape bs = b.shape();
-      const int r = bs.rank();
-      const int64_t row = bs[r - 1], rows = bs.numel() / row;
-      for (int64_t k = 0; k < rows; ++k) {
-        int64_t rest = k, flat = b.begin[static_cast<size_t>(r - 1)], stride = e->shape[r - 1];
-        for (int d = r - 2; d >= 0; --d) {
-          flat += (b.begin[static_cast<size_t>(d)] + rest % bs[d]) * stride;
-          rest /= bs[d];
-          stride *= e->shape[d];
-        }
-        std::copy_n(piece.data<float>() + k * row, row, whole.data<float>() + flat);
-      }
+      copy_box_in(whole, lp->box, piece);
     }
     model_comm->all_reduce(whole_params->flat_values(), ReduceOp::sum, o.dist.dp.collective);
   }
