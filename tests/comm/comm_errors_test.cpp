@@ -135,6 +135,7 @@ TEST_P(CommErrors, TimeoutNamesTheRankThatNeverCalls) {
       if (sw.seconds() > 10) throw std::runtime_error("timeout took far longer than 300 ms");
     }
     caught.fetch_add(1);
+    await(caught, 2);  // no rank is "gone" before both have timed out
     // After a timeout the communicator refuses further calls.
     try {
       c.barrier();
@@ -182,6 +183,10 @@ TEST_P(CommErrors, TimeoutWithoutHandshakeNamesWhoIsMissingAfterEarlierCalls) {
       messages[static_cast<size_t>(c.rank())] = e.what();
     }
     caught.fetch_add(1);
+    // Neither waiting rank returns before the other has timed out: a rank
+    // whose thread has returned is "gone", which its peer would report
+    // instead of its own timeout.
+    await(caught, 2);
   });
   for (const auto& e : errors) EXPECT_FALSE(e) << message_of(e);
   for (int r : {0, 2}) {
@@ -249,6 +254,7 @@ TEST(CommErrorsStall, CallbackReportsWhoHasNotEntered) {
     } catch (const TimeoutError&) {
     }
     caught.fetch_add(1);
+    await(caught, 2);  // no rank is "gone" before both have timed out
   });
   for (const auto& e : errors) EXPECT_FALSE(e) << message_of(e);
   ASSERT_EQ(reports.size(), 2u);
