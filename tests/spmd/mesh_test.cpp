@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <set>
 
 #include "meshtrain/base/error.h"
@@ -73,6 +75,24 @@ TEST(Mesh, ChecksWorldAndAxes) {
     FAIL();
   } catch (const ConfigError& e) {
     EXPECT_STREQ(e.what(), "mesh: axis tp has size 0 (expected a size of at least 1)");
+  }
+}
+
+}  // namespace
+}  // namespace mt
+
+namespace mt {
+namespace {
+
+// group_index(r, axis) is the position of r's group in groups(axis).
+TEST(Mesh, GroupIndexIsThePositionInGroups) {
+  const Mesh m({{"pp", 2}, {"dp", 3}, {"tp", 2}});
+  for (const char* axis : {"pp", "dp", "tp", "sp"}) {
+    const std::vector<std::vector<int>> gs = m.groups(axis);
+    for (int r = 0; r < m.size(); ++r) {
+      const auto& g = gs[static_cast<size_t>(m.group_index(r, axis))];
+      EXPECT_NE(std::find(g.begin(), g.end(), r), g.end()) << axis << " rank " << r;
+    }
   }
 }
 

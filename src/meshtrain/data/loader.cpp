@@ -10,6 +10,14 @@
 
 namespace mt {
 
+Tensor batch_rows(const Tensor& t, int64_t begin, int64_t n) {
+  std::vector<int64_t> dims = t.shape().dims();
+  const int64_t row = t.shape().prod(1, t.rank()) * static_cast<int64_t>(dtype_size(t.dtype()));
+  dims[0] = n;
+  auto* base = static_cast<char*>(const_cast<void*>(t.raw()));
+  return Tensor::wrap(base + begin * row, Shape(dims), t.dtype());
+}
+
 uint64_t uniform_below(std::mt19937_64& rng, uint64_t bound) {
   MT_CHECK(bound > 0, "uniform_below needs a positive bound");
   // Reject the top partial block of the 2^64 range so every residue is equally likely.

@@ -27,6 +27,10 @@
 
 namespace mt {
 
+// Rows [begin, begin + n) along dim 0 of a batch tensor, as a view of its
+// memory (which must outlive it): a micro-batch of a loader's batch.
+Tensor batch_rows(const Tensor& t, int64_t begin, int64_t n);
+
 struct LoaderOptions {
   int64_t batch_size = 64;  // global batch size: all ranks together
   uint64_t seed = 0;

@@ -68,6 +68,13 @@ struct CommCollectiveRunner::Pending {
   Tensor send_staging;  // all_to_all along an inner dim: x's pieces rank-major
 };
 
+std::unique_ptr<Communicator> axis_communicator(Communicator& world, const Mesh& mesh,
+                                                std::string_view axis, const std::string& name,
+                                                const CollectiveOptions& opts) {
+  const int r = world.rank();
+  return world.split(mesh.group_index(r, axis), mesh.coord(r, axis), name, opts);
+}
+
 CommCollectiveRunner::CommCollectiveRunner(Communicator& world,
                                            std::vector<std::vector<int>> groups,
                                            CollectiveOptions opts)

@@ -22,12 +22,22 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/exec/collective_runner.h"
+#include "meshtrain/spmd/mesh.h"
 
 namespace mt {
+
+// This rank's group of mesh axis `axis` as a communicator split off
+// `world` (group ranks ordered by their coordinate on the axis). Collective
+// over `world`: every rank calls it with the same mesh and axis.
+std::unique_ptr<Communicator> axis_communicator(Communicator& world, const Mesh& mesh,
+                                                std::string_view axis, const std::string& name,
+                                                const CollectiveOptions& opts = {});
 
 class CommCollectiveRunner : public CollectiveRunner {
  public:

@@ -108,11 +108,7 @@ class Lowerer {
     p_.axes = lowered_axes(plan.mesh);
     for (const std::string& a : p_.axes) {
       const std::vector<std::vector<int>> groups = plan.mesh.groups(a);
-      for (size_t i = 0; i < groups.size(); ++i) {
-        if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end()) {
-          p_.group_of_axis[a] = static_cast<int64_t>(p_.groups.size() + i);
-        }
-      }
+      p_.group_of_axis[a] = static_cast<int64_t>(p_.groups.size()) + plan.mesh.group_index(rank, a);
       p_.groups.insert(p_.groups.end(), groups.begin(), groups.end());
     }
     p_.local.assign(static_cast<size_t>(g.num_values()), kNoValue);

@@ -85,6 +85,17 @@ std::vector<std::vector<int>> Mesh::groups(std::string_view axis) const {
   return out;
 }
 
+int Mesh::group_index(int rank, std::string_view axis) const {
+  // Groups are ordered by their lowest rank, the one at coordinate 0.
+  std::vector<int> c = coords(rank);
+  const int a = axis_index(axis);
+  if (a >= 0) c[static_cast<size_t>(a)] = 0;
+  const int first = rank_of(c);
+  int index = 0;
+  for (int r = 0; r < first; ++r) index += coord(r, axis) == 0 ? 1 : 0;
+  return index;
+}
+
 void Mesh::check_world(int world, std::string_view where) const {
   if (size() == world) return;
   throw ConfigError(fmt::format(

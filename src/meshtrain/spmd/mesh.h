@@ -47,6 +47,8 @@ class Mesh {
   std::vector<int> group(int rank, std::string_view axis) const;
   // Every group of `axis`, in order of their lowest rank.
   std::vector<std::vector<int>> groups(std::string_view axis) const;
+  // The position of group(rank, axis) in groups(axis).
+  int group_index(int rank, std::string_view axis) const;
 
   // Throws ConfigError unless size() == world, naming the mesh and the world.
   void check_world(int world, std::string_view where) const;

@@ -17,6 +17,7 @@
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
+#include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
@@ -31,31 +32,6 @@ namespace mt {
 namespace {
 
 constexpr int64_t kWarmupSteps = 5;
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Rows [begin, begin + n) of a batch tensor, as a view.
-Tensor rows(const Tensor& t, int64_t begin, int64_t n) {
-  std::vector<int64_t> dims = t.shape().dims();
-  const int64_t row = t.shape().prod(1, t.rank()) * static_cast<int64_t>(dtype_size(t.dtype()));
-  dims[0] = n;
-  auto* base = static_cast<char*>(const_cast<void*>(t.raw()));
-  return Tensor::wrap(base + begin * row, Shape(dims), t.dtype());
-}
-
-int group_index(const std::vector<std::vector<int>>& groups, int rank) {
-  for (size_t i = 0; i < groups.size(); ++i) {
-    if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end()) {
-      return static_cast<int>(i);
-    }
-  }
-  return 0;
-}
 
 }  // namespace
 
@@ -135,11 +111,9 @@ struct PipelineTraining::Impl {
     dp_rank = plan.mesh.coord(rank, "dp");
     dp_world = plan.mesh.axis_size("dp");
     const CollectiveOptions& co = o.dist.dp.collective;
-    pp_comm = world.split(group_index(plan.mesh.groups("pp"), rank), plan.mesh.coord(rank, "pp"),
-                          "pp", co);
-    dp_comm = world.split(group_index(plan.mesh.groups("dp"), rank), dp_rank, "dp", co);
-    norm_comm = world.split(group_index(plan.mesh.groups("pp"), rank), plan.mesh.coord(rank, "pp"),
-                            "pp.norms", co);
+    pp_comm = axis_communicator(world, plan.mesh, "pp", "pp", co);
+    dp_comm = axis_communicator(world, plan.mesh, "dp", "dp", co);
+    norm_comm = axis_communicator(world, plan.mesh, "pp", "pp.norms", co);
     model_comm = world.split(dp_rank, rank, "replica", co);
     if (o.eval && (!test_data || test_data->size() == 0)) {
       throw ConfigError("train.eval: no test examples to evaluate (data.limit_test = 0?)");
@@ -185,8 +159,7 @@ struct PipelineTraining::Impl {
       runner = std::make_shared<CommCollectiveRunner>(world, lowered.groups, co);
       po.exec.collectives = runner;
       for (const std::string& axis : lowered.axes) {
-        tensor_norm_comms.push_back(world.split(group_index(plan.mesh.groups(axis), rank),
-                                                plan.mesh.coord(rank, axis), axis + ".norms", co));
+        tensor_norm_comms.push_back(axis_communicator(world, plan.mesh, axis, axis + ".norms", co));
       }
     }
     runtime = std::make_unique<PipelineRuntime>(*pp_comm, cut, schedule, po);
@@ -252,10 +225,10 @@ struct PipelineTraining::Impl {
     const Shape xs = model.graph.value(model.x).shape;
     runtime->run_step([&](int i, const std::string& input) -> Tensor {
       if (input == model.graph.value(model.x).name) {
-        return rows(b.x, i * micro_batch, micro_batch).reshape(xs);
+        return batch_rows(b.x, i * micro_batch, micro_batch).reshape(xs);
       }
       if (input == model.graph.value(model.y).name) {
-        return rows(b.y, i * micro_batch * y_per, micro_batch * y_per);
+        return batch_rows(b.y, i * micro_batch * y_per, micro_batch * y_per);
       }
       auto it = constants.find(input);
       return it != constants.end() ? it->second : Tensor();
@@ -434,7 +407,7 @@ struct PipelineTraining::Impl {
     }
     progress.finish();
     r.steps = r.steps_run = total_steps;
-    r.samples_per_s = median(rates.empty() ? warm : rates);
+    r.samples_per_s = median_of(rates.empty() ? warm : rates);
     r.samples_per_s_includes_warmup = rates.empty();
     if (tokens_per_sample > 0) r.tokens_per_s = *r.samples_per_s * tokens_per_sample;
     rusage ru{};
@@ -457,7 +430,7 @@ struct PipelineTraining::Impl {
           {"schedule", std::string(schedule_name(plan.schedule))},
           {"microbatches", plan.microbatches},
           {"virtual_stages", plan.virtual_stages},
-          {"pipeline_idle_fraction", median(idle)},
+          {"pipeline_idle_fraction", median_of(idle)},
           {"pipeline_idle_fraction_formula",
            formula_idle_fraction(plan.schedule, p, plan.microbatches, plan.virtual_stages)},
           {"pipeline_bytes_sent_per_step",

@@ -52,13 +52,6 @@ namespace fs = std::filesystem;
 // (first-touch page faults, primitive creation, cache warm-up).
 constexpr int64_t kWarmupSteps = 5;
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // A measured value, or JSON null where nothing was measured (never 0).
 nlohmann::json or_null(const std::optional<double>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
@@ -77,15 +70,6 @@ nlohmann::json by_category(const std::array<int64_t, kMemoryCategories>& bytes) 
         bytes[static_cast<size_t>(c)];
   }
   return j;
-}
-
-// Rows [begin, begin + n) of a batch tensor, as a view (the batch outlives it).
-Tensor rows(const Tensor& t, int64_t begin, int64_t n) {
-  std::vector<int64_t> dims = t.shape().dims();
-  const int64_t row = t.shape().prod(1, t.rank()) * static_cast<int64_t>(dtype_size(t.dtype()));
-  dims[0] = n;
-  auto* base = static_cast<char*>(const_cast<void*>(t.raw()));
-  return Tensor::wrap(base + begin * row, Shape(dims), t.dtype());
 }
 
 ParamLayout layout_of(const ParamStore& store) {
@@ -447,25 +431,11 @@ struct Trainer::Impl {
       return;
     }
     const Mesh& mesh = o.dist.plan->mesh;
-    const std::vector<std::vector<int>> groups = mesh.groups("dp");
-    int color = 0;
-    for (size_t i = 0; i < groups.size(); ++i) {
-      if (std::find(groups[i].begin(), groups[i].end(), rank) != groups[i].end()) {
-        color = static_cast<int>(i);
-      }
-    }
-    own_dp_comm = comm->split(color, dp_rank, "dp", o.dist.dp.collective);
+    own_dp_comm = axis_communicator(*comm, mesh, "dp", "dp", o.dist.dp.collective);
     dp_comm = own_dp_comm.get();
     for (const std::string& axis : lowered_axes(mesh)) {
-      const std::vector<std::vector<int>> tg = mesh.groups(axis);
-      int tcolor = 0;
-      for (size_t i = 0; i < tg.size(); ++i) {
-        if (std::find(tg[i].begin(), tg[i].end(), rank) != tg[i].end()) {
-          tcolor = static_cast<int>(i);
-        }
-      }
       norm_comms.push_back(
-          comm->split(tcolor, mesh.coord(rank, axis), axis + ".norms", o.dist.dp.collective));
+          axis_communicator(*comm, mesh, axis, axis + ".norms", o.dist.dp.collective));
     }
     auto refuse = [&](bool bad, const std::string& what) {
       if (!bad) return;
@@ -1093,9 +1063,11 @@ struct Trainer::Impl {
     double loss = 0;
     for (int m = 0; m < k; ++m) {
       auto span = timeline.span("forward+backward", "step");
-      exec->bind(model.x,
-                 rows(b.x, m * micro_batch, micro_batch).reshape(model.graph.value(model.x).shape));
-      exec->bind(model.y, rows(b.y, m * micro_batch * y_per_example, micro_batch * y_per_example));
+      exec->bind(
+          model.x,
+          batch_rows(b.x, m * micro_batch, micro_batch).reshape(model.graph.value(model.x).shape));
+      exec->bind(model.y,
+                 batch_rows(b.y, m * micro_batch * y_per_example, micro_batch * y_per_example));
       if (loss_scale_in != kNoValue) loss_scale.fill(scaler.scale());
       dp->begin_micro_step(weight);
       exec->run();
@@ -1304,9 +1276,9 @@ struct Trainer::Impl {
     r.steps = step;
     r.steps_run = step - first;
     if (!rates.empty()) {
-      r.samples_per_s = median(rates);
+      r.samples_per_s = median_of(rates);
     } else if (!warmup_rates.empty()) {
-      r.samples_per_s = median(warmup_rates);  // a short run: better than nothing, and flagged
+      r.samples_per_s = median_of(warmup_rates);  // a short run: better than nothing, and flagged
       r.samples_per_s_includes_warmup = true;
     }
     if (r.samples_per_s && tokens_per_sample > 0)
