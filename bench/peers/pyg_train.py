@@ -43,6 +43,7 @@ def main(argv):
     p.add_argument("--graph", required=True)
     p.add_argument("--model", choices=["gcn", "sage", "gat"], required=True)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=1, help="gat: hidden layers concatenate, the last averages")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
@@ -66,17 +67,20 @@ def main(argv):
     masks = {k: torch.from_numpy(t[k].astype(bool)) for k in ("train_mask", "val_mask", "test_mask")}
     classes = int(meta["classes"])
 
-    def conv(i, o):
+    def conv(i, o, last):
         if a.model == "gcn":
             # cached: the normalised adjacency is computed once, as meshtrain
             # computes its edge values once (full-graph, transductive).
             return GCNConv(i, o, cached=True)
         if a.model == "sage":
             return SAGEConv(i, o, aggr="mean")
-        return GATConv(i, o, heads=1)
+        if a.heads == 1:
+            return GATConv(i, o, heads=1)
+        return GATConv(i, o if last else o // a.heads, heads=a.heads, concat=not last)
 
     widths = [x.shape[1]] + [a.hidden] * (a.layers - 1) + [classes]
-    convs = torch.nn.ModuleList(conv(widths[k], widths[k + 1]) for k in range(a.layers))
+    convs = torch.nn.ModuleList(conv(widths[k], widths[k + 1], k + 1 == a.layers)
+                                for k in range(a.layers))
 
     def forward():
         h = x

@@ -2,7 +2,9 @@
 
 `meshtrain graph-gen` writes a CSBM graph (configs/gcn_csbm.toml with
 data.vertices from --vertices) to a file both sides read, so they train on
-identical data. For each model (gcn, sage, gat) and thread count (1, 2):
+identical data. For each model (gcn, sage, gat, and gat4: GAT with 4 heads,
+hidden layers concatenating them, the last averaging, as PyG's GATConv with
+concat=True / False) and thread count (1, 2):
 meshtrain `train` on that file (median epoch time and accuracies from its
 metrics file) and bench/peers/pyg_train.py (same widths, layers, AdamW
 settings, epochs). One comparison line per pair: epoch time in ms, ratio =
@@ -25,7 +27,7 @@ CONFIG = REPO / "configs" / "gcn_csbm.toml"
 def add_args(p):
     p.add_argument("--vertices", type=int, default=100000, help="CSBM vertices (default 100000)")
     p.add_argument("--epochs", type=int, default=50, help="timed epochs (default 50)")
-    p.add_argument("--models", default="gcn,sage,gat")
+    p.add_argument("--models", default="gcn,sage,gat,gat4")
     p.add_argument("--threads", default="1,2")
 
 
@@ -51,10 +53,12 @@ def run(ctx):
     ctx.log(r.stdout.strip())
     cpu = cpu_context()
     for model in ctx.args.models.split(","):
+        kind, heads = ("gat", 4) if model == "gat4" else (model, 1)
         for threads in [int(t) for t in ctx.args.threads.split(",")]:
             metrics = ctx.workdir / f"{model}_{threads}.jsonl"
             m = ctx.run([exe, "train", "--config", CONFIG, "--quiet", "--metrics", metrics,
-                         "--set", f"model.kind={model}", "--set", "data.graph=file",
+                         "--set", f"model.kind={kind}", "--set", f"model.gat_heads={heads}",
+                         "--set", "data.graph=file",
                          "--set", f'data.graph_file="{graph}"', "--set", f"train.threads={threads}",
                          "--set", f"train.epochs={epochs + 3}", "--set", f"train.log_every={epochs + 3}"],
                         thread_env(threads), f"meshtrain_{model}_{threads}")
@@ -65,7 +69,8 @@ def run(ctx):
             if m.ok:
                 mine = json.loads(metrics.read_text().splitlines()[-1])
             peer_r = ctx.run([py, REPO / "bench" / "peers" / "pyg_train.py", "--graph", graph,
-                              "--model", model, "--epochs", str(epochs), "--threads", str(threads)],
+                              "--model", kind, "--heads", str(heads), "--epochs", str(epochs),
+                              "--threads", str(threads)],
                              thread_env(threads), f"pyg_{model}_{threads}")
             peer = peer_r.json_lines()[-1] if peer_r.ok and peer_r.json_lines() else None
             if mine is None or peer is None:

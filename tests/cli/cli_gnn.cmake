@@ -88,8 +88,8 @@ function(expect_error what expect)
 endfunction()
 expect_error("two ranks, one process" "gnn.parallel = \"none\" trains the graph in one process"
   --set dist.nproc=2)
-expect_error("gat graph parallel" "model.kind gat is not supported" --set model.kind=gat
-  --set "gnn.parallel=\"graph\"" --set dist.nproc=2)
+expect_error("gat under 1.5D" "gnn.replication = 2: model.kind gat needs each vertex's whole neighbourhood"
+  --set model.kind=gat --set "gnn.parallel=\"graph\"" --set gnn.replication=2 --set dist.nproc=2)
 expect_error("replication not dividing the ranks" "gnn.replication = 2 must divide the 3 ranks"
   --set "gnn.parallel=\"graph\"" --set gnn.replication=2 --set dist.nproc=3)
 expect_error("wrong data" "data.kind 'fashion_mnist' does not fit model.kind 'gcn'"

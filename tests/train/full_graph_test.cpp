@@ -42,9 +42,11 @@ TrainerOptions options(int64_t epochs, const std::string& backend = "fast") {
   return t;
 }
 
+// "gat4h": GAT with 4 heads.
 ModelSpec gnn(const std::string& kind, int64_t layers = 2) {
   ModelSpec s;
-  s.kind = kind;
+  s.kind = kind == "gat4h" ? "gat" : kind;
+  if (kind == "gat4h") s.gat_heads = 4;
   s.gnn_hidden = 32;
   s.gnn_layers = layers;
   return s;
@@ -75,7 +77,7 @@ TEST_P(EveryGnn, FastAndReferenceBackendsTrainAlike) {
   EXPECT_NEAR(fast.final_loss, ref.final_loss, 1e-4 * std::fabs(ref.final_loss)) << GetParam();
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, EveryGnn, ::testing::Values("gcn", "sage", "gat", "resgcn"),
+INSTANTIATE_TEST_SUITE_P(Models, EveryGnn, ::testing::Values("gcn", "sage", "gat", "gat4h", "resgcn"),
                          [](const auto& p) { return p.param; });
 
 TEST(FullGraph, SageWithMaxAggregationLearnsAndMatchesTheReference) {
@@ -89,6 +91,26 @@ TEST(FullGraph, SageWithMaxAggregationLearnsAndMatchesTheReference) {
   for (size_t e = 0; e < fast.epochs.size(); ++e) {
     EXPECT_NEAR(fast.epochs[e].loss, ref.epochs[e].loss, 1e-4 * std::fabs(ref.epochs[e].loss))
         << "epoch " << e + 1;
+  }
+}
+
+TEST(FullGraph, MultiHeadGatHasOneSetOfWeightsPerHeadAndChecksTheWidth) {
+  // 16 features, hidden 32 over 4 heads of 8, 4 classes averaged over 4 heads.
+  ModelSpec s = gnn("gat4h");
+  Csr ring;
+  ring.rows = ring.cols = 3;
+  ring.row_ptr = {0, 1, 2, 3};
+  ring.col_idx = {1, 2, 0};
+  GnnGraph g{&ring, 16, 4, {0, 1}, nullptr};
+  const ModelGraph m = build_gnn(s, g);
+  const int64_t first = 4 * (16 * 8 + 8 + 8) + 32, last = 4 * (32 * 4 + 4 + 4) + 4;
+  EXPECT_EQ(m.graph.param_count(), first + last);
+  s.gat_heads = 3;  // does not divide 32
+  try {
+    build_gnn(s, g);
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.gat_heads = 3"), std::string::npos) << e.what();
   }
 }
 

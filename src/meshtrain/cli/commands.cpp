@@ -506,7 +506,7 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
         "gnn.parallel = \"graph\" for graph parallelism over the ranks, or dist.nproc = 1",
         nproc));
   }
-  if (several) check_graph_parallel_model(rc.model);
+  if (several) check_graph_parallel_model(rc.model, rc.gnn.replication);
   if (several && !launched_by_mpi() && nproc % rc.gnn.replication != 0) {
     throw ConfigError(fmt::format(
         "gnn.replication = {} must divide the {} ranks (row blocks = ranks / replication)",
@@ -611,7 +611,7 @@ static int inspect_graph(const RunConfig& rc) {
              partition_method_name(po.method), plural(po.parts, "part"),
              c > 1 ? fmt::format(" / gnn.replication {}", c) : std::string());
   fmt::print("{}", partition_stats(g.adj, part).describe());
-  if (rc.nproc > 1 && graph_parallel_supports(rc.model)) {
+  if (rc.nproc > 1 && graph_parallel_supports(rc.model, c)) {
     std::vector<int64_t> bytes;
     for (int64_t q = 0; q < rc.nproc; ++q) {
       bytes.push_back(halo_bytes_per_epoch(

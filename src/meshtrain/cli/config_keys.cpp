@@ -30,6 +30,9 @@ const std::vector<KeyMeaning> kMeanings = {
     {"model.gnn_layers",
      "gcn, sage, gat: graph convolutions; resgcn: residual blocks (e.g. 32) between an input "
      "and an output linear layer"},
+    {"model.gat_heads",
+     "gat: attention heads; hidden layers concatenate them (gnn_hidden / gat_heads columns "
+     "each), the last layer averages them"},
     {"model.sage_aggregation",
      "sage: how a vertex combines its in-neighbours' features (mean, or the feature-wise max)"},
 

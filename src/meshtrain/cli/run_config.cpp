@@ -27,6 +27,7 @@ ModelSpec read_model(const Config& c) {
   m.gnn_hidden = c.get_int("model.gnn_hidden", m.gnn_hidden, Bounds<int64_t>::positive());
   m.gnn_layers = c.get_int("model.gnn_layers", m.gnn_layers, Bounds<int64_t>::positive());
   m.sage_aggregation = c.get_string("model.sage_aggregation", "mean", {"mean", "max"});
+  m.gat_heads = c.get_int("model.gat_heads", m.gat_heads, Bounds<int64_t>::positive());
   return m;
 }
 

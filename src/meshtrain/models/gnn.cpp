@@ -48,6 +48,12 @@ struct Net {
   const GnnShard* shard = nullptr;
   AdjInputs adj, halo_adj;
   ValueId send_rows = kNoValue;
+  // Under graph parallelism, for operators that need a row's whole
+  // neighbourhood (GAT's edge softmax, sage's max): the local and halo
+  // entries of each row in one adjacency [local, local + halo] (halo columns
+  // shifted by local), and the two selection matrices that place local rows
+  // and received halo rows into one [local + halo, F] block.
+  AdjInputs joined_adj, place_local, place_halo;
 
   // A parameter; replicated over the shard's group (its gradient is all-reduced).
   ValueId param(const std::string& name, const Shape& shape, ParamInit init) {
@@ -74,7 +80,57 @@ struct Net {
     // 1.5D: each replica summed its share of the row's terms.
     return shard->replication > 1 ? b.all_reduce(y, shard->replica_group) : y;
   }
+
+  // The adjacency whose rows hold every entry of a vertex's neighbourhood,
+  // and the rows its columns index: h itself in one process; under graph
+  // parallelism [h; the halo rows of h] -- one exchange, then two
+  // selection products (exact: each output element is one input element,
+  // or 0 + it), so no concatenation operator is needed and the gradient
+  // flows back through spmm's transposed product.
+  std::pair<const AdjInputs*, ValueId> whole_rows(ValueId h) {
+    if (!distributed() || shard->exchange_ranks <= 1) return {&adj, h};
+    ValueId send = b.embedding(h, send_rows);
+    ValueId recv = b.all_to_allv(send, shard->exchange_group, 0, shard->send_counts,
+                                 shard->recv_counts, shard->exchange_rank);
+    ValueId joined = b.add(b.spmm(place_local.row_ptr, place_local.col_idx, h),
+                           b.spmm(place_halo.row_ptr, place_halo.col_idx, recv));
+    return {&joined_adj, joined};
+  }
 };
+
+// The local and halo parts of a shard's rows in one CSR [local, local +
+// halo]: a row's local entries, then its halo entries (columns + local).
+Csr join_rows(const Csr& local, const Csr& halo) {
+  Csr j;
+  j.rows = local.rows;
+  j.cols = local.cols + halo.cols;
+  j.row_ptr.assign(1, 0);
+  for (int64_t r = 0; r < local.rows; ++r) {
+    const auto i = static_cast<size_t>(r);
+    for (int32_t e = local.row_ptr[i]; e < local.row_ptr[i + 1]; ++e) {
+      j.col_idx.push_back(local.col_idx[static_cast<size_t>(e)]);
+    }
+    for (int32_t e = halo.row_ptr[i]; e < halo.row_ptr[i + 1]; ++e) {
+      j.col_idx.push_back(halo.col_idx[static_cast<size_t>(e)] + static_cast<int32_t>(local.cols));
+    }
+    j.row_ptr.push_back(static_cast<int32_t>(j.col_idx.size()));
+  }
+  return j;
+}
+
+// [rows, count] selection: row offset + k holds one entry, column k.
+Csr placement(int64_t rows, int64_t offset, int64_t count) {
+  Csr p;
+  p.rows = rows;
+  p.cols = count;
+  p.row_ptr.assign(static_cast<size_t>(rows) + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool has = r >= offset && r < offset + count;
+    p.row_ptr[static_cast<size_t>(r) + 1] = p.row_ptr[static_cast<size_t>(r)] + (has ? 1 : 0);
+    if (has) p.col_idx.push_back(static_cast<int32_t>(r - offset));
+  }
+  return p;
+}
 
 ValueId bias_add(Net& n, ValueId h, int64_t width, const std::string& name) {
   return n.b.add(h, n.param(name + ".b", {width}, ParamInit{ParamInit::Kind::zeros, 0}));
@@ -92,33 +148,67 @@ ValueId gcn_conv(Net& n, ValueId h, int64_t in, int64_t out, const std::string& 
 ValueId sage_conv(Net& n, ValueId h, int64_t in, int64_t out, const std::string& name, bool max) {
   Builder& b = n.b;
   ValueId self = b.matmul(h, weight(n, name + ".w_self", in, out));
-  ValueId agg = max ? b.spmm_max(n.adj.row_ptr, n.adj.col_idx, h) : n.aggregate(h);
+  ValueId agg = kNoValue;
+  if (max) {
+    auto [a, rows] = n.whole_rows(h);
+    agg = b.spmm_max(a->row_ptr, a->col_idx, rows);
+  } else {
+    agg = n.aggregate(h);
+  }
   ValueId neigh = b.matmul(agg, weight(n, name + ".w_neigh", in, out));
   return bias_add(n, b.add(self, neigh), out, name);
 }
 
-ValueId gat_conv(Net& n, ValueId h, int64_t in, int64_t out, int64_t e, const std::string& name) {
+// One attention head over the rows `rows` that adjacency `a` indexes (z's
+// own rows in one process; [local; halo] under graph parallelism).
+ValueId gat_head(Net& n, ValueId h, int64_t in, int64_t out, const std::string& name) {
   Builder& b = n.b;
-  const AdjInputs& a = n.adj;
   ValueId z = b.matmul(h, weight(n, name + ".w", in, out));
-  ValueId s_src = b.matmul(z, weight(n, name + ".att_src", out, 1));  // [N, 1]
-  ValueId s_dst = b.matmul(z, weight(n, name + ".att_dst", out, 1));
+  auto [a, rows] = n.whole_rows(z);
+  const int64_t e = n.m.graph.value(a->col_idx).shape[0];
+  ValueId s_src = b.matmul(rows, weight(n, name + ".att_src", out, 1));  // [rows, 1]
+  ValueId s_dst = b.matmul(z, weight(n, name + ".att_dst", out, 1));     // [N, 1]
   // Per entry (i <- j): s_dst[i] + s_src[j], gathered with embedding lookups.
-  ValueId score = b.add(b.embedding(s_dst, a.rows), b.embedding(s_src, a.col_idx));  // [E, 1]
+  ValueId score = b.add(b.embedding(s_dst, a->rows), b.embedding(s_src, a->col_idx));  // [E, 1]
   score = b.reshape(score, {e});
   // leaky_relu(x, 0.2) = 0.8 relu(x) + 0.2 x
   score = b.add(b.scale(b.relu(score), 0.8), b.scale(score, 0.2));
-  ValueId alpha = b.edge_softmax(a.row_ptr, score);
-  return bias_add(n, b.spmm(a.row_ptr, a.col_idx, z, alpha), out, name);
+  ValueId alpha = b.edge_softmax(a->row_ptr, score);
+  return b.spmm(a->row_ptr, a->col_idx, rows, alpha);
+}
+
+// heads == 1: one head of width `out` (parameters conv.w, conv.att_src,
+// conv.att_dst). Otherwise heads of width out / heads placed side by side
+// (concat) or of width out averaged (the last layer), parameters
+// conv.head<k>.*; the placement is a product with a constant 0/1 matrix.
+ValueId gat_conv(Net& n, ValueId h, int64_t in, int64_t out, int64_t heads, bool concat,
+                 const std::string& name) {
+  Builder& b = n.b;
+  if (heads == 1) return bias_add(n, gat_head(n, h, in, out, name), out, name);
+  const int64_t width = concat ? out / heads : out;
+  ValueId sum = kNoValue;
+  for (int64_t k = 0; k < heads; ++k) {
+    const std::string hn = fmt::format("{}.head{}", name, k);
+    ValueId y = gat_head(n, h, in, width, hn);
+    if (concat) {
+      std::vector<float> place(static_cast<size_t>(width * out), 0.0f);
+      for (int64_t c = 0; c < width; ++c) place[static_cast<size_t>(c * out + k * width + c)] = 1;
+      ValueId p = b.input(hn + ".place", {width, out});
+      n.m.constants.emplace_back(p, tensor_from(place).reshape(Shape{width, out}));
+      y = b.matmul(y, p);
+    }
+    sum = sum == kNoValue ? y : b.add(sum, y);
+  }
+  if (!concat) sum = b.scale(sum, 1.0 / static_cast<double>(heads));
+  return bias_add(n, sum, out, name);
 }
 
 void check_shard(const ModelSpec& spec, const GnnShard& s) {
-  if (spec.kind == "gat" || (spec.kind == "sage" && spec.sage_aggregation == "max")) {
+  if (gnn_needs_whole_rows(spec) && s.replication > 1) {
     throw ConfigError(fmt::format(
-        "gnn.parallel = \"graph\": model.kind {}{} is not supported (its aggregation needs "
-        "a vertex's whole neighbourhood in one place; gcn, resgcn and sage with mean "
-        "aggregation are)",
-        spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
+        "gnn.replication = {}: model.kind {}{} needs each vertex's whole neighbourhood in one "
+        "place, which 1.5D splits over the replicas; use gnn.replication = 1",
+        s.replication, spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
   }
   const auto ranks = static_cast<size_t>(s.exchange_ranks);
   MT_CHECK(s.rank >= 0 && s.rank < s.ranks, "shard rank {} of {}", s.rank, s.ranks);
@@ -136,6 +226,10 @@ void check_shard(const ModelSpec& spec, const GnnShard& s) {
 }
 
 }  // namespace
+
+bool gnn_needs_whole_rows(const ModelSpec& spec) {
+  return spec.kind == "gat" || (spec.kind == "sage" && spec.sage_aggregation == "max");
+}
 
 bool is_gnn(const std::string& kind) {
   return kind == "gcn" || kind == "sage" || kind == "gat" || kind == "resgcn";
@@ -176,6 +270,13 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
     throw ConfigError(fmt::format("model.gnn_layers ({}) and model.gnn_hidden ({}) must be >= 1",
                                   spec.gnn_layers, spec.gnn_hidden));
   }
+  if (spec.kind == "gat" &&
+      (spec.gat_heads < 1 || (spec.gnn_layers > 1 && spec.gnn_hidden % spec.gat_heads != 0))) {
+    throw ConfigError(fmt::format(
+        "model.gat_heads = {}: expected >= 1 and a divisor of model.gnn_hidden ({}), whose "
+        "columns the heads of a hidden layer share",
+        spec.gat_heads, spec.gnn_hidden));
+  }
   const GnnShard* shard = g.shard;
   GnnAdjacency whole;
   if (shard != nullptr) {
@@ -201,7 +302,7 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
   m.x = b.input("x", {n, f});
   m.y = b.input("y", {m.batch}, DType::i32);
 
-  Net net{b, m, shard, {}, {}, kNoValue};
+  Net net{b, m, shard, {}, {}, kNoValue, {}, {}, {}};
   net.adj = bind_adj(b, m, "adj", a, values.empty() ? nullptr : &values, spec.kind == "gat");
   if (net.distributed() && shard->exchange_ranks > 1) {
     net.halo_adj = bind_adj(b, m, "halo_adj", shard->halo_adj,
@@ -209,6 +310,15 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
     net.send_rows =
         b.input("halo.send_rows", {static_cast<int64_t>(shard->send_rows.size())}, DType::i32);
     m.constants.emplace_back(net.send_rows, tensor_from(shard->send_rows));
+    if (gnn_needs_whole_rows(spec)) {
+      const int64_t joined = shard->local + shard->halo;
+      net.joined_adj = bind_adj(b, m, "joined_adj", join_rows(shard->local_adj, shard->halo_adj),
+                                nullptr, spec.kind == "gat");
+      net.place_local =
+          bind_adj(b, m, "place_local", placement(joined, 0, shard->local), nullptr, false);
+      net.place_halo = bind_adj(b, m, "place_halo", placement(joined, shard->local, shard->halo),
+                                nullptr, false);
+    }
   }
 
   ValueId h = m.x;
@@ -248,7 +358,7 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
     for (int64_t l = 0; l < spec.gnn_layers; ++l) {
       const bool last = l + 1 == spec.gnn_layers;
       const int64_t out = last ? c : hid;
-      h = gat_conv(net, h, width, out, a.nnz(), fmt::format("conv{}", l + 1));
+      h = gat_conv(net, h, width, out, spec.gat_heads, !last, fmt::format("conv{}", l + 1));
       if (!last) h = b.relu(h);
       width = out;
     }

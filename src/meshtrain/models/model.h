@@ -38,6 +38,7 @@ struct ModelSpec {
   // output linear layer).
   int64_t gnn_hidden = 64, gnn_layers = 2;
   std::string sage_aggregation = "mean";  // sage: "mean" or "max" over in-neighbours
+  int64_t gat_heads = 1;  // gat: attention heads (hidden layers concatenate, the last averages)
 };
 
 struct ModelGraph {
@@ -88,8 +89,10 @@ GnnAdjacency gnn_adjacency(const ModelSpec& spec, const Csr& adj);
 // replicated: each enters through copy_to_group (Megatron's f), so autodiff
 // all-reduces their gradients. The loss is this rank's share of the global
 // mean: sum of its loss vertices' cross-entropy / loss_total, so the sum
-// over ranks is the single-process loss. gcn, resgcn and sage (mean) only:
-// GAT's edge softmax and the max aggregation need the whole row.
+// over ranks is the single-process loss. GAT's edge softmax and sage's max
+// aggregation need a row's whole neighbourhood in one place: they run on the
+// joined rows [local; halo] (placed by two selection products, no new
+// operator) with the row's local and halo entries in one adjacency, 1D only.
 //
 // 1.5D (replication > 1, CAGNET's replication factor c): `replication`
 // ranks hold the same rows (a replica group, collective group
@@ -121,14 +124,20 @@ struct GnnShard {
 //   gcn:    h' = A_hat (h W) + b, A_hat = D^-1/2 (A + I) D^-1/2, relu between
 //   sage:   h' = h W_self + mean_{in-neighbours}(h) W_neigh + b (or the
 //           feature-wise max, sage_aggregation = "max"; 0 for no neighbours)
-//   gat:    one attention head: z = h W, e_ij = leaky_relu_0.2(a_dst.z_i +
-//           a_src.z_j) over A + I, alpha = edge_softmax(e), h' = sum alpha z + b
+//   gat:    per head k: z = h W_k, e_ij = leaky_relu_0.2(a_dst_k.z_i +
+//           a_src_k.z_j) over A + I, alpha = edge_softmax(e), sum_j alpha z_j;
+//           hidden layers concatenate the gat_heads heads (gnn_hidden /
+//           gat_heads columns each), the last averages them (PyG's GATConv
+//           with concat=True / False); + b
 //   resgcn: h = x W_in; gnn_layers times h = h + gcn(relu(layer_norm(h)));
 //           logits = relu(layer_norm(h)) W_out + b
 // With a shard: logits [local, classes], loss as GnnShard says.
 // Throws ConfigError for an unknown kind or a GnnGraph that does not fit.
 ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g);
 bool is_gnn(const std::string& kind);
+// GAT's edge softmax and sage's max aggregation see a row's entries together
+// (not as a sum of parts), so graph parallelism joins a row's halo to it.
+bool gnn_needs_whole_rows(const ModelSpec& spec);
 
 // Throws ConfigError for an unknown kind or an impossible spec (e.g. d_model
 // not divisible by heads), naming the field.

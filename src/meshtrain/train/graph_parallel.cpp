@@ -9,18 +9,16 @@
 
 namespace mt {
 
-bool graph_parallel_supports(const ModelSpec& spec) {
-  return spec.kind == "gcn" || spec.kind == "resgcn" ||
-         (spec.kind == "sage" && spec.sage_aggregation == "mean");
+bool graph_parallel_supports(const ModelSpec& spec, int64_t replication) {
+  return is_gnn(spec.kind) && (replication <= 1 || !gnn_needs_whole_rows(spec));
 }
 
-void check_graph_parallel_model(const ModelSpec& spec) {
-  if (graph_parallel_supports(spec)) return;
+void check_graph_parallel_model(const ModelSpec& spec, int64_t replication) {
+  if (graph_parallel_supports(spec, replication)) return;
   throw ConfigError(fmt::format(
-      "gnn.parallel = \"graph\": model.kind {}{} is not supported (its aggregation needs a "
-      "vertex's whole neighbourhood in one place; gcn, resgcn and sage with mean aggregation "
-      "are)",
-      spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
+      "gnn.replication = {}: model.kind {}{} needs each vertex's whole neighbourhood in one "
+      "place, which 1.5D splits over the replicas; use gnn.replication = 1",
+      replication, spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
 }
 
 std::vector<std::vector<int>> graph_parallel_groups(int ranks, int replication) {
@@ -46,7 +44,6 @@ int64_t replica_of(int64_t recv_part, int64_t src_part, int64_t replication) {
 
 GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Partition& p,
                             int64_t rank, int64_t replication) {
-  check_graph_parallel_model(spec);
   const int64_t n = g.num_vertices(), parts = p.parts, c = replication;
   const int64_t ranks = parts * c;
   MT_CHECK(c >= 1 && rank >= 0 && rank < ranks, "rank {} of {} parts x {} replicas", rank, parts,
@@ -57,6 +54,7 @@ GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Par
   const bool has_values = !whole.values.empty();
   const std::vector<std::vector<int32_t>> members = p.members();
   auto owner = [&](int32_t v) { return static_cast<int64_t>(p.owner[static_cast<size_t>(v)]); };
+  check_graph_parallel_model(spec, c);
   const int64_t part = rank / c, replica = rank % c;
   // Does this replica compute the terms of rows of part `recv` that read part `src`?
   auto mine = [&](int64_t recv, int64_t src) { return replica_of(recv, src, c) == replica; };
@@ -192,7 +190,13 @@ int64_t halo_bytes_per_epoch(const ModelSpec& spec, const GnnShard& s, int64_t f
     bwd = fwd;
   } else if (spec.kind == "resgcn") {
     fwd = bwd = layers * hid;
-  } else {  // sage (mean): the layer's input; the features have no gradient
+  } else if (spec.kind == "gat") {  // each head's z = h W_k: width out / heads, or out last
+    for (int64_t l = 0; l < layers; ++l) {
+      const bool last = l + 1 == layers;
+      fwd += last ? classes * spec.gat_heads : hid;
+    }
+    bwd = fwd;
+  } else {  // sage (mean or max): the layer's input; the features have no gradient
     for (int64_t l = 0; l < layers; ++l) fwd += l == 0 ? features : hid;
     bwd = (layers - 1) * hid;
   }

@@ -36,10 +36,12 @@ struct GraphShard {
   std::vector<int32_t> val_vertices, test_vertices;  // local rows, ascending
 };
 
-// ConfigError unless graph parallelism can run spec's model (gcn, resgcn,
-// sage with mean aggregation), naming gnn.parallel and model.kind.
-void check_graph_parallel_model(const ModelSpec& spec);
-bool graph_parallel_supports(const ModelSpec& spec);
+// ConfigError unless graph parallelism with replication c can run spec's
+// model, naming gnn.replication and model.kind: every GNN runs 1D; GAT and
+// sage with max aggregation need a row's whole neighbourhood in one place,
+// which 1.5D (c > 1) splits over the replicas.
+void check_graph_parallel_model(const ModelSpec& spec, int64_t replication);
+bool graph_parallel_supports(const ModelSpec& spec, int64_t replication);
 
 // The collective groups of graph parallelism over `ranks` ranks with
 // replication c, as CommCollectiveRunner takes them: group 0 is every rank
