@@ -77,7 +77,8 @@ TEST_P(EveryGnn, FastAndReferenceBackendsTrainAlike) {
   EXPECT_NEAR(fast.final_loss, ref.final_loss, 1e-4 * std::fabs(ref.final_loss)) << GetParam();
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, EveryGnn, ::testing::Values("gcn", "sage", "gat", "gat4h", "resgcn"),
+INSTANTIATE_TEST_SUITE_P(Models, EveryGnn,
+                         ::testing::Values("gcn", "sage", "gat", "gat4h", "resgcn"),
                          [](const auto& p) { return p.param; });
 
 TEST(FullGraph, SageWithMaxAggregationLearnsAndMatchesTheReference) {

@@ -256,8 +256,7 @@ TEST(GraphParallelMpiEdges, WholeRowModelsAreRefusedUnder1_5DOnEveryRank) {
         train_full_graph(gnn(kind), g, options(), {}, par, &world());
         ADD_FAILURE() << kind << ": no error";
       } catch (const ConfigError& e) {
-        EXPECT_NE(std::string(e.what()).find("gnn.replication = 2"), std::string::npos)
-            << e.what();
+        EXPECT_NE(std::string(e.what()).find("gnn.replication = 2"), std::string::npos) << e.what();
       }
     }
   }
