@@ -1,0 +1,287 @@
+// Cross-mesh resharding (spmd/reshard.h) on the `local` communicator (ranks
+// as threads), 2 to 4 ranks: every pair of layouts (replicated; split on
+// dim 0 / dim 1, evenly and by ratios; split with replicas; partial; partial
+// and split) between source and destination rank sets that are the same,
+// disjoint, overlapping or listed in another order. Each destination piece
+// is bitwise the same box of the tensor (addends are small integers, so a
+// partial sum is exact in any order), and each rank's byte counter equals
+// the plan's bytes for it, whose total is the minimal count computed here
+// independently: no element sent twice, none sent to a rank that holds it.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/spmd/reshard.h"
+
+namespace mt {
+namespace {
+
+const Shape kShape({12, 12});
+
+float value_at(int64_t flat) {
+  return static_cast<float>(flat % 97 + 1);
+}
+
+// The tensor's elements in box b, row-major.
+Tensor box_values(const Box& b) {
+  Tensor whole = Tensor::empty(kShape, DType::f32);
+  for (int64_t i = 0; i < kShape.numel(); ++i) whole.data<float>()[i] = value_at(i);
+  Tensor piece = Tensor::empty(b.shape(), DType::f32);
+  copy_box_out(whole, b, piece);
+  return piece;
+}
+
+// What `rank` holds under layout l: its box's values, or for a partial
+// layout its addend (integers: holder j of k holds j + 1, the last one the
+// rest, so the sum is exact).
+Tensor source_piece(const TensorLayout& l, int rank) {
+  const Box& b = *l.box_of(rank);
+  Tensor t = box_values(b);
+  if (!l.partial) return t;
+  std::vector<int> holders;
+  for (size_t i = 0; i < l.ranks.size(); ++i) {
+    if (l.boxes[i] == b) holders.push_back(l.ranks[i]);
+  }
+  const int k = static_cast<int>(holders.size());
+  const int j = static_cast<int>(std::ranges::find(holders, rank) - holders.begin());
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const float others = static_cast<float>((k - 1) * k / 2);  // 1 + 2 + ... + (k - 1)
+    t.data<float>()[i] = j + 1 < k ? static_cast<float>(j + 1) : t.data<float>()[i] - others;
+  }
+  return t;
+}
+
+struct NamedLayout {
+  std::string name;
+  std::function<TensorLayout(std::vector<int>)> make;
+  bool source_only = false;  // partial layouts
+};
+
+std::vector<NamedLayout> layouts() {
+  std::vector<NamedLayout> v;
+  v.push_back({"replicated",
+               [](std::vector<int> r) { return TensorLayout::replicated(kShape, std::move(r)); }});
+  v.push_back(
+      {"split0", [](std::vector<int> r) { return TensorLayout::split(kShape, std::move(r), 0); }});
+  v.push_back(
+      {"split1", [](std::vector<int> r) { return TensorLayout::split(kShape, std::move(r), 1); }});
+  v.push_back({"split0_ratios", [](std::vector<int> r) {
+                 std::vector<int64_t> q;
+                 for (size_t i = 0; i < r.size(); ++i) q.push_back(static_cast<int64_t>(i) + 1);
+                 return TensorLayout::split(kShape, std::move(r), 0, q);
+               }});
+  v.push_back({"split1_ratios", [](std::vector<int> r) {
+                 std::vector<int64_t> q;
+                 for (size_t i = 0; i < r.size(); ++i)
+                   q.push_back(static_cast<int64_t>(r.size() - i));
+                 return TensorLayout::split(kShape, std::move(r), 1, q);
+               }});
+  // Even rank counts: split over the first half of a 2-axis mesh,
+  // replicated over the second (k replicas of each box).
+  v.push_back({"split1_replicas", [](std::vector<int> r) {
+                 if (r.size() % 2 != 0) return TensorLayout::split(kShape, std::move(r), 1);
+                 const Mesh mesh({MeshAxis{"a", 2}, MeshAxis{"b", static_cast<int>(r.size()) / 2}});
+                 ShardingSpec spec;
+                 spec.dims = {DimSharding{}, DimSharding::over("a")};
+                 return TensorLayout::of(kShape, spec, mesh, std::move(r));
+               }});
+  v.push_back({"partial",
+               [](std::vector<int> r) { return TensorLayout::partial_sum(kShape, std::move(r)); },
+               true});
+  v.push_back({"partial_split0",
+               [](std::vector<int> r) {
+                 if (r.size() % 2 != 0) return TensorLayout::partial_sum(kShape, std::move(r));
+                 const Mesh mesh({MeshAxis{"a", 2}, MeshAxis{"b", static_cast<int>(r.size()) / 2}});
+                 ShardingSpec spec;
+                 spec.dims = {DimSharding::over("a")};
+                 spec.partial = {"b"};
+                 return TensorLayout::of(kShape, spec, mesh, std::move(r));
+               },
+               true});
+  return v;
+}
+
+// The minimal bytes, from the layouts alone (see reshard.h).
+uint64_t minimal_bytes(const TensorLayout& from, const TensorLayout& to) {
+  uint64_t n = 0;
+  if (!from.partial) {
+    for (size_t i = 0; i < to.ranks.size(); ++i) {
+      const Box* own = from.box_of(to.ranks[i]);
+      const int64_t have = own != nullptr ? intersect_boxes(to.boxes[i], *own).elements() : 0;
+      n += static_cast<uint64_t>(to.boxes[i].elements() - have);
+    }
+    return n * 4;
+  }
+  std::map<std::vector<int64_t>, std::pair<Box, std::vector<int>>> groups, sources;
+  auto key = [](const Box& b) {
+    std::vector<int64_t> k = b.begin;
+    k.insert(k.end(), b.end.begin(), b.end.end());
+    return k;
+  };
+  for (size_t i = 0; i < to.ranks.size(); ++i) {
+    auto& g = groups[key(to.boxes[i])];
+    g.first = to.boxes[i];
+    g.second.push_back(to.ranks[i]);
+  }
+  for (size_t i = 0; i < from.ranks.size(); ++i) {
+    auto& s = sources[key(from.boxes[i])];
+    s.first = from.boxes[i];
+    s.second.push_back(from.ranks[i]);
+  }
+  for (const auto& [gk, g] : groups) {
+    for (const auto& [sk, s] : sources) {
+      const int64_t shared = intersect_boxes(g.first, s.first).elements();
+      bool keeper = false;
+      for (int h : s.second) keeper |= std::ranges::find(g.second, h) != g.second.end();
+      const uint64_t hops = s.second.size() - 1 + g.second.size() - (keeper ? 1 : 0);
+      n += static_cast<uint64_t>(shared) * hops;
+    }
+  }
+  return n * 4;
+}
+
+std::vector<std::vector<int>> rank_sets(int world) {
+  std::vector<int> all;
+  for (int r = 0; r < world; ++r) all.push_back(r);
+  std::vector<std::vector<int>> s = {all, std::vector<int>(all.rbegin(), all.rend())};
+  if (world >= 2) {
+    s.push_back(std::vector<int>(all.begin(), all.begin() + world / 2));
+    s.push_back(std::vector<int>(all.begin() + world / 2, all.end()));
+  }
+  if (world == 4) {
+    s.push_back({0, 1, 2});
+    s.push_back({3, 2, 1});
+  }
+  return s;
+}
+
+std::string set_name(const std::vector<int>& r) {
+  std::string s;
+  for (int x : r) s += std::to_string(x);
+  return s;
+}
+
+class ReshardLocal : public ::testing::TestWithParam<int> {};
+
+TEST_P(ReshardLocal, EveryPairOfLayoutsIsExactAndSendsTheMinimalBytes) {
+  const int world = GetParam();
+  int cases = 0;
+  for (const std::vector<int>& src_ranks : rank_sets(world)) {
+    for (const std::vector<int>& dst_ranks : rank_sets(world)) {
+      for (const NamedLayout& fl : layouts()) {
+        for (const NamedLayout& tl : layouts()) {
+          if (tl.source_only) continue;
+          const TensorLayout from = fl.make(src_ranks);
+          const TensorLayout to = tl.make(dst_ranks);
+          const std::string label = fmt::format("{} on {} -> {} on {}", fl.name,
+                                                set_name(src_ranks), tl.name, set_name(dst_ranks));
+          const ReshardPlan plan = plan_reshard(kShape, DType::f32, from, to);
+          EXPECT_EQ(plan.total_bytes(), minimal_bytes(from, to)) << label << "\n"
+                                                                 << plan.describe();
+          std::mutex mu;
+          std::vector<uint64_t> sent(static_cast<size_t>(world));
+          std::vector<std::string> wrong;
+          LocalWorld::run(world, [&](Communicator& comm) {
+            const int me = comm.rank();
+            const Tensor src = from.box_of(me) != nullptr ? source_piece(from, me) : Tensor();
+            const Box* db = to.box_of(me);
+            Tensor dst = db != nullptr ? Tensor::zeros(db->shape(), DType::f32) : Tensor();
+            comm.reset_counters();
+            execute_reshard(comm, plan, src, dst);
+            const uint64_t n = comm.counters().total_sent();
+            std::lock_guard lock(mu);
+            sent[static_cast<size_t>(me)] = n;
+            if (db != nullptr) {
+              const Tensor want = box_values(*db);
+              if (std::memcmp(want.raw(), dst.raw(), want.nbytes()) != 0) {
+                wrong.push_back(fmt::format("rank {} box {}", me, db->str()));
+              }
+            }
+          });
+          EXPECT_TRUE(wrong.empty()) << label << ": wrong values on " << wrong.front() << "\n"
+                                     << plan.describe();
+          for (int r = 0; r < world; ++r) {
+            EXPECT_EQ(sent[static_cast<size_t>(r)], plan.bytes_sent(r)) << label << " rank " << r;
+          }
+          ++cases;
+        }
+      }
+    }
+  }
+  std::printf("%d ranks: %d layout pairs\n", world, cases);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ReshardLocal, ::testing::Values(2, 3, 4));
+
+// Load balance and broadcast: a tensor replicated on ranks {0, 1} moved to
+// the replicated group {2, 3} leaves the source ranks once (half from
+// each), then the group shares it: each destination receives it whole.
+TEST(Reshard, ReplicasShareTheSendsAndTheDestinationGroupIsEnteredOnce) {
+  const TensorLayout from = TensorLayout::replicated(kShape, {0, 1});
+  const TensorLayout to = TensorLayout::replicated(kShape, {2, 3});
+  const ReshardPlan plan = plan_reshard(kShape, DType::f32, from, to);
+  const uint64_t whole = static_cast<uint64_t>(kShape.numel()) * 4;
+  EXPECT_EQ(plan.bytes_sent(0), whole / 2) << plan.describe();
+  EXPECT_EQ(plan.bytes_sent(1), whole / 2);
+  EXPECT_EQ(plan.bytes_sent(0) + plan.bytes_sent(1), whole);  // once into the group
+  EXPECT_EQ(plan.total_bytes(), 2 * whole);
+  // A partial source over {0, 1, 2, 3} into a split over {0, 1}: each rank
+  // starts one part's reduction (the reduce-scatter's spread).
+  const TensorLayout p = TensorLayout::partial_sum(kShape, {0, 1, 2, 3});
+  const ReshardPlan rp =
+      plan_reshard(kShape, DType::f32, p, TensorLayout::split(kShape, {0, 1}, 0));
+  for (int r = 0; r < 4; ++r) EXPECT_GT(rp.bytes_sent(r), 0u) << rp.describe();
+}
+
+TEST(Reshard, BadLayoutsAreRejectedNamingTheRankAndBox) {
+  const TensorLayout whole = TensorLayout::replicated(kShape, {0});
+  TensorLayout outside = whole;
+  outside.boxes[0].end[1] = 13;
+  try {
+    plan_reshard(kShape, DType::f32, outside, whole);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("[0:12, 0:13] of rank 0"), std::string::npos) << e.what();
+  }
+  TensorLayout half = TensorLayout::split(kShape, {0, 1}, 0);
+  half.ranks.pop_back();
+  half.boxes.pop_back();
+  try {
+    plan_reshard(kShape, DType::f32, half, TensorLayout::replicated(kShape, {1}));
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("[6:12, 0:12]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(plan_reshard(kShape, DType::f32, whole, TensorLayout::partial_sum(kShape, {1})),
+               ConfigError);
+  EXPECT_THROW(TensorLayout::split(kShape, {0, 1, 2, 3, 4}, 0), ConfigError);  // 12 rows / 5
+}
+
+TEST(Reshard, BoxHelpers) {
+  const Box a{{0, 0}, {4, 4}}, b{{1, 2}, {3, 6}};
+  EXPECT_EQ(intersect_boxes(a, b), (Box{{1, 2}, {3, 4}}));
+  int64_t n = 0;
+  for (const Box& p : subtract_box(a, b)) {
+    EXPECT_EQ(intersect_boxes(p, b).elements(), 0) << p.str();
+    n += p.elements();
+  }
+  EXPECT_EQ(n, 16 - 4);
+  const std::vector<Box> parts = split_box(Box{{0, 0}, {3, 10}}, 4);
+  ASSERT_EQ(parts.size(), 4u);
+  EXPECT_EQ(parts[0], (Box{{0, 0}, {3, 2}}));
+  EXPECT_EQ(parts[3], (Box{{0, 7}, {3, 10}}));
+  EXPECT_EQ(split_box(Box{{0}, {2}}, 4).size(), 2u);
+}
+
+}  // namespace
+}  // namespace mt
