@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "meshtrain/models/torch_names.h"
+#include "meshtrain/tensor/box.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/safetensors.h"
 #include "meshtrain/train/sharded_checkpoint.h"
@@ -287,6 +288,31 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
     }
   }
   for (auto& [t, value] : staged) from_torch(*t, value, params);
+  return report;
+}
+
+TorchLoadReport load_torch_weights_into_boxes(const std::string& path, const ModelSpec& spec,
+                                              std::map<std::string, Tensor>& held,
+                                              const std::map<std::string, TensorPlace>& places,
+                                              const TorchLoadOptions& options) {
+  std::map<std::string, Tensor> whole;
+  for (const auto& [name, shape] : graph_params(spec)) {
+    whole[name] = Tensor::zeros(shape, DType::f32);
+  }
+  auto box_of = [&](const std::string& name) {
+    auto it = places.find(name);
+    return it != places.end() ? it->second.box : Box::whole(whole.at(name).shape());
+  };
+  for (auto& [name, t] : held) {
+    auto w = whole.find(name);
+    if (w == whole.end()) {
+      throw ShapeError(
+          fmt::format("parameter '{}': the {} model has no such parameter", name, spec.kind));
+    }
+    copy_box_in(w->second, box_of(name), t);
+  }
+  TorchLoadReport report = load_torch_weights(path, spec, whole, options);
+  for (auto& [name, t] : held) copy_box_out(whole.at(name), box_of(name), t);
   return report;
 }
 
