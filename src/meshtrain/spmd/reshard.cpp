@@ -373,6 +373,14 @@ ReshardPlan plan_reshard(const Shape& shape, DType dtype, const TensorLayout& fr
   return plan;
 }
 
+BoundaryReshard plan_boundary(const Shape& shape, DType dtype, const TensorLayout& producer,
+                              const TensorLayout& consumer) {
+  TensorLayout grad_to = producer;
+  grad_to.partial = false;
+  return {plan_reshard(shape, dtype, producer, consumer),
+          plan_reshard(shape, dtype, consumer, grad_to)};
+}
+
 void execute_reshard(Communicator& comm, const ReshardPlan& plan, const Tensor& source,
                      Tensor& dest, const CollectiveOptions& options) {
   const int me = comm.rank();

@@ -115,6 +115,19 @@ ReshardPlan plan_reshard(const Shape& shape, DType dtype, const TensorLayout& fr
 void execute_reshard(Communicator& comm, const ReshardPlan& plan, const Tensor& source,
                      Tensor& dest, const CollectiveOptions& options = {});
 
+// A pipeline boundary between stages on different meshes or shardings:
+// `forward` moves the value from the producer stage's layout to the
+// consumer's (a partial producer, e.g. a row-parallel output whose
+// all-reduce was left out, is reduced on the way); `backward` moves its
+// gradient, held as the consumer holds the value, back to the producer's
+// boxes (whole values: the gradient of a partial sum is the same for every
+// addend).
+struct BoundaryReshard {
+  ReshardPlan forward, backward;
+};
+BoundaryReshard plan_boundary(const Shape& shape, DType dtype, const TensorLayout& producer,
+                              const TensorLayout& consumer);
+
 // Box helpers (exposed for tests): the intersection (empty optional-like:
 // elements() == 0 when disjoint), a minus b as disjoint boxes, and `b` cut
 // into at most `parts` near-equal boxes along its longest dimension.
