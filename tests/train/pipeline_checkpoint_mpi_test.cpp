@@ -1,6 +1,6 @@
-// Checkpoints and train.init across plans under mpirun (2 and 4 ranks): a
-// run checkpointed halfway under one plan (PP, TP x PP, DP x PP, DP with
-// ZeRO) and resumed under another continues exactly as the uninterrupted
+// Checkpoints and train.init across plans under mpirun (2, 4 and 8 ranks):
+// a run checkpointed halfway under one plan (PP, TP x PP, DP x PP,
+// DP x TP x PP, DP with ZeRO) and resumed under another continues exactly as the uninterrupted
 // single-process run: the loss of every resumed step and every parameter
 // piece each rank holds at the end. And a PyTorch-layout weights file
 // (train.init) loads into each rank's boxes under TP and PP plans: the run
@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "meshtrain/base/error.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/export.h"
@@ -81,6 +82,7 @@ std::shared_ptr<const Plan> plan_of(const std::string& kind, const ModelSpec& sp
   if (kind == "pp") sh.pp = 2;
   if (kind == "tp_pp") sh.tp = sh.pp = 2;
   if (kind == "dp_pp") sh.dp = sh.pp = 2;
+  if (kind == "dp_tp_pp") sh.dp = sh.tp = sh.pp = 2;
   if (kind == "tp") sh.tp = 2;
   sh.microbatches = sh.pp > 1 ? 2 : 1;
   sh.schedule = ScheduleKind::one_f_one_b;
@@ -221,7 +223,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Handover{"pp", "dp_zero0", 2}, Handover{"dp_zero1", "pp", 2},
                       Handover{"pp", "pp", 2}, Handover{"tp_pp", "dp_zero0", 4},
                       Handover{"dp_zero2", "tp_pp", 4}, Handover{"dp_pp", "tp_pp", 4},
-                      Handover{"tp_pp", "pp", 2 * 2}),
+                      Handover{"tp_pp", "pp", 2 * 2}, Handover{"dp_tp_pp", "dp_zero1", 8},
+                      Handover{"dp_zero0", "dp_tp_pp", 8}),
     [](const ::testing::TestParamInfo<Handover>& p) {
       return p.param.from + "_to_" + p.param.to + "_np" + std::to_string(p.param.ranks);
     });
@@ -249,6 +252,38 @@ TEST(PlanCheckpointMpiHarness, CatchesAResumeThatIsSlightlyOff) {
   }
   if (world().rank() == 0) std::printf("resumed with the learning rate 1%% off: %.3g\n", off);
   EXPECT_GT(off, 3 * kRel);
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// What a pipeline run cannot resume from is refused on every rank before
+// any step, naming the file: a single-file checkpoint, and a directory
+// written with another optimizer.
+TEST(PlanCheckpointMpiErrors, RefusedBeforeAnyStepOnEveryRank) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  const ModelSpec spec = gpt_spec();
+  TrainerOptions base = base_options();
+  base.max_steps = 2;
+  const std::string dir = shared_tmp_dir("pp-ckpt-bad");
+  TrainerOptions single = base;
+  single.checkpoint_path = dir + fmt::format("/one{}.safetensors", world().rank());
+  single_run(spec, single);
+  TrainerOptions sgd = under("pp", spec, base);
+  sgd.optimizer = "sgd";
+  sgd.checkpoint_path = dir + "/sgd";
+  run(spec, sgd, nullptr);
+  auto refused = [&](const std::string& resume, const std::string& expect) {
+    TrainerOptions o = under("pp", spec, base);
+    o.resume_path = resume;
+    try {
+      run(spec, o, nullptr);
+      ADD_FAILURE() << "resuming " << resume << " was not refused";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+  };
+  refused(single.checkpoint_path, "a single-file checkpoint (whole tensors) does not resume");
+  refused(dir + "/sgd", "written with optimizer 'sgd' but this run uses 'adamw'");
   world().barrier();
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 
 #include "meshtrain/base/error.h"
@@ -372,6 +373,13 @@ struct PipelineTraining::Impl {
     ShardedIndex idx;
     std::exception_ptr err;
     try {
+      std::error_code ec;
+      if (!std::filesystem::is_directory(path, ec) && std::filesystem::exists(path, ec)) {
+        throw ConfigError(fmt::format(
+            "train.resume = \"{}\": a single-file checkpoint (whole tensors) does not resume "
+            "under a pipeline plan yet; checkpoint directories do (any plan's)",
+            path));
+      }
       idx = read_index(path);
       TensorSignatures stored, expected;
       for (const auto& [name, t] : idx.tensors) {
