@@ -25,11 +25,13 @@
 #include <vector>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/models/torch_names.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/pipeline_training.h"
+#include "meshtrain/train/safetensors.h"
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
@@ -294,7 +296,9 @@ TEST(PlanCheckpointMpiErrors, RefusedBeforeAnyStepOnEveryRank) {
 class InitUnderPlanMpi : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(InitUnderPlanMpi, MatchesTheSingleProcessRunFromTheSameFile) {
-  const std::string kind = GetParam();
+  const std::string param = GetParam();
+  const bool bf16 = param.ends_with("_bf16");  // a file in bf16: converted while read
+  const std::string kind = bf16 ? param.substr(0, param.size() - 5) : param;
   const int ranks = kind == "tp_pp" ? 4 : 2;
   if (world().size() != ranks) GTEST_SKIP() << "needs " << ranks << " ranks";
   const ModelSpec spec = gpt_spec();
@@ -304,7 +308,19 @@ TEST_P(InitUnderPlanMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   // Weights other than the seeded start: the single-process model after 6 steps.
   const Reference trained = single_run(spec, base);
   const std::string weights = dir + fmt::format("/w{}.safetensors", world().rank());
-  save_torch_weights(weights, spec, trained.params);
+  if (bf16) {
+    std::map<std::string, Tensor> file;
+    for (auto& [name, t] : to_torch(torch_name_map(spec), trained.params)) {
+      file[name] = t.to(DType::bf16);
+    }
+    save_safetensors(weights, file,
+                     {{"format", "pt"},
+                      {"layout", std::string(kTorchLayout)},
+                      {"naming", torch_name_map(spec).naming},
+                      {"model", spec.kind}});
+  } else {
+    save_torch_weights(weights, spec, trained.params);
+  }
   TrainerOptions o = base;
   o.init_path = weights;
   const Reference ref = single_run(spec, o);
@@ -317,7 +333,7 @@ TEST_P(InitUnderPlanMpi, MatchesTheSingleProcessRunFromTheSameFile) {
     if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
   }
   if (world().rank() == 0) {
-    std::printf("train.init under %s, %d ranks: worst relative error %.3g at %s\n", kind.c_str(),
+    std::printf("train.init under %s, %d ranks: worst relative error %.3g at %s\n", param.c_str(),
                 ranks, worst, where.c_str());
   }
   EXPECT_LE(worst, kRel) << kind << " rank " << world().rank() << ": " << where;
@@ -327,7 +343,8 @@ TEST_P(InitUnderPlanMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, InitUnderPlanMpi, ::testing::Values("tp", "pp", "tp_pp"),
+INSTANTIATE_TEST_SUITE_P(Plans, InitUnderPlanMpi,
+                         ::testing::Values("tp", "pp", "tp_pp", "tp_bf16", "tp_pp_bf16"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace

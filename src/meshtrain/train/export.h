@@ -95,11 +95,12 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
 // a parameter name to this rank's tensor (a handle on its memory, written
 // in place); `places` gives, for each split parameter, the box of the whole
 // tensor that tensor is (others are whole). The file is matched against the
-// whole model exactly as load_torch_weights does (the same errors), read
-// whole into a temporary copy of the model's parameters (this rank's values
-// in its boxes, so that under options.partial what the file lacks keeps
-// them), and each held tensor gets its box back. Memory: the whole model's
-// parameters, for the duration of the call.
+// whole model exactly as load_torch_weights does (the same errors, from its
+// header; tied aliases are read whole to compare them), and each held
+// tensor gets its box, reading only the box's elements (one range read per
+// run contiguous in the file, converted to f32). All or nothing, as
+// load_torch_weights; ShapeError for a held tensor whose size is not its
+// box's or a name the model lacks.
 TorchLoadReport load_torch_weights_into_boxes(const std::string& path, const ModelSpec& spec,
                                               std::map<std::string, Tensor>& held,
                                               const std::map<std::string, TensorPlace>& places,
