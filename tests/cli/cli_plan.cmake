@@ -119,8 +119,11 @@ run(0 "steps 4  final loss" ""
 # keeps its boxes).
 run(0 "exported gpt" "" export ${gpt} "--set" "train.checkpoint=\"${dir}/tp_ckpt\""
   --out ${dir}/gpt.safetensors)
-run(0 "steps 2  final loss" ""
+run(0 "steps 2  final loss" "initialised [0-9]+ tensors \\([0-9]+ values\\) from ${dir}/gpt.safetensors"
   train ${gpt} ${quick} --set parallel.tp=2 --nproc 2 "--set" "train.init=\"${dir}/gpt.safetensors\"")
+run(0 "steps 2  final loss" "initialised [0-9]+ tensors \\([0-9]+ values\\) from ${dir}/gpt.safetensors"
+  train ${gpt} ${quick} --set parallel.tp=2 --set parallel.pp=2 --set parallel.microbatches=2
+  --nproc 4 "--set" "train.init=\"${dir}/gpt.safetensors\"")
 # A data-parallel plan runs as today's data parallelism.
 run(0 "wrote the plan to ${dir}/dp.json" "" inspect ${mlp} --write-plan ${dir}/dp.json)
 run(0 "steps 2  final loss" "" train ${mlp} ${quick} --plan ${dir}/dp.json)

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/base/plural.h"
@@ -85,6 +86,7 @@ struct PipelineTraining::Impl {
   std::vector<std::unique_ptr<Communicator>> tensor_norm_comms;
   int64_t step = 0;         // optimizer steps completed (a resumed run starts later)
   int64_t saved_step = -1;  // the step of the last checkpoint written
+  std::optional<TorchLoadReport> init_report;
 
   // The first rank of its tensor groups (every rank without tensor axes).
   bool tensor_leader() const {
@@ -468,7 +470,8 @@ struct PipelineTraining::Impl {
     }
     std::exception_ptr err;
     try {
-      load_torch_weights_into_boxes(path, spec, held, places, TorchLoadOptions{o.init_partial});
+      init_report =
+          load_torch_weights_into_boxes(path, spec, held, places, TorchLoadOptions{o.init_partial});
     } catch (...) {
       err = std::current_exception();
     }
@@ -731,6 +734,10 @@ std::vector<std::string> PipelineTraining::param_names() const {
 
 Tensor PipelineTraining::param(const std::string& name) const {
   return impl_->runtime->param(name);
+}
+
+const TorchLoadReport* PipelineTraining::init_report() const {
+  return impl_->init_report ? &*impl_->init_report : nullptr;
 }
 
 const LoweredProgram* PipelineTraining::lowered() const {

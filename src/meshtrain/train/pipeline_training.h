@@ -65,6 +65,8 @@ class PipelineTraining {
   // Under tensor axes, this rank's program (which box of each parameter it
   // holds); nullptr otherwise.
   const struct LoweredProgram* lowered() const;
+  // What train.init loaded (nullptr without train.init, or when resuming).
+  const struct TorchLoadReport* init_report() const;
 
  private:
   struct Impl;

@@ -1484,7 +1484,7 @@ void Trainer::require_unpipelined(const char* what) const {
   }
 }
 const TorchLoadReport* Trainer::init_report() const {
-  if (pipe_) return nullptr;
+  if (pipe_) return pipe_->init_report();
   return impl_->init_report ? &*impl_->init_report : nullptr;
 }
 std::pair<double, double> Trainer::evaluate() {
