@@ -23,154 +23,19 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/local/local_world.h"
 #include "meshtrain/spmd/reshard.h"
+#include "spmd/reshard_cases.h"
 
 namespace mt {
 namespace {
 
 const Shape kShape({12, 12});
 
-float value_at(int64_t flat) {
-  return static_cast<float>(flat % 97 + 1);
-}
-
-// The tensor's elements in box b, row-major.
-Tensor box_values(const Box& b) {
-  Tensor whole = Tensor::empty(kShape, DType::f32);
-  for (int64_t i = 0; i < kShape.numel(); ++i) whole.data<float>()[i] = value_at(i);
-  Tensor piece = Tensor::empty(b.shape(), DType::f32);
-  copy_box_out(whole, b, piece);
-  return piece;
-}
-
-// What `rank` holds under layout l: its box's values, or for a partial
-// layout its addend (integers: holder j of k holds j + 1, the last one the
-// rest, so the sum is exact).
-Tensor source_piece(const TensorLayout& l, int rank) {
-  const Box& b = *l.box_of(rank);
-  Tensor t = box_values(b);
-  if (!l.partial) return t;
-  std::vector<int> holders;
-  for (size_t i = 0; i < l.ranks.size(); ++i) {
-    if (l.boxes[i] == b) holders.push_back(l.ranks[i]);
-  }
-  const int k = static_cast<int>(holders.size());
-  const int j = static_cast<int>(std::ranges::find(holders, rank) - holders.begin());
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const float others = static_cast<float>((k - 1) * k / 2);  // 1 + 2 + ... + (k - 1)
-    t.data<float>()[i] = j + 1 < k ? static_cast<float>(j + 1) : t.data<float>()[i] - others;
-  }
-  return t;
-}
-
-struct NamedLayout {
-  std::string name;
-  std::function<TensorLayout(std::vector<int>)> make;
-  bool source_only = false;  // partial layouts
-};
-
-std::vector<NamedLayout> layouts() {
-  std::vector<NamedLayout> v;
-  v.push_back({"replicated",
-               [](std::vector<int> r) { return TensorLayout::replicated(kShape, std::move(r)); }});
-  v.push_back(
-      {"split0", [](std::vector<int> r) { return TensorLayout::split(kShape, std::move(r), 0); }});
-  v.push_back(
-      {"split1", [](std::vector<int> r) { return TensorLayout::split(kShape, std::move(r), 1); }});
-  v.push_back({"split0_ratios", [](std::vector<int> r) {
-                 std::vector<int64_t> q;
-                 for (size_t i = 0; i < r.size(); ++i) q.push_back(static_cast<int64_t>(i) + 1);
-                 return TensorLayout::split(kShape, std::move(r), 0, q);
-               }});
-  v.push_back({"split1_ratios", [](std::vector<int> r) {
-                 std::vector<int64_t> q;
-                 for (size_t i = 0; i < r.size(); ++i)
-                   q.push_back(static_cast<int64_t>(r.size() - i));
-                 return TensorLayout::split(kShape, std::move(r), 1, q);
-               }});
-  // Even rank counts: split over the first half of a 2-axis mesh,
-  // replicated over the second (k replicas of each box).
-  v.push_back({"split1_replicas", [](std::vector<int> r) {
-                 if (r.size() % 2 != 0) return TensorLayout::split(kShape, std::move(r), 1);
-                 const Mesh mesh({MeshAxis{"a", 2}, MeshAxis{"b", static_cast<int>(r.size()) / 2}});
-                 ShardingSpec spec;
-                 spec.dims = {DimSharding{}, DimSharding::over("a")};
-                 return TensorLayout::of(kShape, spec, mesh, std::move(r));
-               }});
-  v.push_back({"partial",
-               [](std::vector<int> r) { return TensorLayout::partial_sum(kShape, std::move(r)); },
-               true});
-  v.push_back({"partial_split0",
-               [](std::vector<int> r) {
-                 if (r.size() % 2 != 0) return TensorLayout::partial_sum(kShape, std::move(r));
-                 const Mesh mesh({MeshAxis{"a", 2}, MeshAxis{"b", static_cast<int>(r.size()) / 2}});
-                 ShardingSpec spec;
-                 spec.dims = {DimSharding::over("a")};
-                 spec.partial = {"b"};
-                 return TensorLayout::of(kShape, spec, mesh, std::move(r));
-               },
-               true});
-  return v;
-}
-
-// The minimal bytes, from the layouts alone (see reshard.h).
-uint64_t minimal_bytes(const TensorLayout& from, const TensorLayout& to) {
-  uint64_t n = 0;
-  if (!from.partial) {
-    for (size_t i = 0; i < to.ranks.size(); ++i) {
-      const Box* own = from.box_of(to.ranks[i]);
-      const int64_t have = own != nullptr ? intersect_boxes(to.boxes[i], *own).elements() : 0;
-      n += static_cast<uint64_t>(to.boxes[i].elements() - have);
-    }
-    return n * 4;
-  }
-  std::map<std::vector<int64_t>, std::pair<Box, std::vector<int>>> groups, sources;
-  auto key = [](const Box& b) {
-    std::vector<int64_t> k = b.begin;
-    k.insert(k.end(), b.end.begin(), b.end.end());
-    return k;
-  };
-  for (size_t i = 0; i < to.ranks.size(); ++i) {
-    auto& g = groups[key(to.boxes[i])];
-    g.first = to.boxes[i];
-    g.second.push_back(to.ranks[i]);
-  }
-  for (size_t i = 0; i < from.ranks.size(); ++i) {
-    auto& s = sources[key(from.boxes[i])];
-    s.first = from.boxes[i];
-    s.second.push_back(from.ranks[i]);
-  }
-  for (const auto& [gk, g] : groups) {
-    for (const auto& [sk, s] : sources) {
-      const int64_t shared = intersect_boxes(g.first, s.first).elements();
-      bool keeper = false;
-      for (int h : s.second) keeper |= std::ranges::find(g.second, h) != g.second.end();
-      const uint64_t hops = s.second.size() - 1 + g.second.size() - (keeper ? 1 : 0);
-      n += static_cast<uint64_t>(shared) * hops;
-    }
-  }
-  return n * 4;
-}
-
-std::vector<std::vector<int>> rank_sets(int world) {
-  std::vector<int> all;
-  for (int r = 0; r < world; ++r) all.push_back(r);
-  std::vector<std::vector<int>> s = {all, std::vector<int>(all.rbegin(), all.rend())};
-  if (world >= 2) {
-    s.push_back(std::vector<int>(all.begin(), all.begin() + world / 2));
-    s.push_back(std::vector<int>(all.begin() + world / 2, all.end()));
-  }
-  if (world == 4) {
-    s.push_back({0, 1, 2});
-    s.push_back({3, 2, 1});
-  }
-  return s;
-}
-
-std::string set_name(const std::vector<int>& r) {
-  std::string s;
-  for (int x : r) s += std::to_string(x);
-  return s;
-}
+using test::layouts;
+using test::minimal_bytes;
+using test::NamedLayout;
+using test::rank_sets;
+using test::run_reshard_on_rank;
+using test::set_name;
 
 class ReshardLocal : public ::testing::TestWithParam<int> {};
 
@@ -179,8 +44,8 @@ TEST_P(ReshardLocal, EveryPairOfLayoutsIsExactAndSendsTheMinimalBytes) {
   int cases = 0;
   for (const std::vector<int>& src_ranks : rank_sets(world)) {
     for (const std::vector<int>& dst_ranks : rank_sets(world)) {
-      for (const NamedLayout& fl : layouts()) {
-        for (const NamedLayout& tl : layouts()) {
+      for (const NamedLayout& fl : layouts(kShape)) {
+        for (const NamedLayout& tl : layouts(kShape)) {
           if (tl.source_only) continue;
           const TensorLayout from = fl.make(src_ranks);
           const TensorLayout to = tl.make(dst_ranks);
@@ -190,30 +55,13 @@ TEST_P(ReshardLocal, EveryPairOfLayoutsIsExactAndSendsTheMinimalBytes) {
           EXPECT_EQ(plan.total_bytes(), minimal_bytes(from, to)) << label << "\n"
                                                                  << plan.describe();
           std::mutex mu;
-          std::vector<uint64_t> sent(static_cast<size_t>(world));
           std::vector<std::string> wrong;
           LocalWorld::run(world, [&](Communicator& comm) {
-            const int me = comm.rank();
-            const Tensor src = from.box_of(me) != nullptr ? source_piece(from, me) : Tensor();
-            const Box* db = to.box_of(me);
-            Tensor dst = db != nullptr ? Tensor::zeros(db->shape(), DType::f32) : Tensor();
-            comm.reset_counters();
-            execute_reshard(comm, plan, src, dst);
-            const uint64_t n = comm.counters().total_sent();
+            std::string w = run_reshard_on_rank(comm, kShape, plan);
             std::lock_guard lock(mu);
-            sent[static_cast<size_t>(me)] = n;
-            if (db != nullptr) {
-              const Tensor want = box_values(*db);
-              if (std::memcmp(want.raw(), dst.raw(), want.nbytes()) != 0) {
-                wrong.push_back(fmt::format("rank {} box {}", me, db->str()));
-              }
-            }
+            if (!w.empty()) wrong.push_back(w);
           });
-          EXPECT_TRUE(wrong.empty()) << label << ": wrong values on " << wrong.front() << "\n"
-                                     << plan.describe();
-          for (int r = 0; r < world; ++r) {
-            EXPECT_EQ(sent[static_cast<size_t>(r)], plan.bytes_sent(r)) << label << " rank " << r;
-          }
+          EXPECT_TRUE(wrong.empty()) << label << ": " << wrong.front() << "\n" << plan.describe();
           ++cases;
         }
       }
