@@ -49,7 +49,7 @@ Communicator& world() {
 ModelSpec gpt_spec() {
   ModelSpec s;
   s.kind = "gpt";
-  s.layers = 2;
+  s.layers = 4;  // interleaved: 2 ranks x 2 virtual stages, a block each
   s.d_model = 24;
   s.heads = 6;
   s.seq_len = 8;
@@ -81,13 +81,17 @@ std::shared_ptr<const Plan> plan_of(const std::string& kind, const ModelSpec& sp
                                     const TrainerOptions& o) {
   if (kind.empty() || kind.starts_with("dp_zero")) return nullptr;
   ParallelShorthand sh;
-  if (kind == "pp") sh.pp = 2;
+  if (kind == "pp" || kind == "pp_interleaved") sh.pp = 2;
   if (kind == "tp_pp") sh.tp = sh.pp = 2;
   if (kind == "dp_pp") sh.dp = sh.pp = 2;
   if (kind == "dp_tp_pp") sh.dp = sh.tp = sh.pp = 2;
   if (kind == "tp") sh.tp = 2;
   sh.microbatches = sh.pp > 1 ? 2 : 1;
   sh.schedule = ScheduleKind::one_f_one_b;
+  if (kind == "pp_interleaved") {  // each rank holds two virtual stages
+    sh.schedule = ScheduleKind::interleaved;
+    sh.virtual_stages = 2;
+  }
   const ModelGraph m = build_model(spec, o.batch_size);
   const ShorthandModel sm{spec.kind, spec.d_model / spec.heads};
   Plan p = expand_shorthand(sh, sm, m.graph, world().size());
@@ -223,7 +227,8 @@ TEST_P(PlanCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
 INSTANTIATE_TEST_SUITE_P(
     Plans, PlanCheckpointMpi,
     ::testing::Values(Handover{"pp", "dp_zero0", 2}, Handover{"dp_zero1", "pp", 2},
-                      Handover{"pp", "pp", 2}, Handover{"tp_pp", "dp_zero0", 4},
+                      Handover{"pp", "pp", 2}, Handover{"pp_interleaved", "dp_zero3", 2},
+                      Handover{"dp_zero3", "pp_interleaved", 2}, Handover{"tp_pp", "dp_zero0", 4},
                       Handover{"dp_zero2", "tp_pp", 4}, Handover{"dp_pp", "tp_pp", 4},
                       Handover{"tp_pp", "pp", 2 * 2}, Handover{"dp_tp_pp", "dp_zero1", 8},
                       Handover{"dp_zero0", "dp_tp_pp", 8}),
