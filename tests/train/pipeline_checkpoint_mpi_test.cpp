@@ -263,6 +263,43 @@ TEST(PlanCheckpointMpiHarness, CatchesAResumeThatIsSlightlyOff) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// Step checkpoints under a pipeline: every 2 steps, the newest 2 kept; a
+// data-parallel run with train.resume = "auto" picks the newest and
+// continues the uninterrupted run.
+TEST(PlanCheckpointMpiSteps, EveryKeepAndAutoResume) {
+  if (world().size() != 2) GTEST_SKIP() << "runs at 2 ranks";
+  const ModelSpec spec = gpt_spec();
+  const TrainerOptions base = base_options();
+  const Reference ref = single_run(spec, base);
+  const std::string dir = shared_tmp_dir("pp-ckpt-steps");
+  TrainerOptions first = under("pp", spec, base), second = under("dp_zero0", spec, base);
+  first.checkpoint_path = second.checkpoint_path = dir + "/steps";
+  first.checkpoint_every = 2;
+  first.checkpoint_keep = second.checkpoint_keep = 2;
+  first.halt_after = kSteps / 2;
+  second.resume_path = "auto";
+  const RunResult a = run(spec, first, nullptr);
+  world().barrier();
+  std::vector<std::string> kept;
+  for (const auto& e : std::filesystem::directory_iterator(dir + "/steps")) {
+    kept.push_back(e.path().filename().string());
+  }
+  std::ranges::sort(kept);
+  EXPECT_EQ(kept, (std::vector<std::string>{"step_00000004", "step_00000006"}));
+  world().barrier();
+  const RunResult b = run(spec, second, &ref);
+  ASSERT_EQ(b.losses.size(), static_cast<size_t>(kSteps / 2));
+  double worst = b.worst_param;
+  for (int i = 0; i < kSteps / 2; ++i) {
+    const double want = ref.losses[static_cast<size_t>(i + kSteps / 2)];
+    worst = std::max(worst, std::abs(b.losses[static_cast<size_t>(i)] - want) / std::abs(want));
+  }
+  EXPECT_LE(worst, kRel);
+  EXPECT_EQ(a.steps, kSteps / 2);
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
 // What a pipeline run cannot resume from is refused on every rank before
 // any step, naming the file: a single-file checkpoint, and a directory
 // written with another optimizer.
