@@ -51,13 +51,23 @@ if(MPIRUN)
   if(NOT rc EQUAL 0 OR NOT out MATCHES "steps 2  final loss")
     message(FATAL_ERROR "mpirun -np 2 with pp=2: exit ${rc}:\n${out}\n${err}")
   endif()
+  # A checkpoint written under pp=2 resumes under data parallelism.
   execute_process(COMMAND ${MPIRUN} --allow-run-as-root --oversubscribe --bind-to none -np 2
-      ${MESHTRAIN} train ${mlp} --quiet --set train.threads=1 --set train.steps=2
+      ${MESHTRAIN} train ${mlp} --quiet --set train.threads=1 --set train.steps=4
+      --set train.halt_after=2 --set train.eval=false
       --set parallel.pp=2 --set parallel.microbatches=2 --set data.limit_test=200
       "--set" "train.checkpoint=\"${dir}/pp_ckpt\""
     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
-  if(NOT rc EQUAL 1 OR NOT err MATCHES "error: train.checkpoint: not available under pipeline parallelism yet")
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "checkpoint: ${dir}/pp_ckpt")
     message(FATAL_ERROR "mpirun -np 2 with pp=2 and a checkpoint: exit ${rc}:\n${out}\n${err}")
+  endif()
+  execute_process(COMMAND ${MPIRUN} --allow-run-as-root --oversubscribe --bind-to none -np 2
+      ${MESHTRAIN} train ${mlp} --quiet --set train.threads=1 --set train.steps=4
+      --set train.eval=false "--set" "train.checkpoint=\"${dir}/pp_ckpt\""
+      "--set" "train.resume=\"${dir}/pp_ckpt\""
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+  if(NOT rc EQUAL 0 OR NOT out MATCHES "steps 4  final loss" OR NOT err MATCHES "resumed from step 2")
+    message(FATAL_ERROR "mpirun -np 2 resuming a pp=2 checkpoint under dp: exit ${rc}:\n${out}\n${err}")
   endif()
   return()
 endif()
@@ -98,15 +108,22 @@ if(NOT EXISTS ${dir}/again.json)
 endif()
 run(0 "steps 2  final loss" "" train ${gpt} ${quick} --nproc 2 --plan ${dir}/again.json)
 # A checkpoint directory under tensor parallelism (N-d pieces) resumes
-# under data parallelism; train.init is refused before any rank starts.
+# under data parallelism.
 run(0 "steps 2  final loss.*checkpoint: ${dir}/tp_ckpt" ""
   train ${gpt} --quiet --set train.threads=1 --set train.steps=4 --set train.halt_after=2
   --set train.eval=false --set parallel.tp=2 --nproc 2 "--set" "train.checkpoint=\"${dir}/tp_ckpt\"")
 run(0 "steps 4  final loss" ""
   train ${gpt} --quiet --set train.threads=1 --set train.steps=4 --set train.eval=false --nproc 2
   "--set" "train.checkpoint=\"${dir}/tp_ckpt\"" "--set" "train.resume=\"${dir}/tp_ckpt\"")
-run(1 "" "error: train.init: not available under tensor parallelism yet \\(mesh dp=1 x tp=2\\)"
-  train ${gpt} ${quick} --set parallel.tp=2 --nproc 2 "--set" "train.init=\"${dir}/none.safetensors\"")
+# Its weights, exported, start a tensor-parallel run (train.init: each rank
+# keeps its boxes).
+run(0 "exported gpt" "" export ${gpt} "--set" "train.checkpoint=\"${dir}/tp_ckpt\""
+  --out ${dir}/gpt.safetensors)
+run(0 "steps 2  final loss" "initialised [0-9]+ tensors \\([0-9]+ values\\) from ${dir}/gpt.safetensors"
+  train ${gpt} ${quick} --set parallel.tp=2 --nproc 2 "--set" "train.init=\"${dir}/gpt.safetensors\"")
+run(0 "steps 2  final loss" "initialised [0-9]+ tensors \\([0-9]+ values\\) from ${dir}/gpt.safetensors"
+  train ${gpt} ${quick} --set parallel.tp=2 --set parallel.pp=2 --set parallel.microbatches=2
+  --nproc 4 "--set" "train.init=\"${dir}/gpt.safetensors\"")
 # A data-parallel plan runs as today's data parallelism.
 run(0 "wrote the plan to ${dir}/dp.json" "" inspect ${mlp} --write-plan ${dir}/dp.json)
 run(0 "steps 2  final loss" "" train ${mlp} ${quick} --plan ${dir}/dp.json)

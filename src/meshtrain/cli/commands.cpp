@@ -359,14 +359,6 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
     t.dist.plan = std::make_shared<const Plan>(*plan);
     check_pipeline_options(t);
   }
-  if (lowered && !rc.train.init_path.empty()) {
-    // What tensor parallelism does not carry yet, refused before any rank
-    // starts (the Trainer refuses it too, for library users).
-    throw ConfigError(
-        fmt::format("train.init: not available under tensor parallelism yet (mesh {}); checkpoint "
-                    "directories are (sharded, N-d pieces: they load under any other plan)",
-                    plan->mesh.describe()));
-  }
   // Data parallelism reads the batch as the loader splits it (by
   // dist.batch_shares over the data-parallel ranks); a plan that splits it
   // otherwise would silently train on other examples than it says.

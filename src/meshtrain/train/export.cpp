@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "meshtrain/models/torch_names.h"
+#include "meshtrain/tensor/box.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/safetensors.h"
 #include "meshtrain/train/sharded_checkpoint.h"
@@ -158,9 +159,23 @@ void save_torch_weights(const std::string& path, const ModelSpec& spec,
   save_safetensors(path, to_torch(map, params), meta);
 }
 
-TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spec,
-                                   std::map<std::string, Tensor>& params,
-                                   const TorchLoadOptions& options) {
+namespace {
+
+// A model tensor matched in the file: the entry to read it from, and its
+// value when the tie check had to read it already.
+struct MatchedTensor {
+  const TorchTensor* tensor = nullptr;
+  std::string entry;
+  std::optional<Tensor> value;  // f32, PyTorch's layout
+};
+
+struct TorchMatch {
+  TorchLoadReport report;
+  std::vector<MatchedTensor> staged;
+};
+
+// Opens the file as load_torch_weights does (directories refused).
+SafetensorsReader open_torch_file(const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     if (is_sharded_checkpoint(path)) {
@@ -171,10 +186,17 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
     }
     throw FileError(fmt::format("{}: is a directory, not a safetensors file", path));
   }
-  const SafetensorsReader r(path);
+  return SafetensorsReader(path);
+}
+
+// Matches the file's header (and the values of tied aliases) against the
+// model; throws as load_torch_weights documents. Reads no other values.
+TorchMatch match_torch_file(const SafetensorsReader& r, const std::string& path,
+                            const ModelSpec& spec, const TorchNameMap& map,
+                            const TorchLoadOptions& options) {
   const SafetensorsHeader& h = r.header();
-  const TorchNameMap map = torch_name_map(spec);
-  TorchLoadReport report;
+  TorchMatch match;
+  TorchLoadReport& report = match.report;
   report.path = path;
 
   // What the file says about itself.
@@ -216,7 +238,6 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
   // Match the model's tensors against the file's.
   std::set<std::string> used;
   std::vector<std::string> diffs;
-  std::vector<std::pair<const TorchTensor*, Tensor>> staged;
   for (const TorchTensor& t : map.tensors) {
     std::vector<const SafetensorsEntry*> found;  // the name, then its aliases, as present
     if (const SafetensorsEntry* e = h.find(t.name)) found.push_back(e);
@@ -238,7 +259,8 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
             fmt::format("{}: dtype {} is not floating-point", e->name, safetensors_dtype(e->dtype));
       } else if (!(e->shape == t.shape)) {
         why = shape_diff(e->name, e->shape, t.shape);
-      } else {
+      } else if (found.size() > 1) {
+        // Tied names: their values must agree (read whole to compare).
         Tensor v = read_f32(r, e->name);
         if (value && !same_bytes(*value, v)) {
           why = fmt::format("{}: differs from {} (the model ties them)", e->name, found[0]->name);
@@ -252,10 +274,10 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
         report.skipped.push_back(why);
       }
     }
-    if (ok && value) {
+    if (ok) {
       for (const SafetensorsEntry* e : found) report.loaded.push_back(e->name);
       report.elements += t.shape.numel();
-      staged.emplace_back(&t, *value);
+      match.staged.push_back({&t, found[0]->name, value});
     } else {
       report.left_at_init.push_back(
           fmt::format("{} {}: no matching tensor", t.name, t.shape.str()));
@@ -273,6 +295,17 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
         "the tensors that match by name and shape):{}",
         path, spec.kind, diffs.size(), diffs.size() == 1 ? "" : "s", listing(diffs)));
   }
+  return match;
+}
+
+}  // namespace
+
+TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spec,
+                                   std::map<std::string, Tensor>& params,
+                                   const TorchLoadOptions& options) {
+  const SafetensorsReader r = open_torch_file(path);
+  const TorchNameMap map = torch_name_map(spec);
+  TorchMatch match = match_torch_file(r, path, spec, map, options);
   // Every destination is checked before the first is written.
   for (const TorchTensor& t : map.tensors) {
     for (const TorchPart& p : t.parts) {
@@ -286,8 +319,99 @@ TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spe
       }
     }
   }
-  for (auto& [t, value] : staged) from_torch(*t, value, params);
-  return report;
+  std::vector<Tensor> values;  // read before anything is written
+  for (const MatchedTensor& m : match.staged) {
+    values.push_back(m.value ? *m.value : read_f32(r, m.entry));
+  }
+  for (size_t i = 0; i < values.size(); ++i) from_torch(*match.staged[i].tensor, values[i], params);
+  return match.report;
+}
+
+TorchLoadReport load_torch_weights_into_boxes(const std::string& path, const ModelSpec& spec,
+                                              std::map<std::string, Tensor>& held,
+                                              const std::map<std::string, TensorPlace>& places,
+                                              const TorchLoadOptions& options) {
+  const std::map<std::string, Shape> shapes = graph_params(spec);
+  auto box_of = [&](const std::string& name) {
+    auto it = places.find(name);
+    return it != places.end() ? it->second.box : Box::whole(shapes.at(name));
+  };
+  // Every destination is checked before anything is read.
+  for (const auto& [name, t] : held) {
+    auto it = shapes.find(name);
+    if (it == shapes.end()) {
+      throw ShapeError(
+          fmt::format("parameter '{}': the {} model has no such parameter", name, spec.kind));
+    }
+    const Box b = box_of(name);
+    bool fits = b.begin.size() == it->second.dims().size();
+    for (size_t d = 0; fits && d < b.begin.size(); ++d) {
+      fits = 0 <= b.begin[d] && b.begin[d] <= b.end[d] && b.end[d] <= it->second.dims()[d];
+    }
+    if (!fits || t.dtype() != DType::f32 || t.numel() != b.elements()) {
+      throw ShapeError(fmt::format("parameter '{}': the destination is {} {} for box {} of {}",
+                                   name, dtype_name(t.dtype()), t.shape().str(), b.str(),
+                                   it->second.str()));
+    }
+  }
+  const SafetensorsReader r = open_torch_file(path);
+  const TorchNameMap map = torch_name_map(spec);
+  const TorchMatch match = match_torch_file(r, path, spec, map, options);
+  // Each held part: only its box's elements are read (one range read per
+  // run contiguous in the file), into staging pieces first.
+  std::vector<std::pair<Tensor, Tensor>> staged;  // (destination, values)
+  for (const MatchedTensor& m : match.staged) {
+    const SafetensorsEntry& e = *r.header().find(m.entry);
+    const size_t es = dtype_size(e.dtype);
+    int64_t part_offset = 0;  // elements of the earlier parts (stacked along dim 0)
+    for (const TorchPart& p : m.tensor->parts) {
+      const int64_t numel = p.shape.numel();
+      auto it = held.find(p.param);
+      if (it == held.end()) {
+        part_offset += numel;
+        continue;
+      }
+      const Box b = box_of(p.param);
+      // The part as PyTorch holds it, and the box there.
+      Shape file_shape = p.shape;
+      Box file_box = b;
+      if (p.transpose) {
+        file_shape = Shape({p.shape[1], p.shape[0]});
+        file_box = Box{{b.begin[1], b.begin[0]}, {b.end[1], b.end[0]}};
+      }
+      Tensor in_file = Tensor::empty(file_box.shape(), DType::f32);
+      float* dst = in_file.data<float>();
+      for (const ElementRun& run : piece_runs(file_shape, file_box, 0, file_box.elements())) {
+        const int64_t n = run.end - run.begin, at = part_offset + run.begin;
+        if (m.value) {
+          std::copy_n(m.value->data<float>() + at, n, dst + run.offset);
+        } else if (e.dtype == DType::f32) {
+          r.read_bytes(m.entry, static_cast<uint64_t>(at) * es, static_cast<uint64_t>(n) * es,
+                       dst + run.offset);
+        } else {
+          Tensor raw = Tensor::empty(Shape({n}), e.dtype);
+          r.read_bytes(m.entry, static_cast<uint64_t>(at) * es, static_cast<uint64_t>(n) * es,
+                       raw.raw());
+          const Tensor f = raw.to(DType::f32);
+          std::copy_n(f.data<float>(), n, dst + run.offset);
+        }
+      }
+      Tensor values = in_file;
+      if (p.transpose) {
+        const int64_t rows = file_box.shape()[0], cols = file_box.shape()[1];
+        values = Tensor::empty(b.shape(), DType::f32);
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < cols; ++j) values.data<float>()[j * rows + i] = dst[i * cols + j];
+        }
+      }
+      staged.emplace_back(it->second, values);
+      part_offset += numel;
+    }
+  }
+  for (auto& [dest, values] : staged) {
+    std::copy_n(values.data<float>(), values.numel(), dest.data<float>());
+  }
+  return match.report;
 }
 
 }  // namespace mt

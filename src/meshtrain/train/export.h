@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "meshtrain/train/sharded_checkpoint.h"
+
 #include "meshtrain/models/model.h"
 #include "meshtrain/tensor/tensor.h"
 
@@ -87,5 +89,21 @@ struct TorchLoadReport {
 TorchLoadReport load_torch_weights(const std::string& path, const ModelSpec& spec,
                                    std::map<std::string, Tensor>& params,
                                    const TorchLoadOptions& options = {});
+
+// load_torch_weights for a rank that holds only some parameters, or boxes of
+// them (tensor-parallel pieces, a pipeline stage's parameters): `held` maps
+// a parameter name to this rank's tensor (a handle on its memory, written
+// in place); `places` gives, for each split parameter, the box of the whole
+// tensor that tensor is (others are whole). The file is matched against the
+// whole model exactly as load_torch_weights does (the same errors, from its
+// header; tied aliases are read whole to compare them), and each held
+// tensor gets its box, reading only the box's elements (one range read per
+// run contiguous in the file, converted to f32). All or nothing, as
+// load_torch_weights; ShapeError for a held tensor whose size is not its
+// box's or a name the model lacks.
+TorchLoadReport load_torch_weights_into_boxes(const std::string& path, const ModelSpec& spec,
+                                              std::map<std::string, Tensor>& held,
+                                              const std::map<std::string, TensorPlace>& places,
+                                              const TorchLoadOptions& options = {});
 
 }  // namespace mt

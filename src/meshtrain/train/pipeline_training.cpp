@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
+#include <optional>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/base/plural.h"
@@ -21,10 +23,15 @@
 #include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
+#include "meshtrain/train/checkpoint_match.h"
+#include "meshtrain/train/export.h"
 #include "meshtrain/train/grad_clip.h"
+#include "meshtrain/train/loss_scaler.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/progress.h"
+#include "meshtrain/train/sharded_checkpoint.h"
+#include "meshtrain/train/step_checkpoints.h"
 #include "meshtrain/train/training_plan.h"
 
 namespace mt {
@@ -43,9 +50,6 @@ void check_pipeline_options(const TrainerOptions& o) {
         "without it (docs/plan.md, \"Pipeline runtime\")",
         what));
   };
-  refuse(!o.checkpoint_path.empty(), "train.checkpoint");
-  refuse(!o.resume_path.empty(), "train.resume");
-  refuse(!o.init_path.empty(), "train.init");
   refuse(o.precision == DType::f16 || o.precision_auto, "train.precision f16 / auto");
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
@@ -80,6 +84,9 @@ struct PipelineTraining::Impl {
   bool tensor_parallel = false;
   std::shared_ptr<CommCollectiveRunner> runner;
   std::vector<std::unique_ptr<Communicator>> tensor_norm_comms;
+  int64_t step = 0;         // optimizer steps completed (a resumed run starts later)
+  int64_t saved_step = -1;  // the step of the last checkpoint written
+  std::optional<TorchLoadReport> init_report;
 
   // The first rank of its tensor groups (every rank without tensor axes).
   bool tensor_leader() const {
@@ -215,11 +222,265 @@ struct PipelineTraining::Impl {
     LrScheduleOptions so = o.schedule;
     so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
     lr = std::make_unique<LrSchedule>(so);
+
+    if (o.resume_path == "auto") resolve_auto_resume();
+    if (!o.resume_path.empty()) {
+      resume(o.resume_path);
+      notice(fmt::format("resumed from step {} ({})", step, o.resume_path));
+      if (!o.init_path.empty()) {
+        notice(fmt::format("train.init ({}) is not applied: the checkpoint holds the parameters",
+                           o.init_path));
+      }
+    } else if (!o.init_path.empty()) {
+      init_from(o.init_path);
+    }
+  }
+
+  void notice(const std::string& msg) const {
+    if (rank == 0 && o.on_notice) o.on_notice(msg);
+  }
+
+  // Checkpoints: the sharded directory format of the unpipelined trainer
+  // (train/sharded_checkpoint.h, train_state.h's names "param/<name>" and
+  // "optim/<name>.<kind>", the same metadata), so a checkpoint written here
+  // loads under any other plan and the reverse. Each parameter (and its
+  // optimizer state) lies in the whole tensor where this rank's box is (the
+  // whole tensor when it is not split).
+  TensorPlace place_of(const std::string& name) const {
+    const LoweredParam* lp = tensor_parallel ? lowered.param(name) : nullptr;
+    if (lp != nullptr && !lp->axis.empty()) return {lp->global, lp->box};
+    const Shape s = runtime->param(name).shape();
+    return {s, Box::whole(s)};
+  }
+
+  static ShardPiece piece_at(const std::string& key, const TensorPlace& pl, const Tensor& data) {
+    return box_piece(key, pl.whole, pl.box, data);
+  }
+
+  // Rank r writes a parameter's elements when it counts it (the first
+  // holder of a shared one, the first rank of its tensor groups for a
+  // replicated one), each data-parallel replica 1/dp of them; the other
+  // holders name the tensor with an empty piece.
+  ShardPiece save_piece(const std::string& key, const std::string& param,
+                        const Tensor& values) const {
+    const TensorPlace pl = place_of(param);
+    if (!counted.at(param)) return ShardPiece{key, pl.whole, 0, 0, Tensor()};
+    ShardPiece pc = piece_at(key, pl, values);
+    const auto [b, e] = even_range(pc.end - pc.begin, dp_rank, dp_world);
+    if (b == e) return ShardPiece{key, pl.whole, 0, 0, Tensor()};
+    pc.begin = b;
+    pc.end = e;
+    pc.data =
+        Tensor::wrap(const_cast<float*>(values.data<float>()) + b, Shape({e - b}), DType::f32);
+    return pc;
+  }
+
+  std::map<std::string, std::string> state_metadata() const {
+    std::map<std::string, std::string> m;
+    m["optimizer"] = std::string(optimizer->name());
+    m["step"] = std::to_string(step);
+    m["epoch"] = std::to_string(step / loader->steps_per_epoch());
+    m["lr_step"] = std::to_string(step);
+    const LossScalerState ls = DynamicLossScaler(o.loss_scaler).state();  // f32 / bf16: unused
+    m["loss_scale"] = fmt::format("{}", ls.scale);
+    m["loss_scale_good_steps"] = std::to_string(ls.good_steps);
+    double updates = 0;
+    for (const auto& [name, n] : optimizer->state().steps) {
+      updates = std::max(updates, static_cast<double>(n));
+    }
+    // Every rank records the same (rank 0's metadata is written).
+    world.all_reduce(&updates, &updates, 1, DType::f64, ReduceOp::max, o.dist.dp.collective);
+    m["optimizer_updates"] = std::to_string(static_cast<int64_t>(updates));
+    m.merge(model_settings(spec));
+    m["seed"] = std::to_string(o.seed);
+    return m;
+  }
+
+  void save(const std::string& path) {
+    std::vector<ShardPiece> pieces;
+    const OptimizerState st = optimizer->state();
+    for (const std::string& name : runtime->param_names()) {
+      pieces.push_back(save_piece("param/" + name, name, runtime->param(name)));
+      for (const std::string& kind : optimizer->state_kinds()) {
+        auto it = st.tensors.find(name + "." + kind);
+        if (it != st.tensors.end()) {
+          pieces.push_back(save_piece("optim/" + it->first, name, it->second));
+        }
+      }
+    }
+    SaveShardedOptions so;
+    so.mode = "pp+" + plan.mesh.describe();
+    so.collective = o.dist.dp.collective;
+    save_sharded(&world, path, pieces, state_metadata(), so);
+  }
+
+  void checkpoint_now(TrainResult& r) {
+    if (o.checkpoint_path.empty() || saved_step == step) return;
+    const std::string path =
+        o.checkpoint_keep > 0 ? step_checkpoint_path(o.checkpoint_path, step) : o.checkpoint_path;
+    save(path);
+    saved_step = step;
+    r.checkpoint = path;
+    if (o.checkpoint_keep > 0 && rank == 0) {
+      try {
+        prune_step_checkpoints(o.checkpoint_path, o.checkpoint_keep, path);
+      } catch (const Error& e) {
+        notice(fmt::format("warning: {}", e.what()));
+      }
+    }
+  }
+
+  // train.resume = "auto": the newest valid checkpoint under
+  // train.checkpoint; every rank must find the same one.
+  void resolve_auto_resume() {
+    if (o.checkpoint_path.empty()) {
+      throw ConfigError(
+          "train.resume = \"auto\": needs train.checkpoint, where it looks for the newest "
+          "checkpoint");
+    }
+    const CheckpointSearch found = find_newest_checkpoint(o.checkpoint_path);
+    double steps[2] = {found.newest ? static_cast<double>(found.newest->step) : -1.0, 0.0};
+    steps[1] = -steps[0];
+    world.all_reduce(steps, steps, 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
+    if (steps[0] != -steps[1]) {
+      throw MismatchError(fmt::format(
+          "train.resume = \"auto\": ranks found different newest checkpoints under {} (steps "
+          "{} to {}); do all ranks see the same files?",
+          o.checkpoint_path, -steps[1], steps[0]));
+    }
+    for (const std::string& sk : found.skipped) notice(fmt::format("warning: skipping {}", sk));
+    if (!found.newest) {
+      notice(fmt::format("train.resume = \"auto\": no checkpoint under {}; starting fresh",
+                         o.checkpoint_path));
+      o.resume_path.clear();
+      return;
+    }
+    o.resume_path = found.newest->path;
+  }
+
+  static int64_t meta_int(const std::map<std::string, std::string>& m, const std::string& key,
+                          const std::string& path) {
+    auto it = m.find(key);
+    try {
+      if (it != m.end()) return std::stoll(it->second);
+    } catch (const std::exception&) {
+    }
+    throw CheckpointError(
+        fmt::format("checkpoint {}: metadata '{}' is missing or not a number", path, key));
+  }
+
+  // The index of a sharded checkpoint of exactly this model (strict resume,
+  // checkpoint_match.h) written with this optimizer; every rank throws alike.
+  ShardedIndex checked_index(const std::string& path) {
+    ShardedIndex idx;
+    std::exception_ptr err;
+    try {
+      std::error_code ec;
+      if (!std::filesystem::is_directory(path, ec) && std::filesystem::exists(path, ec)) {
+        throw ConfigError(fmt::format(
+            "train.resume = \"{}\": a single-file checkpoint (whole tensors) does not resume "
+            "under a pipeline plan yet; checkpoint directories do (any plan's)",
+            path));
+      }
+      idx = read_index(path);
+      TensorSignatures stored, expected;
+      for (const auto& [name, t] : idx.tensors) {
+        if (name.starts_with("param/")) stored[name.substr(6)] = {t.dtype, t.shape};
+      }
+      for (const ParamStore::Entry& e : whole_layout().entries()) {
+        expected[e.name] = {DType::f32, e.shape};
+      }
+      std::map<std::string, std::string> recorded;
+      for (const auto& [k, v] : idx.metadata) {
+        if (k == "model" || k.starts_with("model.")) recorded[k] = v;
+      }
+      require_same_params(path, recorded, model_settings(spec), stored, expected);
+      auto opt = idx.metadata.find("optimizer");
+      if (opt == idx.metadata.end() || opt->second != optimizer->name()) {
+        throw CheckpointError(
+            fmt::format("checkpoint {}: written with optimizer '{}' but this run uses '{}'", path,
+                        opt == idx.metadata.end() ? "?" : opt->second, optimizer->name()));
+      }
+      meta_int(idx.metadata, "step", path);
+      meta_int(idx.metadata, "optimizer_updates", path);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    agree_on_failure(&world, err, o.dist.dp.collective);
+    return idx;
+  }
+
+  // This rank's boxes of its parameters and of their optimizer state (the
+  // kinds the writer saved), read in one collective load; the run goes on
+  // from the checkpoint's step.
+  void resume(const std::string& path) {
+    const ShardedIndex idx = checked_index(path);
+    std::vector<ShardPiece> wanted;
+    OptimizerState st;
+    const int64_t updates = meta_int(idx.metadata, "optimizer_updates", path);
+    for (const std::string& name : runtime->param_names()) {
+      const TensorPlace pl = place_of(name);
+      wanted.push_back(piece_at("param/" + name, pl, runtime->param(name)));
+      for (const std::string& kind : optimizer->state_kinds()) {
+        const std::string key = name + "." + kind;
+        // A kind the writer never created (no update yet, SGD without momentum) is not asked
+        // for; load_sharded names a tensor that only some parameters lack.
+        bool stored_kind = false;
+        for (const auto& [tname, t] : idx.tensors) {
+          stored_kind |= tname.starts_with("optim/") && tname.ends_with("." + kind);
+        }
+        if (!stored_kind) continue;
+        Tensor t = Tensor::empty(pl.box.shape(), DType::f32);
+        st.tensors[key] = t;
+        wanted.push_back(piece_at("optim/" + key, pl, t));
+      }
+      if (updates > 0) st.steps[name] = updates;
+    }
+    LoadShardedOptions lo;
+    lo.collective = o.dist.dp.collective;
+    load_sharded(&world, path, wanted, lo);
+    optimizer->load_state(st);
+    step = meta_int(idx.metadata, "step", path);
+    if (step >= total_steps) {
+      notice(fmt::format(
+          "the run is {} steps long (train.epochs, train.steps): nothing is left to train",
+          total_steps));
+    }
+  }
+
+  // The whole model's parameter names and shapes (no values).
+  const ParamStore& whole_layout() {
+    if (!layout_of_whole) {
+      layout_of_whole = std::make_unique<ParamStore>(build_model(spec, 1).graph, o.seed,
+                                                     /*with_grads=*/false, /*with_values=*/false);
+    }
+    return *layout_of_whole;
+  }
+  std::unique_ptr<ParamStore> layout_of_whole;
+
+  // train.init: this rank's boxes of its parameters from a PyTorch-layout
+  // file (export.h); a rank that cannot read it fails the others too.
+  void init_from(const std::string& path) {
+    std::map<std::string, Tensor> held;
+    std::map<std::string, TensorPlace> places;
+    for (const std::string& name : runtime->param_names()) {
+      held[name] = runtime->param(name);  // a handle: written in place
+      const TensorPlace pl = place_of(name);
+      if (!(pl.box == Box::whole(pl.whole))) places[name] = pl;
+    }
+    std::exception_ptr err;
+    try {
+      init_report =
+          load_torch_weights_into_boxes(path, spec, held, places, TorchLoadOptions{o.init_partial});
+    } catch (...) {
+      err = std::current_exception();
+    }
+    agree_on_failure(&world, err, o.dist.dp.collective);
   }
 
   // One optimizer step: the pipeline's forward and backward over the
   // micro-batches, gradients averaged over dp, clipping, the update.
-  double step_once(int64_t epoch, int64_t s, int64_t step) {
+  double step_once(int64_t epoch, int64_t s, int64_t at) {
     const Batch b = loader->batch(epoch, s);
     const int64_t y_per = b.y.numel() / local_batch;
     const Shape xs = model.graph.value(model.x).shape;
@@ -262,7 +523,7 @@ struct PipelineTraining::Impl {
         }
       });
     }
-    optimizer->step(refs, lr->lr_at(step));
+    optimizer->step(refs, lr->lr_at(at));
     return red[0];
   }
 
@@ -364,15 +625,18 @@ struct PipelineTraining::Impl {
     const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
     uint64_t sent = 0;
     int64_t peak_stash = 0;
-    for (int64_t step = 0; step < total_steps; ++step) {
+    const int64_t first = step;
+    const int64_t stop =
+        o.halt_after > 0 ? std::min(total_steps, first + o.halt_after) : total_steps;
+    for (; step < stop;) {
       const int64_t epoch = step / spe;
       Stopwatch sw;
       const double loss = step_once(epoch, step % spe, step);
       const double dt = sw.seconds();
       const double rate = static_cast<double>(o.batch_size) / dt;
-      (step >= kWarmupSteps ? rates : warm).push_back(rate);
+      (step - first >= kWarmupSteps ? rates : warm).push_back(rate);
       const double idle_now = idle_fraction();
-      if (step >= kWarmupSteps || total_steps <= kWarmupSteps) idle.push_back(idle_now);
+      if (step - first >= kWarmupSteps || stop - first <= kWarmupSteps) idle.push_back(idle_now);
       sent += runtime->bytes_sent();
       peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
       if (!std::isfinite(loss)) {
@@ -404,9 +668,13 @@ struct PipelineTraining::Impl {
         r.test_examples = n;
       }
       if (o.dist.after_step) o.dist.after_step(step + 1, rank);
+      ++step;
+      if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) checkpoint_now(r);
     }
     progress.finish();
-    r.steps = r.steps_run = total_steps;
+    checkpoint_now(r);
+    r.steps = step;
+    r.steps_run = step - first;
     r.samples_per_s = median_of(rates.empty() ? warm : rates);
     r.samples_per_s_includes_warmup = rates.empty();
     if (tokens_per_sample > 0) r.tokens_per_s = *r.samples_per_s * tokens_per_sample;
@@ -417,7 +685,6 @@ struct PipelineTraining::Impl {
         {"summary", true},
         {"steps", r.steps},
         {"steps_run", r.steps_run},
-        {"final_loss", *r.final_loss},
         {"samples_per_s", *r.samples_per_s},
         {"samples_per_s_includes_warmup", r.samples_per_s_includes_warmup},
         {"peak_rss_bytes", r.peak_rss_bytes},
@@ -434,9 +701,10 @@ struct PipelineTraining::Impl {
           {"pipeline_idle_fraction_formula",
            formula_idle_fraction(plan.schedule, p, plan.microbatches, plan.virtual_stages)},
           {"pipeline_bytes_sent_per_step",
-           static_cast<double>(sent) / static_cast<double>(total_steps)},
+           static_cast<double>(sent) / static_cast<double>(std::max<int64_t>(1, step - first))},
           {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
           {"peak_stash_bytes", peak_stash}}}};
+    if (r.final_loss) summary["final_loss"] = *r.final_loss;
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
     if (r.test_loss) {
       summary["test_loss"] = *r.test_loss;
@@ -466,6 +734,10 @@ std::vector<std::string> PipelineTraining::param_names() const {
 
 Tensor PipelineTraining::param(const std::string& name) const {
   return impl_->runtime->param(name);
+}
+
+const TorchLoadReport* PipelineTraining::init_report() const {
+  return impl_->init_report ? &*impl_->init_report : nullptr;
 }
 
 const LoweredProgram* PipelineTraining::lowered() const {

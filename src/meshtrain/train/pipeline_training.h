@@ -22,8 +22,17 @@
 // rank of a model replica: the replica's ranks join their parameter pieces
 // into whole parameters first (one all-reduce of the model's size).
 //
+// Checkpoints (train.checkpoint, checkpoint_every / keep, train.resume
+// including "auto", halt_after) are the unpipelined trainer's sharded
+// directories (train/sharded_checkpoint.h) with the same tensor names and
+// metadata: each rank writes its parameters' boxes and their optimizer
+// state (a replicated or shared parameter once, spread over the dp
+// replicas), and reads back the boxes it holds, so a checkpoint written
+// under any plan (DP, ZeRO, TP, PP, their mixes) resumes under any other.
+// train.init reads a PyTorch-layout file into each rank's boxes (export.h).
+//
 // Not yet (each refused with a ConfigError naming the key, before any step):
-// checkpoints / resume / train.init, f16 loss scaling,
+// f16 loss scaling,
 // dist.batch_shares, ZeRO, accumulation steps (micro-batches are the
 // pipeline's).
 //
@@ -56,6 +65,8 @@ class PipelineTraining {
   // Under tensor axes, this rank's program (which box of each parameter it
   // holds); nullptr otherwise.
   const struct LoweredProgram* lowered() const;
+  // What train.init loaded (nullptr without train.init, or when resuming).
+  const struct TorchLoadReport* init_report() const;
 
  private:
   struct Impl;

@@ -448,7 +448,6 @@ struct Trainer::Impl {
     refuse(!o.resume_path.empty() && o.resume_path != "auto" &&
                !std::filesystem::is_directory(o.resume_path, ec),
            "train.resume from one .safetensors file (whole tensors)");
-    refuse(!o.init_path.empty(), "train.init");
   }
 
   // Sums over the ranks that hold pieces of the same parameters: the
@@ -904,9 +903,17 @@ struct Trainer::Impl {
   void init_params(const std::string& path) {
     std::map<std::string, Tensor> views;
     for (auto& e : store->entries()) views[e.name] = e.value;
+    // Tensor parallelism: each rank keeps its boxes of the file's tensors.
+    std::map<std::string, TensorPlace> places;
+    for (const LoweredParam& lp : lowered.params) {
+      if (tensor_parallel && !lp.axis.empty()) places[lp.name] = {lp.global, lp.box};
+    }
     std::exception_ptr err;
     try {
-      init_report = load_torch_weights(path, spec, views, TorchLoadOptions{o.init_partial});
+      init_report = places.empty()
+                        ? load_torch_weights(path, spec, views, TorchLoadOptions{o.init_partial})
+                        : load_torch_weights_into_boxes(path, spec, views, places,
+                                                        TorchLoadOptions{o.init_partial});
     } catch (...) {
       err = std::current_exception();
     }
@@ -1477,7 +1484,7 @@ void Trainer::require_unpipelined(const char* what) const {
   }
 }
 const TorchLoadReport* Trainer::init_report() const {
-  if (pipe_) return nullptr;
+  if (pipe_) return pipe_->init_report();
   return impl_->init_report ? &*impl_->init_report : nullptr;
 }
 std::pair<double, double> Trainer::evaluate() {
