@@ -220,6 +220,12 @@ TEST(PipelineLocal, GptZeroBubbleMatchesTheSingleProcessRun) {
   on_threads(test::PipeCase{"gpt", ScheduleKind::zero_bubble, 2, 1, {}});
 }
 
+TEST(PipelineLocal, GptZbvMatchesTheSingleProcessRun) {
+  // The V: rank 0 holds blocks 0 and 3 (wte for the embedding and the head,
+  // the loss), rank 1 blocks 1 and 2, handed over in memory at the turn.
+  on_threads(test::PipeCase{"gpt", ScheduleKind::zbv, 4, 2, {1, 1, 1, 1}});
+}
+
 TEST(PipelineLocal, OneFOneBHoldsFewerMicroBatchesThanGpipe) {
   // m = 4 micro-batches of the GPT on 2 stages: GPipe runs every forward
   // before any backward, so stage 0 holds all four stashes at once; 1F1B

@@ -212,8 +212,8 @@ TEST(Plan, MalformedFilesNameTheKeyPath) {
             "plan p.json: values.wte.dims[0]: expected null (replicated), an axis name or an "
             "object {\"axis\", \"ratios\", \"unit\"}, got number 3");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "schedule": "1F1B"})", g, 2),
-            "plan p.json: schedule: unknown schedule \"1F1B\" (expected gpipe, 1f1b, interleaved "
-            "or zero_bubble)");
+            "plan p.json: schedule: unknown schedule \"1F1B\" (expected gpipe, 1f1b, interleaved, "
+            "zero_bubble or zbv)");
   EXPECT_EQ(error_of(R"({"values": {}})", g, 2),
             "plan p.json: mesh: missing (a list of {\"name\", \"size\"} axes)");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "format": "v0"})", g, 2),

@@ -413,6 +413,7 @@ INSTANTIATE_TEST_SUITE_P(
         PpCase{"mlp_interleaved_lamb", "mlp", "lamb", ScheduleKind::interleaved, 2},
         PpCase{"gpt_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b},
         PpCase{"gpt_zero_bubble_sgd", "gpt", "sgd", ScheduleKind::zero_bubble},
+        PpCase{"mlp_zbv_adamw", "mlp", "adamw", ScheduleKind::zbv, 2},
         PpCase{"gpt_dp2_pp2_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1, 4, 2},
         PpCase{"gpt_tp2_pp2_gpipe_sgd", "gpt", "sgd", ScheduleKind::gpipe, 1, 4, 1, 2},
         PpCase{"mlp_tp2_pp2_1f1b_lamb", "mlp", "lamb", ScheduleKind::one_f_one_b, 1, 4, 1, 2}),

@@ -170,7 +170,8 @@ const std::vector<KeyMeaning> kMeanings = {
     {"parallel.microbatches", "micro-batches per step through the pipeline (pp > 1)"},
     {"parallel.schedule", "pipeline schedule"},
     {"parallel.virtual_stages",
-     "model chunks per pipeline stage (schedule interleaved needs >= 2, the others 1)"},
+     "model chunks per pipeline stage (schedule interleaved needs >= 2, zbv exactly 2, the "
+     "others 1)"},
     {"parallel.tp_ratios",
      "per-tp-rank integer shares of every tensor-parallel split, e.g. [2, 1]; [] = even"},
     {"sync.scheme",

@@ -195,7 +195,7 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
           throw ConfigError(fmt::format("{}: stages[{}]: rank {} outside the job's {} ranks", where,
                                         s, r, world));
         }
-        const int phys = s % p;
+        const int phys = stage_owner(plan.schedule, p, s);
         int& rs = rank_stage[static_cast<size_t>(r)];
         if (rs >= 0 && rs != phys) {
           throw ConfigError(fmt::format(
@@ -204,11 +204,12 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
         }
         rs = phys;
       }
-      if (s >= p && st.ranks != plan.stages[static_cast<size_t>(s - p)].ranks) {
+      if (const int first = stage_owner(plan.schedule, p, s);
+          s >= p && st.ranks != plan.stages[static_cast<size_t>(first)].ranks) {
         throw ConfigError(fmt::format(
             "{}: stages[{}]: virtual stage {} runs on physical stage {} but names other ranks "
             "than stages[{}]",
-            where, s, s, s % p, s - p));
+            where, s, s, first, first));
       }
     }
     if (next != layers.size()) {
@@ -413,7 +414,7 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
                                                plan.mesh.axis_size("pp"), p));
         }
         for (int r = 0; r < plan.mesh.size(); ++r) {
-          if (plan.mesh.coord(r, "pp") == s % p) sp.ranks.push_back(r);
+          if (plan.mesh.coord(r, "pp") == stage_owner(plan.schedule, p, s)) sp.ranks.push_back(r);
         }
       } else if (n == 1) {
         for (int r = 0; r < plan.mesh.size(); ++r) sp.ranks.push_back(r);
@@ -614,7 +615,9 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
         "{:.4f}{})\n",
         sim.idle_fraction,
         formula_idle_fraction(plan.schedule, p, plan.microbatches, plan.virtual_stages),
-        plan.schedule == ScheduleKind::zero_bubble ? ", 1F1B's" : "");
+        plan.schedule == ScheduleKind::zero_bubble ? ", 1F1B's"
+        : plan.schedule == ScheduleKind::zbv       ? ", interleaved's with 2 chunks"
+                                                   : "");
   }
   return out;
 }

@@ -296,7 +296,7 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
   }
   for (int s = 0; s < stages; ++s) {
     for (int r = 0; r < plan.mesh.size(); ++r) {
-      if (plan.mesh.coord(r, "pp") == s % sh.pp)
+      if (plan.mesh.coord(r, "pp") == stage_owner(sh.schedule, sh.pp, s))
         plan.stages[static_cast<size_t>(s)].ranks.push_back(r);
     }
   }
