@@ -128,6 +128,7 @@ Plan pipeline_plan(const PipeCase& c, const ModelSpec& s, const Graph& g, int wo
     }
     plan.stages.front().layers.insert(plan.stages.front().layers.begin(), {"wte", "wpe"});
     plan.stages.back().layers.push_back("ln_f");
+    for (StagePlan& st : plan.stages) st.recompute = c.recompute;
     return plan;
   }
   ParallelShorthand sh;
@@ -136,6 +137,7 @@ Plan pipeline_plan(const PipeCase& c, const ModelSpec& s, const Graph& g, int wo
   sh.schedule = c.schedule;
   sh.virtual_stages = c.virtual_stages;
   sh.stage_layers = c.stage_layers;
+  sh.recompute = c.recompute;
   ShorthandModel model{s.kind, s.kind == "gpt" ? s.d_model / s.heads : 1};
   return expand_shorthand(sh, model, g, world);
 }
@@ -246,15 +248,30 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
       }
       want.push_back({a.stage, a.microbatch, a.kind});
     }
-    EXPECT_EQ(pipe.spans().size(), want.size());
-    for (size_t i = 0; i < std::min(want.size(), pipe.spans().size()); ++i) {
-      const PipelineSpan& got = pipe.spans()[i];
+    // Recomputation adds a forward before each backward of a recomputing
+    // stage; the others are the list's.
+    std::vector<PipelineSpan> spans;
+    size_t recomputed = 0;
+    for (const PipelineSpan& sp : pipe.spans()) {
+      if (!sp.recompute) {
+        spans.push_back(sp);
+        continue;
+      }
+      EXPECT_TRUE(c.recompute && sp.kind == ActionKind::forward);
+      ++recomputed;
+    }
+    if (c.recompute) {
+      EXPECT_EQ(recomputed, static_cast<size_t>(m * c.virtual_stages)) << "rank " << comm.rank();
+    }
+    EXPECT_EQ(spans.size(), want.size());
+    for (size_t i = 0; i < std::min(want.size(), spans.size()); ++i) {
+      const PipelineSpan& got = spans[i];
       EXPECT_TRUE(got.stage == want[i].stage && got.microbatch == want[i].microbatch &&
                   got.kind == want[i].kind)
           << "span " << i;
       EXPECT_LE(got.start_ns, got.end_ns);
       if (i > 0) {
-        EXPECT_GE(got.start_ns, pipe.spans()[i - 1].end_ns);
+        EXPECT_GE(got.start_ns, spans[i - 1].end_ns);
       }
     }
   }
@@ -283,7 +300,8 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
       static_cast<long long>(pipe.peak_stash_bytes()),
       static_cast<long long>(cut.stages[static_cast<size_t>(comm.rank())].stash_bytes));
   return PipeMemory{pipe.peak_stash_bytes(),
-                    cut.stages[static_cast<size_t>(comm.rank())].stash_bytes};
+                    cut.stages[static_cast<size_t>(comm.rank())].stash_bytes,
+                    cut.stages[static_cast<size_t>(comm.rank())].recompute_stash_bytes};
 }
 
 void check_gpipe_idle_fraction(Communicator& comm, int microbatches) {

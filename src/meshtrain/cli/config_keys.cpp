@@ -172,6 +172,10 @@ const std::vector<KeyMeaning> kMeanings = {
     {"parallel.virtual_stages",
      "model chunks per pipeline stage (schedule interleaved needs >= 2, zbv exactly 2, the "
      "others 1)"},
+    {"parallel.recompute",
+     "pipeline activation recomputation: true (every stage), or a list of virtual stages; a "
+     "stage keeps only its received inputs per micro-batch in flight and runs its forward "
+     "again before the backward"},
     {"parallel.tp_ratios",
      "per-tp-rank integer shares of every tensor-parallel split, e.g. [2, 1]; [] = even"},
     {"sync.scheme",

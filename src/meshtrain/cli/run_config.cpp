@@ -204,6 +204,12 @@ ParallelShorthand read_parallel(const Config& c) {
       static_cast<int>(c.get_int("parallel.virtual_stages", 1, Bounds<int64_t>::in(1, 1024)));
   p.tp_ratios = c.get_int_list("parallel.tp_ratios", {}, Bounds<int64_t>::positive());
   p.stage_layers = c.get_int_list("parallel.stage_layers", {}, Bounds<int64_t>::non_negative());
+  // true / false, or the list of virtual stages that recompute.
+  if (const auto v = c.value_text("parallel.recompute"); v && v->starts_with("[")) {
+    p.recompute_stages = c.get_int_list("parallel.recompute", {}, Bounds<int64_t>::non_negative());
+  } else {
+    p.recompute = c.get_bool("parallel.recompute", false);
+  }
   return p;
 }
 

@@ -73,6 +73,7 @@ struct PipelineRuntime::Impl {
   std::map<std::tuple<int, int, int>, std::vector<CommHandle>> recvs;  // (kind, stage, mb)
   std::vector<std::pair<CommHandle, Tensor>> sends;
   std::vector<PipelineSpan> spans, waits;
+  bool recomputing = false;  // run_pass is rerunning a forward
   double loss_sum = 0;
   int losses = 0;
   int64_t stash_now = 0, stash_peak = 0;
@@ -244,7 +245,25 @@ struct PipelineRuntime::Impl {
       const std::string& name = g.value(pv).name;
       add_into(grads.at(name), pass.exec->get(gv), name);
     }
-    spans.push_back({vs, mb, kind, t0, t1, cpu, (t0 - tb) + (now_ns() - t1)});
+    spans.push_back({vs, mb, kind, t0, t1, cpu, (t0 - tb) + (now_ns() - t1), recomputing});
+  }
+
+  // Recomputation: drops what the forward of (vs, mb) left in the stash but
+  // what was received, the loss and outputs the next stage on this rank reads.
+  void drop_activations(int vs, int mb) {
+    const PipelineStage& ps = st(vs);
+    const bool local_next = vs + 1 < sched.virtual_count() && owner(vs + 1) == rank;
+    Stash& s = stash[{vs, mb}];
+    for (const std::string& name : ps.forward.stash) {
+      if (name == ps.loss) continue;
+      if (local_next &&
+          std::ranges::any_of(ps.outputs, [&](const StageBoundary& b) { return b.name == name; })) {
+        continue;
+      }
+      if (std::ranges::any_of(ps.inputs, [&](const StageBoundary& b) { return b.name == name; }))
+        continue;
+      erase(s, name);
+    }
   }
 
   // Frees a micro-batch's stash after its last backward pass, keeping the
@@ -389,12 +408,18 @@ struct PipelineRuntime::Impl {
             loss_sum += stash[{vs, mb}].at(r.st->loss).item();
             ++losses;
           }
+          if (r.st->recompute) drop_activations(vs, mb);
           break;
         }
         case ActionKind::backward:
         case ActionKind::backward_input: {
           wait_recvs(1, vs, mb, a.kind);
           local_grads(vs, mb);
+          if (r.st->recompute) {
+            recomputing = true;
+            run_pass(r.forward, vs, mb, ActionKind::forward, data, nullptr);
+            recomputing = false;
+          }
           const bool whole = a.kind == ActionKind::backward;
           run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send);
           if (whole) release(vs, mb);

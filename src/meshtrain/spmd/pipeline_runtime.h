@@ -36,6 +36,11 @@
 // copy gets the same full gradient. grad() exposes them for an optimizer;
 // sgd_step() is plain SGD for tests.
 //
+// Recomputation (PipelineStage::recompute): after a stage's forward the
+// micro-batch's stash keeps only what was received (and outputs a stage on
+// the same rank still reads); the backward (or input-gradient) action first
+// runs the forward again, recorded as a span with recompute set.
+//
 // Timing: every compute action is recorded as a span (virtual stage,
 // micro-batch, kind, start and end in now_ns(), a clock all processes of a
 // node share), the per-micro-batch forward / backward timeline of a stage.
@@ -76,6 +81,8 @@ struct PipelineSpan {
   // before start_ns, and after end_ns copying what later passes read into
   // the stash and adding the parameter gradients into the accumulators.
   int64_t overhead_ns = 0;
+  // A forward run again before the backward (PipelineStage::recompute).
+  bool recompute = false;
 };
 
 // The model inputs a stage reads (e.g. "x", "y", "pos") for micro-batch i,

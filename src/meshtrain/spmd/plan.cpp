@@ -395,8 +395,15 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
     for (int s = 0; s < n; ++s) {
       const std::string path = fmt::format("stages[{}]", s);
       const Json& e = st[static_cast<size_t>(s)];
-      rd.keys(e, path, {"layers", "ranks"});
+      rd.keys(e, path, {"layers", "ranks", "recompute"});
       StagePlan sp;
+      if (e.contains("recompute")) {
+        if (!e["recompute"].is_boolean()) {
+          rd.fail(path + ".recompute",
+                  fmt::format("expected true or false, got {}", e["recompute"].dump()));
+        }
+        sp.recompute = e["recompute"].get<bool>();
+      }
       if (e.contains("layers")) {
         const Json& l = rd.list(e["layers"], path + ".layers");
         for (size_t i = 0; i < l.size(); ++i)
@@ -462,8 +469,11 @@ std::string plan_to_json(const Plan& plan) {
   }
   j["values"] = values;
   Json stages = Json::array();
-  for (const StagePlan& st : plan.stages)
-    stages.push_back({{"layers", st.layers}, {"ranks", st.ranks}});
+  for (const StagePlan& st : plan.stages) {
+    Json e = {{"layers", st.layers}, {"ranks", st.ranks}};
+    if (st.recompute) e["recompute"] = true;
+    stages.push_back(e);
+  }
   j["stages"] = stages;
   j["microbatches"] = plan.microbatches;
   j["schedule"] = schedule_name(plan.schedule);
@@ -593,8 +603,9 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
   } else {
     out += fmt::format("stages: {} physical x {} virtual\n", p, plan.virtual_stages);
     for (size_t s = 0; s < plan.stages.size(); ++s) {
-      out += fmt::format("  stage {} (ranks {}): {}\n", s, fmt::join(plan.stages[s].ranks, ","),
-                         fmt::join(plan.stages[s].layers, " "));
+      out += fmt::format("  stage {} (ranks {}): {}{}\n", s, fmt::join(plan.stages[s].ranks, ","),
+                         fmt::join(plan.stages[s].layers, " "),
+                         plan.stages[s].recompute ? " (recomputed)" : "");
     }
   }
   if (plan.sequence_parallel) out += "sequence parallelism: on (layer-norm regions over tp)\n";

@@ -29,6 +29,9 @@ namespace mt {
 struct StagePlan {
   std::vector<std::string> layers;
   std::vector<int> ranks;  // empty in a file: the ranks whose pp coordinate is the stage's
+  // Activation recomputation: the stage keeps only its received inputs per
+  // micro-batch in flight and runs its forward again before the backward.
+  bool recompute = false;
   bool operator==(const StagePlan&) const = default;
 };
 

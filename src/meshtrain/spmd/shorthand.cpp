@@ -234,6 +234,11 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
     if (!sh.stage_layers.empty()) {
       throw ConfigError("parallel.stage_layers: stages need a pipeline (parallel.pp > 1)");
     }
+    if (sh.recompute || !sh.recompute_stages.empty()) {
+      throw ConfigError(
+          "parallel.recompute: per-stage recomputation needs a pipeline (parallel.pp > 1); "
+          "without one, train.recompute recomputes the whole model's activations");
+    }
     return plan;
   }
   check_schedule(sh.schedule, sh.pp, sh.microbatches, sh.virtual_stages, "parallel");
@@ -293,6 +298,18 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
       s = u == 0 ? 0 : stages - 1;
     }
     plan.stages[static_cast<size_t>(s)].layers.push_back(l);
+  }
+  for (int64_t s : sh.recompute_stages) {
+    if (s < 0 || s >= stages) {
+      throw ConfigError(fmt::format(
+          "parallel.recompute: stage {} in [{}] (expected virtual stages 0 .. {}: pp = {} x "
+          "virtual_stages = {})",
+          s, fmt::join(sh.recompute_stages, ", "), stages - 1, sh.pp, sh.virtual_stages));
+    }
+    plan.stages[static_cast<size_t>(s)].recompute = true;
+  }
+  if (sh.recompute) {
+    for (StagePlan& st : plan.stages) st.recompute = true;
   }
   for (int s = 0; s < stages; ++s) {
     for (int r = 0; r < plan.mesh.size(); ++r) {

@@ -37,6 +37,10 @@ struct ParallelShorthand {
   int virtual_stages = 1;
   std::vector<int64_t> tp_ratios;     // empty: even; else one per tp rank
   std::vector<int64_t> stage_layers;  // empty: balanced; else layers per (virtual) stage
+  // Activation recomputation per pipeline stage (StagePlan::recompute):
+  // every stage, or the listed virtual stages.
+  bool recompute = false;
+  std::vector<int64_t> recompute_stages;
   // Not a [parallel] key: dist.batch_shares, the data-parallel split of the
   // batch (one share per dp rank; empty = equal).
   std::vector<int64_t> batch_shares;

@@ -493,7 +493,9 @@ struct PipelineTraining::Impl {
           {"pipeline_bytes_sent_per_step",
            static_cast<double>(sent) / static_cast<double>(total_steps)},
           {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
-          {"peak_stash_bytes", peak_stash}}}};
+          {"peak_stash_bytes", peak_stash},
+          {"planned_peak_stash_bytes",
+           planned_stash_bytes(cut, schedule, plan.mesh.coord(rank, "pp"))}}}};
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
     if (r.test_loss) {
       summary["test_loss"] = *r.test_loss;
