@@ -22,8 +22,11 @@ configs/gpt_medium.toml, GPT-2-small sized):
                               micro-batches (interleaved: 2 chunks per rank) vs
                               PyTorch's torch.distributed.pipelining with the same
                               schedule (zero_bubble: PyTorch's interleaved
-                              zero-bubble, 2 chunks per rank); the line carries
-                              the measured pipeline idle fraction and the formula
+                              zero-bubble, 2 chunks per rank; zbv: both sides'
+                              V-shaped zero-bubble, 2 chunks per rank); the line
+                              carries the measured pipeline idle fraction and the
+                              formula, the passes' CPU / wall time (below 1: the
+                              cores were shared) and the runtime's overhead
 Every meshtrain line carries the tensor groups' bytes per step as counted and
 as the lowering predicts, and peak RSS per rank.
 """
@@ -169,9 +172,9 @@ def run(ctx):
     import tomllib
     m = tomllib.loads(cfg_gpt.read_text()).get("model", {})
     idle = {}
-    for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"):
         sets = ["parallel.pp=2", "parallel.microbatches=4", f'parallel.schedule="{schedule}"']
-        if schedule == "interleaved":
+        if schedule in ("interleaved", "zbv"):
             sets.append("parallel.virtual_stages=2")
         run_ = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=sets,
                                name=f"meshtrain-gpt-pp2-{schedule}")
@@ -187,6 +190,8 @@ def run(ctx):
                 "schedule": schedule, "steps": gpt_steps, "warmup": warmup,
                 "pipeline_idle_fraction": idle[schedule],
                 "pipeline_idle_fraction_formula": plan.get("pipeline_idle_fraction_formula"),
+                "pipeline_pass_cpu_over_wall": plan.get("pipeline_pass_cpu_over_wall"),
+                "pipeline_overhead_fraction": plan.get("pipeline_overhead_fraction"),
                 "pipeline_bytes_per_step": plan.get("pipeline_bytes_sent_per_step"),
                 "pipeline_bytes_per_step_predicted":
                     plan.get("pipeline_bytes_sent_per_step_predicted"),
