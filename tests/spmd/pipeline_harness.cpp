@@ -138,6 +138,7 @@ Plan pipeline_plan(const PipeCase& c, const ModelSpec& s, const Graph& g, int wo
   sh.virtual_stages = c.virtual_stages;
   sh.stage_layers = c.stage_layers;
   sh.recompute = c.recompute;
+  sh.warmup_extra = c.warmup_extra;
   ShorthandModel model{s.kind, s.kind == "gpt" ? s.d_model / s.heads : 1};
   return expand_shorthand(sh, model, g, world);
 }
@@ -163,7 +164,8 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   check_schedule(c.schedule, comm.size(), m, c.virtual_stages, "test");
   PipelineOptions po;
   po.exec.backend = "reference";
-  PipelineRuntime pipe(comm, cut, make_schedule(c.schedule, comm.size(), m, c.virtual_stages), po);
+  PipelineRuntime pipe(
+      comm, cut, make_schedule(c.schedule, comm.size(), m, c.virtual_stages, c.warmup_extra), po);
 
   ExecOptions o;
   o.backend = "reference";
@@ -238,7 +240,8 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   // One span per compute action of this rank's list (a pass without nodes,
   // the first stage's input-gradient pass, runs nothing), in list order.
   {
-    const PipelineSchedule sched = make_schedule(c.schedule, comm.size(), m, c.virtual_stages);
+    const PipelineSchedule sched =
+        make_schedule(c.schedule, comm.size(), m, c.virtual_stages, c.warmup_extra);
     std::vector<PipelineSpan> want;
     for (const PipelineAction& a : sched.actions[static_cast<size_t>(comm.rank())]) {
       if (!a.is_compute()) continue;

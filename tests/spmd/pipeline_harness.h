@@ -18,6 +18,7 @@ struct PipeCase {
   int virtual_stages = 1;
   std::vector<int64_t> stage_layers;  // per virtual stage; empty: balanced by the shorthand
   bool recompute = false;             // every stage recomputes its activations
+  int warmup_extra = 0;               // 1f1b's extra warm-up forwards
 };
 
 // What a rank's pipeline held (bytes): its peak of stashed tensors in the

@@ -226,6 +226,10 @@ TEST(PipelineLocal, GptZbvMatchesTheSingleProcessRun) {
   on_threads(test::PipeCase{"gpt", ScheduleKind::zbv, 4, 2, {1, 1, 1, 1}});
 }
 
+TEST(PipelineLocal, GptOneFOneBWithExtraWarmupMatchesTheSingleProcessRun) {
+  on_threads(test::PipeCase{"gpt", ScheduleKind::one_f_one_b, 4, 1, {}, false, 1});
+}
+
 TEST(PipelineLocal, OneFOneBHoldsFewerMicroBatchesThanGpipe) {
   // m = 4 micro-batches of the GPT on 2 stages: GPipe runs every forward
   // before any backward, so stage 0 holds all four stashes at once; 1F1B

@@ -199,7 +199,8 @@ TEST(Plan, MalformedFilesNameTheKeyPath) {
   const Graph& g = small_gpt().graph;
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "stagse": []})", g, 2),
             "plan p.json: stagse: unknown key (did you mean 'stages'?) (known: format, model, "
-            "mesh, values, stages, microbatches, schedule, virtual_stages, sequence_parallel)");
+            "mesh, values, stages, microbatches, schedule, virtual_stages, warmup_extra, "
+            "sequence_parallel)");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": "2"}]})", g, 2),
             "plan p.json: mesh[0].size: expected an integer, got string \"2\"");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "values": {"wte":

@@ -244,6 +244,44 @@ TEST(Schedule, ZbvIsAVAndBeatsOneFOneBAndInterleaved) {
               formula_idle_fraction(ScheduleKind::interleaved, 4, 8, 2));
 }
 
+// Transfers that take time: plain 1F1B at p = 2 pays two transfers per
+// micro-batch (the stages alternate in lock-step); one extra warm-up forward
+// keeps an activation in flight and pays them about once per step, back
+// near the formula, for one more micro-batch held on each stage but the last.
+TEST(Schedule, ExtraWarmupHidesTransferLatency) {
+  const ActionCosts slow{1.0, 1.0, 1.0, 0.2};
+  for (int p = 2; p <= 4; ++p) {
+    for (int m = p; m <= 4 * p; ++m) {
+      const PipelineSchedule plain = make_schedule(ScheduleKind::one_f_one_b, p, m);
+      const PipelineSchedule eager = make_schedule(ScheduleKind::one_f_one_b, p, m, 1, 1);
+      check_lists(eager);
+      const auto e = simulate(eager, slow);
+      check_times(eager, e, slow);
+      const auto f = simulate(plain, slow);
+      // (m = p: the extra forward has no later micro-batch to start.)
+      if (m > p) {
+        EXPECT_LT(e.idle_fraction, f.idle_fraction - 1e-9) << "p=" << p << " m=" << m;
+      } else {
+        EXPECT_LE(e.idle_fraction, f.idle_fraction + 1e-12) << "p=" << p << " m=" << m;
+      }
+      // Without latency the extra warm-up costs nothing in time.
+      EXPECT_NEAR(simulate(eager).idle_fraction, simulate(plain).idle_fraction, 1e-12);
+      for (int s = 0; s < p; ++s) {
+        EXPECT_LE(e.peak_in_flight[static_cast<size_t>(s)], std::min(m, p - s + (s < p - 1)));
+      }
+    }
+  }
+  const auto plain = simulate(make_schedule(ScheduleKind::one_f_one_b, 2, 4), slow);
+  const auto eager = simulate(make_schedule(ScheduleKind::one_f_one_b, 2, 4, 1, 1), slow);
+  std::printf(
+      "p=2 m=4, transfer 0.2 of a forward: 1f1b idle %.3f, with one extra warm-up %.3f "
+      "(formula %.3f)\n",
+      plain.idle_fraction, eager.idle_fraction,
+      formula_idle_fraction(ScheduleKind::one_f_one_b, 2, 4, 1));
+  EXPECT_THROW(check_warmup_extra(ScheduleKind::gpipe, 1, "parallel"), ConfigError);
+  EXPECT_THROW(check_warmup_extra(ScheduleKind::one_f_one_b, -1, "parallel"), ConfigError);
+}
+
 TEST(Schedule, OneStageHasNoBubbleAndNoTransfers) {
   for (ScheduleKind k : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
     const PipelineSchedule s = make_schedule(k, 1, 3);

@@ -832,8 +832,7 @@ int cmd_inspect(const CommandOptions& opts) {
       const int64_t micro = rc.train.batch_size / dp / pplan->microbatches;
       const ModelGraph mm = build_model(rc.model, micro);
       const PipelineCut cut = cut_pipeline(mm.graph, mm.loss, pplan->stages);
-      const PipelineSchedule sched = make_schedule(pplan->schedule, pplan->pipeline_stages(),
-                                                   pplan->microbatches, pplan->virtual_stages);
+      const PipelineSchedule sched = plan_schedule(*pplan);
       fmt::print("pipeline activation stash ({} examples per micro-batch{}):\n{}", micro,
                  needs_lowering(*pplan) ? "; the unlowered model's" : "",
                  describe_stash(cut, sched));

@@ -225,6 +225,7 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
     }
   }
   check_schedule(plan.schedule, plan.pipeline_stages(), plan.microbatches, v, where);
+  check_warmup_extra(plan.schedule, plan.warmup_extra, where);
   if (global_batch % plan.microbatches != 0) {
     throw ConfigError(fmt::format(
         "{}: microbatches: the global batch of {} (train.batch_size) does not divide into {} "
@@ -345,7 +346,7 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
   Reader rd{source};
   rd.keys(j, "",
           {"format", "model", "mesh", "values", "stages", "microbatches", "schedule",
-           "virtual_stages", "sequence_parallel"});
+           "virtual_stages", "warmup_extra", "sequence_parallel"});
   Plan plan;
   if (j.contains("format")) {
     const std::string f = rd.string(j["format"], "format");
@@ -378,6 +379,8 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
     plan.microbatches = static_cast<int>(rd.integer(j["microbatches"], "microbatches", 1));
   if (j.contains("virtual_stages"))
     plan.virtual_stages = static_cast<int>(rd.integer(j["virtual_stages"], "virtual_stages", 1));
+  if (j.contains("warmup_extra"))
+    plan.warmup_extra = static_cast<int>(rd.integer(j["warmup_extra"], "warmup_extra", 0));
   if (j.contains("schedule")) {
     plan.schedule = parse_schedule_kind(rd.string(j["schedule"], "schedule"),
                                         fmt::format("plan {}: schedule", source));
@@ -478,6 +481,7 @@ std::string plan_to_json(const Plan& plan) {
   j["microbatches"] = plan.microbatches;
   j["schedule"] = schedule_name(plan.schedule);
   j["virtual_stages"] = plan.virtual_stages;
+  if (plan.warmup_extra != 0) j["warmup_extra"] = plan.warmup_extra;
   j["sequence_parallel"] = plan.sequence_parallel;
   // One line per mesh axis, value and stage, so the file reads (and diffs)
   // like a table; the same JSON as j.dump().
@@ -612,8 +616,7 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
   out += fmt::format("schedule: {}, {} micro-batch{}\n", schedule_name(plan.schedule),
                      plan.microbatches, plan.microbatches == 1 ? "" : "es");
   if (p > 1 || plan.microbatches > 1) {
-    const PipelineSchedule sched =
-        make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
+    const PipelineSchedule sched = plan_schedule(plan);
     const ScheduleSimulation sim = simulate(sched);
     for (int s = 0; s < p; ++s) {
       std::vector<std::string> acts;
@@ -631,6 +634,11 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
                                                    : "");
   }
   return out;
+}
+
+PipelineSchedule plan_schedule(const Plan& plan) {
+  return make_schedule(plan.schedule, plan.pipeline_stages(), plan.microbatches,
+                       plan.virtual_stages, plan.warmup_extra);
 }
 
 }  // namespace mt

@@ -173,11 +173,11 @@ std::vector<std::vector<Compute>> gpipe_order(int p, int m) {
 
 // 1F1B (PipeDream-flush, as Megatron runs it): p-1-r warm-up forwards, then
 // alternate one forward and one backward, then the remaining backwards.
-std::vector<std::vector<Compute>> one_f_one_b_order(int p, int m) {
+std::vector<std::vector<Compute>> one_f_one_b_order(int p, int m, int extra) {
   std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
   for (int r = 0; r < p; ++r) {
     auto& l = o[static_cast<size_t>(r)];
-    const int warm = std::min(p - 1 - r, m);
+    const int warm = std::min(p - 1 - r + (r < p - 1 ? extra : 0), m);
     for (int i = 0; i < warm; ++i) l.push_back({ActionKind::forward, i, r});
     const int steady = m - warm;
     for (int i = 0; i < steady; ++i) {
@@ -351,13 +351,31 @@ std::vector<std::vector<Compute>> zbv_order(int p, int m) {
 
 }  // namespace
 
-PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v) {
+void check_warmup_extra(ScheduleKind kind, int extra, std::string_view where) {
+  if (extra < 0) {
+    throw ConfigError(fmt::format("{}.warmup_extra: {} (expected >= 0)", where, extra));
+  }
+  if (extra > 0 && kind != ScheduleKind::one_f_one_b) {
+    throw ConfigError(fmt::format(
+        "{}.warmup_extra: {} extra warm-up forwards need schedule 1f1b (schedule {} has its own "
+        "warm-up)",
+        where, extra, schedule_name(kind)));
+  }
+}
+
+PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v, int extra) {
   check_schedule(kind, p, m, v, "schedule");
+  check_warmup_extra(kind, extra, "schedule");
+  if (extra > 0) {
+    PipelineSchedule s = with_transfers(kind, p, m, 1, one_f_one_b_order(p, m, extra));
+    s.warmup_extra = extra;
+    return s;
+  }
   switch (kind) {
     case ScheduleKind::gpipe:
       return with_transfers(kind, p, m, 1, gpipe_order(p, m));
     case ScheduleKind::one_f_one_b:
-      return with_transfers(kind, p, m, 1, one_f_one_b_order(p, m));
+      return with_transfers(kind, p, m, 1, one_f_one_b_order(p, m, 0));
     case ScheduleKind::interleaved:
       return with_transfers(kind, p, m, v, interleaved_order(p, m, v));
     case ScheduleKind::zero_bubble:
@@ -425,14 +443,31 @@ ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs)
           default:
             break;
         }
+        // The stage each dependency ran on (same order as deps).
+        std::vector<int> dep_stage;
+        switch (a.kind) {
+          case ActionKind::forward:
+            if (a.stage > 0) dep_stage.push_back(a.stage - 1);
+            break;
+          case ActionKind::backward:
+          case ActionKind::backward_input:
+            dep_stage.push_back(a.stage);
+            if (a.stage < last) dep_stage.push_back(a.stage + 1);
+            break;
+          default:
+            dep_stage.push_back(a.stage);
+            break;
+        }
         double start = now[ru];
         bool ready = true;
-        for (const double* d : deps) {
+        for (size_t k = 0; k < deps.size(); ++k) {
+          const double* d = deps[k];
           if (d == nullptr) {
             ready = false;
             break;
           }
-          start = std::max(start, *d);
+          const bool remote = s.owner(dep_stage[k]) != r;
+          start = std::max(start, *d + (remote ? costs.transfer : 0.0));
         }
         if (!ready) break;
         const double end = start + cost;

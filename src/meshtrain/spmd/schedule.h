@@ -83,9 +83,10 @@ std::string describe(const PipelineAction& a);
 
 struct PipelineSchedule {
   ScheduleKind kind = ScheduleKind::gpipe;
-  int stages = 1;                                    // physical stages p
-  int microbatches = 1;                              // m
-  int virtual_stages = 1;                            // v (model chunks per physical stage)
+  int stages = 1;          // physical stages p
+  int microbatches = 1;    // m
+  int virtual_stages = 1;  // v (model chunks per physical stage)
+  int warmup_extra = 0;    // 1f1b: extra warm-up forwards on every stage but the last
   std::vector<std::vector<PipelineAction>> actions;  // per physical stage, in order
 
   int virtual_count() const { return stages * virtual_stages; }
@@ -101,14 +102,27 @@ void check_schedule(ScheduleKind kind, int stages, int microbatches, int virtual
                     std::string_view where);
 
 // The actions of every physical stage. Call check_schedule() first.
+// `warmup_extra` (1f1b only; check_warmup_extra()): each stage but the last
+// runs that many more forwards before its first backward (p-1-r+extra, at
+// most m). With transfers that take time, plain 1F1B at p = 2 waits for a
+// message twice per micro-batch (the stages alternate in lock-step); one
+// extra forward keeps the next activation in flight while the stage waits
+// for a gradient, so the waits no longer add up per micro-batch. Each extra
+// forward holds one more micro-batch's stash on the stage.
 PipelineSchedule make_schedule(ScheduleKind kind, int stages, int microbatches,
-                               int virtual_stages = 1);
+                               int virtual_stages = 1, int warmup_extra = 0);
+// Throws ConfigError naming `where`.warmup_extra unless it is 0, or >= 0
+// with schedule 1f1b.
+void check_warmup_extra(ScheduleKind kind, int warmup_extra, std::string_view where);
 
 // Time units of each compute action (backward = input + weight).
 struct ActionCosts {
   double forward = 1.0;
   double backward_input = 1.0;
   double backward_weight = 1.0;
+  // Time from an action's end to its result's arrival on another physical
+  // stage (latency of a transfer); 0: free.
+  double transfer = 0.0;
 };
 
 struct ScheduleSimulation {

@@ -219,6 +219,7 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
   plan.microbatches = sh.microbatches;
   plan.schedule = sh.schedule;
   plan.virtual_stages = sh.virtual_stages;
+  plan.warmup_extra = sh.warmup_extra;
   if (sh.pp == 1) {
     if (sh.microbatches != 1) {
       throw ConfigError(
@@ -234,6 +235,11 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
     if (!sh.stage_layers.empty()) {
       throw ConfigError("parallel.stage_layers: stages need a pipeline (parallel.pp > 1)");
     }
+    if (sh.warmup_extra != 0) {
+      throw ConfigError(
+          "parallel.warmup_extra: extra warm-up forwards need a pipeline "
+          "(parallel.pp > 1)");
+    }
     if (sh.recompute || !sh.recompute_stages.empty()) {
       throw ConfigError(
           "parallel.recompute: per-stage recomputation needs a pipeline (parallel.pp > 1); "
@@ -242,6 +248,7 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
     return plan;
   }
   check_schedule(sh.schedule, sh.pp, sh.microbatches, sh.virtual_stages, "parallel");
+  check_warmup_extra(sh.schedule, sh.warmup_extra, "parallel");
   const int stages = sh.pp * sh.virtual_stages;
   const std::vector<std::string> units = stage_units(model, g);
   std::vector<int64_t> runs = sh.stage_layers;

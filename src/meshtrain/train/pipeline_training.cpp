@@ -156,7 +156,7 @@ struct PipelineTraining::Impl {
     tensor_parallel = needs_lowering(plan);
     for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
     cut = cut_pipeline(model.graph, model.loss, plan.stages);
-    schedule = make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
+    schedule = plan_schedule(plan);
     PipelineOptions po;
     po.exec = o.exec;
     po.exec.slowdown =
