@@ -18,12 +18,19 @@ configs/gpt_medium.toml, GPT-2-small sized):
                               [2, 1] tokens/s / even TP=2 tokens/s (goal >= 1.3)
   gpt_pp2_uneven_speedup      with dist.slowdown = [1, 2]: PP=2 1F1B with
                               stage_layers [3, 1] tokens/s / even [2, 2] (goal >= 1.3)
+  gpt_pp2_1f1b_warmup_extra1, gpt_pp2_1f1b_recompute  meshtrain only: 1F1B with
+                              one extra warm-up forward / with per-stage
+                              recomputation: tokens/s, idle fraction (and plain
+                              1F1B's), measured and planned peak stash
   gpt_pp2_<schedule>_throughput  tokens/s, meshtrain [parallel] pp=2, 4
                               micro-batches (interleaved: 2 chunks per rank) vs
                               PyTorch's torch.distributed.pipelining with the same
                               schedule (zero_bubble: PyTorch's interleaved
-                              zero-bubble, 2 chunks per rank); the line carries
-                              the measured pipeline idle fraction and the formula
+                              zero-bubble, 2 chunks per rank; zbv: both sides'
+                              V-shaped zero-bubble, 2 chunks per rank); the line
+                              carries the measured pipeline idle fraction and the
+                              formula, the passes' CPU / wall time (below 1: the
+                              cores were shared) and the runtime's overhead
 Every meshtrain line carries the tensor groups' bytes per step as counted and
 as the lowering predicts, and peak RSS per rank.
 """
@@ -169,9 +176,9 @@ def run(ctx):
     import tomllib
     m = tomllib.loads(cfg_gpt.read_text()).get("model", {})
     idle = {}
-    for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"):
         sets = ["parallel.pp=2", "parallel.microbatches=4", f'parallel.schedule="{schedule}"']
-        if schedule == "interleaved":
+        if schedule in ("interleaved", "zbv"):
             sets.append("parallel.virtual_stages=2")
         run_ = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=sets,
                                name=f"meshtrain-gpt-pp2-{schedule}")
@@ -187,6 +194,8 @@ def run(ctx):
                 "schedule": schedule, "steps": gpt_steps, "warmup": warmup,
                 "pipeline_idle_fraction": idle[schedule],
                 "pipeline_idle_fraction_formula": plan.get("pipeline_idle_fraction_formula"),
+                "pipeline_pass_cpu_over_wall": plan.get("pipeline_pass_cpu_over_wall"),
+                "pipeline_overhead_fraction": plan.get("pipeline_overhead_fraction"),
                 "pipeline_bytes_per_step": plan.get("pipeline_bytes_sent_per_step"),
                 "pipeline_bytes_per_step_predicted":
                     plan.get("pipeline_bytes_sent_per_step_predicted"),
@@ -197,6 +206,30 @@ def run(ctx):
         err = "; ".join(e for e in (run_.error, f"peer: {perr2}" if perr2 else None) if e)
         if err:
             line["error"] = err
+        ctx.emit(line)
+    # 1F1B's options, meshtrain only: one extra warm-up forward (hides the
+    # transfer latency that 1F1B's lock-step at p = 2 pays twice per
+    # micro-batch) and per-stage recomputation (keeps only what a stage
+    # received), next to plain 1F1B's idle fraction and stash.
+    for opt_name, opt_sets in (("warmup_extra1", ["parallel.warmup_extra=1"]),
+                               ("recompute", ["parallel.recompute=true"])):
+        run_ = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
+                               sets=["parallel.pp=2", "parallel.microbatches=4",
+                                     'parallel.schedule="1f1b"', *opt_sets],
+                               name=f"meshtrain-gpt-pp2-1f1b-{opt_name}")
+        plan = (run_.summary or {}).get("plan", {})
+        line = {"name": f"gpt_pp2_1f1b_{opt_name}", "unit": "tokens/s", "system": "meshtrain",
+                "value": tokens_per_s(run_), "option": opt_sets[0],
+                "pipeline_idle_fraction": plan.get("pipeline_idle_fraction"),
+                "pipeline_idle_fraction_1f1b": idle.get("1f1b"),
+                "pipeline_idle_fraction_formula": plan.get("pipeline_idle_fraction_formula"),
+                "pipeline_pass_cpu_over_wall": plan.get("pipeline_pass_cpu_over_wall"),
+                "peak_stash_mib": round(plan.get("peak_stash_bytes", 0) / 2**20, 2),
+                "planned_peak_stash_mib": round(plan.get("planned_peak_stash_bytes", 0) / 2**20, 2),
+                "model": "gpt", "processes": WORLD, "microbatches": 4,
+                **meshtrain_engine_context(run_.summary)}
+        if run_.error:
+            line["error"] = run_.error
         ctx.emit(line)
     if idle.get("zero_bubble") is not None and idle.get("1f1b") is not None:
         ctx.emit({"name": "gpt_pp2_zero_bubble_idle_vs_1f1b", "unit": "fraction",

@@ -97,6 +97,24 @@ run(0 "steps 2  final loss" "wrote the plan to ${dir}/tpp.json"
 run(0 "steps 2  final loss.*final test accuracy" "" train ${gpt} --quiet --set train.threads=1
   --set train.steps=2 --set train.eval_batches=1 "--set" "train.checkpoint=\"\""
   --set parallel.pp=2 --set parallel.microbatches=4 --set parallel.schedule=\"gpipe\" --nproc 2)
+# ZBV with recomputation on its first stage trains; --trace writes each
+# pass per micro-batch and stage (with its CPU time), the waits and the
+# transfers; inspect prints the planned stash per rank.
+run(0 "steps 2  final loss" "" train ${gpt} --set model.layers=4 --quiet --set train.threads=1
+  --set train.steps=2 --set train.eval=false "--set" "train.checkpoint=\"\"" --set parallel.pp=2
+  --set parallel.microbatches=2 --set parallel.schedule=\"zbv\" --set parallel.virtual_stages=2
+  --set parallel.recompute=[0] --trace ${dir}/zbv_trace.json --nproc 2)
+file(READ ${dir}/zbv_trace.json trace)
+foreach(want "\"F1@3\"" "\"BI0@2\"" "\"BW1@0\"" "cpu_ms" "wait recv_act" "send 4096B")
+  string(FIND "${trace}" "${want}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "the zbv trace has no ${want}")
+  endif()
+endforeach()
+run(0 "stage 0 \\(ranks 0\\): wte wpe block0 \\(recomputed\\).*stage 3 \\(ranks 0\\).*pipeline activation stash.*recomputed: keeps 0 bytes.*rank 1: planned peak stash [0-9]+ bytes" ""
+  inspect ${gpt} --set model.layers=4 --set dist.nproc=2 --set parallel.pp=2
+  --set parallel.microbatches=2 --set parallel.schedule=\"zbv\" --set parallel.virtual_stages=2
+  --set parallel.recompute=[0])
 # Tensor parallelism: inspect prints each rank's program (its boxes, the
 # inserted collectives with bytes, its memory); train writes the plan and runs it.
 run(0 "per-rank programs.*rank 1: [0-9]+ operators.*param block0.attn.q.w \\[32, 32\\] -> \\[0:32, 16:32\\] over tp.*forward  copy_to_group.*backward reduce_from_group.*collective payload per step.*planned memory" ""

@@ -128,6 +128,7 @@ Plan pipeline_plan(const PipeCase& c, const ModelSpec& s, const Graph& g, int wo
     }
     plan.stages.front().layers.insert(plan.stages.front().layers.begin(), {"wte", "wpe"});
     plan.stages.back().layers.push_back("ln_f");
+    for (StagePlan& st : plan.stages) st.recompute = c.recompute;
     return plan;
   }
   ParallelShorthand sh;
@@ -136,6 +137,8 @@ Plan pipeline_plan(const PipeCase& c, const ModelSpec& s, const Graph& g, int wo
   sh.schedule = c.schedule;
   sh.virtual_stages = c.virtual_stages;
   sh.stage_layers = c.stage_layers;
+  sh.recompute = c.recompute;
+  sh.warmup_extra = c.warmup_extra;
   ShorthandModel model{s.kind, s.kind == "gpt" ? s.d_model / s.heads : 1};
   return expand_shorthand(sh, model, g, world);
 }
@@ -161,7 +164,8 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   check_schedule(c.schedule, comm.size(), m, c.virtual_stages, "test");
   PipelineOptions po;
   po.exec.backend = "reference";
-  PipelineRuntime pipe(comm, cut, make_schedule(c.schedule, comm.size(), m, c.virtual_stages), po);
+  PipelineRuntime pipe(
+      comm, cut, make_schedule(c.schedule, comm.size(), m, c.virtual_stages, c.warmup_extra), po);
 
   ExecOptions o;
   o.backend = "reference";
@@ -192,9 +196,18 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   }
   // Rank r sends the activations of its virtual stages but the last one and
   // the gradients of its virtual stages but the first: (2v - 1) m tensors.
-  const int boundaries_sent = m * (2 * c.virtual_stages - 1);
+  // ZBV's V (rank r holds r and 2p-1-r): its shallow chunk sends
+  // activations unless r = p-1 (the turn stays on the rank) and gradients
+  // unless r = 0; its deep chunk the other way round: 2 m per side that has
+  // a neighbour. The tied embedding's two stages are both on rank 0 there.
+  const bool v_shape = c.schedule == ScheduleKind::zbv;
+  const int r = comm.rank(), ranks = comm.size();
+  const int boundaries_sent = v_shape ? 2 * m * ((r < ranks - 1 ? 1 : 0) + (r > 0 ? 1 : 0))
+                                      : m * (2 * c.virtual_stages - 1);
   uint64_t expected_bytes = static_cast<uint64_t>(boundaries_sent * boundary_elems * 4);
-  if (c.model == "gpt") expected_bytes += static_cast<uint64_t>(s.vocab * s.d_model * 4);
+  if (c.model == "gpt" && !v_shape) {
+    expected_bytes += static_cast<uint64_t>(s.vocab * s.d_model * 4);
+  }
   if (comm.size() == 1) expected_bytes = 0;  // chunks on one rank hand tensors over in memory
 
   for (int step = 0; step < kSteps; ++step) {
@@ -222,11 +235,13 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
     EXPECT_EQ(pipe.bytes_sent(), expected_bytes) << "step " << step << ", rank " << comm.rank();
     EXPECT_EQ(pipe.predicted_bytes_sent(), expected_bytes) << "rank " << comm.rank();
   }
-  EXPECT_EQ(pipe.has_loss(), comm.rank() == comm.size() - 1);
+  EXPECT_EQ(pipe.has_loss(), comm.rank() == stage_owner(c.schedule, comm.size(),
+                                                        comm.size() * c.virtual_stages - 1));
   // One span per compute action of this rank's list (a pass without nodes,
   // the first stage's input-gradient pass, runs nothing), in list order.
   {
-    const PipelineSchedule sched = make_schedule(c.schedule, comm.size(), m, c.virtual_stages);
+    const PipelineSchedule sched =
+        make_schedule(c.schedule, comm.size(), m, c.virtual_stages, c.warmup_extra);
     std::vector<PipelineSpan> want;
     for (const PipelineAction& a : sched.actions[static_cast<size_t>(comm.rank())]) {
       if (!a.is_compute()) continue;
@@ -236,15 +251,30 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
       }
       want.push_back({a.stage, a.microbatch, a.kind});
     }
-    EXPECT_EQ(pipe.spans().size(), want.size());
-    for (size_t i = 0; i < std::min(want.size(), pipe.spans().size()); ++i) {
-      const PipelineSpan& got = pipe.spans()[i];
+    // Recomputation adds a forward before each backward of a recomputing
+    // stage; the others are the list's.
+    std::vector<PipelineSpan> spans;
+    size_t recomputed = 0;
+    for (const PipelineSpan& sp : pipe.spans()) {
+      if (!sp.recompute) {
+        spans.push_back(sp);
+        continue;
+      }
+      EXPECT_TRUE(c.recompute && sp.kind == ActionKind::forward);
+      ++recomputed;
+    }
+    if (c.recompute) {
+      EXPECT_EQ(recomputed, static_cast<size_t>(m * c.virtual_stages)) << "rank " << comm.rank();
+    }
+    EXPECT_EQ(spans.size(), want.size());
+    for (size_t i = 0; i < std::min(want.size(), spans.size()); ++i) {
+      const PipelineSpan& got = spans[i];
       EXPECT_TRUE(got.stage == want[i].stage && got.microbatch == want[i].microbatch &&
                   got.kind == want[i].kind)
           << "span " << i;
       EXPECT_LE(got.start_ns, got.end_ns);
       if (i > 0) {
-        EXPECT_GE(got.start_ns, pipe.spans()[i - 1].end_ns);
+        EXPECT_GE(got.start_ns, spans[i - 1].end_ns);
       }
     }
   }
@@ -273,7 +303,8 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
       static_cast<long long>(pipe.peak_stash_bytes()),
       static_cast<long long>(cut.stages[static_cast<size_t>(comm.rank())].stash_bytes));
   return PipeMemory{pipe.peak_stash_bytes(),
-                    cut.stages[static_cast<size_t>(comm.rank())].stash_bytes};
+                    cut.stages[static_cast<size_t>(comm.rank())].stash_bytes,
+                    cut.stages[static_cast<size_t>(comm.rank())].recompute_stash_bytes};
 }
 
 void check_gpipe_idle_fraction(Communicator& comm, int microbatches) {

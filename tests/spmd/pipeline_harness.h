@@ -17,6 +17,8 @@ struct PipeCase {
   int microbatches = 4;
   int virtual_stages = 1;
   std::vector<int64_t> stage_layers;  // per virtual stage; empty: balanced by the shorthand
+  bool recompute = false;             // every stage recomputes its activations
+  int warmup_extra = 0;               // 1f1b's extra warm-up forwards
 };
 
 // What a rank's pipeline held (bytes): its peak of stashed tensors in the
@@ -24,6 +26,7 @@ struct PipeCase {
 struct PipeMemory {
   int64_t peak_stash = 0;
   int64_t planned_per_microbatch = 0;
+  int64_t planned_per_microbatch_recomputed = 0;  // what recomputation keeps
 };
 
 // 10 SGD steps under the pipeline (comm.size() stages) and in one process

@@ -54,6 +54,13 @@ TEST(PipelineMpi, GptZeroBubbleMatchesTheSingleProcessRun) {
                                       PipeCase{"gpt", ScheduleKind::zero_bubble, 4, 1, {}});
 }
 
+TEST(PipelineMpi, GptZbvMatchesTheSingleProcessRun) {
+  // The V: rank 0 holds blocks 0 and 3 (wte twice, the loss), rank 1 blocks
+  // 1 and 2 (the turn handed over in memory).
+  test::check_pipeline_matches_single(world(),
+                                      PipeCase{"gpt", ScheduleKind::zbv, 4, 2, {1, 1, 1, 1}});
+}
+
 TEST(PipelineMpi, GpipeStagesOverlap) {
   // p=2, m=4: the formula's (p-1)/(m+p-1) = 0.2 is a floor (a quiet run
   // measured 0.35: the stages differ by about a sixth, and messages and the

@@ -220,6 +220,16 @@ TEST(PipelineLocal, GptZeroBubbleMatchesTheSingleProcessRun) {
   on_threads(test::PipeCase{"gpt", ScheduleKind::zero_bubble, 2, 1, {}});
 }
 
+TEST(PipelineLocal, GptZbvMatchesTheSingleProcessRun) {
+  // The V: rank 0 holds blocks 0 and 3 (wte for the embedding and the head,
+  // the loss), rank 1 blocks 1 and 2, handed over in memory at the turn.
+  on_threads(test::PipeCase{"gpt", ScheduleKind::zbv, 4, 2, {1, 1, 1, 1}});
+}
+
+TEST(PipelineLocal, GptOneFOneBWithExtraWarmupMatchesTheSingleProcessRun) {
+  on_threads(test::PipeCase{"gpt", ScheduleKind::one_f_one_b, 4, 1, {}, false, 1});
+}
+
 TEST(PipelineLocal, OneFOneBHoldsFewerMicroBatchesThanGpipe) {
   // m = 4 micro-batches of the GPT on 2 stages: GPipe runs every forward
   // before any backward, so stage 0 holds all four stashes at once; 1F1B
@@ -238,6 +248,32 @@ TEST(PipelineLocal, OneFOneBHoldsFewerMicroBatchesThanGpipe) {
   EXPECT_LT(ofob[0].peak_stash, 3 * ofob[0].planned_per_microbatch);
   EXPECT_LT(ofob[0].peak_stash, gpipe[0].peak_stash);
   EXPECT_LT(ofob[1].peak_stash, gpipe[1].peak_stash);
+}
+
+TEST(PipelineLocal, RecomputationMatchesAndHoldsOnlyTheStageInputs) {
+  // GPT, 1F1B on 2 stages, every stage recomputing its forward before its
+  // backward: the same losses and parameters. Stage 0 has two micro-batches
+  // in flight: without recomputation it holds two whole stashes, with it
+  // only what it keeps (nothing received: its input is the data) plus the
+  // one stash rebuilt for the backward. Stage 1 runs each backward right
+  // after its forward (1F1B's last stage holds one micro-batch), so
+  // recomputation rebuilds at once what it dropped: no saving there.
+  std::vector<test::PipeMemory> full(2), rec(2);
+  LocalWorldOptions o;
+  o.size = 2;
+  o.comm.timeout = std::chrono::milliseconds(60'000);
+  LocalWorld::run(o, [&](Communicator& w) {
+    full[static_cast<size_t>(w.rank())] =
+        test::check_pipeline_matches_single(w, {"gpt", ScheduleKind::one_f_one_b, 4, 1, {}});
+    rec[static_cast<size_t>(w.rank())] =
+        test::check_pipeline_matches_single(w, {"gpt", ScheduleKind::one_f_one_b, 4, 1, {}, true});
+  });
+  EXPECT_GE(full[0].peak_stash, 2 * full[0].planned_per_microbatch);
+  EXPECT_LT(rec[0].peak_stash, 2 * rec[0].planned_per_microbatch);
+  EXPECT_LE(rec[1].peak_stash, full[1].peak_stash);
+  EXPECT_EQ(rec[0].planned_per_microbatch_recomputed, 0);  // stage 0 receives nothing
+  EXPECT_GT(rec[1].planned_per_microbatch_recomputed, 0);  // the residual stream
+  EXPECT_LT(rec[1].planned_per_microbatch_recomputed, rec[1].planned_per_microbatch);
 }
 
 TEST(PipelineLocal, InterleavedChunksOnOneRankHandOverInMemory) {

@@ -199,7 +199,8 @@ TEST(Plan, MalformedFilesNameTheKeyPath) {
   const Graph& g = small_gpt().graph;
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "stagse": []})", g, 2),
             "plan p.json: stagse: unknown key (did you mean 'stages'?) (known: format, model, "
-            "mesh, values, stages, microbatches, schedule, virtual_stages, sequence_parallel)");
+            "mesh, values, stages, microbatches, schedule, virtual_stages, warmup_extra, "
+            "sequence_parallel)");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": "2"}]})", g, 2),
             "plan p.json: mesh[0].size: expected an integer, got string \"2\"");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "values": {"wte":
@@ -212,8 +213,8 @@ TEST(Plan, MalformedFilesNameTheKeyPath) {
             "plan p.json: values.wte.dims[0]: expected null (replicated), an axis name or an "
             "object {\"axis\", \"ratios\", \"unit\"}, got number 3");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "schedule": "1F1B"})", g, 2),
-            "plan p.json: schedule: unknown schedule \"1F1B\" (expected gpipe, 1f1b, interleaved "
-            "or zero_bubble)");
+            "plan p.json: schedule: unknown schedule \"1F1B\" (expected gpipe, 1f1b, interleaved, "
+            "zero_bubble or zbv)");
   EXPECT_EQ(error_of(R"({"values": {}})", g, 2),
             "plan p.json: mesh: missing (a list of {\"name\", \"size\"} axes)");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "format": "v0"})", g, 2),

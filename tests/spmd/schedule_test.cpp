@@ -12,7 +12,8 @@ namespace mt {
 namespace {
 
 constexpr ScheduleKind kAll[] = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
-                                 ScheduleKind::interleaved, ScheduleKind::zero_bubble};
+                                 ScheduleKind::interleaved, ScheduleKind::zero_bubble,
+                                 ScheduleKind::zbv};
 
 // An independent check of a schedule's lists (not through simulate()):
 // every (micro-batch, virtual stage) is forwarded once and backwarded once
@@ -24,7 +25,7 @@ void check_lists(const PipelineSchedule& s) {
   SCOPED_TRACE(fmt::format("{} p={} m={} v={}", schedule_name(s.kind), s.stages, s.microbatches,
                            s.virtual_stages));
   const int S = s.virtual_count(), m = s.microbatches;
-  const bool split = s.kind == ScheduleKind::zero_bubble;
+  const bool split = s.kind == ScheduleKind::zero_bubble || s.kind == ScheduleKind::zbv;
   std::map<std::tuple<int, int, int>, int> count;  // (kind, mb, stage)
   std::map<std::tuple<int, int, int, int, int>, int> sends,
       recvs;  // (what, mb, from-stage, src, dst)
@@ -123,8 +124,9 @@ void check_times(const PipelineSchedule& s, const ScheduleSimulation& sim, const
   for (const auto& [key, t] : when) {
     const auto [k, mb, st] = key;
     const ActionKind kind = static_cast<ActionKind>(k);
-    const ActionKind back =
-        s.kind == ScheduleKind::zero_bubble ? ActionKind::backward_input : ActionKind::backward;
+    const ActionKind back = s.kind == ScheduleKind::zero_bubble || s.kind == ScheduleKind::zbv
+                                ? ActionKind::backward_input
+                                : ActionKind::backward;
     if (kind == ActionKind::forward && st > 0) {
       EXPECT_GE(t.first, end_of(kind, mb, st - 1));
     }
@@ -212,6 +214,74 @@ TEST(Schedule, ZeroBubbleBeatsOneFOneB) {
   EXPECT_NEAR(z.idle_fraction, 0.2, 1e-12);  // the figure docs/plan.md quotes
 }
 
+// ZBV: the V places virtual stages r and 2p-1-r on rank r (the loss on rank
+// 0, the turn on rank p-1 without a transfer), and its bubble is below
+// 1F1B's and interleaved's with two chunks, holding at most 2p chunk
+// passes' activations per rank (1F1B's p whole stages).
+TEST(Schedule, ZbvIsAVAndBeatsOneFOneBAndInterleaved) {
+  for (int p = 2; p <= 5; ++p) {
+    for (int vs = 0; vs < 2 * p; ++vs) {
+      EXPECT_EQ(stage_owner(ScheduleKind::zbv, p, vs), vs < p ? vs : 2 * p - 1 - vs);
+    }
+    for (int m = p; m <= 3 * p; ++m) {
+      const PipelineSchedule s = make_schedule(ScheduleKind::zbv, p, m, 2);
+      const auto z = simulate(s);
+      const auto f = simulate(make_schedule(ScheduleKind::one_f_one_b, p, m));
+      EXPECT_LT(z.idle_fraction, f.idle_fraction - 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_LE(z.idle_fraction, formula_idle_fraction(ScheduleKind::zbv, p, m, 2) + 1e-12)
+          << "p=" << p << " m=" << m;
+      for (int held : z.peak_in_flight) EXPECT_LE(held, 2 * p) << "p=" << p << " m=" << m;
+      for (const PipelineAction& a : s.actions[static_cast<size_t>(p - 1)]) {
+        const bool turn = (a.kind == ActionKind::send_activation && a.stage == p - 1) ||
+                          (a.kind == ActionKind::send_grad && a.stage == p);
+        EXPECT_FALSE(turn) << describe(a);
+      }
+    }
+  }
+  std::printf("zbv p=4 m=8: idle %.3f (1f1b %.3f, interleaved v=2 %.3f)\n",
+              simulate(make_schedule(ScheduleKind::zbv, 4, 8, 2)).idle_fraction,
+              formula_idle_fraction(ScheduleKind::one_f_one_b, 4, 8, 1),
+              formula_idle_fraction(ScheduleKind::interleaved, 4, 8, 2));
+}
+
+// Transfers that take time: plain 1F1B at p = 2 pays two transfers per
+// micro-batch (the stages alternate in lock-step); one extra warm-up forward
+// keeps an activation in flight and pays them about once per step, back
+// near the formula, for one more micro-batch held on each stage but the last.
+TEST(Schedule, ExtraWarmupHidesTransferLatency) {
+  const ActionCosts slow{1.0, 1.0, 1.0, 0.2};
+  for (int p = 2; p <= 4; ++p) {
+    for (int m = p; m <= 4 * p; ++m) {
+      const PipelineSchedule plain = make_schedule(ScheduleKind::one_f_one_b, p, m);
+      const PipelineSchedule eager = make_schedule(ScheduleKind::one_f_one_b, p, m, 1, 1);
+      check_lists(eager);
+      const auto e = simulate(eager, slow);
+      check_times(eager, e, slow);
+      const auto f = simulate(plain, slow);
+      // (m = p: the extra forward has no later micro-batch to start.)
+      if (m > p) {
+        EXPECT_LT(e.idle_fraction, f.idle_fraction - 1e-9) << "p=" << p << " m=" << m;
+      } else {
+        EXPECT_LE(e.idle_fraction, f.idle_fraction + 1e-12) << "p=" << p << " m=" << m;
+      }
+      // Without latency the extra warm-up costs nothing in time.
+      EXPECT_NEAR(simulate(eager).idle_fraction, simulate(plain).idle_fraction, 1e-12);
+      for (int s = 0; s < p; ++s) {
+        EXPECT_LE(e.peak_in_flight[static_cast<size_t>(s)], std::min(m, p - s + (s < p - 1)));
+      }
+    }
+  }
+  const auto plain = simulate(make_schedule(ScheduleKind::one_f_one_b, 2, 4), slow);
+  const auto eager = simulate(make_schedule(ScheduleKind::one_f_one_b, 2, 4, 1, 1), slow);
+  std::printf(
+      "p=2 m=4, transfer 0.2 of a forward: 1f1b idle %.3f, with one extra warm-up %.3f "
+      "(formula %.3f)\n",
+      plain.idle_fraction, eager.idle_fraction,
+      formula_idle_fraction(ScheduleKind::one_f_one_b, 2, 4, 1));
+  EXPECT_THROW(check_warmup_extra(ScheduleKind::gpipe, 1, "parallel"), ConfigError);
+  EXPECT_THROW(check_warmup_extra(ScheduleKind::one_f_one_b, -1, "parallel"), ConfigError);
+}
+
 TEST(Schedule, OneStageHasNoBubbleAndNoTransfers) {
   for (ScheduleKind k : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
     const PipelineSchedule s = make_schedule(k, 1, 3);
@@ -251,8 +321,15 @@ TEST(Schedule, RequirementsNameTheKeyAndTheNeed) {
             "parallel.virtual_stages: schedule interleaved needs at least 2 virtual stages per "
             "stage, got 1");
   EXPECT_EQ(schedule_error(ScheduleKind::gpipe, 2, 4, 2),
-            "parallel.virtual_stages: 2 virtual stages need schedule interleaved (schedule gpipe "
-            "runs one stage per rank)");
+            "parallel.virtual_stages: 2 virtual stages need schedule interleaved or zbv (schedule "
+            "gpipe runs one stage per rank)");
+  EXPECT_EQ(schedule_error(ScheduleKind::zbv, 2, 4, 1),
+            "parallel.virtual_stages: schedule zbv runs exactly 2 model chunks per stage (rank r "
+            "holds virtual stages r and 2p-1-r), got 1 (set virtual_stages = 2)");
+  EXPECT_EQ(schedule_error(ScheduleKind::zbv, 3, 2, 2),
+            "parallel.microbatches: schedule zbv with 3 stages needs at least 3 micro-batches "
+            "(one per stage to fill the pipeline), got 2");
+  EXPECT_EQ(parse_schedule_kind("zbv", "x"), ScheduleKind::zbv);
   EXPECT_EQ(schedule_error(ScheduleKind::gpipe, 4, 1, 1), "no error");
   EXPECT_THROW(parse_schedule_kind("1F1B", "parallel.schedule"), ConfigError);
   EXPECT_EQ(parse_schedule_kind("zero_bubble", "x"), ScheduleKind::zero_bubble);

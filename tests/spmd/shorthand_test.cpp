@@ -146,6 +146,26 @@ TEST(Shorthand, StagesByLayersOrByFlops) {
   EXPECT_EQ(p.stages[3], (StagePlan{{"block3", "ln_f"}, {1}}));
 }
 
+TEST(Shorthand, ZbvFoldsTheStagesIntoAVAndRecomputeMarksStages) {
+  const Model md = gpt();
+  ParallelShorthand sh;
+  sh.pp = 2;
+  sh.microbatches = 2;
+  sh.schedule = ScheduleKind::zbv;
+  sh.virtual_stages = 2;
+  sh.recompute_stages = {3};
+  const Plan p = expand_shorthand(sh, md.sm, md.m.graph, 2);
+  ASSERT_EQ(p.stages.size(), 4u);
+  EXPECT_EQ(p.stages[0].ranks, std::vector<int>{0});
+  EXPECT_EQ(p.stages[1].ranks, std::vector<int>{1});
+  EXPECT_EQ(p.stages[2].ranks, std::vector<int>{1});
+  EXPECT_EQ(p.stages[3].ranks, std::vector<int>{0});  // the loss on rank 0
+  EXPECT_FALSE(p.stages[0].recompute);
+  EXPECT_TRUE(p.stages[3].recompute);
+  // The JSON plan keeps both (and reads them back).
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "t"), p);
+}
+
 TEST(Shorthand, BadShorthandNamesTheKey) {
   const Model md = gpt();
   ParallelShorthand sh;
@@ -164,6 +184,11 @@ TEST(Shorthand, BadShorthandNamesTheKey) {
             "parallel.stage_layers: 3 entries [1, 1, 2] for 2 stages (expected one per stage: "
             "pp = 2 x virtual_stages = 1)");
   sh.stage_layers = {};
+  sh.recompute_stages = {0, 2};
+  EXPECT_EQ(error_of(md, sh, 2),
+            "parallel.recompute: stage 2 in [0, 2] (expected virtual stages 0 .. 1: pp = 2 x "
+            "virtual_stages = 1)");
+  sh.recompute_stages = {};
   sh.microbatches = 1;
   EXPECT_EQ(error_of(md, sh, 2),
             "parallel.microbatches: schedule 1f1b with 2 stages needs at least 2 micro-batches "

@@ -321,6 +321,7 @@ struct PpCase {
   int ranks = 2;
   int dp = 1;
   int tp = 1;
+  bool recompute = false;  // parallel.recompute = true
 };
 
 void PrintTo(const PpCase& c, std::ostream* os) {
@@ -357,6 +358,7 @@ TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
   sh.microbatches = 4;
   sh.schedule = c.schedule;
   sh.virtual_stages = c.virtual_stages;
+  sh.recompute = c.recompute;
   const ModelGraph m = build_model(spec, o.batch_size);
   const ShorthandModel sm{spec.kind, spec.kind == "gpt" ? spec.d_model / spec.heads : 1};
   Plan plan = expand_shorthand(sh, sm, m.graph, c.ranks);
@@ -413,6 +415,9 @@ INSTANTIATE_TEST_SUITE_P(
         PpCase{"mlp_interleaved_lamb", "mlp", "lamb", ScheduleKind::interleaved, 2},
         PpCase{"gpt_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b},
         PpCase{"gpt_zero_bubble_sgd", "gpt", "sgd", ScheduleKind::zero_bubble},
+        PpCase{"mlp_zbv_adamw", "mlp", "adamw", ScheduleKind::zbv, 2},
+        PpCase{"gpt_1f1b_recompute_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1, 2, 1, 1,
+               true},
         PpCase{"gpt_dp2_pp2_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1, 4, 2},
         PpCase{"gpt_tp2_pp2_gpipe_sgd", "gpt", "sgd", ScheduleKind::gpipe, 1, 4, 1, 2},
         PpCase{"mlp_tp2_pp2_1f1b_lamb", "mlp", "lamb", ScheduleKind::one_f_one_b, 1, 4, 1, 2}),

@@ -29,6 +29,7 @@
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
 #include "meshtrain/spmd/lower.h"
+#include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/plan.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/tensor/machine.h"
@@ -816,6 +817,17 @@ int cmd_inspect(const CommandOptions& opts) {
                    format_bytes(pr.state.expected_param_bytes));
       }
     } else if (pplan->pipeline_stages() > 1) {
+      // The pipeline's activation memory: each stage's stash per
+      // micro-batch (the micro-batch model cut as the trainer cuts it) and
+      // each rank's planned peak under the schedule.
+      const int dp = pplan->mesh.has_axis("dp") ? pplan->mesh.axis_size("dp") : 1;
+      const int64_t micro = rc.train.batch_size / dp / pplan->microbatches;
+      const ModelGraph mm = build_model(rc.model, micro);
+      const PipelineCut cut = cut_pipeline(mm.graph, mm.loss, pplan->stages);
+      const PipelineSchedule sched = plan_schedule(*pplan);
+      fmt::print("pipeline activation stash ({} examples per micro-batch{}):\n{}", micro,
+                 needs_lowering(*pplan) ? "; the unlowered model's" : "",
+                 describe_stash(cut, sched));
       fmt::print(
           "meshtrain train runs this plan through the pipeline runtime (docs/plan.md); the "
           "memory plan above is the unpipelined model's\n");

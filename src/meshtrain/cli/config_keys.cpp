@@ -173,7 +173,16 @@ const std::vector<KeyMeaning> kMeanings = {
     {"parallel.microbatches", "micro-batches per step through the pipeline (pp > 1)"},
     {"parallel.schedule", "pipeline schedule"},
     {"parallel.virtual_stages",
-     "model chunks per pipeline stage (schedule interleaved needs >= 2, the others 1)"},
+     "model chunks per pipeline stage (schedule interleaved needs >= 2, zbv exactly 2, the "
+     "others 1)"},
+    {"parallel.warmup_extra",
+     "schedule 1f1b: extra warm-up forwards on every stage but the last, so a stage has the "
+     "next activation in flight while it waits for a gradient (transfer latency stops adding "
+     "up per micro-batch); each holds one more micro-batch's stash"},
+    {"parallel.recompute",
+     "pipeline activation recomputation: true (every stage), or a list of virtual stages; a "
+     "stage keeps only its received inputs per micro-batch in flight and runs its forward "
+     "again before the backward"},
     {"parallel.tp_ratios",
      "per-tp-rank integer shares of every tensor-parallel split, e.g. [2, 1]; [] = even"},
     {"sync.scheme",

@@ -197,13 +197,22 @@ ParallelShorthand read_parallel(const Config& c) {
   p.sp = c.get_bool("parallel.sp", false);
   p.microbatches =
       static_cast<int>(c.get_int("parallel.microbatches", 1, Bounds<int64_t>::in(1, 65536)));
-  p.schedule = parse_schedule_kind(
-      c.get_string("parallel.schedule", "1f1b", {"gpipe", "1f1b", "interleaved", "zero_bubble"}),
-      "parallel.schedule");
+  p.schedule =
+      parse_schedule_kind(c.get_string("parallel.schedule", "1f1b",
+                                       {"gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"}),
+                          "parallel.schedule");
   p.virtual_stages =
       static_cast<int>(c.get_int("parallel.virtual_stages", 1, Bounds<int64_t>::in(1, 1024)));
+  p.warmup_extra =
+      static_cast<int>(c.get_int("parallel.warmup_extra", 0, Bounds<int64_t>::in(0, 65536)));
   p.tp_ratios = c.get_int_list("parallel.tp_ratios", {}, Bounds<int64_t>::positive());
   p.stage_layers = c.get_int_list("parallel.stage_layers", {}, Bounds<int64_t>::non_negative());
+  // true / false, or the list of virtual stages that recompute.
+  if (const auto v = c.value_text("parallel.recompute"); v && v->starts_with("[")) {
+    p.recompute_stages = c.get_int_list("parallel.recompute", {}, Bounds<int64_t>::non_negative());
+  } else {
+    p.recompute = c.get_bool("parallel.recompute", false);
+  }
   return p;
 }
 

@@ -72,7 +72,8 @@ struct PipelineRuntime::Impl {
   std::map<std::pair<int, int>, Stash> stash;  // (virtual stage, micro-batch)
   std::map<std::tuple<int, int, int>, std::vector<CommHandle>> recvs;  // (kind, stage, mb)
   std::vector<std::pair<CommHandle, Tensor>> sends;
-  std::vector<PipelineSpan> spans;
+  std::vector<PipelineSpan> spans, waits;
+  bool recomputing = false;  // run_pass is rerunning a forward
   double loss_sum = 0;
   int losses = 0;
   int64_t stash_now = 0, stash_peak = 0;
@@ -120,7 +121,9 @@ struct PipelineRuntime::Impl {
     for (const PipelineStage& s : cut.stages) {
       tensors_per_stage = std::max<int>(tensors_per_stage, static_cast<int>(s.outputs.size()));
     }
-    for (int vs = rank; vs < sched.virtual_count(); vs += p) mine.push_back(vs);
+    for (int vs = 0; vs < sched.virtual_count(); ++vs) {
+      if (owner(vs) == rank) mine.push_back(vs);
+    }
     // Parameters in model order over this rank's stages, one tensor per name.
     for (int vs : mine) {
       for (const std::string& name : st(vs).params) {
@@ -173,15 +176,26 @@ struct PipelineRuntime::Impl {
     s.erase(it);
   }
 
-  void wait_recvs(int kind, int vs, int mb) {
+  void wait_recvs(int kind, int vs, int mb, ActionKind action) {
     auto it = recvs.find({kind, vs, mb});
     if (it == recvs.end()) return;
+    const int64_t t0 = now_ns();
     for (CommHandle& h : it->second) h.wait();
+    waits.push_back({vs, mb, action, t0, now_ns(), 0, 0});
     recvs.erase(it);
   }
 
-  void run_pass(Pass& pass, int vs, int mb, ActionKind kind, const MicrobatchData& data) {
-    if (!pass.exec) return;
+  // `then_send`: the send action that follows the pass (its tensors are
+  // copied out and queued first, before the rest of the stash and the
+  // gradient accumulation, so the neighbour's wait does not include them);
+  // null when none follows.
+  void run_pass(Pass& pass, int vs, int mb, ActionKind kind, const MicrobatchData& data,
+                const PipelineAction* then_send) {
+    if (!pass.exec) {
+      if (then_send != nullptr) send_action(*then_send);
+      return;
+    }
+    const int64_t tb = now_ns();
     Stash& s = stash[{vs, mb}];
     const Graph& g = pass.pass->graph;
     for (ValueId in : g.inputs()) {
@@ -206,14 +220,49 @@ struct PipelineRuntime::Impl {
     const int64_t t0 = now_ns();
     pass.exec->run();
     const int64_t t1 = now_ns();
-    spans.push_back({vs, mb, kind, t0, t1, thread_cpu_ns() - c0});
+    const int64_t cpu = thread_cpu_ns() - c0;
 
+    std::vector<std::string> first;
+    if (then_send != nullptr) {
+      if (then_send->kind == ActionKind::send_activation) {
+        for (const StageBoundary& b : st(vs).outputs) first.push_back(b.name);
+      } else {
+        first = st(vs).input_grads;
+      }
+      for (const std::string& name : first) {
+        if (auto id = g.find(name);
+            id && std::ranges::find(pass.pass->stash, name) != pass.pass->stash.end()) {
+          put(s, name, pass.exec->get(*id).clone());
+        }
+      }
+      send_action(*then_send);
+    }
     for (const std::string& name : pass.pass->stash) {
+      if (std::ranges::find(first, name) != first.end()) continue;
       put(s, name, pass.exec->get(*g.find(name)).clone());
     }
     for (const auto& [pv, gv] : g.grads()) {
       const std::string& name = g.value(pv).name;
       add_into(grads.at(name), pass.exec->get(gv), name);
+    }
+    spans.push_back({vs, mb, kind, t0, t1, cpu, (t0 - tb) + (now_ns() - t1), recomputing});
+  }
+
+  // Recomputation: drops what the forward of (vs, mb) left in the stash but
+  // what was received, the loss and outputs the next stage on this rank reads.
+  void drop_activations(int vs, int mb) {
+    const PipelineStage& ps = st(vs);
+    const bool local_next = vs + 1 < sched.virtual_count() && owner(vs + 1) == rank;
+    Stash& s = stash[{vs, mb}];
+    for (const std::string& name : ps.forward.stash) {
+      if (name == ps.loss) continue;
+      if (local_next &&
+          std::ranges::any_of(ps.outputs, [&](const StageBoundary& b) { return b.name == name; })) {
+        continue;
+      }
+      if (std::ranges::any_of(ps.inputs, [&](const StageBoundary& b) { return b.name == name; }))
+        continue;
+      erase(s, name);
     }
   }
 
@@ -288,10 +337,30 @@ struct PipelineRuntime::Impl {
     }
   }
 
+  void send_action(const PipelineAction& a) {
+    const int vs = a.stage, mb = a.microbatch;
+    const PipelineStage& ps = st(vs);
+    Stash& s = stash[{vs, mb}];
+    if (a.kind == ActionKind::send_activation) {
+      for (size_t k = 0; k < ps.outputs.size(); ++k) {
+        send(*act[ix(rank)], s.at(ps.outputs[k].name), a.peer, tag(vs, mb, static_cast<int>(k)));
+      }
+      return;
+    }
+    size_t g = 0;
+    for (size_t k = 0; k < ps.inputs.size(); ++k) {
+      if (!ps.inputs[k].has_grad) continue;
+      const std::string& name = ps.input_grads[g++];
+      send(*grad[ix(rank)], s.at(name), a.peer, tag(vs, mb, static_cast<int>(k)));
+      erase(s, name);
+    }
+  }
+
   void step(const MicrobatchData& data) {
     stash.clear();
     recvs.clear();
     spans.clear();
+    waits.clear();
     sends.clear();
     stash_now = stash_peak = 0;
     loss_sum = 0;
@@ -305,63 +374,70 @@ struct PipelineRuntime::Impl {
 
     posted = 0;
     const auto& list = sched.actions[ix(rank)];
+    size_t sent_early = list.size();  // a send action run_pass already did
     for (size_t i = 0; i < list.size(); ++i) {
       post_recvs(i + kRecvLookahead);
       const PipelineAction& a = list[i];
       const int vs = a.stage, mb = a.microbatch;
       StageRt& r = stages.at(vs);
+      // The send that follows a pass, for the same stage and micro-batch.
+      const PipelineAction* then_send = nullptr;
+      if (a.is_compute() && i + 1 < list.size()) {
+        const PipelineAction& n = list[i + 1];
+        const bool fits =
+            (a.kind == ActionKind::forward && n.kind == ActionKind::send_activation) ||
+            ((a.kind == ActionKind::backward || a.kind == ActionKind::backward_input) &&
+             n.kind == ActionKind::send_grad);
+        if (fits && n.stage == vs && n.microbatch == mb) {
+          then_send = &n;
+          sent_early = i + 1;
+        }
+      }
       switch (a.kind) {
         case ActionKind::recv_activation:
-          wait_recvs(0, vs, mb);
+          wait_recvs(0, vs, mb, a.kind);
           break;
         case ActionKind::recv_grad:
-          wait_recvs(1, vs, mb);
+          wait_recvs(1, vs, mb, a.kind);
           break;
         case ActionKind::forward: {
-          wait_recvs(0, vs, mb);
+          wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
-          run_pass(r.forward, vs, mb, a.kind, data);
+          run_pass(r.forward, vs, mb, a.kind, data, then_send);
           if (!r.st->loss.empty()) {
             loss_sum += stash[{vs, mb}].at(r.st->loss).item();
             ++losses;
           }
+          if (r.st->recompute) drop_activations(vs, mb);
           break;
         }
         case ActionKind::backward:
         case ActionKind::backward_input: {
-          wait_recvs(1, vs, mb);
+          wait_recvs(1, vs, mb, a.kind);
           local_grads(vs, mb);
+          if (r.st->recompute) {
+            recomputing = true;
+            run_pass(r.forward, vs, mb, ActionKind::forward, data, nullptr);
+            recomputing = false;
+          }
           const bool whole = a.kind == ActionKind::backward;
-          run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data);
+          run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send);
           if (whole) release(vs, mb);
           break;
         }
         case ActionKind::backward_weight:
-          run_pass(r.backward_weight, vs, mb, a.kind, data);
+          run_pass(r.backward_weight, vs, mb, a.kind, data, nullptr);
           release(vs, mb);
           break;
-        case ActionKind::send_activation: {
-          Stash& s = stash[{vs, mb}];
-          const auto& outs = r.st->outputs;
-          for (size_t k = 0; k < outs.size(); ++k) {
-            send(*act[ix(rank)], s.at(outs[k].name), a.peer, tag(vs, mb, static_cast<int>(k)));
-          }
+        case ActionKind::send_activation:
+        case ActionKind::send_grad:
+          if (i != sent_early) send_action(a);
           break;
-        }
-        case ActionKind::send_grad: {
-          Stash& s = stash[{vs, mb}];
-          size_t g = 0;
-          for (size_t k = 0; k < r.st->inputs.size(); ++k) {
-            if (!r.st->inputs[k].has_grad) continue;
-            const std::string& name = r.st->input_grads[g++];
-            send(*grad[ix(rank)], s.at(name), a.peer, tag(vs, mb, static_cast<int>(k)));
-            erase(s, name);
-          }
-          break;
-        }
       }
     }
+    const int64_t ts = now_ns();
     for (auto& [h, t] : sends) h.wait();
+    waits.push_back({-1, -1, ActionKind::send_activation, ts, now_ns(), 0, 0});
     sends.clear();
     MT_CHECK(recvs.empty(), "pipeline: stage {} posted receives its schedule never waited for",
              rank);
@@ -499,6 +575,14 @@ double PipelineRuntime::loss() const {
 }
 const std::vector<PipelineSpan>& PipelineRuntime::spans() const {
   return impl_->spans;
+}
+const std::vector<PipelineSpan>& PipelineRuntime::waits() const {
+  return impl_->waits;
+}
+void PipelineRuntime::set_call_observer(std::function<void(const CallEvent&)> observer) {
+  for (auto& c : impl_->act) c->set_call_observer(observer);
+  for (auto& c : impl_->grad) c->set_call_observer(observer);
+  impl_->shared->set_call_observer(observer);
 }
 uint64_t PipelineRuntime::bytes_sent() const {
   return impl_->sent;

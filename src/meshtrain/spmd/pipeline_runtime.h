@@ -36,6 +36,11 @@
 // copy gets the same full gradient. grad() exposes them for an optimizer;
 // sgd_step() is plain SGD for tests.
 //
+// Recomputation (PipelineStage::recompute): after a stage's forward the
+// micro-batch's stash keeps only what was received (and outputs a stage on
+// the same rank still reads); the backward (or input-gradient) action first
+// runs the forward again, recorded as a span with recompute set.
+//
 // Timing: every compute action is recorded as a span (virtual stage,
 // micro-batch, kind, start and end in now_ns(), a clock all processes of a
 // node share), the per-micro-batch forward / backward timeline of a stage.
@@ -72,6 +77,12 @@ struct PipelineSpan {
   // the core was shared (an oversubscribed machine) or kernels ran on other
   // threads.
   int64_t cpu_ns = 0;
+  // Time around the pass that is not the executor's: binding its inputs
+  // before start_ns, and after end_ns copying what later passes read into
+  // the stash and adding the parameter gradients into the accumulators.
+  int64_t overhead_ns = 0;
+  // A forward run again before the backward (PipelineStage::recompute).
+  bool recompute = false;
 };
 
 // The model inputs a stage reads (e.g. "x", "y", "pos") for micro-batch i,
@@ -120,6 +131,15 @@ class PipelineRuntime {
   double loss() const;
   // The last step's compute spans, in execution order.
   const std::vector<PipelineSpan>& spans() const;
+  // The last step's waits on peers, in order: a recv action (kind
+  // recv_activation / recv_grad, or forward / backward whose receive was
+  // waited for there) from when it started waiting to when its message was
+  // in; microbatch -1, kind send_activation: the end-of-step wait for the
+  // queued sends. cpu_ns is 0.
+  const std::vector<PipelineSpan>& waits() const;
+  // Observes every send / recv of the runtime's own communicators (for the
+  // timeline's comm lane); see Communicator::set_call_observer.
+  void set_call_observer(std::function<void(const CallEvent&)> observer);
   // Bytes this rank sent in the last step, as its communicators counted
   // them, and what the cut predicts: the boundary tensors of each send
   // action plus the shared-parameter gradient exchange.

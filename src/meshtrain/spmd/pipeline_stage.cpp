@@ -211,6 +211,7 @@ PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<S
     PipelineStage& st = cut.stages[ix(t)];
     st.index = t;
     st.layers = plan[ix(t)].layers;
+    st.recompute = plan[ix(t)].recompute;
     Graph g;
     std::vector<ValueId> map(ix(forward.num_values()), kNoValue);
     std::vector<ValueId> wrt;
@@ -306,8 +307,40 @@ PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<S
         st.stash_bytes += val.shape.numel() * static_cast<int64_t>(dtype_size(val.dtype));
       }
     }
+    for (const StageBoundary& b : st.inputs) st.recompute_stash_bytes += b.bytes();
   }
   return cut;
+}
+
+int64_t planned_stash_bytes(const PipelineCut& cut, const PipelineSchedule& sched, int rank) {
+  const ScheduleSimulation sim = simulate(sched);
+  int64_t kept = 0, whole = 0;
+  bool any_recompute = false;
+  for (const PipelineStage& st : cut.stages) {
+    if (sched.owner(st.index) != rank) continue;
+    whole = std::max(whole, st.stash_bytes);
+    kept = std::max(kept, st.recompute ? st.recompute_stash_bytes : st.stash_bytes);
+    any_recompute = any_recompute || st.recompute;
+  }
+  const int64_t held = sim.peak_in_flight[static_cast<size_t>(rank)];
+  return held * kept + (any_recompute ? whole : 0);
+}
+
+std::string describe_stash(const PipelineCut& cut, const PipelineSchedule& sched) {
+  std::string out;
+  for (const PipelineStage& st : cut.stages) {
+    out += fmt::format("  stage {}: stash per micro-batch {} bytes{}\n", st.index, st.stash_bytes,
+                       st.recompute
+                           ? fmt::format(", recomputed: keeps {} bytes", st.recompute_stash_bytes)
+                           : std::string());
+  }
+  const ScheduleSimulation sim = simulate(sched);
+  for (int r = 0; r < sched.stages; ++r) {
+    out +=
+        fmt::format("  rank {}: planned peak stash {} bytes ({} micro-batch chunks in flight)\n", r,
+                    planned_stash_bytes(cut, sched, r), sim.peak_in_flight[static_cast<size_t>(r)]);
+  }
+  return out;
 }
 
 }  // namespace mt

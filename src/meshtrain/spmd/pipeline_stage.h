@@ -40,6 +40,7 @@
 
 #include "meshtrain/graph/graph.h"
 #include "meshtrain/spmd/plan.h"
+#include "meshtrain/spmd/schedule.h"
 
 namespace mt {
 
@@ -83,6 +84,12 @@ struct PipelineStage {
   // Bytes one micro-batch holds from its forward to its backward: the
   // received inputs and the activations the backward reads.
   int64_t stash_bytes = 0;
+  // StagePlan::recompute: the runtime keeps only the received inputs
+  // (recompute_stash_bytes, also counting outputs handed over in memory to
+  // the next stage on the same rank) and reruns the forward before the
+  // backward.
+  bool recompute = false;
+  int64_t recompute_stash_bytes = 0;
 };
 
 struct PipelineCut {
@@ -98,5 +105,16 @@ struct PipelineCut {
 // not computed in the last stage; InternalError if `forward` has backward
 // nodes.
 PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<StagePlan>& stages);
+
+// The planned peak of stashed bytes on physical stage `rank` under `sched`
+// (schedule.h): the most micro-batch chunks simulate() holds there at once
+// times the largest per-micro-batch stash of its stages (a recomputing
+// stage: what it keeps, plus one whole stash rebuilt for a backward). An
+// upper bound of PipelineRuntime::peak_stash_bytes() up to the outputs
+// waiting to be sent.
+int64_t planned_stash_bytes(const PipelineCut& cut, const PipelineSchedule& sched, int rank);
+// One line per virtual stage (stash per micro-batch, what recomputation
+// keeps) and one per rank (planned peak), for meshtrain inspect.
+std::string describe_stash(const PipelineCut& cut, const PipelineSchedule& sched);
 
 }  // namespace mt

@@ -195,7 +195,7 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
           throw ConfigError(fmt::format("{}: stages[{}]: rank {} outside the job's {} ranks", where,
                                         s, r, world));
         }
-        const int phys = s % p;
+        const int phys = stage_owner(plan.schedule, p, s);
         int& rs = rank_stage[static_cast<size_t>(r)];
         if (rs >= 0 && rs != phys) {
           throw ConfigError(fmt::format(
@@ -204,11 +204,12 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
         }
         rs = phys;
       }
-      if (s >= p && st.ranks != plan.stages[static_cast<size_t>(s - p)].ranks) {
+      if (const int first = stage_owner(plan.schedule, p, s);
+          s >= p && st.ranks != plan.stages[static_cast<size_t>(first)].ranks) {
         throw ConfigError(fmt::format(
             "{}: stages[{}]: virtual stage {} runs on physical stage {} but names other ranks "
             "than stages[{}]",
-            where, s, s, s % p, s - p));
+            where, s, s, first, first));
       }
     }
     if (next != layers.size()) {
@@ -224,6 +225,7 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
     }
   }
   check_schedule(plan.schedule, plan.pipeline_stages(), plan.microbatches, v, where);
+  check_warmup_extra(plan.schedule, plan.warmup_extra, where);
   if (global_batch % plan.microbatches != 0) {
     throw ConfigError(fmt::format(
         "{}: microbatches: the global batch of {} (train.batch_size) does not divide into {} "
@@ -344,7 +346,7 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
   Reader rd{source};
   rd.keys(j, "",
           {"format", "model", "mesh", "values", "stages", "microbatches", "schedule",
-           "virtual_stages", "sequence_parallel"});
+           "virtual_stages", "warmup_extra", "sequence_parallel"});
   Plan plan;
   if (j.contains("format")) {
     const std::string f = rd.string(j["format"], "format");
@@ -377,6 +379,8 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
     plan.microbatches = static_cast<int>(rd.integer(j["microbatches"], "microbatches", 1));
   if (j.contains("virtual_stages"))
     plan.virtual_stages = static_cast<int>(rd.integer(j["virtual_stages"], "virtual_stages", 1));
+  if (j.contains("warmup_extra"))
+    plan.warmup_extra = static_cast<int>(rd.integer(j["warmup_extra"], "warmup_extra", 0));
   if (j.contains("schedule")) {
     plan.schedule = parse_schedule_kind(rd.string(j["schedule"], "schedule"),
                                         fmt::format("plan {}: schedule", source));
@@ -394,8 +398,15 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
     for (int s = 0; s < n; ++s) {
       const std::string path = fmt::format("stages[{}]", s);
       const Json& e = st[static_cast<size_t>(s)];
-      rd.keys(e, path, {"layers", "ranks"});
+      rd.keys(e, path, {"layers", "ranks", "recompute"});
       StagePlan sp;
+      if (e.contains("recompute")) {
+        if (!e["recompute"].is_boolean()) {
+          rd.fail(path + ".recompute",
+                  fmt::format("expected true or false, got {}", e["recompute"].dump()));
+        }
+        sp.recompute = e["recompute"].get<bool>();
+      }
       if (e.contains("layers")) {
         const Json& l = rd.list(e["layers"], path + ".layers");
         for (size_t i = 0; i < l.size(); ++i)
@@ -413,7 +424,7 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
                                                plan.mesh.axis_size("pp"), p));
         }
         for (int r = 0; r < plan.mesh.size(); ++r) {
-          if (plan.mesh.coord(r, "pp") == s % p) sp.ranks.push_back(r);
+          if (plan.mesh.coord(r, "pp") == stage_owner(plan.schedule, p, s)) sp.ranks.push_back(r);
         }
       } else if (n == 1) {
         for (int r = 0; r < plan.mesh.size(); ++r) sp.ranks.push_back(r);
@@ -461,12 +472,16 @@ std::string plan_to_json(const Plan& plan) {
   }
   j["values"] = values;
   Json stages = Json::array();
-  for (const StagePlan& st : plan.stages)
-    stages.push_back({{"layers", st.layers}, {"ranks", st.ranks}});
+  for (const StagePlan& st : plan.stages) {
+    Json e = {{"layers", st.layers}, {"ranks", st.ranks}};
+    if (st.recompute) e["recompute"] = true;
+    stages.push_back(e);
+  }
   j["stages"] = stages;
   j["microbatches"] = plan.microbatches;
   j["schedule"] = schedule_name(plan.schedule);
   j["virtual_stages"] = plan.virtual_stages;
+  if (plan.warmup_extra != 0) j["warmup_extra"] = plan.warmup_extra;
   j["sequence_parallel"] = plan.sequence_parallel;
   // One line per mesh axis, value and stage, so the file reads (and diffs)
   // like a table; the same JSON as j.dump().
@@ -592,16 +607,16 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
   } else {
     out += fmt::format("stages: {} physical x {} virtual\n", p, plan.virtual_stages);
     for (size_t s = 0; s < plan.stages.size(); ++s) {
-      out += fmt::format("  stage {} (ranks {}): {}\n", s, fmt::join(plan.stages[s].ranks, ","),
-                         fmt::join(plan.stages[s].layers, " "));
+      out += fmt::format("  stage {} (ranks {}): {}{}\n", s, fmt::join(plan.stages[s].ranks, ","),
+                         fmt::join(plan.stages[s].layers, " "),
+                         plan.stages[s].recompute ? " (recomputed)" : "");
     }
   }
   if (plan.sequence_parallel) out += "sequence parallelism: on (layer-norm regions over tp)\n";
   out += fmt::format("schedule: {}, {} micro-batch{}\n", schedule_name(plan.schedule),
                      plan.microbatches, plan.microbatches == 1 ? "" : "es");
   if (p > 1 || plan.microbatches > 1) {
-    const PipelineSchedule sched =
-        make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
+    const PipelineSchedule sched = plan_schedule(plan);
     const ScheduleSimulation sim = simulate(sched);
     for (int s = 0; s < p; ++s) {
       std::vector<std::string> acts;
@@ -614,9 +629,16 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
         "{:.4f}{})\n",
         sim.idle_fraction,
         formula_idle_fraction(plan.schedule, p, plan.microbatches, plan.virtual_stages),
-        plan.schedule == ScheduleKind::zero_bubble ? ", 1F1B's" : "");
+        plan.schedule == ScheduleKind::zero_bubble ? ", 1F1B's"
+        : plan.schedule == ScheduleKind::zbv       ? ", interleaved's with 2 chunks"
+                                                   : "");
   }
   return out;
+}
+
+PipelineSchedule plan_schedule(const Plan& plan) {
+  return make_schedule(plan.schedule, plan.pipeline_stages(), plan.microbatches,
+                       plan.virtual_stages, plan.warmup_extra);
 }
 
 }  // namespace mt

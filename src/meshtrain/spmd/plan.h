@@ -29,6 +29,9 @@ namespace mt {
 struct StagePlan {
   std::vector<std::string> layers;
   std::vector<int> ranks;  // empty in a file: the ranks whose pp coordinate is the stage's
+  // Activation recomputation: the stage keeps only its received inputs per
+  // micro-batch in flight and runs its forward again before the backward.
+  bool recompute = false;
   bool operator==(const StagePlan&) const = default;
 };
 
@@ -44,6 +47,8 @@ struct Plan {
   int microbatches = 1;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   int virtual_stages = 1;
+  // 1f1b: extra warm-up forwards per stage but the last (make_schedule).
+  int warmup_extra = 0;
   // Megatron's sequence parallelism in the layer-norm regions over the tp
   // axis (reduce-scatter + all-gather instead of all-reduce); recorded for
   // the lowering pass.
@@ -89,5 +94,9 @@ void write_plan(const Plan& plan, const std::string& path);
 // and groups, every value's spec with its local shape and bytes per rank,
 // the stages, the schedule's actions per stage and its idle fraction.
 std::string describe_plan(const Plan& plan, const Graph& g);
+
+// The plan's pipeline schedule (its stages, micro-batches, kind, virtual
+// stages and extra warm-up). Call validate_plan() first.
+PipelineSchedule plan_schedule(const Plan& plan);
 
 }  // namespace mt

@@ -20,18 +20,29 @@ std::string_view schedule_name(ScheduleKind k) {
       return "interleaved";
     case ScheduleKind::zero_bubble:
       return "zero_bubble";
+    case ScheduleKind::zbv:
+      return "zbv";
   }
   return "?";
 }
 
+int stage_owner(ScheduleKind kind, int stages, int vs) {
+  if (kind == ScheduleKind::zbv && vs >= stages) return 2 * stages - 1 - vs;
+  return vs % stages;
+}
+
+bool splits_backward(ScheduleKind kind) {
+  return kind == ScheduleKind::zero_bubble || kind == ScheduleKind::zbv;
+}
+
 ScheduleKind parse_schedule_kind(std::string_view name, std::string_view where) {
   for (ScheduleKind k : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved,
-                         ScheduleKind::zero_bubble}) {
+                         ScheduleKind::zero_bubble, ScheduleKind::zbv}) {
     if (schedule_name(k) == name) return k;
   }
-  throw ConfigError(
-      fmt::format("{}: unknown schedule \"{}\" (expected gpipe, 1f1b, interleaved or zero_bubble)",
-                  where, name));
+  throw ConfigError(fmt::format(
+      "{}: unknown schedule \"{}\" (expected gpipe, 1f1b, interleaved, zero_bubble or zbv)", where,
+      name));
 }
 
 std::string_view action_name(ActionKind k) {
@@ -90,14 +101,20 @@ void check_schedule(ScheduleKind kind, int p, int m, int v, std::string_view whe
     }
     return;
   }
-  if (v != 1) {
+  if (kind == ScheduleKind::zbv) {
+    if (v != 2) {
+      throw ConfigError(fmt::format(
+          "{}.virtual_stages: schedule zbv runs exactly 2 model chunks per stage (rank r holds "
+          "virtual stages r and 2p-1-r), got {} (set virtual_stages = 2)",
+          where, v));
+    }
+  } else if (v != 1) {
     throw ConfigError(fmt::format(
-        "{}.virtual_stages: {} virtual stages need schedule interleaved (schedule {} runs one "
-        "stage per rank{})",
-        where, v, name,
-        kind == ScheduleKind::zero_bubble ? "; the V-shaped ZBV schedule is not built yet" : ""));
+        "{}.virtual_stages: {} virtual stages need schedule interleaved or zbv (schedule {} runs "
+        "one stage per rank)",
+        where, v, name));
   }
-  if ((kind == ScheduleKind::one_f_one_b || kind == ScheduleKind::zero_bubble) && m < p) {
+  if ((kind == ScheduleKind::one_f_one_b || splits_backward(kind)) && m < p) {
     throw ConfigError(fmt::format(
         "{}.microbatches: schedule {} with {} stages needs at least {} micro-batches (one "
         "per stage to fill the pipeline), got {}",
@@ -156,11 +173,11 @@ std::vector<std::vector<Compute>> gpipe_order(int p, int m) {
 
 // 1F1B (PipeDream-flush, as Megatron runs it): p-1-r warm-up forwards, then
 // alternate one forward and one backward, then the remaining backwards.
-std::vector<std::vector<Compute>> one_f_one_b_order(int p, int m) {
+std::vector<std::vector<Compute>> one_f_one_b_order(int p, int m, int extra) {
   std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
   for (int r = 0; r < p; ++r) {
     auto& l = o[static_cast<size_t>(r)];
-    const int warm = std::min(p - 1 - r, m);
+    const int warm = std::min(p - 1 - r + (r < p - 1 ? extra : 0), m);
     for (int i = 0; i < warm; ++i) l.push_back({ActionKind::forward, i, r});
     const int steady = m - warm;
     for (int i = 0; i < steady; ++i) {
@@ -252,19 +269,119 @@ std::vector<std::vector<Compute>> zero_bubble_order(int p, int m) {
   return o;
 }
 
+// ZBV (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"):
+// two chunks per rank in a V, built greedily in unit time (forward, input
+// gradient and weight gradient one unit each). A free rank runs, in order of
+// preference: a ready input-gradient pass (the lowest micro-batch, the
+// deeper chunk first: the neighbour waits for it); a ready forward (the
+// deeper chunk first, which carries a micro-batch towards the loss and so
+// frees memory sooner; a micro-batch enters a rank's shallow chunk only
+// while the rank will then hold at most 2p chunk passes, counting the deep
+// passes still to come, 1F1B's memory); otherwise the oldest
+// pending weight-gradient pass, which nothing waits for and so fills what
+// would be a bubble.
+std::vector<std::vector<Compute>> zbv_order(int p, int m) {
+  const int S = 2 * p;
+  auto owner = [&](int vs) { return stage_owner(ScheduleKind::zbv, p, vs); };
+  constexpr int kNever = 1 << 30;
+  // done times per (stage, micro-batch)
+  std::vector<std::vector<int>> f_done(static_cast<size_t>(S), std::vector<int>(m, kNever));
+  auto bi_done = f_done;
+  std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
+  // held: chunk passes whose activations this rank holds (forward done,
+  // weight pass not yet); owed: micro-batches through its shallow chunk
+  // whose deep chunk forward is still to come.
+  std::vector<int> free_at(p, 0), held(p, 0), owed(p, 0);
+  std::vector<std::vector<std::pair<int, int>>> pending_w(static_cast<size_t>(p));  // (mb, vs)
+  std::vector<std::vector<bool>> f_started(static_cast<size_t>(S), std::vector<bool>(m, false));
+  auto bi_started = f_started;
+  int remaining = 3 * m * S;
+  for (int t = 0; remaining > 0; ++t) {
+    MT_CHECK(t < 20 * (3 * m * 2 + S) + 10, "zbv construction did not finish");
+    for (int r = 0; r < p; ++r) {
+      const size_t ru = static_cast<size_t>(r);
+      if (free_at[ru] > t) continue;
+      const int chunks[2] = {S - 1 - r, r};  // deeper chunk first
+      Compute c{ActionKind::forward, -1, -1};
+      for (int i = 0; i < m && c.mb < 0; ++i) {
+        for (int vs : chunks) {
+          const size_t v = static_cast<size_t>(vs), iu = static_cast<size_t>(i);
+          if (bi_started[v][iu] || f_done[v][iu] > t) continue;
+          if (vs < S - 1 && bi_done[v + 1][iu] > t) continue;
+          c = {ActionKind::backward_input, i, vs};
+          bi_started[v][iu] = true;
+          bi_done[v][iu] = t + 1;
+          break;
+        }
+      }
+      for (int i = 0; i < m && c.mb < 0; ++i) {
+        for (int vs : chunks) {
+          const size_t v = static_cast<size_t>(vs), iu = static_cast<size_t>(i);
+          if (f_started[v][iu]) continue;
+          if (vs > 0 && f_done[v - 1][iu] > t) continue;
+          // Room for this micro-batch's two chunk passes and the deep
+          // passes still to come of those already in: at most 2p held.
+          if (vs == r && held[ru] + owed[ru] + 2 > 2 * p) continue;
+          // Micro-batches enter the pipeline in order.
+          if (vs == 0 && i > 0 && !f_started[0][iu - 1]) continue;
+          c = {ActionKind::forward, i, vs};
+          f_started[v][iu] = true;
+          f_done[v][iu] = t + 1;
+          ++held[ru];
+          owed[ru] += vs == r ? 1 : -1;
+          break;
+        }
+      }
+      if (c.mb < 0 && !pending_w[ru].empty()) {
+        c = {ActionKind::backward_weight, pending_w[ru].front().first,
+             pending_w[ru].front().second};
+        pending_w[ru].erase(pending_w[ru].begin());
+        --held[ru];
+      }
+      if (c.mb < 0) continue;
+      if (c.kind == ActionKind::backward_input) pending_w[ru].push_back({c.mb, c.stage});
+      MT_CHECK(owner(c.stage) == r, "zbv: stage {} is not on rank {}", c.stage, r);
+      o[ru].push_back(c);
+      free_at[ru] = t + 1;
+      --remaining;
+    }
+  }
+  return o;
+}
+
 }  // namespace
 
-PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v) {
+void check_warmup_extra(ScheduleKind kind, int extra, std::string_view where) {
+  if (extra < 0) {
+    throw ConfigError(fmt::format("{}.warmup_extra: {} (expected >= 0)", where, extra));
+  }
+  if (extra > 0 && kind != ScheduleKind::one_f_one_b) {
+    throw ConfigError(fmt::format(
+        "{}.warmup_extra: {} extra warm-up forwards need schedule 1f1b (schedule {} has its own "
+        "warm-up)",
+        where, extra, schedule_name(kind)));
+  }
+}
+
+PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v, int extra) {
   check_schedule(kind, p, m, v, "schedule");
+  check_warmup_extra(kind, extra, "schedule");
+  if (extra > 0) {
+    PipelineSchedule s = with_transfers(kind, p, m, 1, one_f_one_b_order(p, m, extra));
+    s.warmup_extra = extra;
+    return s;
+  }
   switch (kind) {
     case ScheduleKind::gpipe:
       return with_transfers(kind, p, m, 1, gpipe_order(p, m));
     case ScheduleKind::one_f_one_b:
-      return with_transfers(kind, p, m, 1, one_f_one_b_order(p, m));
+      return with_transfers(kind, p, m, 1, one_f_one_b_order(p, m, 0));
     case ScheduleKind::interleaved:
       return with_transfers(kind, p, m, v, interleaved_order(p, m, v));
     case ScheduleKind::zero_bubble:
       return with_transfers(kind, p, m, 1, zero_bubble_order(p, m));
+    case ScheduleKind::zbv:
+      return with_transfers(kind, p, m, 2, zbv_order(p, m));
   }
   MT_CHECK(false, "unknown schedule kind");
   return {};
@@ -326,14 +443,31 @@ ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs)
           default:
             break;
         }
+        // The stage each dependency ran on (same order as deps).
+        std::vector<int> dep_stage;
+        switch (a.kind) {
+          case ActionKind::forward:
+            if (a.stage > 0) dep_stage.push_back(a.stage - 1);
+            break;
+          case ActionKind::backward:
+          case ActionKind::backward_input:
+            dep_stage.push_back(a.stage);
+            if (a.stage < last) dep_stage.push_back(a.stage + 1);
+            break;
+          default:
+            dep_stage.push_back(a.stage);
+            break;
+        }
         double start = now[ru];
         bool ready = true;
-        for (const double* d : deps) {
+        for (size_t k = 0; k < deps.size(); ++k) {
+          const double* d = deps[k];
           if (d == nullptr) {
             ready = false;
             break;
           }
-          start = std::max(start, *d);
+          const bool remote = s.owner(dep_stage[k]) != r;
+          start = std::max(start, *d + (remote ? costs.transfer : 0.0));
         }
         if (!ready) break;
         const double end = start + cost;
@@ -376,6 +510,7 @@ ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs)
 double formula_idle_fraction(ScheduleKind kind, int p, int m, int v) {
   const double pm1 = p - 1;
   if (kind == ScheduleKind::interleaved) return pm1 / (static_cast<double>(v) * m + pm1);
+  if (kind == ScheduleKind::zbv) return pm1 / (2.0 * m + pm1);
   return pm1 / (m + pm1);
 }
 

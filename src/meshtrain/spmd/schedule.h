@@ -12,7 +12,9 @@
 //
 // Virtual stage s (0 .. p*v-1) runs on physical stage s % p: with v = 2 and
 // p = 4, physical stage 0 holds virtual stages 0 and 4 (Megatron's model
-// chunks). With v = 1 virtual and physical stages coincide.
+// chunks). With v = 1 virtual and physical stages coincide. zbv instead
+// folds the stages into a V: s < p on rank s, s >= p on rank 2p-1-s
+// (stage_owner() says which, for every kind).
 //
 // Bubbles with unit-cost actions (forward 1, backward 2 = input 1 + weight 1),
 // as the simulator measures them and tests/spmd/schedule_test.cpp checks:
@@ -20,6 +22,14 @@
 //   interleaved:   (p-1) / (v*m+p-1): the warm-up and cool-down still take
 //                  p-1 slots each, but a slot is now one chunk (1/v of the
 //                  stage's work), so the idle time is 1/v of 1F1B's.
+//   zbv:           the V-shaped zero-bubble schedule (Qi et al. 2024, as
+//                  PyTorch's ScheduleZBVZeroBubble): v = 2 chunks per
+//                  rank, rank r holding virtual stages r and 2p-1-r, so
+//                  the first and the last chunk (data in, loss out) are on
+//                  rank 0 and the turn of the V (p-1 -> p) stays on rank
+//                  p-1. Built greedily like zero_bubble below; measured by
+//                  simulate() (tests/spmd/schedule_test.cpp): below 1F1B's
+//                  and interleaved's (p-1)/(2m+p-1), e.g. p=4, m=8: 0.040.
 //   zero_bubble:   below 1F1B's: weight-gradient passes, which nothing
 //                  waits for, fill the slots 1F1B leaves idle (ZB-H1's
 //                  warm-up, as 1F1B's; the deferred weight passes keep at
@@ -34,9 +44,9 @@
 
 namespace mt {
 
-enum class ScheduleKind { gpipe, one_f_one_b, interleaved, zero_bubble };
+enum class ScheduleKind { gpipe, one_f_one_b, interleaved, zero_bubble, zbv };
 
-// "gpipe", "1f1b", "interleaved", "zero_bubble".
+// "gpipe", "1f1b", "interleaved", "zero_bubble", "zbv".
 std::string_view schedule_name(ScheduleKind k);
 // Throws ConfigError naming `where` and listing the kinds.
 ScheduleKind parse_schedule_kind(std::string_view name, std::string_view where);
@@ -53,6 +63,13 @@ enum class ActionKind {
 };
 std::string_view action_name(ActionKind k);
 
+// The physical stage (rank of the pipeline group) that runs virtual stage
+// `vs` under `kind` with p physical stages.
+int stage_owner(ScheduleKind kind, int stages, int vs);
+// Whether the schedule splits the backward into input- and weight-gradient
+// passes (zero_bubble, zbv).
+bool splits_backward(ScheduleKind kind);
+
 struct PipelineAction {
   ActionKind kind = ActionKind::forward;
   int microbatch = 0;
@@ -66,31 +83,46 @@ std::string describe(const PipelineAction& a);
 
 struct PipelineSchedule {
   ScheduleKind kind = ScheduleKind::gpipe;
-  int stages = 1;                                    // physical stages p
-  int microbatches = 1;                              // m
-  int virtual_stages = 1;                            // v (model chunks per physical stage)
+  int stages = 1;          // physical stages p
+  int microbatches = 1;    // m
+  int virtual_stages = 1;  // v (model chunks per physical stage)
+  int warmup_extra = 0;    // 1f1b: extra warm-up forwards on every stage but the last
   std::vector<std::vector<PipelineAction>> actions;  // per physical stage, in order
 
   int virtual_count() const { return stages * virtual_stages; }
-  int owner(int virtual_stage) const { return virtual_stage % stages; }
+  int owner(int virtual_stage) const { return stage_owner(kind, stages, virtual_stage); }
 };
 
 // Throws ConfigError when (kind, p, m, v) cannot be scheduled, naming the
 // keys (`where` prefixes them, e.g. "parallel" or "plan x.json") and what is
-// expected: v must be 1 except for interleaved (which needs v >= 2);
-// 1f1b and zero_bubble need m >= p, interleaved m a multiple of p.
+// expected: v must be 1 except for interleaved (which needs v >= 2) and zbv
+// (exactly 2); 1f1b, zero_bubble and zbv need m >= p, interleaved m a
+// multiple of p.
 void check_schedule(ScheduleKind kind, int stages, int microbatches, int virtual_stages,
                     std::string_view where);
 
 // The actions of every physical stage. Call check_schedule() first.
+// `warmup_extra` (1f1b only; check_warmup_extra()): each stage but the last
+// runs that many more forwards before its first backward (p-1-r+extra, at
+// most m). With transfers that take time, plain 1F1B at p = 2 waits for a
+// message twice per micro-batch (the stages alternate in lock-step); one
+// extra forward keeps the next activation in flight while the stage waits
+// for a gradient, so the waits no longer add up per micro-batch. Each extra
+// forward holds one more micro-batch's stash on the stage.
 PipelineSchedule make_schedule(ScheduleKind kind, int stages, int microbatches,
-                               int virtual_stages = 1);
+                               int virtual_stages = 1, int warmup_extra = 0);
+// Throws ConfigError naming `where`.warmup_extra unless it is 0, or >= 0
+// with schedule 1f1b.
+void check_warmup_extra(ScheduleKind kind, int warmup_extra, std::string_view where);
 
 // Time units of each compute action (backward = input + weight).
 struct ActionCosts {
   double forward = 1.0;
   double backward_input = 1.0;
   double backward_weight = 1.0;
+  // Time from an action's end to its result's arrival on another physical
+  // stage (latency of a transfer); 0: free.
+  double transfer = 0.0;
 };
 
 struct ScheduleSimulation {
@@ -113,7 +145,8 @@ struct ScheduleSimulation {
 ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs = {});
 
 // The closed-form bubble of gpipe / 1f1b / interleaved (above); for
-// zero_bubble, 1F1B's (an upper bound).
+// zero_bubble, 1F1B's (an upper bound); for zbv, interleaved's with 2
+// chunks, (p-1)/(2m+p-1) (an upper bound).
 double formula_idle_fraction(ScheduleKind kind, int stages, int microbatches, int virtual_stages);
 
 }  // namespace mt

@@ -219,6 +219,7 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
   plan.microbatches = sh.microbatches;
   plan.schedule = sh.schedule;
   plan.virtual_stages = sh.virtual_stages;
+  plan.warmup_extra = sh.warmup_extra;
   if (sh.pp == 1) {
     if (sh.microbatches != 1) {
       throw ConfigError(
@@ -234,9 +235,20 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
     if (!sh.stage_layers.empty()) {
       throw ConfigError("parallel.stage_layers: stages need a pipeline (parallel.pp > 1)");
     }
+    if (sh.warmup_extra != 0) {
+      throw ConfigError(
+          "parallel.warmup_extra: extra warm-up forwards need a pipeline "
+          "(parallel.pp > 1)");
+    }
+    if (sh.recompute || !sh.recompute_stages.empty()) {
+      throw ConfigError(
+          "parallel.recompute: per-stage recomputation needs a pipeline (parallel.pp > 1); "
+          "without one, train.recompute recomputes the whole model's activations");
+    }
     return plan;
   }
   check_schedule(sh.schedule, sh.pp, sh.microbatches, sh.virtual_stages, "parallel");
+  check_warmup_extra(sh.schedule, sh.warmup_extra, "parallel");
   const int stages = sh.pp * sh.virtual_stages;
   const std::vector<std::string> units = stage_units(model, g);
   std::vector<int64_t> runs = sh.stage_layers;
@@ -294,9 +306,21 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
     }
     plan.stages[static_cast<size_t>(s)].layers.push_back(l);
   }
+  for (int64_t s : sh.recompute_stages) {
+    if (s < 0 || s >= stages) {
+      throw ConfigError(fmt::format(
+          "parallel.recompute: stage {} in [{}] (expected virtual stages 0 .. {}: pp = {} x "
+          "virtual_stages = {})",
+          s, fmt::join(sh.recompute_stages, ", "), stages - 1, sh.pp, sh.virtual_stages));
+    }
+    plan.stages[static_cast<size_t>(s)].recompute = true;
+  }
+  if (sh.recompute) {
+    for (StagePlan& st : plan.stages) st.recompute = true;
+  }
   for (int s = 0; s < stages; ++s) {
     for (int r = 0; r < plan.mesh.size(); ++r) {
-      if (plan.mesh.coord(r, "pp") == s % sh.pp)
+      if (plan.mesh.coord(r, "pp") == stage_owner(sh.schedule, sh.pp, s))
         plan.stages[static_cast<size_t>(s)].ranks.push_back(r);
     }
   }

@@ -35,8 +35,13 @@ struct ParallelShorthand {
   int microbatches = 1;
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   int virtual_stages = 1;
+  int warmup_extra = 0;               // 1f1b: extra warm-up forwards (Plan::warmup_extra)
   std::vector<int64_t> tp_ratios;     // empty: even; else one per tp rank
   std::vector<int64_t> stage_layers;  // empty: balanced; else layers per (virtual) stage
+  // Activation recomputation per pipeline stage (StagePlan::recompute):
+  // every stage, or the listed virtual stages.
+  bool recompute = false;
+  std::vector<int64_t> recompute_stages;
   // Not a [parallel] key: dist.batch_shares, the data-parallel split of the
   // batch (one share per dp rank; empty = equal).
   std::vector<int64_t> batch_shares;

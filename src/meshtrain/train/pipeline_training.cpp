@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/base/output_path.h"
 #include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/data/loader.h"
@@ -32,6 +33,7 @@
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/step_checkpoints.h"
+#include "meshtrain/train/timeline.h"
 #include "meshtrain/train/training_plan.h"
 
 namespace mt {
@@ -87,6 +89,9 @@ struct PipelineTraining::Impl {
   int64_t step = 0;         // optimizer steps completed (a resumed run starts later)
   int64_t saved_step = -1;  // the step of the last checkpoint written
   std::optional<TorchLoadReport> init_report;
+  // dist.trace: each micro-batch's passes, the waits on peers and the
+  // stage-to-stage transfers, per rank.
+  Timeline timeline;
 
   // The first rank of its tensor groups (every rank without tensor axes).
   bool tensor_leader() const {
@@ -110,7 +115,8 @@ struct PipelineTraining::Impl {
         data(std::move(d)),
         test_data(std::move(test)),
         world(w),
-        plan(*o.dist.plan) {
+        plan(*o.dist.plan),
+        timeline(TimelineOptions{!o.dist.trace_path.empty()}) {
     check_pipeline_options(o);
     rank = world.rank();
     plan.mesh.check_world(world.size(), "the plan's mesh");
@@ -157,7 +163,7 @@ struct PipelineTraining::Impl {
     tensor_parallel = needs_lowering(plan);
     for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
     cut = cut_pipeline(model.graph, model.loss, plan.stages);
-    schedule = make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
+    schedule = plan_schedule(plan);
     PipelineOptions po;
     po.exec = o.exec;
     po.exec.slowdown =
@@ -170,6 +176,17 @@ struct PipelineTraining::Impl {
       }
     }
     runtime = std::make_unique<PipelineRuntime>(*pp_comm, cut, schedule, po);
+    if (timeline.enabled()) {
+      if (rank == 0) {
+        check_output_path(o.dist.trace_path, OutputKind::replaced_file, "dist.trace (--trace)");
+        create_output_parents(o.dist.trace_path, "dist.trace (--trace)");
+      }
+      timeline.align(world);
+      runtime->set_call_observer([this](const CallEvent& e) {
+        timeline.add(fmt::format("{} {}B", collective_name(e.kind), e.bytes), "comm", e.start_ns,
+                     e.end_ns, Timeline::kComm, {{"bytes", e.bytes}});
+      });
+    }
 
     // The same initial values as the unpipelined model: each parameter from
     // its name's seeded stream, drawn only where it is held (its box of the
@@ -200,7 +217,8 @@ struct PipelineTraining::Impl {
     // A parameter held by several stages counts on the first holder only.
     for (const auto& [name, holders] : cut.shared_params) {
       if (!counted.count(name)) continue;
-      const int first = *std::min_element(holders.begin(), holders.end()) % p;
+      const int first =
+          stage_owner(plan.schedule, p, *std::min_element(holders.begin(), holders.end()));
       counted[name] = counted[name] && first == plan.mesh.coord(rank, "pp");
     }
 
@@ -598,20 +616,50 @@ struct PipelineTraining::Impl {
     return {sums[0] / sums[2], sums[1] / sums[2], static_cast<int64_t>(sums[2])};
   }
 
-  // 1 - (compute of all stages) / (p x the step's makespan), from every
-  // rank's spans (collective over the pipeline group).
-  double idle_fraction() {
-    double busy = 0, first = 1e300, last = -1e300;
+  // The step's passes (lane "compute", category forward / backward, with
+  // their CPU time and the runtime's overhead around them) and waits.
+  void trace_step(int64_t step, int64_t t0, int64_t t1) {
+    if (!timeline.enabled()) return;
+    timeline.add(fmt::format("step {}", step + 1), "step", t0, t1, 3);
     for (const PipelineSpan& sp : runtime->spans()) {
-      busy += static_cast<double>(sp.end_ns - sp.start_ns);
+      const bool fwd = sp.kind == ActionKind::forward;
+      timeline.add(describe(PipelineAction{sp.kind, sp.microbatch, sp.stage, -1}),
+                   fwd ? "forward" : "backward", sp.start_ns, sp.end_ns, Timeline::kCompute,
+                   {{"cpu_ms", static_cast<double>(sp.cpu_ns) * 1e-6},
+                    {"overhead_ms", static_cast<double>(sp.overhead_ns) * 1e-6}});
+    }
+    for (const PipelineSpan& w : runtime->waits()) {
+      const std::string name = w.microbatch < 0 ? std::string("sends of the step")
+                                                : fmt::format("wait {}{}@{}", action_name(w.kind),
+                                                              w.microbatch, w.stage);
+      timeline.add(name, "wait", w.start_ns, w.end_ns, Timeline::kWait);
+    }
+  }
+
+  // 1 - (compute of all stages) / (p x the step's makespan), from every
+  // rank's spans (collective over the pipeline group); also, over all
+  // stages, the passes' CPU time / wall time (below 1: the core was shared)
+  // and the runtime's overhead around the passes / the makespan x p.
+  struct StepIdle {
+    double idle = 0, cpu_ratio = 0, overhead = 0;
+  };
+  StepIdle idle_fraction() {
+    double first = 1e300, last = -1e300;
+    double v[3] = {0, 0, 0};  // busy, cpu, overhead
+    for (const PipelineSpan& sp : runtime->spans()) {
+      v[0] += static_cast<double>(sp.end_ns - sp.start_ns);
+      v[1] += static_cast<double>(sp.cpu_ns);
+      v[2] += static_cast<double>(sp.overhead_ns);
       first = std::min(first, static_cast<double>(sp.start_ns));
       last = std::max(last, static_cast<double>(sp.end_ns));
     }
-    double v[3] = {busy, -first, last};
-    pp_comm->all_reduce(&v[0], &v[0], 1, DType::f64, ReduceOp::sum, o.dist.dp.collective);
-    pp_comm->all_reduce(&v[1], &v[1], 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
-    const double makespan = v[2] + v[1];
-    return makespan > 0 ? 1.0 - v[0] / (static_cast<double>(p) * makespan) : 0.0;
+    double ends[2] = {-first, last};
+    pp_comm->all_reduce(v, v, 3, DType::f64, ReduceOp::sum, o.dist.dp.collective);
+    pp_comm->all_reduce(ends, ends, 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
+    const double makespan = ends[1] + ends[0];
+    if (makespan <= 0) return {};
+    const double cap = static_cast<double>(p) * makespan;
+    return {1.0 - v[0] / cap, v[0] > 0 ? v[1] / v[0] : 0.0, v[2] / cap};
   }
 
   TrainResult run() {
@@ -619,7 +667,7 @@ struct PipelineTraining::Impl {
     MetricsWriter metrics(leader ? o.metrics_path : std::string());
     Progress progress(total_steps, o.log_every, o.progress && leader, o.progress_tty);
     TrainResult r;
-    std::vector<double> rates, warm, idle;
+    std::vector<double> rates, warm, idle, cpu_ratio, overhead;
     const int64_t spe = loader->steps_per_epoch();
     const int64_t targets = model.graph.value(model.y).shape.numel() / micro_batch;
     const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
@@ -631,12 +679,19 @@ struct PipelineTraining::Impl {
     for (; step < stop;) {
       const int64_t epoch = step / spe;
       Stopwatch sw;
+      const int64_t t_start = now_ns();
       const double loss = step_once(epoch, step % spe, step);
       const double dt = sw.seconds();
+      trace_step(step, t_start, now_ns());
       const double rate = static_cast<double>(o.batch_size) / dt;
       (step - first >= kWarmupSteps ? rates : warm).push_back(rate);
-      const double idle_now = idle_fraction();
-      if (step - first >= kWarmupSteps || stop - first <= kWarmupSteps) idle.push_back(idle_now);
+      const StepIdle si = idle_fraction();
+      const double idle_now = si.idle;
+      if (step - first >= kWarmupSteps || stop - first <= kWarmupSteps) {
+        idle.push_back(idle_now);
+        cpu_ratio.push_back(si.cpu_ratio);
+        overhead.push_back(si.overhead);
+      }
       sent += runtime->bytes_sent();
       peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
       if (!std::isfinite(loss)) {
@@ -700,10 +755,14 @@ struct PipelineTraining::Impl {
           {"pipeline_idle_fraction", median_of(idle)},
           {"pipeline_idle_fraction_formula",
            formula_idle_fraction(plan.schedule, p, plan.microbatches, plan.virtual_stages)},
+          {"pipeline_pass_cpu_over_wall", median_of(cpu_ratio)},
+          {"pipeline_overhead_fraction", median_of(overhead)},
           {"pipeline_bytes_sent_per_step",
            static_cast<double>(sent) / static_cast<double>(std::max<int64_t>(1, step - first))},
           {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
-          {"peak_stash_bytes", peak_stash}}}};
+          {"peak_stash_bytes", peak_stash},
+          {"planned_peak_stash_bytes",
+           planned_stash_bytes(cut, schedule, plan.mesh.coord(rank, "pp"))}}}};
     if (r.final_loss) summary["final_loss"] = *r.final_loss;
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
     if (r.test_loss) {
@@ -712,6 +771,7 @@ struct PipelineTraining::Impl {
       summary["test_examples"] = r.test_examples;
     }
     metrics.write(summary);
+    if (timeline.enabled()) timeline.merge_and_write(world, o.dist.trace_path);
     return r;
   }
 };
