@@ -187,7 +187,7 @@ const std::vector<KeyMeaning> kMeanings = {
      "per-tp-rank integer shares of every tensor-parallel split, e.g. [2, 1]; [] = even"},
     {"sync.scheme",
      "how data-parallel replicas agree: allreduce (every step, ZeRO per dist.zero_stage), "
-     "local_sgd, diloco or gossip (sync/replica_sync.h)"},
+     "local_sgd, diloco, gossip or ps (parameter server, docs/sync.md) (sync/replica_sync.h)"},
     {"sync.period", "local_sgd / diloco: optimizer steps between synchronizations (H)"},
     {"sync.sync_until",
      "local_sgd: average after every step for the first this-many steps (post-local SGD)"},
@@ -201,6 +201,19 @@ const std::vector<KeyMeaning> kMeanings = {
      "keep what a codec did not send and add it to the next step's gradient"},
     {"sync.consensus_every",
      "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
+    {"sync.servers",
+     "ps: the last this-many ranks hold the parameter shards and run the optimizer; the others "
+     "compute"},
+    {"sync.ps_mode",
+     "ps: bsp (every step waits for every worker: all-reduce DP), asp (each push applied as it "
+     "comes) or ssp (asp, no worker more than sync.staleness steps ahead of the slowest)"},
+    {"sync.staleness", "ps with ps_mode ssp: the staleness bound s in steps (>= 0)"},
+    {"sync.ps_switch",
+     "ps: \"\" (no switch), \"after:N\" (BSP for N steps, then ASP) or \"straggler\" (BSP "
+     "until the straggler report sees a persistent straggler, then ASP)"},
+    {"sync.staleness_lr",
+     "ps: divide an asynchronous push's learning rate by its staleness (server updates since "
+     "its parameters were pulled)"},
     {"parallel.stage_layers",
      "layers (gpt: transformer blocks) per pipeline stage, e.g. [3, 1]; [] = balanced by FLOPs"},
     {"gnn.parallel",

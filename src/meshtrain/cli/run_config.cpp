@@ -281,8 +281,8 @@ RunConfig read_run_config(const Config& c) {
   r.parallel = read_parallel(c);
   r.parallel_given = c.has("parallel");
   SyncOptions& so = d.sync;
-  so.scheme =
-      c.get_string("sync.scheme", "allreduce", {"allreduce", "local_sgd", "diloco", "gossip"});
+  so.scheme = c.get_string("sync.scheme", "allreduce",
+                           {"allreduce", "local_sgd", "diloco", "gossip", "ps"});
   so.period = c.get_int("sync.period", so.period, Bounds<int64_t>::positive());
   so.sync_until = c.get_int("sync.sync_until", so.sync_until, Bounds<int64_t>::non_negative());
   so.outer_lr = c.get_double("sync.outer_lr", so.outer_lr, Bounds<double>::positive());
@@ -294,6 +294,11 @@ RunConfig read_run_config(const Config& c) {
       c.get_int("sync.consensus_every", so.consensus_every, Bounds<int64_t>::non_negative());
   so.codec = c.get_string("sync.codec", so.codec);
   so.codec_error_feedback = c.get_bool("sync.codec_error_feedback", so.codec_error_feedback);
+  so.servers = c.get_int("sync.servers", so.servers, Bounds<int64_t>::positive());
+  so.ps_mode = c.get_string("sync.ps_mode", so.ps_mode, {"bsp", "asp", "ssp"});
+  so.staleness = c.get_int("sync.staleness", so.staleness, Bounds<int64_t>::non_negative());
+  so.ps_switch = c.get_string("sync.ps_switch", so.ps_switch);
+  so.staleness_lr = c.get_bool("sync.staleness_lr", so.staleness_lr);
   validate_sync_options(so);
   r.gnn.mode = c.get_string("gnn.parallel", "none", {"none", "graph"}) == "graph"
                    ? GnnParallel::graph

@@ -180,6 +180,29 @@ class Communicator {
   CommHandle recv_async(void* buf, size_t count, DType dtype, int peer,
                         const CollectiveOptions& opts = {});
 
+  // ---- receive from whichever peer sends first (parameter servers)
+  // post_recv() starts a receive of `count` elements from `peer` on
+  // opts.tag at once, on the calling thread: it is not queued behind *_async
+  // calls (none may be in flight on this communicator while receives are
+  // posted) and at most one is posted per peer. wait_any() blocks until one
+  // posted receive completes and returns it (its bytes then counted as a
+  // "recv" call), or reports a peer the transport knows is gone (its receive
+  // dropped; the buffer must stay valid until the communicator is
+  // destroyed), or returns nullopt when `timeout` passes first, so the caller
+  // can name whom it was waiting for. With nothing posted it returns nullopt
+  // at once. Matching is by (peer, tag) in order, as for recv(); the sender
+  // uses send() / send_async() with the same tag.
+  struct AnyRecv {
+    int peer = -1;
+    bool lost = false;  // the peer is gone; `lost_message` says how
+    std::string lost_message;
+  };
+  void post_recv(void* buf, size_t count, DType dtype, int peer,
+                 const CollectiveOptions& opts = {});
+  std::optional<AnyRecv> wait_any(std::chrono::milliseconds timeout);
+  // Whether a receive from `peer` is posted and not yet returned by wait_any().
+  bool recv_posted(int peer) const;
+
   // ---- byte counters
   CommCounters counters() const;
   void reset_counters();

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -81,6 +82,16 @@ struct Communicator::Impl {
   // Set (under q_mu) when the worker starts; until then the issuing thread is
   // the only one executing, so run() takes no locks.
   std::atomic<bool> worker_started{false};
+
+  // post_recv() / wait_any(): one posted receive per peer.
+  struct PostedRecv {
+    std::unique_ptr<TransportRequest> req;
+    size_t bytes = 0;
+    CommClock::time_point start;
+  };
+  std::map<int, PostedRecv> posted;
+  // Requests of lost peers: the engine may still own them (transport.h).
+  std::vector<std::unique_ptr<TransportRequest>> abandoned;
 
   mutable std::mutex broken_mu;
   std::optional<std::string> broken;

@@ -9,6 +9,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/sync/codec_spec.h"
 #include "meshtrain/sync/local_steps.h"
+#include "meshtrain/sync/param_server.h"
 
 namespace mt {
 
@@ -50,6 +51,10 @@ class AllReduceSync : public ReplicaSync {
 
 }  // namespace
 
+void ReplicaSync::serve(const ServerUpdate& /*update*/) {
+  throw ConfigError(fmt::format("sync.scheme = \"{}\" has no server ranks", name()));
+}
+
 uint64_t sync_bytes_sent(const Communicator& c) {
   uint64_t n = 0;
   for (const auto& [kind, counter] : c.counters().by_collective) {
@@ -59,11 +64,44 @@ uint64_t sync_bytes_sent(const Communicator& c) {
 }
 
 void validate_sync_options(const SyncOptions& o) {
-  static const std::set<std::string> schemes = {"allreduce", "local_sgd", "diloco", "gossip"};
+  static const std::set<std::string> schemes = {"allreduce", "local_sgd", "diloco", "gossip", "ps"};
   if (!schemes.count(o.scheme)) {
     throw ConfigError(fmt::format(
-        "sync.scheme: unknown scheme '{}' (expected allreduce, local_sgd, diloco or gossip)",
+        "sync.scheme: unknown scheme '{}' (expected allreduce, local_sgd, diloco, gossip or ps)",
         o.scheme));
+  }
+  if (o.servers < 1) {
+    throw ConfigError(
+        fmt::format("sync.servers: the parameter-server ranks must be >= 1, got {}", o.servers));
+  }
+  if (o.ps_mode != "bsp" && o.ps_mode != "asp" && o.ps_mode != "ssp") {
+    throw ConfigError(
+        fmt::format("sync.ps_mode: unknown mode '{}' (expected bsp, asp or ssp)", o.ps_mode));
+  }
+  if (o.staleness < 0) {
+    throw ConfigError(fmt::format(
+        "sync.staleness: the SSP staleness bound must be >= 0 steps, got {}", o.staleness));
+  }
+  if (!o.ps_switch.empty() && o.ps_switch != "straggler") {
+    int64_t n = -1;
+    size_t used = 0;
+    try {
+      if (o.ps_switch.starts_with("after:")) n = std::stoll(o.ps_switch.substr(6), &used);
+    } catch (const std::exception&) {
+      n = -1;
+    }
+    if (n < 1 || used != o.ps_switch.size() - 6) {
+      throw ConfigError(
+          fmt::format("sync.ps_switch: expected \"\", \"after:N\" (N >= 1 BSP steps, then ASP) or "
+                      "\"straggler\", got '{}'",
+                      o.ps_switch));
+    }
+  }
+  if (!o.ps_switch.empty() && o.ps_mode != "bsp") {
+    throw ConfigError(fmt::format(
+        "sync.ps_switch = \"{}\": switching starts synchronous, so sync.ps_mode must be "
+        "\"bsp\" (got \"{}\")",
+        o.ps_switch, o.ps_mode));
   }
   if (o.period < 1) {
     throw ConfigError(fmt::format(
@@ -146,6 +184,10 @@ std::unique_ptr<ReplicaSync> make_replica_sync(const SyncOptions& o, Communicato
   if (o.scheme == "allreduce") {
     return std::make_unique<AllReduceSync>(group, std::move(layout), std::move(flat_params),
                                            std::move(dp));
+  }
+  if (o.scheme == "ps") {
+    return make_param_server_sync(o, group, std::move(layout), std::move(flat_params),
+                                  std::move(dp), local_share);
   }
   return make_local_steps_sync(o, group, std::move(layout), std::move(flat_params), std::move(dp),
                                local_share);

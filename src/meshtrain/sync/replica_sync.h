@@ -46,7 +46,7 @@ namespace mt {
 
 // The [sync] section of a run config: which scheme and its settings.
 struct SyncOptions {
-  std::string scheme = "allreduce";  // allreduce | local_sgd | diloco | gossip
+  std::string scheme = "allreduce";  // allreduce | local_sgd | diloco | gossip | ps
   // local_sgd / diloco: optimizer steps between synchronizations (H >= 1).
   int64_t period = 1;
   // local_sgd: post-local SGD, synchronous (averaging after every step) for
@@ -64,6 +64,16 @@ struct SyncOptions {
   // | powersgd:RANK), with error feedback unless codec_error_feedback is off.
   std::string codec = "none";
   bool codec_error_feedback = true;
+  // ps (sync/param_server.h): the last `servers` ranks hold the parameter
+  // shards; bsp | asp | ssp with staleness bound `staleness` (>= 0);
+  // ps_switch "" | "after:N" (BSP for N steps, then ASP) | "straggler"
+  // (BSP until a persistent straggler is reported, then ASP); staleness_lr
+  // divides each asynchronous push's learning rate by its staleness.
+  int64_t servers = 1;
+  std::string ps_mode = "bsp";
+  int64_t staleness = 2;
+  std::string ps_switch;
+  bool staleness_lr = false;
 };
 
 // ConfigError naming the sync.* key and what was expected (period < 1, an
@@ -122,6 +132,26 @@ class ReplicaSync {
   // Bytes this rank sent for synchronization so far (the communicator's
   // counters), for the summary's bytes per step.
   virtual uint64_t bytes_sent() const = 0;
+
+  // Parameter-server schemes (sync/param_server.h). A server rank computes
+  // nothing: the trainer calls serve() instead of its step loop, and serve()
+  // returns when every worker has finished (or, under ASP, stopped). Each
+  // update gets the server's slices (gradients filled), the step whose
+  // learning rate applies and a factor on that learning rate.
+  using ServerUpdate = std::function<void(std::span<ParamSlice>, int64_t step, double lr_scale)>;
+  virtual bool is_server() const { return false; }
+  virtual void serve(const ServerUpdate& update);
+  // True while the replicas move in lock step, so that per-step collectives
+  // among them (the loss all-reduce, the straggler report) cannot stall one
+  // on another's progress.
+  virtual bool lock_step() const { return true; }
+  // The straggler report saw a persistent straggler (ps_switch "straggler").
+  virtual void persistent_straggler() {}
+  // After the last step, before evaluation: a worker tells the servers it is
+  // done and takes their final parameters.
+  virtual void finish() {}
+  // Lines for the run's log (a server going on without a stopped worker).
+  virtual std::vector<std::string> notices() const { return {}; }
 };
 
 // Bytes `c` has sent (its counters, agreement handshakes left out).

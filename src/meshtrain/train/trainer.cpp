@@ -134,6 +134,8 @@ struct Trainer::Impl {
   // groups) and the runner its collective operators go through.
   LoweredProgram lowered;
   bool tensor_parallel = false;
+  bool ps_server = false;        // sync.scheme = "ps": this rank serves parameters
+  double loss_wait_seconds = 0;  // ps in lock step: in the loss all-reduce
   std::shared_ptr<CommCollectiveRunner> runner;
   uint64_t tensor_bytes_in_steps = 0;  // sent by this rank's tensor groups inside train_step
   int64_t tensor_steps = 0;
@@ -323,7 +325,9 @@ struct Trainer::Impl {
 
     Communicator* replicas = dp_comm;
     if (o.dist.sync.scheme != "allreduce" || o.dist.sync.codec != "none") {
-      sync_comm = dp_comm->split(0, dp_rank, "sync", o.dist.dp.collective);
+      sync_comm = o.dist.sync.scheme == "ps"
+                      ? comm->split(0, rank, "ps", o.dist.dp.collective)
+                      : dp_comm->split(0, dp_rank, "sync", o.dist.dp.collective);
       replicas = sync_comm.get();
     }
     dp = make_replica_sync(o.dist.sync, *replicas, layout_of(*store),
@@ -387,7 +391,12 @@ struct Trainer::Impl {
     if (world > 1 && o.dist.straggler_report) {
       StragglerOptions so2;
       so2.threshold = o.dist.straggler_threshold;
-      straggler = std::make_unique<StragglerDetector>(*comm, so2);
+      // Parameter servers compute nothing: the workers compare themselves.
+      if (o.dist.sync.scheme != "ps") {
+        straggler = std::make_unique<StragglerDetector>(*comm, so2);
+      } else if (!ps_server && dp_world > 1) {
+        straggler = std::make_unique<StragglerDetector>(*dp_comm, so2);
+      }
     }
   }
 
@@ -422,6 +431,10 @@ struct Trainer::Impl {
             o.dist.sync.scheme, o.dist.plan->mesh.describe()));
       }
     }
+    if (o.dist.sync.scheme == "ps") {
+      join_parameter_server();
+      return;
+    }
     const DataParallelPlace place = data_parallel_place(o, rank, world);
     dp_rank = place.rank;
     dp_world = place.world;
@@ -448,6 +461,38 @@ struct Trainer::Impl {
     refuse(!o.resume_path.empty() && o.resume_path != "auto" &&
                !std::filesystem::is_directory(o.resume_path, ec),
            "train.resume from one .safetensors file (whole tensors)");
+  }
+
+  // sync.scheme = "ps" (sync/param_server.h): the last sync.servers ranks
+  // serve; the data is split over the other ranks, the workers, whose group
+  // is the data-parallel one (evaluation, the loss while in lock step, the
+  // straggler report). Servers build the same model (their parameters are
+  // the initial values of their shard) but run no step.
+  void join_parameter_server() {
+    const int64_t servers = o.dist.sync.servers;
+    if (servers >= world) {
+      throw ConfigError(fmt::format(
+          "sync.servers = {}: needs at least one worker besides the servers, but the job has {} "
+          "ranks",
+          servers, world));
+    }
+    auto refuse = [&](bool bad, const std::string& what) {
+      if (!bad) return;
+      throw ConfigError(fmt::format(
+          "{}: not available with sync.scheme = \"ps\" yet (the optimizer runs on the servers, "
+          "shard by shard)",
+          what));
+    };
+    refuse(o.clip_grad_norm > 0, "optim.clip_grad_norm (a global norm across servers)");
+    refuse(o.precision == DType::f16, "train.precision = f16 (the loss scaler's skipped steps)");
+    refuse(!o.dist.trace_path.empty(), "dist.trace (the merged timeline)");
+    refuse(o.dist.dp.stage != 0, fmt::format("dist.zero_stage = {}", o.dist.dp.stage));
+    ps_server = rank >= world - static_cast<int>(servers);
+    own_dp_comm = comm->split(ps_server ? 1 : 0, rank, ps_server ? "ps-servers" : "ps-workers",
+                              o.dist.dp.collective);
+    dp_comm = own_dp_comm.get();
+    dp_rank = ps_server ? 0 : rank;
+    dp_world = world - static_cast<int>(servers);
   }
 
   // Sums over the ranks that hold pieces of the same parameters: the
@@ -1087,6 +1132,7 @@ struct Trainer::Impl {
     // at the same step without a collective of its own.
     double reduced[2] = {tensor_leader() ? loss : 0.0,
                          o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0};
+    if (o.dist.sync.scheme == "ps") return ps_worker_step(reduced, epoch);
     comm->all_reduce(reduced, reduced, 2, DType::f64);
     loss = reduced[0];
     stop_requested = reduced[1] > 0;
@@ -1121,6 +1167,55 @@ struct Trainer::Impl {
     optimizer_seconds += optimizer_sw.seconds();
     ++optimizer_steps;
     return loss;
+  }
+
+  // A parameter server's run: answers the workers until they are done; the
+  // optimizer steps on this server's shard with the pushing step's learning
+  // rate (times the staleness factor the scheme passes).
+  void serve_parameters(MetricsWriter& metrics) {
+    dp->serve([&](std::span<ParamSlice> slices, int64_t at, double lr_scale) {
+      std::vector<ParamRef> refs;
+      refs.reserve(slices.size());
+      for (ParamSlice& p : slices) {
+        refs.push_back(ParamRef{p.name, p.param, p.grad, p.full_rank(), counted(p.name)});
+      }
+      Stopwatch update_sw;
+      optimizer->step(refs, schedule->lr_at(std::min(at, total_steps - 1)) * lr_scale);
+      if (slowdown() > 1.0) {
+        std::this_thread::sleep_for(
+            std::chrono::duration<double>(update_sw.seconds() * (slowdown() - 1.0)));
+      }
+    });
+    for (const std::string& msg : dp->notices()) {
+      notice("meshtrain: " + msg);
+      metrics.write({{"step", step}, {"sync", msg}});
+    }
+  }
+
+  // A parameter server's worker after its micro-steps: the push and pull
+  // (the optimizer runs on the servers), then the loss: in lock step the
+  // global batch's mean, as all-reduce DP has it (reduced after the
+  // exchange, so that a stopped worker is named by the servers rather than
+  // waited for here); asynchronous workers report their own mean loss.
+  double ps_worker_step(double (&reduced)[2], int64_t epoch) {
+    const bool lock = dp->lock_step();  // the mode this step's push is handled in
+    Stopwatch optimizer_sw;
+    dp->step([](std::span<ParamSlice>) {});
+    optimizer_seconds += optimizer_sw.seconds();
+    ++optimizer_steps;
+    if (lock) {
+      Stopwatch loss_sw;
+      dp_comm->all_reduce(reduced, reduced, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
+      loss_wait_seconds += loss_sw.seconds();
+    } else {
+      reduced[0] *= static_cast<double>(o.batch_size) / static_cast<double>(local_batch);
+    }
+    stop_requested = reduced[1] > 0;
+    if (!std::isfinite(reduced[0])) {
+      throw Error(fmt::format("training diverged: loss is {} at step {} (epoch {}); lower optim.lr",
+                              reduced[0], step, epoch));
+    }
+    return reduced[0];
   }
 
   // Evaluates and records the result (metrics line, result, and, after a
@@ -1167,12 +1262,14 @@ struct Trainer::Impl {
     const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
     const int64_t first = step;
     bool evaluated_last = false;
-    const int64_t stop =
-        o.halt_after > 0 ? std::min(total_steps, first + o.halt_after) : total_steps;
+    if (ps_server) serve_parameters(metrics);
+    const int64_t stop = ps_server          ? first
+                         : o.halt_after > 0 ? std::min(total_steps, first + o.halt_after)
+                                            : total_steps;
     for (; step < stop;) {
       const int64_t epoch = step / spe, s = step % spe;
       const double lr = schedule->lr_at(step);
-      const double wait_before = dp->stats().wait_seconds;
+      const double wait_before = dp->stats().wait_seconds + loss_wait_seconds;
       Stopwatch sw;
       const double loss = train_step(epoch, s);
       // The straggler report's exchange is where a fast rank waits for a
@@ -1180,9 +1277,12 @@ struct Trainer::Impl {
       // is taken after it: every rank then measures the same period, the
       // throughput the job gets.
       std::optional<StragglerReport> rep;
-      if (straggler) {
-        const double compute = sw.seconds() - (dp->stats().wait_seconds - wait_before);
+      // (Under a parameter server only while the workers move in lock step.)
+      if (straggler && dp->lock_step()) {
+        const double compute =
+            sw.seconds() - (dp->stats().wait_seconds + loss_wait_seconds - wait_before);
         rep = straggler->report(step + 1, compute);
+        if (!rep->new_stragglers.empty()) dp->persistent_straggler();
       }
       const double dt = sw.seconds();
       const double rate = static_cast<double>(o.batch_size) / dt;
@@ -1229,9 +1329,12 @@ struct Trainer::Impl {
       progress.update(
           ProgressUpdate{step, epoch + 1, epochs, loss, rate, rate * tokens_per_sample, lr});
       if (stop_requested && step < stop) {
-        // Which signal: the highest any rank saw, so every rank reports alike.
+        // Which signal: the highest any rank saw, so every rank reports alike
+        // (a parameter server's worker: its own).
         double sig = o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0;
-        comm->all_reduce(&sig, &sig, 1, DType::f64, ReduceOp::max, o.dist.dp.collective);
+        if (o.dist.sync.scheme != "ps") {
+          comm->all_reduce(&sig, &sig, 1, DType::f64, ReduceOp::max, o.dist.dp.collective);
+        }
         r.stop_signal = std::max(1, static_cast<int>(sig));
         break;
       }
@@ -1248,6 +1351,7 @@ struct Trainer::Impl {
       }
     }
     progress.finish();
+    if (!ps_server) dp->finish();  // ps: the servers' final parameters
     if (o.eval && !evaluated_last && step == total_steps && r.stop_signal == 0) {
       record_eval(r, metrics, tensorboard, nullptr, 0);
     }
@@ -1321,7 +1425,9 @@ struct Trainer::Impl {
             static_cast<double>(r.allocated.peak[static_cast<size_t>(c)]);
       }
     }
-    if (world > 1) {
+    // (Not under a parameter server: a worker that stopped, which ASP goes
+    // on without, would hold every rank here; the table has this rank only.)
+    if (world > 1 && o.dist.sync.scheme != "ps") {
       comm->all_reduce(per_rank.data(), per_rank.data(), per_rank.size(), DType::f64, ReduceOp::sum,
                        o.dist.dp.collective);
     }
