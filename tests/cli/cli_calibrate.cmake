@@ -25,5 +25,9 @@ foreach(bw IN LISTS bws)
     message(FATAL_ERROR "bad fitted bandwidth: ${bw}\n${cal}")
   endif()
 endforeach()
+# The planner takes the measured file as it is (2 ranks of this machine).
+expect_run(RC 0 TIMEOUT 60 STDOUT "on 2 ranks of [^\n]*cal\\.toml" "wrote the best plan"
+  COMMAND ${MESHTRAIN} plan --config ${SRC}/configs/mlp_fashion.toml --cluster ${dir}/cal.toml
+    --quiet --out ${dir}/plan.json)
 # Bad arguments exit 2 (CLI11) before measuring anything.
 expect_run(RC 2 STDERR "nproc" COMMAND ${MESHTRAIN} calibrate --nproc 0)

@@ -22,8 +22,9 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
+// "[3,1]": no spaces, so that the settings paste into a shell as they are.
 std::string list(const std::vector<int64_t>& v) {
-  return fmt::format("[{}]", fmt::join(v, ", "));
+  return fmt::format("[{}]", fmt::join(v, ","));
 }
 
 // Seconds per unit of work of each rank relative to the others: its slowdown
