@@ -84,16 +84,34 @@ TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
 }
 
 TEST(PlanSearch, NothingFitsSaysWhichConstraintAndByHowMuch) {
-  const ClusterModel tiny = cluster(2, 1e5);  // 100 kB per device
+  // 100 kB per device: the parameters and gradients alone (the bound) rule
+  // out every shape before pricing.
+  const ClusterModel tiny = cluster(2, 1e5);
   const SearchResult r = search_plans(mlp(), options(32), tiny);
   EXPECT_TRUE(r.best.empty());
+  EXPECT_EQ(r.pruned, r.candidates);
   ASSERT_TRUE(r.closest.has_value());
+  EXPECT_TRUE(r.closest->lower_bound);
   EXPECT_GT(r.closest->need_bytes, r.closest->have_bytes);
   const std::string m = nothing_fits_message(r, tiny);
   EXPECT_THAT(m, HasSubstr("no plan fits"));
   EXPECT_THAT(m, HasSubstr("exceed device memory"));
-  EXPECT_THAT(m, HasSubstr("the closest (" + r.closest->plan + ") needs"));
+  EXPECT_THAT(m, HasSubstr("the closest (" + r.closest->plan + ") needs at least"));
   EXPECT_THAT(m, HasSubstr(format_bytes(r.closest->need_bytes - r.closest->have_bytes) + " over"));
+  // 1.2 MB: above the bound of the sharded shapes (the mlp's 269k
+  // parameters: 4 x 269k = 1.08 MB at ZeRO-3 on 2 ranks), below what they
+  // need with optimizer state and activations: priced, and the message
+  // names the rank and its device.
+  const ClusterModel small = cluster(2, 1.2e6);
+  const SearchResult q = search_plans(mlp(), options(32), small);
+  EXPECT_TRUE(q.best.empty());
+  EXPECT_LT(q.pruned, q.over_memory);
+  ASSERT_TRUE(q.closest.has_value());
+  EXPECT_FALSE(q.closest->lower_bound);
+  EXPECT_THAT(nothing_fits_message(q, small),
+              HasSubstr(fmt::format("on rank {} (dev, {} of memory): {} over", q.closest->rank,
+                                    format_bytes(q.closest->have_bytes),
+                                    format_bytes(q.closest->need_bytes - q.closest->have_bytes))));
 }
 
 TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
@@ -123,7 +141,7 @@ TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
   EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
   // The uneven plan carries its shares: the settings and the plan's batch split.
   const std::vector<std::string> s = uneven->settings(2);
-  EXPECT_NE(std::find(s.begin(), s.end(), "dist.batch_shares=[32, 16]"), s.end());
+  EXPECT_NE(std::find(s.begin(), s.end(), "dist.batch_shares=[32,16]"), s.end());
   EXPECT_THAT(plan_to_json(uneven->plan), HasSubstr("32"));
 }
 
