@@ -294,6 +294,29 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     ++done;
     if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
   }
+  // Recomputation that changes neither the predicted step nor any rank's
+  // memory (e.g. where the runtime does not apply it) is not a plan of its own.
+  {
+    std::map<std::string, const PlanCandidate*> plain;
+    for (const PlanCandidate& c : fits) {
+      if (!c.recompute) plain[c.describe()] = &c;
+    }
+    std::vector<PlanCandidate> kept;
+    for (PlanCandidate& c : fits) {
+      if (c.recompute) {
+        PlanCandidate twin = c;
+        twin.recompute = false;
+        const auto it = plain.find(twin.describe());
+        if (it != plain.end() && it->second->estimate.step_s == c.estimate.step_s &&
+            it->second->estimate.max_peak_memory_bytes() == c.estimate.max_peak_memory_bytes()) {
+          ++res.no_effect;
+          continue;
+        }
+      }
+      kept.push_back(std::move(c));
+    }
+    fits = std::move(kept);
+  }
   std::stable_sort(fits.begin(), fits.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
     if (a.estimate.step_s != b.estimate.step_s) return a.estimate.step_s < b.estimate.step_s;
     return a.describe() < b.describe();

@@ -81,7 +81,8 @@ struct SearchResult {
     int64_t need_bytes = 0, have_bytes = 0;
     bool lower_bound = false;  // need_bytes is the parameters' and gradients' bound (not priced)
   };
-  int pruned = 0;  // of over_memory: over by the parameter + gradient bound alone, not priced
+  int no_effect = 0;  // of fitting: recomputation that changed neither time nor memory, dropped
+  int pruned = 0;     // of over_memory: over by the parameter + gradient bound alone, not priced
   std::optional<Miss> closest;
   std::vector<std::string> refusals;  // the distinct reasons, first few
 };
