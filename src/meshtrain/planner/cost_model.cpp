@@ -610,8 +610,14 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
 
 }  // namespace
 
-Programs build_programs(const ModelSpec& spec, const TrainerOptions& options,
+Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options,
                         const ClusterModel& cluster) {
+  // One training step: what a run writes or loads around it does not matter.
+  TrainerOptions options = run_options;
+  options.checkpoint_path.clear();
+  options.checkpoint_every = 0;
+  options.resume_path.clear();
+  options.init_path.clear();
   const int world = cluster.world();
   if (world < 1) throw ConfigError(fmt::format("cluster {}: no ranks", cluster.source));
   if (options.dist.plan) options.dist.plan->mesh.check_world(world, "the plan's mesh");
