@@ -294,25 +294,37 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
                     (dev.peak_flops_f32 * dev.default_efficiency) * slow
               : 0.0;
 
+      // ZeRO-3: the bucket holding each parameter value, gathered before
+      // the first operator of a phase (forward, backward) that reads it.
+      const bool zero3 = dp_world > 1 && dp.stage == 3;
+      std::vector<int> bucket_of_value(static_cast<size_t>(g.num_values()), -1);
+      for (ValueId v : g.params()) {
+        const int pi = buckets.find(g.value(v).name);
+        if (pi >= 0) bucket_of_value[static_cast<size_t>(v)] = buckets.bucket_of(pi);
+      }
       std::vector<int> bucket_task(buckets.buckets().size(), -1);
-      int last_backward = -1;
+      int last_backward = -1, last_forward = -1;
+      std::vector<int> pending;  // gathers the next compute task waits for
       for (int k = 0; k < K; ++k) {
         const bool last_micro = k == K - 1;
         double run_s = 0, run_flops = 0;
         bool run_backward = false;
         auto flush = [&]() {
-          if (run_s <= 0 && run_flops <= 0) return;
+          if (run_s <= 0 && run_flops <= 0 && pending.empty()) return;
           const int t = b.compute(fmt::format("{} {}", run_backward ? "backward" : "forward", k),
-                                  run_backward ? "backward" : "forward", run_s, run_flops);
-          if (run_backward) last_backward = t;
+                                  run_backward ? "backward" : "forward", run_s, run_flops, pending);
+          pending.clear();
+          (run_backward ? last_backward : last_forward) = t;
           run_s = 0;
           run_flops = 0;
         };
+        std::vector<char> gathered(buckets.buckets().size(), 0);
         bool in_backward = false;
         for (NodeId i = 0; i < g.num_nodes(); ++i) {
           const Node& n = g.node(i);
           if (n.backward != in_backward) {
             flush();
+            std::fill(gathered.begin(), gathered.end(), 0);
             in_backward = n.backward;
             if (in_backward && recompute_s > 0) {
               b.compute(fmt::format("recompute {}", k), "backward", recompute_s,
@@ -320,6 +332,21 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
             }
           }
           run_backward = in_backward;
+          if (zero3 && !is_group_op(n.op)) {
+            for (ValueId v : n.inputs) {
+              const int bi = bucket_of_value[static_cast<size_t>(v)];
+              if (bi < 0 || gathered[static_cast<size_t>(bi)]) continue;
+              if (run_s > 0 || run_flops > 0) flush();
+              gathered[static_cast<size_t>(bi)] = 1;
+              comm::CollectiveShape gs{Collective::all_gatherv, 0,
+                                       buckets.buckets()[static_cast<size_t>(bi)].counts, 4, 0};
+              // Backward gathers again after forward freed the bucket.
+              std::vector<int> after;
+              if (n.backward && last_forward >= 0) after.push_back(last_forward);
+              pending.push_back(b.collective(fmt::format("all_gatherv params bucket {}", bi),
+                                             dp_axis, gs, 2, after));
+            }
+          }
           if (communicates(n.op)) {
             flush();
             const CollectiveAttrs a = CollectiveAttrs::of(n);
@@ -374,19 +401,11 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
           b.collective(fmt::format("all_gatherv params bucket {}", bi), dp_axis, s, 1, {opt});
         }
       }
-      if (dp_world > 1 && dp.stage == 3) {
+      if (zero3) {
         out.notes.push_back(
-            "ZeRO-3: the parameter gathers (each bucket twice per micro-step) are counted on the "
-            "comm lane without waiting for the forward / backward operators that need them");
-        for (int k = 0; k < K; ++k) {
-          for (int pass = 0; pass < 2; ++pass) {
-            for (size_t bi = 0; bi < buckets.buckets().size(); ++bi) {
-              comm::CollectiveShape s{Collective::all_gatherv, 0, buckets.buckets()[bi].counts, 4,
-                                      0};
-              b.collective(fmt::format("all_gatherv params bucket {}", bi), dp_axis, s, 1);
-            }
-          }
-        }
+            "ZeRO-3: each bucket's parameters are gathered (on their own lane) before the first "
+            "forward and the first backward operator that reads them, as far ahead as the "
+            "lane allows (the runtime prefetches one bucket ahead)");
       }
       b.p.peak_memory_bytes = built->plan.total_bytes();
       b.p.memory_detail = built->plan.describe();
@@ -631,6 +650,7 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options
   }
   out.groups = groups.list;
   out.samples_per_step = options.batch_size;
+  out.half_precision = options.precision == DType::bf16 || options.precision == DType::f16;
   for (const RankBinding& b : out.ranks) {
     out.model_flops_per_step += out.programs[static_cast<size_t>(b.program)].flops;
   }

@@ -221,9 +221,8 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
     const RankState& s = st[static_cast<size_t>(r)];
     for (double f : s.finish) est.step_s = std::max(est.step_s, f);
     const DeviceKind& dev = cluster.device(r);
-    peak_sum += dev.peak_flops_bf16 > 0 && dev.peak_flops_bf16 > dev.peak_flops_f32
-                    ? dev.peak_flops_bf16
-                    : dev.peak_flops_f32;
+    peak_sum += programs.half_precision && dev.peak_flops_bf16 > 0 ? dev.peak_flops_bf16
+                                                                   : dev.peak_flops_f32;
   }
   for (int r = 0; r < world; ++r) {
     const RankBinding& b = programs.ranks[static_cast<size_t>(r)];
