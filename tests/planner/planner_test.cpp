@@ -11,6 +11,9 @@
 
 #include "common/temp_dir.h"
 #include "meshtrain/base/error.h"
+#include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/graph/collective.h"
+#include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/graph/builder.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/planner/cost_model.h"
@@ -336,6 +339,54 @@ TEST(CostModel, TensorAndPipelinePlansDeduplicatePrograms) {
     EXPECT_GT(r.peak_memory_bytes, 0);
     EXPECT_GT(r.bytes_sent, 0u);
     EXPECT_LE(r.compute_s, e.step_s * (1 + 1e-12));
+  }
+}
+
+// The tensor-parallel collectives of a lowered program cost the planner
+// what the runtime's CollectiveRunner states for them on live communicators
+// (threads as ranks, one node: shared memory), rank by rank.
+TEST(CostModel, TensorParallelBytesAreTheRunnersStatedCosts) {
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 2;
+  gpt.d_model = 32;
+  gpt.heads = 4;
+  gpt.seq_len = 8;
+  struct Case {
+    ModelSpec spec;
+    int tp;
+    bool sp;
+  };
+  // MLP at tp 2 (its head's 10 classes split in two); GPT at tp 4, with and
+  // without sequence parallelism (all-reduce, all-gather, reduce-scatter,
+  // the vocabulary-parallel gathers).
+  for (const Case& k : {Case{mlp(), 2, false}, Case{gpt, 4, false}, Case{gpt, 4, true}}) {
+    TrainerOptions o = mlp_options(k.tp);
+    o.batch_size = 8;
+    ParallelShorthand sh;
+    sh.tp = k.tp;
+    sh.sp = k.sp;
+    const ModelGraph m = build_model(k.spec, o.batch_size);
+    const ShorthandModel sm{k.spec.kind, k.spec.kind == "gpt" ? k.spec.d_model / k.spec.heads : 1};
+    o.dist.plan = std::make_shared<Plan>(expand_shorthand(sh, sm, m.graph, k.tp));
+    ClusterModel c = cluster(k.tp, 0, 0, k.tp);  // one node, no emulation
+    const Programs progs = build_programs(k.spec, o, c);
+    EXPECT_EQ(progs.programs.size(), static_cast<size_t>(k.tp));
+    const StepEstimate e = simulate(progs, c);
+    LocalWorldOptions lo;
+    lo.size = k.tp;
+    LocalWorld::run(lo, [&](Communicator& world) {
+      const int r = world.rank();
+      const TrainingGraph tg = build_training_graph(k.spec, o, o.batch_size, r);
+      CommCollectiveRunner runner(world, tg.lowered.groups);
+      uint64_t want = 0;
+      for (const Node& n : tg.model.graph.nodes()) {
+        if (communicates(n.op)) want += runner.cost_of(tg.model.graph, n).bytes_sent;
+      }
+      EXPECT_GT(want, 0u);
+      EXPECT_EQ(e.ranks[static_cast<size_t>(r)].bytes_sent, want)
+          << k.spec.kind << " tp " << k.tp << " sp " << k.sp << " rank " << r;
+    });
   }
 }
 

@@ -280,8 +280,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
         if (t.flops > 0) args["flops"] = t.flops;
         if (t.bytes > 0) args["bytes"] = t.bytes;
         args["predicted"] = true;
-        tl.add(t.name, comm ? "comm" : (t.category == "optimizer" ? "optimizer" : "op"),
-               ns(s.start[i]), ns(s.finish[i]),
+        tl.add(t.name, comm ? "comm" : t.category, ns(s.start[i]), ns(s.finish[i]),
                comm && t.lane != 0 ? Timeline::kComm : Timeline::kCompute, std::move(args));
       }
       tl.add("step", "step", ns(0), ns(est.step_s), Timeline::kCompute);
