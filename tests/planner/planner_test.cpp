@@ -12,12 +12,14 @@
 #include "common/temp_dir.h"
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/local/local_world.h"
-#include "meshtrain/graph/collective.h"
-#include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/graph/builder.h"
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/planner/cost_model.h"
 #include "meshtrain/planner/simulator.h"
+#include "meshtrain/spmd/collective_runner.h"
+#include "meshtrain/spmd/pipeline_runtime.h"
+#include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/training_plan.h"
@@ -386,6 +388,39 @@ TEST(CostModel, TensorParallelBytesAreTheRunnersStatedCosts) {
       EXPECT_GT(want, 0u);
       EXPECT_EQ(e.ranks[static_cast<size_t>(r)].bytes_sent, want)
           << k.spec.kind << " tp " << k.tp << " sp " << k.sp << " rank " << r;
+    });
+  }
+}
+
+// A pipeline's point-to-point bytes per rank (boundary activations and
+// gradients, the tied embedding's gradient exchange) are what the pipeline
+// runtime predicts for its own sends.
+TEST(CostModel, PipelineBytesAreTheRuntimesPrediction) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  for (ScheduleKind kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
+    TrainerOptions o = mlp_options(2);
+    o.batch_size = 8;
+    ParallelShorthand sh;
+    sh.pp = 2;
+    sh.microbatches = 4;
+    sh.schedule = kind;
+    const ModelGraph m = build_model(spec, o.batch_size);
+    const Plan plan = expand_shorthand(sh, ShorthandModel{"gpt", 8}, m.graph, 2);
+    o.dist.plan = std::make_shared<Plan>(plan);
+    const ClusterModel c = cluster(2, 1e-5, 1e9);
+    const StepEstimate e = estimate_step(spec, o, c);
+    LocalWorld::run(2, [&](Communicator& world) {
+      const ModelGraph mb = build_model(spec, o.batch_size / sh.microbatches);
+      const PipelineCut cut = cut_pipeline(mb.graph, mb.loss, plan.stages);
+      PipelineRuntime rt(world, cut, make_schedule(kind, 2, sh.microbatches), {});
+      EXPECT_GT(rt.predicted_bytes_sent(), 0u);
+      EXPECT_EQ(e.ranks[static_cast<size_t>(world.rank())].bytes_sent, rt.predicted_bytes_sent())
+          << schedule_name(kind) << " rank " << world.rank();
     });
   }
 }

@@ -577,6 +577,43 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
             break;
         }
       }
+      // A parameter held by several stages (GPT's tied wte): after every
+      // send has completed, the first holder receives each other holder's
+      // gradient, sums, and sends the sum back (PipelineRuntime's
+      // exchange_shared), on the compute lane.
+      std::vector<int> sends;
+      for (size_t i = 0; i < b.p.tasks.size(); ++i) {
+        if (b.p.tasks[i].kind == Task::Kind::send) sends.push_back(static_cast<int>(i));
+      }
+      int64_t shared_tag = 0;
+      for (const auto& [name, vstages] : cut.shared_params) {
+        ++shared_tag;
+        std::set<int> hs;
+        for (int vs : vstages) hs.insert(vs % p);
+        const std::vector<int> h(hs.begin(), hs.end());
+        if (h.size() < 2 || !hs.count(stage)) continue;
+        uint64_t bytes = 0;
+        for (int vs : vstages) {
+          if (vs % p != stage) continue;
+          const Graph& fg = cut.stages[static_cast<size_t>(vs)].forward.graph;
+          if (auto v = fg.find(name)) bytes = static_cast<uint64_t>(fg.value(*v).shape.numel()) * 4;
+        }
+        const int64_t tg = (int64_t{2} << 40) | shared_tag;
+        const std::string what = fmt::format("shared gradient {}", name);
+        if (stage == h.front()) {
+          for (size_t k = 1; k < h.size(); ++k) {
+            b.p2p(Task::Kind::recv, "recv " + what, h[k], tg, bytes, 0, sends);
+            sends.clear();
+          }
+          for (size_t k = 1; k < h.size(); ++k) {
+            b.p2p(Task::Kind::send, "send " + what, h[k], tg, bytes, 0);
+          }
+        } else {
+          b.p2p(Task::Kind::send, "send " + what, h.front(), tg, bytes, 0, sends);
+          sends.clear();
+          b.p2p(Task::Kind::recv, "recv " + what, h.front(), tg, bytes, 0);
+        }
+      }
       // Gradients over dp, one all-reduce per parameter (lane 0, after the
       // pipeline's last pass), then the optimizer.
       int64_t param_numel = 0, param_bytes = 0;
