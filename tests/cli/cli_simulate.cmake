@@ -13,7 +13,7 @@ set(gpt --config ${SRC}/configs/gpt_text.toml --set model.layers=4 --set model.d
 # TP x PP x DP on the 32 A100s: 2 stages x 4 tensor coordinates = 8 programs.
 expect_run(RC 0
   STDOUT "predicted step time: [0-9.]+ (s|ms|us)" "MFU: [0-9.]+%" "distinct rank programs: 8 \\(of 32 ranks\\)"
-         "rank +15" "16 more ranks" "wrote the predicted timeline"
+         "rank 0 \\+3" "rank 16 \\+3" "wrote the predicted timeline"
   COMMAND ${MESHTRAIN} simulate ${gpt} ${cluster} --set parallel.tp=4 --set parallel.pp=2
     --set parallel.microbatches=4 --trace ${dir}/trace.json)
 file(READ ${dir}/trace.json trace)

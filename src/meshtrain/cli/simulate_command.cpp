@@ -72,18 +72,30 @@ int cmd_simulate(const CommandOptions& opts) {
   }
   fmt::print("\nMFU: {:.1f}% (model FLOPs / (step time x the ranks' peak FLOP/s))\n", e.mfu * 100);
   fmt::print("distinct rank programs: {} (of {} ranks)\n", e.distinct_programs, world);
-  fmt::print("per rank: compute / comm (all lanes) / idle / utilisation / peak memory / sent\n");
-  const int shown = std::min(world, 16);
-  for (int r = 0; r < shown; ++r) {
+  // One line per distinct program (its first rank's figures; its ranks
+  // differ only in waiting for others), at most 32.
+  fmt::print(
+      "per program (first rank shown): ranks / compute / comm (all lanes) / idle / "
+      "utilisation / peak memory / sent per step\n");
+  std::vector<std::vector<int>> members(programs.programs.size());
+  for (int r = 0; r < world; ++r) {
+    members[static_cast<size_t>(programs.ranks[static_cast<size_t>(r)].program)].push_back(r);
+  }
+  const size_t shown = std::min<size_t>(members.size(), 32);
+  for (size_t pi = 0; pi < shown; ++pi) {
+    const int r = members[pi].front();
     const planner::RankEstimate& x = e.ranks[static_cast<size_t>(r)];
     const double mem = cluster.device(r).memory_bytes;
-    fmt::print("  rank {:>4}: {:>10} {:>10} {:>10} {:>5.1f}% {:>10}{} {:>10}\n", r,
+    const std::string who = members[pi].size() == 1
+                                ? fmt::format("rank {}", r)
+                                : fmt::format("rank {} +{}", r, members[pi].size() - 1);
+    fmt::print("  {:<14} {:>10} {:>10} {:>10} {:>5.1f}% {:>10}{} {:>10}\n", who,
                seconds(x.compute_s), seconds(x.comm_s), seconds(x.idle_s), x.utilisation * 100,
                format_bytes(x.peak_memory_bytes),
                mem > 0 && static_cast<double>(x.peak_memory_bytes) > mem ? " (over memory!)" : "",
                format_bytes(static_cast<int64_t>(x.bytes_sent)));
   }
-  if (shown < world) fmt::print("  ... ({} more ranks)\n", world - shown);
+  if (shown < members.size()) fmt::print("  ... ({} more programs)\n", members.size() - shown);
   int over = 0;
   for (int r = 0; r < world; ++r) {
     const double mem = cluster.device(r).memory_bytes;

@@ -440,16 +440,22 @@ struct PpKey {
   }
 };
 
-double pass_seconds(const DeviceKind& dev, double slow, const StagePass& pass,
-                    const comm::CommCostModel& cm, const std::vector<std::vector<int>>& groups,
-                    double* flops) {
-  double s = 0;
+// A stage pass: its operators' time and FLOPs, and its tensor-parallel
+// collectives' time (folded: timed on the group of the rank the pass was
+// built for).
+struct PassTime {
+  double compute = 0, comm = 0, flops = 0;
+};
+
+PassTime pass_time(const DeviceKind& dev, double slow, const StagePass& pass,
+                   const comm::CommCostModel& cm, const std::vector<std::vector<int>>& groups) {
+  PassTime t;
   for (const Node& n : pass.graph.nodes()) {
-    s += op_seconds(dev, pass.graph, n, slow);
-    s += folded_collective_s(cm, pass.graph, n, groups);
-    *flops += op_cost(pass.graph, n).flops;
+    t.compute += op_seconds(dev, pass.graph, n, slow);
+    t.comm += folded_collective_s(cm, pass.graph, n, groups);
+    t.flops += op_cost(pass.graph, n).flops;
   }
-  return s;
+  return t;
 }
 
 void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
@@ -521,23 +527,31 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       for (int q = 0; q < p; ++q) b.p.peers.push_back(fmt::format("pp{}", q));
       // Per virtual stage: pass times and boundary bytes.
       struct StageTimes {
-        double f = 0, b = 0, bi = 0, bw = 0, ff = 0, fb = 0, fbi = 0, fbw = 0;
+        PassTime f, b, bi, bw;
         uint64_t act_bytes = 0, grad_bytes = 0;
       };
       std::vector<StageTimes> st(cut.stages.size());
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         const PipelineStage& ps = cut.stages[s];
+        const auto& lg = built->lowered.groups;
         StageTimes& t = st[s];
-        t.f = pass_seconds(dev, slow, ps.forward, cm, built->lowered.groups, &t.ff);
-        t.b = pass_seconds(dev, slow, ps.backward, cm, built->lowered.groups, &t.fb);
-        t.bi = pass_seconds(dev, slow, ps.backward_input, cm, built->lowered.groups, &t.fbi);
-        t.bw = pass_seconds(dev, slow, ps.backward_weight, cm, built->lowered.groups, &t.fbw);
+        t.f = pass_time(dev, slow, ps.forward, cm, lg);
+        t.b = pass_time(dev, slow, ps.backward, cm, lg);
+        t.bi = pass_time(dev, slow, ps.backward_input, cm, lg);
+        t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg);
         for (const StageBoundary& sb : ps.outputs) t.act_bytes += static_cast<uint64_t>(sb.bytes());
         for (const StageBoundary& sb : ps.inputs) {
           if (sb.has_grad) t.grad_bytes += static_cast<uint64_t>(sb.bytes());
         }
       }
+      // A pass: its operators, then its folded tensor collectives (a
+      // compute-lane task of category "comm"); returns the last task.
+      auto pass = [&](const std::string& where, const char* category, const PassTime& t) {
+        int last = b.compute(where, category, t.compute, t.flops);
+        if (t.comm > 0) last = b.compute(where + " tensor collectives", "comm", t.comm, 0);
+        return last;
+      };
       // The schedule's actions, in order. Sends go on the comm lane once
       // the pass that produced them is done; receives wait on the compute lane.
       std::map<std::pair<int, int>, int> done;  // (microbatch, virtual stage) -> last compute task
@@ -549,16 +563,16 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         const std::string where = describe(a);
         switch (a.kind) {
           case ActionKind::forward:
-            done[{a.microbatch, a.stage}] = b.compute(where, "forward", t.f, t.ff);
+            done[{a.microbatch, a.stage}] = pass(where, "forward", t.f);
             break;
           case ActionKind::backward:
-            done[{a.microbatch, a.stage}] = b.compute(where, "backward", t.b, t.fb);
+            done[{a.microbatch, a.stage}] = pass(where, "backward", t.b);
             break;
           case ActionKind::backward_input:
-            done[{a.microbatch, a.stage}] = b.compute(where, "backward", t.bi, t.fbi);
+            done[{a.microbatch, a.stage}] = pass(where, "backward", t.bi);
             break;
           case ActionKind::backward_weight:
-            b.compute(where, "backward", t.bw, t.fbw);
+            pass(where, "backward", t.bw);
             break;
           case ActionKind::send_activation:
             b.p2p(Task::Kind::send, where, a.peer, tag(0, a.microbatch, a.stage), t.act_bytes, 1,
@@ -642,9 +656,9 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         stash = std::max(stash, cut.stages[s].stash_bytes);
-        for (const StagePass* pass : {&cut.stages[s].forward, &cut.stages[s].backward}) {
+        for (const StagePass* sp : {&cut.stages[s].forward, &cut.stages[s].backward}) {
           ExecOptions eo = o.exec;
-          arena = std::max(arena, plan_memory(pass->graph, eo, GradMemory::kept).arena_bytes);
+          arena = std::max(arena, plan_memory(sp->graph, eo, GradMemory::kept).arena_bytes);
         }
       }
       const int64_t in_flight = unit.peak_in_flight.at(static_cast<size_t>(stage));

@@ -232,7 +232,12 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
     double lane0_comm = 0;
     for (size_t i = 0; i < p.tasks.size(); ++i) {
       const Task& t = p.tasks[i];
-      if (t.kind == Task::Kind::compute) {
+      if (t.kind == Task::Kind::compute && t.category == "comm") {
+        // Collectives folded into a pipeline pass: communication on the
+        // compute lane.
+        lane0_comm += t.seconds;
+        e.comm_s += t.seconds;
+      } else if (t.kind == Task::Kind::compute) {
         e.compute_s += t.seconds;
         if (t.category == "forward") e.forward_s += t.seconds;
         if (t.category == "backward") e.backward_s += t.seconds;
@@ -241,7 +246,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
         lane0_comm += s.finish[i] - s.start[i];
       }
     }
-    e.comm_s = s.comm_total;
+    e.comm_s += s.comm_total;
     e.idle_s = std::max(0.0, est.step_s - e.compute_s - lane0_comm);
     e.utilisation = est.step_s > 0 ? e.compute_s / est.step_s : 0.0;
     e.peak_memory_bytes = p.peak_memory_bytes;
@@ -266,7 +271,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
       auto ns = [&](double sec) { return epoch + static_cast<int64_t>(sec * 1e9); };
       for (size_t i = 0; i < p.tasks.size(); ++i) {
         const Task& t = p.tasks[i];
-        const bool comm = t.kind != Task::Kind::compute;
+        const bool comm = t.kind != Task::Kind::compute || t.category == "comm";
         if (t.kind == Task::Kind::recv) {
           if (s.finish[i] > s.start[i]) {
             tl.add(t.name, "wait", ns(s.start[i]), ns(s.finish[i]), Timeline::kWait);
