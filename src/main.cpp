@@ -96,6 +96,27 @@ int main(int argc, char** argv) {
   gen->add_option("--out", opts.graph_out, "the graph file to write (docs/graph_format.md)")
       ->required();
 
+  CLI::App* calibrate = app.add_subcommand(
+      "calibrate",
+      "measure this machine (kernels, memory, collectives) and write its cluster file");
+  calibrate
+      ->add_option("--nproc", opts.nproc, "ranks to measure the collectives on (1: kernels only)")
+      ->check(CLI::Range(1, mt::kMaxRanks));
+  calibrate->add_option("--out", opts.calibrate_out, "the cluster file to write (default: stdout)");
+  calibrate->add_flag("--quick", opts.calibrate_quick, "small sizes only (seconds; for tests)");
+  calibrate->add_flag("--quiet", opts.quiet, "no progress lines");
+
+  CLI::App* plan = app.add_subcommand(
+      "plan", "search parallel plans for a model on a cluster file and write the best");
+  add_common(plan);
+  plan->add_option("--cluster", opts.cluster_path, "cluster file (docs/cluster.md)")->required();
+  plan->add_option("--nproc", opts.nproc, "ranks (default: the cluster file's)")
+      ->check(CLI::Range(1, 1 << 20));
+  plan->add_option("--top", opts.top, "how many plans to print (default 5)")
+      ->check(CLI::Range(1, 1000));
+  plan->add_option("--out", opts.plan_out, "where the best plan goes (default plan.json)");
+  plan->add_flag("--quiet", opts.quiet, "no progress line");
+
   if (argc > 1) {
     // CLI11 answers a misspelt command with "A subcommand is required".
     std::vector<std::string> names;
@@ -119,6 +140,8 @@ int main(int argc, char** argv) {
     if (exp->parsed()) return mt::cmd_export(opts);
     if (config->parsed()) return mt::cmd_config_list(markdown);
     if (gen->parsed()) return mt::cmd_graph_gen(opts);
+    if (plan->parsed()) return mt::cmd_plan(opts);
+    if (calibrate->parsed()) return mt::cmd_calibrate(opts, argc, argv);
   } catch (const mt::InternalError& e) {
     std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
     mt::abort_distributed_job(3);
