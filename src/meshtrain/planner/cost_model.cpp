@@ -352,6 +352,12 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
             const CollectiveAttrs a = CollectiveAttrs::of(n);
             const std::vector<int>& ranks = lp.groups.at(static_cast<size_t>(a.group));
             const std::string axis = axis_of_group(plan->mesh, r, ranks);
+            if (axis.empty()) {
+              throw InternalError(fmt::format(
+                  "planner: collective '{}' of rank {} runs on ranks [{}], which are no mesh "
+                  "axis's group",
+                  n.name, r, fmt::join(ranks, ", ")));
+            }
             b.collective(fmt::format("{} {}", op_name(n.op), n.name), axis,
                          node_shape(g, n, static_cast<int>(ranks.size())), 0);
             continue;
