@@ -58,6 +58,18 @@ int main(int argc, char** argv) {
   inspect->add_flag("--print-config", opts.print_config,
                     "print the effective configuration (defaults marked) and stop");
 
+  CLI::App* simulate = app.add_subcommand(
+      "simulate", "predict a plan's step time, MFU and memory on a cluster file (simulation)");
+  simulate->add_option("--config", opts.config_path, "TOML config file (default: the defaults)");
+  simulate->add_option("--set", opts.overrides, "override a config value: section.key=value")
+      ->take_all();
+  simulate->add_option("--plan", opts.plan_path,
+                       "parallel plan JSON (docs/plan.md) instead of the config's [parallel]");
+  simulate->add_option("--cluster", opts.cluster_path, "cluster file (docs/cluster.md)")
+      ->required();
+  simulate->add_option("--trace", opts.trace_path,
+                       "write the predicted Chrome-trace timeline (the format of train --trace)");
+
   CLI::App* config = app.add_subcommand("config", "describe the configuration keys");
   bool list_keys = false, markdown = false;
   config->add_flag("--list", list_keys, "every key with type, default, allowed values, meaning")
@@ -124,6 +136,7 @@ int main(int argc, char** argv) {
   try {
     if (train->parsed()) return mt::cmd_train(opts, argc, argv);
     if (inspect->parsed()) return mt::cmd_inspect(opts);
+    if (simulate->parsed()) return mt::cmd_simulate(opts);
     if (exp->parsed()) return mt::cmd_export(opts);
     if (config->parsed()) return mt::cmd_config_list(markdown);
     if (gen->parsed()) return mt::cmd_graph_gen(opts);

@@ -11,10 +11,15 @@
 
 #include "common/temp_dir.h"
 #include "meshtrain/base/error.h"
+#include "meshtrain/comm/backends/local/local_world.h"
 #include "meshtrain/graph/builder.h"
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/planner/cost_model.h"
 #include "meshtrain/planner/simulator.h"
+#include "meshtrain/spmd/collective_runner.h"
+#include "meshtrain/spmd/pipeline_runtime.h"
+#include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/training_plan.h"
@@ -75,7 +80,8 @@ TEST(OpSeconds, FlopsOrBytesWhicheverIsLarger) {
 
 // Programs of a pipeline schedule with forward f and backward b per stage,
 // in the form build_programs makes (sends on the comm lane).
-Programs pipeline_programs(const PipelineSchedule& s, double f, double b, uint64_t bytes) {
+Programs pipeline_programs(const PipelineSchedule& s, double f, double b, uint64_t bytes,
+                           double bi = 0, double bw = 0) {
   Programs out;
   const int p = s.stages;
   std::map<std::pair<int, int>, int> done;
@@ -98,6 +104,15 @@ Programs pipeline_programs(const PipelineSchedule& s, double f, double b, uint64
           t.seconds = b;
           t.category = "backward";
           last[{a.microbatch, a.stage}] = static_cast<int>(prog.tasks.size());
+          break;
+        case ActionKind::backward_input:
+          t.seconds = bi;
+          t.category = "backward";
+          last[{a.microbatch, a.stage}] = static_cast<int>(prog.tasks.size());
+          break;
+        case ActionKind::backward_weight:
+          t.seconds = bw;
+          t.category = "backward";
           break;
         case ActionKind::send_activation:
         case ActionKind::send_grad:
@@ -146,6 +161,30 @@ TEST(Simulator, PipelineBubblesMatchTheClosedForms) {
       }
       EXPECT_NEAR(1 - busy / total, formula_idle_fraction(kind, p, m, 1), 1e-9);
       EXPECT_EQ(e.distinct_programs, p);
+    }
+  }
+}
+
+TEST(Simulator, EverySchedulesMakespanIsTheSchedulesOwn) {
+  // Interleaved and zero-bubble too: with free links the simulator's step is
+  // the makespan spmd/schedule.h's simulate() gives for the same costs, and
+  // the interleaved bubble is (p-1)/(v m + p-1).
+  const double f = 1e-3, bi = 1e-3, bw = 1e-3;
+  struct Case {
+    ScheduleKind kind;
+    int p, m, v;
+  };
+  for (const Case& k :
+       {Case{ScheduleKind::interleaved, 2, 4, 2}, Case{ScheduleKind::interleaved, 4, 8, 2},
+        Case{ScheduleKind::zero_bubble, 4, 8, 1}, Case{ScheduleKind::one_f_one_b, 3, 5, 1}}) {
+    const PipelineSchedule s = make_schedule(k.kind, k.p, k.m, k.v);
+    const StepEstimate e = simulate(pipeline_programs(s, f, bi + bw, 1000, bi, bw), cluster(k.p));
+    const ScheduleSimulation want = simulate(s, ActionCosts{f, bi, bw});
+    EXPECT_NEAR(e.step_s, want.makespan * 1.0, 1e-12) << schedule_name(k.kind) << k.p << k.m;
+    if (k.kind == ScheduleKind::interleaved) {
+      double busy = 0;
+      for (const RankEstimate& r : e.ranks) busy += r.compute_s;
+      EXPECT_NEAR(1 - busy / (k.p * e.step_s), formula_idle_fraction(k.kind, k.p, k.m, k.v), 1e-9);
     }
   }
 }
@@ -336,6 +375,87 @@ TEST(CostModel, TensorAndPipelinePlansDeduplicatePrograms) {
     EXPECT_GT(r.peak_memory_bytes, 0);
     EXPECT_GT(r.bytes_sent, 0u);
     EXPECT_LE(r.compute_s, e.step_s * (1 + 1e-12));
+  }
+}
+
+// The tensor-parallel collectives of a lowered program cost the planner
+// what the runtime's CollectiveRunner states for them on live communicators
+// (threads as ranks, one node: shared memory), rank by rank.
+TEST(CostModel, TensorParallelBytesAreTheRunnersStatedCosts) {
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 2;
+  gpt.d_model = 32;
+  gpt.heads = 4;
+  gpt.seq_len = 8;
+  struct Case {
+    ModelSpec spec;
+    int tp;
+    bool sp;
+  };
+  // MLP at tp 2 (its head's 10 classes split in two); GPT at tp 4, with and
+  // without sequence parallelism (all-reduce, all-gather, reduce-scatter,
+  // the vocabulary-parallel gathers).
+  for (const Case& k : {Case{mlp(), 2, false}, Case{gpt, 4, false}, Case{gpt, 4, true}}) {
+    TrainerOptions o = mlp_options(k.tp);
+    o.batch_size = 8;
+    ParallelShorthand sh;
+    sh.tp = k.tp;
+    sh.sp = k.sp;
+    const ModelGraph m = build_model(k.spec, o.batch_size);
+    const ShorthandModel sm{k.spec.kind, k.spec.kind == "gpt" ? k.spec.d_model / k.spec.heads : 1};
+    o.dist.plan = std::make_shared<Plan>(expand_shorthand(sh, sm, m.graph, k.tp));
+    ClusterModel c = cluster(k.tp, 0, 0, k.tp);  // one node, no emulation
+    const Programs progs = build_programs(k.spec, o, c);
+    EXPECT_EQ(progs.programs.size(), static_cast<size_t>(k.tp));
+    const StepEstimate e = simulate(progs, c);
+    LocalWorldOptions lo;
+    lo.size = k.tp;
+    LocalWorld::run(lo, [&](Communicator& world) {
+      const int r = world.rank();
+      const TrainingGraph tg = build_training_graph(k.spec, o, o.batch_size, r);
+      CommCollectiveRunner runner(world, tg.lowered.groups);
+      uint64_t want = 0;
+      for (const Node& n : tg.model.graph.nodes()) {
+        if (communicates(n.op)) want += runner.cost_of(tg.model.graph, n).bytes_sent;
+      }
+      EXPECT_GT(want, 0u);
+      EXPECT_EQ(e.ranks[static_cast<size_t>(r)].bytes_sent, want)
+          << k.spec.kind << " tp " << k.tp << " sp " << k.sp << " rank " << r;
+    });
+  }
+}
+
+// A pipeline's point-to-point bytes per rank (boundary activations and
+// gradients, the tied embedding's gradient exchange) are what the pipeline
+// runtime predicts for its own sends.
+TEST(CostModel, PipelineBytesAreTheRuntimesPrediction) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  for (ScheduleKind kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
+    TrainerOptions o = mlp_options(2);
+    o.batch_size = 8;
+    ParallelShorthand sh;
+    sh.pp = 2;
+    sh.microbatches = 4;
+    sh.schedule = kind;
+    const ModelGraph m = build_model(spec, o.batch_size);
+    const Plan plan = expand_shorthand(sh, ShorthandModel{"gpt", 8}, m.graph, 2);
+    o.dist.plan = std::make_shared<Plan>(plan);
+    const ClusterModel c = cluster(2, 1e-5, 1e9);
+    const StepEstimate e = estimate_step(spec, o, c);
+    LocalWorld::run(2, [&](Communicator& world) {
+      const ModelGraph mb = build_model(spec, o.batch_size / sh.microbatches);
+      const PipelineCut cut = cut_pipeline(mb.graph, mb.loss, plan.stages);
+      PipelineRuntime rt(world, cut, make_schedule(kind, 2, sh.microbatches), {});
+      EXPECT_GT(rt.predicted_bytes_sent(), 0u);
+      EXPECT_EQ(e.ranks[static_cast<size_t>(world.rank())].bytes_sent, rt.predicted_bytes_sent())
+          << schedule_name(kind) << " rank " << world.rank();
+    });
   }
 }
 

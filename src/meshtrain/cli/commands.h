@@ -8,6 +8,8 @@
 #include <string_view>
 #include <vector>
 
+#include "meshtrain/spmd/plan.h"
+
 namespace mt {
 
 struct CommandOptions {
@@ -30,8 +32,8 @@ struct CommandOptions {
   std::string plan_path;
   std::string write_plan_path;
   std::string graph_out;  // graph-gen: the graph file to write
-  // plan / calibrate (docs/planner-search.md)
-  std::string cluster_path;      // plan: the cluster file
+  // plan / simulate / calibrate (docs/planner.md, docs/planner-search.md)
+  std::string cluster_path;      // plan, simulate: the cluster file
   int top = 5;                   // plan: how many plans to print
   std::string plan_out;          // plan: where the best plan goes
   std::string calibrate_out;     // calibrate: the cluster file to write (empty: stdout)
@@ -39,6 +41,15 @@ struct CommandOptions {
 };
 
 int cmd_train(const CommandOptions& opts, int argc, char** argv);
+// `meshtrain simulate` (simulate_command.cpp): the plan on the cluster file
+// through the planner's simulator.
+int cmd_simulate(const CommandOptions& opts);
+// The run config of --config (and --set); the defaults without --config.
+struct RunConfig;
+RunConfig load_command_config(const CommandOptions& opts);
+// The run's parallel plan: --plan, else the config's [parallel] expanded
+// for the model; checked against the model and `world`; nullopt for neither.
+std::optional<Plan> command_plan(const CommandOptions& opts, const RunConfig& rc, int world);
 int cmd_inspect(const CommandOptions& opts);
 int cmd_export(const CommandOptions& opts);  // export_command.cpp
 // `meshtrain graph-gen`: writes the graph the config's data.* keys name, so a

@@ -294,25 +294,37 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
                     (dev.peak_flops_f32 * dev.default_efficiency) * slow
               : 0.0;
 
+      // ZeRO-3: the bucket holding each parameter value, gathered before
+      // the first operator of a phase (forward, backward) that reads it.
+      const bool zero3 = dp_world > 1 && dp.stage == 3;
+      std::vector<int> bucket_of_value(static_cast<size_t>(g.num_values()), -1);
+      for (ValueId v : g.params()) {
+        const int pi = buckets.find(g.value(v).name);
+        if (pi >= 0) bucket_of_value[static_cast<size_t>(v)] = buckets.bucket_of(pi);
+      }
       std::vector<int> bucket_task(buckets.buckets().size(), -1);
-      int last_backward = -1;
+      int last_backward = -1, last_forward = -1;
+      std::vector<int> pending;  // gathers the next compute task waits for
       for (int k = 0; k < K; ++k) {
         const bool last_micro = k == K - 1;
         double run_s = 0, run_flops = 0;
         bool run_backward = false;
         auto flush = [&]() {
-          if (run_s <= 0 && run_flops <= 0) return;
+          if (run_s <= 0 && run_flops <= 0 && pending.empty()) return;
           const int t = b.compute(fmt::format("{} {}", run_backward ? "backward" : "forward", k),
-                                  run_backward ? "backward" : "forward", run_s, run_flops);
-          if (run_backward) last_backward = t;
+                                  run_backward ? "backward" : "forward", run_s, run_flops, pending);
+          pending.clear();
+          (run_backward ? last_backward : last_forward) = t;
           run_s = 0;
           run_flops = 0;
         };
+        std::vector<char> gathered(buckets.buckets().size(), 0);
         bool in_backward = false;
         for (NodeId i = 0; i < g.num_nodes(); ++i) {
           const Node& n = g.node(i);
           if (n.backward != in_backward) {
             flush();
+            std::fill(gathered.begin(), gathered.end(), 0);
             in_backward = n.backward;
             if (in_backward && recompute_s > 0) {
               b.compute(fmt::format("recompute {}", k), "backward", recompute_s,
@@ -320,11 +332,32 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
             }
           }
           run_backward = in_backward;
+          if (zero3 && !is_group_op(n.op)) {
+            for (ValueId v : n.inputs) {
+              const int bi = bucket_of_value[static_cast<size_t>(v)];
+              if (bi < 0 || gathered[static_cast<size_t>(bi)]) continue;
+              if (run_s > 0 || run_flops > 0) flush();
+              gathered[static_cast<size_t>(bi)] = 1;
+              comm::CollectiveShape gs{Collective::all_gatherv, 0,
+                                       buckets.buckets()[static_cast<size_t>(bi)].counts, 4, 0};
+              // Backward gathers again after forward freed the bucket.
+              std::vector<int> after;
+              if (n.backward && last_forward >= 0) after.push_back(last_forward);
+              pending.push_back(b.collective(fmt::format("all_gatherv params bucket {}", bi),
+                                             dp_axis, gs, 2, after));
+            }
+          }
           if (communicates(n.op)) {
             flush();
             const CollectiveAttrs a = CollectiveAttrs::of(n);
             const std::vector<int>& ranks = lp.groups.at(static_cast<size_t>(a.group));
             const std::string axis = axis_of_group(plan->mesh, r, ranks);
+            if (axis.empty()) {
+              throw InternalError(fmt::format(
+                  "planner: collective '{}' of rank {} runs on ranks [{}], which are no mesh "
+                  "axis's group",
+                  n.name, r, fmt::join(ranks, ", ")));
+            }
             b.collective(fmt::format("{} {}", op_name(n.op), n.name), axis,
                          node_shape(g, n, static_cast<int>(ranks.size())), 0);
             continue;
@@ -374,19 +407,11 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
           b.collective(fmt::format("all_gatherv params bucket {}", bi), dp_axis, s, 1, {opt});
         }
       }
-      if (dp_world > 1 && dp.stage == 3) {
+      if (zero3) {
         out.notes.push_back(
-            "ZeRO-3: the parameter gathers (each bucket twice per micro-step) are counted on the "
-            "comm lane without waiting for the forward / backward operators that need them");
-        for (int k = 0; k < K; ++k) {
-          for (int pass = 0; pass < 2; ++pass) {
-            for (size_t bi = 0; bi < buckets.buckets().size(); ++bi) {
-              comm::CollectiveShape s{Collective::all_gatherv, 0, buckets.buckets()[bi].counts, 4,
-                                      0};
-              b.collective(fmt::format("all_gatherv params bucket {}", bi), dp_axis, s, 1);
-            }
-          }
-        }
+            "ZeRO-3: each bucket's parameters are gathered (on their own lane) before the first "
+            "forward and the first backward operator that reads them, as far ahead as the "
+            "lane allows (the runtime prefetches one bucket ahead)");
       }
       b.p.peak_memory_bytes = built->plan.total_bytes();
       b.p.memory_detail = built->plan.describe();
@@ -421,16 +446,22 @@ struct PpKey {
   }
 };
 
-double pass_seconds(const DeviceKind& dev, double slow, const StagePass& pass,
-                    const comm::CommCostModel& cm, const std::vector<std::vector<int>>& groups,
-                    double* flops) {
-  double s = 0;
+// A stage pass: its operators' time and FLOPs, and its tensor-parallel
+// collectives' time (folded: timed on the group of the rank the pass was
+// built for).
+struct PassTime {
+  double compute = 0, comm = 0, flops = 0;
+};
+
+PassTime pass_time(const DeviceKind& dev, double slow, const StagePass& pass,
+                   const comm::CommCostModel& cm, const std::vector<std::vector<int>>& groups) {
+  PassTime t;
   for (const Node& n : pass.graph.nodes()) {
-    s += op_seconds(dev, pass.graph, n, slow);
-    s += folded_collective_s(cm, pass.graph, n, groups);
-    *flops += op_cost(pass.graph, n).flops;
+    t.compute += op_seconds(dev, pass.graph, n, slow);
+    t.comm += folded_collective_s(cm, pass.graph, n, groups);
+    t.flops += op_cost(pass.graph, n).flops;
   }
-  return s;
+  return t;
 }
 
 void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
@@ -502,23 +533,31 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       for (int q = 0; q < p; ++q) b.p.peers.push_back(fmt::format("pp{}", q));
       // Per virtual stage: pass times and boundary bytes.
       struct StageTimes {
-        double f = 0, b = 0, bi = 0, bw = 0, ff = 0, fb = 0, fbi = 0, fbw = 0;
+        PassTime f, b, bi, bw;
         uint64_t act_bytes = 0, grad_bytes = 0;
       };
       std::vector<StageTimes> st(cut.stages.size());
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         const PipelineStage& ps = cut.stages[s];
+        const auto& lg = built->lowered.groups;
         StageTimes& t = st[s];
-        t.f = pass_seconds(dev, slow, ps.forward, cm, built->lowered.groups, &t.ff);
-        t.b = pass_seconds(dev, slow, ps.backward, cm, built->lowered.groups, &t.fb);
-        t.bi = pass_seconds(dev, slow, ps.backward_input, cm, built->lowered.groups, &t.fbi);
-        t.bw = pass_seconds(dev, slow, ps.backward_weight, cm, built->lowered.groups, &t.fbw);
+        t.f = pass_time(dev, slow, ps.forward, cm, lg);
+        t.b = pass_time(dev, slow, ps.backward, cm, lg);
+        t.bi = pass_time(dev, slow, ps.backward_input, cm, lg);
+        t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg);
         for (const StageBoundary& sb : ps.outputs) t.act_bytes += static_cast<uint64_t>(sb.bytes());
         for (const StageBoundary& sb : ps.inputs) {
           if (sb.has_grad) t.grad_bytes += static_cast<uint64_t>(sb.bytes());
         }
       }
+      // A pass: its operators, then its folded tensor collectives (a
+      // compute-lane task of category "comm"); returns the last task.
+      auto pass = [&](const std::string& where, const char* category, const PassTime& t) {
+        int last = b.compute(where, category, t.compute, t.flops);
+        if (t.comm > 0) last = b.compute(where + " tensor collectives", "comm", t.comm, 0);
+        return last;
+      };
       // The schedule's actions, in order. Sends go on the comm lane once
       // the pass that produced them is done; receives wait on the compute lane.
       std::map<std::pair<int, int>, int> done;  // (microbatch, virtual stage) -> last compute task
@@ -530,16 +569,16 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         const std::string where = describe(a);
         switch (a.kind) {
           case ActionKind::forward:
-            done[{a.microbatch, a.stage}] = b.compute(where, "forward", t.f, t.ff);
+            done[{a.microbatch, a.stage}] = pass(where, "forward", t.f);
             break;
           case ActionKind::backward:
-            done[{a.microbatch, a.stage}] = b.compute(where, "backward", t.b, t.fb);
+            done[{a.microbatch, a.stage}] = pass(where, "backward", t.b);
             break;
           case ActionKind::backward_input:
-            done[{a.microbatch, a.stage}] = b.compute(where, "backward", t.bi, t.fbi);
+            done[{a.microbatch, a.stage}] = pass(where, "backward", t.bi);
             break;
           case ActionKind::backward_weight:
-            b.compute(where, "backward", t.bw, t.fbw);
+            pass(where, "backward", t.bw);
             break;
           case ActionKind::send_activation:
             b.p2p(Task::Kind::send, where, a.peer, tag(0, a.microbatch, a.stage), t.act_bytes, 1,
@@ -556,6 +595,43 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
           case ActionKind::recv_grad:
             b.p2p(Task::Kind::recv, where, a.peer, tag(1, a.microbatch, a.stage + 1), 0, 0);
             break;
+        }
+      }
+      // A parameter held by several stages (GPT's tied wte): after every
+      // send has completed, the first holder receives each other holder's
+      // gradient, sums, and sends the sum back (PipelineRuntime's
+      // exchange_shared), on the compute lane.
+      std::vector<int> sends;
+      for (size_t i = 0; i < b.p.tasks.size(); ++i) {
+        if (b.p.tasks[i].kind == Task::Kind::send) sends.push_back(static_cast<int>(i));
+      }
+      int64_t shared_tag = 0;
+      for (const auto& [name, vstages] : cut.shared_params) {
+        ++shared_tag;
+        std::set<int> hs;
+        for (int vs : vstages) hs.insert(vs % p);
+        const std::vector<int> h(hs.begin(), hs.end());
+        if (h.size() < 2 || !hs.count(stage)) continue;
+        uint64_t bytes = 0;
+        for (int vs : vstages) {
+          if (vs % p != stage) continue;
+          const Graph& fg = cut.stages[static_cast<size_t>(vs)].forward.graph;
+          if (auto v = fg.find(name)) bytes = static_cast<uint64_t>(fg.value(*v).shape.numel()) * 4;
+        }
+        const int64_t tg = (int64_t{2} << 40) | shared_tag;
+        const std::string what = fmt::format("shared gradient {}", name);
+        if (stage == h.front()) {
+          for (size_t k = 1; k < h.size(); ++k) {
+            b.p2p(Task::Kind::recv, "recv " + what, h[k], tg, bytes, 0, sends);
+            sends.clear();
+          }
+          for (size_t k = 1; k < h.size(); ++k) {
+            b.p2p(Task::Kind::send, "send " + what, h[k], tg, bytes, 0);
+          }
+        } else {
+          b.p2p(Task::Kind::send, "send " + what, h.front(), tg, bytes, 0, sends);
+          sends.clear();
+          b.p2p(Task::Kind::recv, "recv " + what, h.front(), tg, bytes, 0);
         }
       }
       // Gradients over dp, one all-reduce per parameter (lane 0, after the
@@ -586,9 +662,9 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         stash = std::max(stash, cut.stages[s].stash_bytes);
-        for (const StagePass* pass : {&cut.stages[s].forward, &cut.stages[s].backward}) {
+        for (const StagePass* sp : {&cut.stages[s].forward, &cut.stages[s].backward}) {
           ExecOptions eo = o.exec;
-          arena = std::max(arena, plan_memory(pass->graph, eo, GradMemory::kept).arena_bytes);
+          arena = std::max(arena, plan_memory(sp->graph, eo, GradMemory::kept).arena_bytes);
         }
       }
       const int64_t in_flight = unit.peak_in_flight.at(static_cast<size_t>(stage));
@@ -610,8 +686,14 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
 
 }  // namespace
 
-Programs build_programs(const ModelSpec& spec, const TrainerOptions& options,
+Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options,
                         const ClusterModel& cluster) {
+  // One training step: what a run writes or loads around it does not matter.
+  TrainerOptions options = run_options;
+  options.checkpoint_path.clear();
+  options.checkpoint_every = 0;
+  options.resume_path.clear();
+  options.init_path.clear();
   const int world = cluster.world();
   if (world < 1) throw ConfigError(fmt::format("cluster {}: no ranks", cluster.source));
   if (options.dist.plan) options.dist.plan->mesh.check_world(world, "the plan's mesh");
@@ -625,6 +707,7 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& options,
   }
   out.groups = groups.list;
   out.samples_per_step = options.batch_size;
+  out.half_precision = options.precision == DType::bf16 || options.precision == DType::f16;
   for (const RankBinding& b : out.ranks) {
     out.model_flops_per_step += out.programs[static_cast<size_t>(b.program)].flops;
   }

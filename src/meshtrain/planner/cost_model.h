@@ -105,6 +105,7 @@ struct Programs {
   std::vector<std::vector<int>> groups;  // global group id -> world ranks
   double model_flops_per_step = 0;       // the whole model's (all ranks), for MFU
   int64_t samples_per_step = 0;          // global batch
+  bool half_precision = false;           // bf16 / f16 runs: MFU against the bf16 peak
   std::vector<std::string> notes;        // simplifications taken, for the report
 };
 
@@ -130,7 +131,9 @@ struct RankEstimate {
 struct StepEstimate {
   double step_s = 0;
   double samples_per_s = 0;
-  double mfu = 0;  // model FLOPs per step / (step_s x sum of the ranks' peak FLOP/s)
+  // model FLOPs per step / (step_s x sum of the ranks' peak FLOP/s at the
+  // run's precision: bf16 for bf16 / f16 runs where the device states it)
+  double mfu = 0;
   std::vector<RankEstimate> ranks;  // per world rank
   int distinct_programs = 0;
   std::vector<std::string> notes;

@@ -221,9 +221,8 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
     const RankState& s = st[static_cast<size_t>(r)];
     for (double f : s.finish) est.step_s = std::max(est.step_s, f);
     const DeviceKind& dev = cluster.device(r);
-    peak_sum += dev.peak_flops_bf16 > 0 && dev.peak_flops_bf16 > dev.peak_flops_f32
-                    ? dev.peak_flops_bf16
-                    : dev.peak_flops_f32;
+    peak_sum += programs.half_precision && dev.peak_flops_bf16 > 0 ? dev.peak_flops_bf16
+                                                                   : dev.peak_flops_f32;
   }
   for (int r = 0; r < world; ++r) {
     const RankBinding& b = programs.ranks[static_cast<size_t>(r)];
@@ -233,7 +232,12 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
     double lane0_comm = 0;
     for (size_t i = 0; i < p.tasks.size(); ++i) {
       const Task& t = p.tasks[i];
-      if (t.kind == Task::Kind::compute) {
+      if (t.kind == Task::Kind::compute && t.category == "comm") {
+        // Collectives folded into a pipeline pass: communication on the
+        // compute lane.
+        lane0_comm += t.seconds;
+        e.comm_s += t.seconds;
+      } else if (t.kind == Task::Kind::compute) {
         e.compute_s += t.seconds;
         if (t.category == "forward") e.forward_s += t.seconds;
         if (t.category == "backward") e.backward_s += t.seconds;
@@ -242,7 +246,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
         lane0_comm += s.finish[i] - s.start[i];
       }
     }
-    e.comm_s = s.comm_total;
+    e.comm_s += s.comm_total;
     e.idle_s = std::max(0.0, est.step_s - e.compute_s - lane0_comm);
     e.utilisation = est.step_s > 0 ? e.compute_s / est.step_s : 0.0;
     e.peak_memory_bytes = p.peak_memory_bytes;
@@ -267,7 +271,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
       auto ns = [&](double sec) { return epoch + static_cast<int64_t>(sec * 1e9); };
       for (size_t i = 0; i < p.tasks.size(); ++i) {
         const Task& t = p.tasks[i];
-        const bool comm = t.kind != Task::Kind::compute;
+        const bool comm = t.kind != Task::Kind::compute || t.category == "comm";
         if (t.kind == Task::Kind::recv) {
           if (s.finish[i] > s.start[i]) {
             tl.add(t.name, "wait", ns(s.start[i]), ns(s.finish[i]), Timeline::kWait);
@@ -281,8 +285,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
         if (t.flops > 0) args["flops"] = t.flops;
         if (t.bytes > 0) args["bytes"] = t.bytes;
         args["predicted"] = true;
-        tl.add(t.name, comm ? "comm" : (t.category == "optimizer" ? "optimizer" : "op"),
-               ns(s.start[i]), ns(s.finish[i]),
+        tl.add(t.name, comm ? "comm" : t.category, ns(s.start[i]), ns(s.finish[i]),
                comm && t.lane != 0 ? Timeline::kComm : Timeline::kCompute, std::move(args));
       }
       tl.add("step", "step", ns(0), ns(est.step_s), Timeline::kCompute);
