@@ -145,6 +145,34 @@ TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
   EXPECT_THAT(plan_to_json(uneven->plan), HasSubstr("32"));
 }
 
+TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
+  // A 4-block GPT on two ranks, the second 3x slower: the pipeline's uneven
+  // twin gives the fast stage 3 blocks and the slow one 1, and is faster
+  // than the even 2 + 2 cut.
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 4, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  ClusterModel c = cluster(2, 1e12);
+  c.slowdown = {1, 3};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  o.schedules = {ScheduleKind::one_f_one_b};
+  o.microbatch_factors = {2};
+  const SearchResult r = search_plans(gpt, options(16), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.pp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr) << (r.refusals.empty() ? "" : r.refusals.front());
+  ASSERT_NE(uneven, nullptr);
+  EXPECT_EQ(uneven->shape.stage_layers, (std::vector<int64_t>{3, 1}));
+  EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
+}
+
 TEST(PlanSearch, DeterministicAndRankedByStepTime) {
   ClusterModel c = cluster(4, 1e12);
   c.slowdown = {1, 1, 1, 3};
