@@ -8,6 +8,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/planner/balance.h"
 #include "meshtrain/spmd/lower.h"
+#include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/training_plan.h"
 
 namespace mt::planner {
@@ -147,6 +148,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       } else {
         o.dist.plan = nullptr;
       }
+      // What the pipeline runtime refuses, refused before pricing (cheap).
+      if (c.plan.pipeline_stages() > 1) check_pipeline_options(o);
       c.estimate = estimate_step(spec, o, cluster);
     } catch (const ConfigError& e) {
       ++res.refused;
@@ -189,10 +192,14 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   double max_memory = 0;
   for (const DeviceKind& k : cluster.kinds) max_memory = std::max(max_memory, k.memory_bytes);
   const auto params = static_cast<double>(m.graph.param_count());
+  // Optimizer state per parameter the bound may count for sure: AdamW's and
+  // LAMB's two f32 moments (SGD's and LARS's momentum is optional: 0).
+  const double state_bytes = base.optimizer == "adamw" || base.optimizer == "lamb" ? 8.0 : 0.0;
   for (const Shape& s : shapes) {
     const double dp = s.sh.dp, split = static_cast<double>(s.sh.tp) * s.sh.pp;
-    const double bound =
-        params / split * (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0));
+    const double bound = params / split *
+                         (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0) +
+                          state_bytes / (s.zero >= 1 ? dp : 1.0));
     if (bound > max_memory) {
       ++res.candidates, ++res.over_memory, ++res.pruned;
       PlanCandidate c;
@@ -334,7 +341,8 @@ std::string nothing_fits_message(const SearchResult& r, const ClusterModel& clus
       r.candidates, r.over_memory, r.refused);
   if (r.closest && r.closest->lower_bound) {
     s += fmt::format(
-        "; the closest ({}) needs at least {} per rank for its parameters and gradients alone, "
+        "; the closest ({}) needs at least {} per rank for its parameters, gradients and optimizer "
+        "state alone, "
         "the largest device has {}: {} over",
         r.closest->plan, format_bytes(r.closest->need_bytes), format_bytes(r.closest->have_bytes),
         format_bytes(r.closest->need_bytes - r.closest->have_bytes));

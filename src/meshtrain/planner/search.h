@@ -8,12 +8,11 @@
 // exceeds that rank's device memory are never returned; when none fits the
 // result says which plan came closest and by how much it is over.
 //
-// Before pricing a shape, a lower bound of its memory (the parameters and
-// gradients a rank holds at least: P / (tp x pp) elements of each, divided
-// by dp where ZeRO shards them, 4 bytes each) above every device's memory
-// skips it as over memory: that is what keeps the search of a
-// hundreds-of-billions model on a thousand devices from pricing the plans
-// that cannot hold it.
+// Before pricing a shape, a lower bound of its memory (the parameters,
+// gradients and, for AdamW / LAMB, the two moments a rank holds at least:
+// P / (tp x pp) elements of each, divided by dp where ZeRO shards them, 4
+// bytes each) above every device's memory skips it as over memory: that is what keeps the search of
+// a hundreds-of-billions model on a thousand devices from pricing the plans that cannot hold it.
 //
 // Deterministic: candidates are enumerated in a fixed order and ties are
 // broken by their description.
