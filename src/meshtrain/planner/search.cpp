@@ -1,6 +1,7 @@
 #include "meshtrain/planner/search.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <set>
@@ -114,7 +115,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       for (const auto& [mb, kind] : pipe) {
         for (int zero : opt.zero_stages) {
           if (dp == 1 && zero > 0) continue;
-          for (int rc = 0; rc < (opt.recompute ? 2 : 1); ++rc) {
+          // The pipeline runtime does not recompute yet (docs/plan.md).
+          for (int rc = 0; rc < (opt.recompute && pp == 1 ? 2 : 1); ++rc) {
             Shape s;
             s.sh.dp = dp, s.sh.tp = tp, s.sh.pp = pp;
             s.sh.microbatches = mb, s.sh.schedule = kind;
@@ -314,8 +316,10 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         PlanCandidate twin = c;
         twin.recompute = false;
         const auto it = plain.find(twin.describe());
-        if (it != plain.end() && it->second->estimate.step_s == c.estimate.step_s &&
-            it->second->estimate.max_peak_memory_bytes() == c.estimate.max_peak_memory_bytes()) {
+        auto same = [](double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(a, b); };
+        if (it != plain.end() && same(it->second->estimate.step_s, c.estimate.step_s) &&
+            same(static_cast<double>(it->second->estimate.max_peak_memory_bytes()),
+                 static_cast<double>(c.estimate.max_peak_memory_bytes()))) {
           ++res.no_effect;
           continue;
         }

@@ -40,7 +40,7 @@ struct SearchOptions {
   std::vector<int> microbatch_factors = {1, 2, 4};
   std::vector<ScheduleKind> schedules = {ScheduleKind::one_f_one_b, ScheduleKind::gpipe};
   std::vector<int> zero_stages = {0, 1, 2, 3};  // tried where dp > 1
-  bool recompute = true;                        // try exec.recompute both ways
+  bool recompute = true;  // try exec.recompute both ways (pp = 1: pipelines do not recompute yet)
   // Tensor parallelism at most over one node's ranks (its collectives run
   // every layer; across nodes they are rarely worth it); false: any degree.
   bool tp_within_node = true;
