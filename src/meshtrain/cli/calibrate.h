@@ -2,10 +2,9 @@
 // (docs/cluster.md, docs/planner-search.md):
 //   - kernel throughput per operator kind and size, from the executor's own
 //     per-operator profile (exec/executor.h) over forward + backward of a few
-//     model graphs at a few sizes; the device's f32 peak is taken to be the
-//     best matmul throughput measured (a CPU has no datasheet figure the
-//     kernels reach), and every operator's efficiency is its throughput over
-//     that peak;
+//     model graphs at a few sizes (the fastest of a few runs); the device's f32 peak is taken to be
+//     the best matmul throughput measured (a CPU has no datasheet figure the kernels reach), and
+//     every operator's efficiency is its throughput over that peak;
 //   - memory bandwidth (a large copy) and memory per rank (MemAvailable /
 //     ranks);
 //   - alpha / beta of each collective algorithm over the link kind the job's
