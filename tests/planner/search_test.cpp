@@ -173,6 +173,30 @@ TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
   EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
 }
 
+TEST(PlanSearch, LpHeadsBalanceUnequalTensorRanks) {
+  // The same GPT over tp = 2 with the second rank 3x slower: 3 heads and 1.
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 2, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  ClusterModel c = cluster(2, 1e12);
+  c.slowdown = {1, 3};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  const SearchResult r = search_plans(gpt, options(8), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.tp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr);
+  ASSERT_NE(uneven, nullptr);
+  EXPECT_EQ(uneven->shape.tp_ratios, (std::vector<int64_t>{3, 1}));
+  EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
+}
+
 TEST(PlanSearch, DeterministicAndRankedByStepTime) {
   ClusterModel c = cluster(4, 1e12);
   c.slowdown = {1, 1, 1, 3};
