@@ -115,6 +115,9 @@ int main(int argc, char** argv) {
   plan->add_option("--top", opts.top, "how many plans to print (default 5)")
       ->check(CLI::Range(1, 1000));
   plan->add_option("--out", opts.plan_out, "where the best plan goes (default plan.json)");
+  plan->add_option("--threads", opts.plan_threads,
+                   "threads pricing plans (default: the machine's; the output does not change)")
+      ->check(CLI::Range(1, 1024));
   plan->add_flag("--quiet", opts.quiet, "no progress line");
 
   if (argc > 1) {

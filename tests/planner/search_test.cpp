@@ -202,8 +202,15 @@ TEST(PlanSearch, DeterministicAndRankedByStepTime) {
   c.slowdown = {1, 1, 1, 3};
   SearchOptions o;
   o.top = 8;
+  o.threads = 1;
   const SearchResult a = search_plans(mlp(), options(32), c, o);
+  o.threads = 4;  // the same on any number of threads
   const SearchResult b = search_plans(mlp(), options(32), c, o);
+  EXPECT_EQ(a.candidates, b.candidates);
+  EXPECT_EQ(a.fitting, b.fitting);
+  EXPECT_EQ(a.refused, b.refused);
+  EXPECT_EQ(a.unpriced, b.unpriced);
+  EXPECT_EQ(a.refusals, b.refusals);
   ASSERT_EQ(a.best.size(), b.best.size());
   ASSERT_FALSE(a.best.empty());
   for (size_t i = 0; i < a.best.size(); ++i) {

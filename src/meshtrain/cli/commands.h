@@ -36,6 +36,7 @@ struct CommandOptions {
   std::string cluster_path;      // plan, simulate: the cluster file
   int top = 5;                   // plan: how many plans to print
   std::string plan_out;          // plan: where the best plan goes
+  int plan_threads = 0;          // plan: threads pricing plans (0: the machine's)
   std::string calibrate_out;     // calibrate: the cluster file to write (empty: stdout)
   bool calibrate_quick = false;  // calibrate: small sizes, a few seconds (tests)
 };

@@ -54,6 +54,7 @@ int cmd_plan(const CommandOptions& opts) {
 
   planner::SearchOptions so;
   so.top = opts.top;
+  so.threads = opts.plan_threads;
   const bool tty = isatty(STDERR_FILENO) != 0;
   auto last = std::chrono::steady_clock::now();
   so.progress = [&](int done, int total, double best) {

@@ -1,10 +1,14 @@
 #include "meshtrain/planner/search.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/planner/balance.h"
@@ -128,14 +132,18 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     }
   }
 
-  SearchResult res;
-  std::vector<PlanCandidate> fits;
-  std::set<std::string> reasons;
-  int done = 0;
-  double best_s = 0;
-  // Prices one candidate; keeps it when it fits.
-  auto evaluate = [&](PlanCandidate c) -> std::optional<PlanCandidate> {
-    ++res.candidates;
+  // Pricing is pure (the cost model's functions of their arguments), so the
+  // shapes are priced on several threads; what is kept, counted and
+  // reported is then recorded in shape order, so the result does not depend
+  // on the threads.
+  struct Priced {
+    enum Kind { fits, over, refused, unpriced } kind = refused;
+    PlanCandidate c;
+    std::string why;
+    int worst = 0;  // over: the rank furthest over its memory
+  };
+  auto price = [&](PlanCandidate c) {
+    Priced out;
     TrainerOptions o = base;
     o.dist.dp.stage = c.zero_stage;
     o.exec.recompute = c.recompute;
@@ -154,41 +162,35 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       if (c.plan.pipeline_stages() > 1) check_pipeline_options(o);
       c.estimate = estimate_step(spec, o, cluster);
     } catch (const ConfigError& e) {
-      ++res.refused;
-      if (reasons.size() < 8) reasons.insert(e.what());
-      return std::nullopt;
+      out.why = e.what();
+      out.c = std::move(c);
+      return out;
     } catch (const InternalError& e) {
       // The cost model could not price it (a simulator deadlock, ...): not a
       // plan to propose, and said in the output, never silently dropped.
-      ++res.unpriced;
-      if (res.unpriced_reasons.size() < 4) {
-        res.unpriced_reasons.push_back(fmt::format("{}: {}", c.describe(), e.what()));
-      }
-      return std::nullopt;
+      out.kind = Priced::unpriced;
+      out.why = fmt::format("{}: {}", c.describe(), e.what());
+      out.c = std::move(c);
+      return out;
     }
+    out.kind = Priced::fits;
     int64_t worst_over = 0;
-    int worst = -1;
     for (int r = 0; r < world; ++r) {
       const int64_t need = c.estimate.ranks[static_cast<size_t>(r)].peak_memory_bytes;
       const auto have = static_cast<int64_t>(cluster.device(r).memory_bytes);
-      if (need - have > worst_over || (worst < 0 && need > have)) {
+      if (need > have && (out.kind == Priced::fits || need - have > worst_over)) {
+        out.kind = Priced::over;
         worst_over = need - have;
-        worst = r;
+        out.worst = r;
       }
     }
-    if (worst >= 0) {
-      ++res.over_memory;
-      const int64_t need = c.estimate.ranks[static_cast<size_t>(worst)].peak_memory_bytes;
-      const auto have = static_cast<int64_t>(cluster.device(worst).memory_bytes);
-      if (!res.closest || res.closest->lower_bound ||
-          need - have < res.closest->need_bytes - res.closest->have_bytes) {
-        res.closest = SearchResult::Miss{c.describe(), worst, need, have, false};
-      }
-      return std::nullopt;
-    }
-    ++res.fitting;
-    if (best_s == 0 || c.estimate.step_s < best_s) best_s = c.estimate.step_s;
-    return c;
+    out.c = std::move(c);
+    return out;
+  };
+  std::mutex glpk;  // GLPK's environment is process-wide
+  auto lp = [&](const BalanceProblem& bp) {
+    std::lock_guard<std::mutex> hold(glpk);
+    return balance_lp(bp);
   };
 
   double max_memory = 0;
@@ -197,111 +199,199 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   // Optimizer state per parameter the bound may count for sure: AdamW's and
   // LAMB's two f32 moments (SGD's and LARS's momentum is optional: 0).
   const double state_bytes = base.optimizer == "adamw" || base.optimizer == "lamb" ? 8.0 : 0.0;
-  for (const Shape& s : shapes) {
-    const double dp = s.sh.dp, split = static_cast<double>(s.sh.tp) * s.sh.pp;
-    const double bound = params / split *
-                         (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0) +
-                          state_bytes / (s.zero >= 1 ? dp : 1.0));
-    if (bound > max_memory) {
+
+  struct ShapeResult {
+    double bound = 0;  // > max_memory: not priced
+    std::optional<Priced> even, uneven;
+    std::string lp_error;
+  };
+  std::vector<ShapeResult> results(shapes.size());
+  std::atomic<size_t> next{0};
+  std::mutex progress_mutex;
+  int done = 0;
+  double best_s = 0;
+  auto work = [&] {
+    for (size_t i = next++; i < shapes.size(); i = next++) {
+      const Shape& s = shapes[i];
+      ShapeResult& sr = results[i];
+      const double dp = s.sh.dp, split = static_cast<double>(s.sh.tp) * s.sh.pp;
+      sr.bound = params / split *
+                 (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0) +
+                  state_bytes / (s.zero >= 1 ? dp : 1.0));
+      if (sr.bound <= max_memory) {
+        PlanCandidate c;
+        c.shape = s.sh;
+        c.zero_stage = s.zero;
+        c.recompute = s.recompute;
+        sr.even = price(c);
+        if (unequal && sr.even->kind == Priced::fits) {
+          // Uneven shares from the LP, priced from the even plan's per-rank compute.
+          const StepEstimate& est = sr.even->c.estimate;
+          const Plan& p = sr.even->c.plan;
+          PlanCandidate u = c;
+          u.uneven = true;
+          bool have = false;
+          try {
+            if (s.sh.pp == 1 && s.sh.dp > 1) {
+              // Examples over the dp replicas: a replica is as slow as its slowest rank.
+              const int64_t batch = base.batch_size;
+              const double per = static_cast<double>(batch) / s.sh.dp;
+              BalanceProblem bp;
+              bp.total = static_cast<double>(batch);
+              bp.what = "examples";
+              bp.min_units.assign(static_cast<size_t>(s.sh.dp), 1);
+              bp.time_per_unit.assign(static_cast<size_t>(s.sh.dp), 0);
+              bp.max_units.assign(static_cast<size_t>(s.sh.dp), 1e300);
+              for (int r = 0; r < world; ++r) {
+                const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
+                const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
+                bp.time_per_unit[d] = std::max(bp.time_per_unit[d], re.compute_s / per);
+                // Memory grows at most in proportion to the examples (a
+                // conservative bound above the even share).
+                bp.max_units[d] =
+                    std::min(bp.max_units[d],
+                             per * cluster.device(r).memory_bytes /
+                                 std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
+              }
+              u.shape.batch_shares = round_shares(bp, lp(bp));
+              have = true;
+            } else if (s.sh.pp > 1) {
+              // Layers over the stages: a stage is as slow as its slowest rank.
+              const std::vector<int64_t> even_layers = [&] {
+                std::vector<int64_t> v;
+                for (const StagePlan& st : p.stages)
+                  v.push_back(static_cast<int64_t>(st.layers.size()));
+                return v;
+              }();
+              BalanceProblem bp;
+              bp.total = units;
+              bp.what = "layers";
+              bp.min_units.assign(static_cast<size_t>(s.sh.pp), 1);
+              bp.time_per_unit.assign(static_cast<size_t>(s.sh.pp), 0);
+              for (int r = 0; r < world; ++r) {
+                const auto st = static_cast<size_t>(p.mesh.coord(r, "pp"));
+                const double per_layer = est.ranks[static_cast<size_t>(r)].compute_s /
+                                         std::max<double>(1, static_cast<double>(even_layers[st]));
+                bp.time_per_unit[st] = std::max(bp.time_per_unit[st], per_layer);
+              }
+              u.shape.stage_layers = round_shares(bp, lp(bp));
+              have = true;
+            } else if (s.sh.tp > 1 && spec.kind == "gpt") {
+              // Heads over the tensor ranks.
+              BalanceProblem bp;
+              bp.total = static_cast<double>(spec.heads);
+              bp.what = "heads";
+              bp.min_units.assign(static_cast<size_t>(s.sh.tp), 1);
+              bp.time_per_unit.assign(static_cast<size_t>(s.sh.tp), 0);
+              const double per = static_cast<double>(spec.heads) / s.sh.tp;
+              for (int r = 0; r < world; ++r) {
+                const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
+                bp.time_per_unit[t] = std::max(bp.time_per_unit[t],
+                                               est.ranks[static_cast<size_t>(r)].compute_s / per);
+              }
+              u.shape.tp_ratios = round_shares(bp, lp(bp));
+              have = true;
+            }
+          } catch (const ConfigError& e) {
+            sr.lp_error = std::string("uneven shares: ") + e.what();
+          }
+          const bool same = u.shape.batch_shares.empty() && u.shape.stage_layers.empty() &&
+                            u.shape.tp_ratios.empty();
+          if (have && !same) sr.uneven = price(u);
+        }
+      }
+      std::lock_guard<std::mutex> hold(progress_mutex);
+      for (const std::optional<Priced>* q : {&sr.even, &sr.uneven}) {
+        if (*q && (*q)->kind == Priced::fits && (best_s == 0 || (*q)->c.estimate.step_s < best_s)) {
+          best_s = (*q)->c.estimate.step_s;
+        }
+      }
+      ++done;
+      if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
+    }
+  };
+  const int threads = std::max(
+      1, std::min<int>(
+             opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency()),
+             static_cast<int>(shapes.size())));
+  {
+    std::vector<std::thread> pool;
+    std::exception_ptr failed;
+    std::mutex failed_mutex;
+    for (int t = 1; t < threads; ++t) {
+      pool.emplace_back([&] {
+        try {
+          work();
+        } catch (...) {
+          std::lock_guard<std::mutex> hold(failed_mutex);
+          if (!failed) failed = std::current_exception();
+          next = shapes.size();
+        }
+      });
+    }
+    try {
+      work();
+    } catch (...) {
+      std::lock_guard<std::mutex> hold(failed_mutex);
+      if (!failed) failed = std::current_exception();
+      next = shapes.size();
+    }
+    for (std::thread& t : pool) t.join();
+    if (failed) std::rethrow_exception(failed);
+  }
+
+  // Recorded in shape order.
+  SearchResult res;
+  std::vector<PlanCandidate> fits;
+  std::set<std::string> reasons;
+  auto record = [&](Priced& q) {
+    ++res.candidates;
+    switch (q.kind) {
+      case Priced::refused:
+        ++res.refused;
+        if (reasons.size() < 8) reasons.insert(q.why);
+        return;
+      case Priced::unpriced:
+        ++res.unpriced;
+        if (res.unpriced_reasons.size() < 4) res.unpriced_reasons.push_back(q.why);
+        return;
+      case Priced::over: {
+        ++res.over_memory;
+        const int64_t need = q.c.estimate.ranks[static_cast<size_t>(q.worst)].peak_memory_bytes;
+        const auto have = static_cast<int64_t>(cluster.device(q.worst).memory_bytes);
+        if (!res.closest || res.closest->lower_bound ||
+            need - have < res.closest->need_bytes - res.closest->have_bytes) {
+          res.closest = SearchResult::Miss{q.c.describe(), q.worst, need, have, false};
+        }
+        return;
+      }
+      case Priced::fits:
+        ++res.fitting;
+        fits.push_back(std::move(q.c));
+        return;
+    }
+  };
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    ShapeResult& sr = results[i];
+    if (sr.bound > max_memory) {
+      const Shape& s = shapes[i];
       ++res.candidates, ++res.over_memory, ++res.pruned;
       PlanCandidate c;
       c.shape = s.sh, c.zero_stage = s.zero, c.recompute = s.recompute;
-      const auto need = static_cast<int64_t>(bound);
+      const auto need = static_cast<int64_t>(sr.bound);
       const auto have = static_cast<int64_t>(max_memory);
       if (!res.closest || (res.closest->lower_bound &&
                            need - have < res.closest->need_bytes - res.closest->have_bytes)) {
         res.closest = SearchResult::Miss{c.describe(), 0, need, have, true};
       }
-      ++done;
-      if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
       continue;
     }
-    PlanCandidate c;
-    c.shape = s.sh;
-    c.zero_stage = s.zero;
-    c.recompute = s.recompute;
-    std::optional<PlanCandidate> even = evaluate(c);
-    if (even) fits.push_back(*even);
-    if (unequal && even) {
-      // Uneven shares from the LP, priced from the even plan's per-rank compute.
-      const StepEstimate& est = even->estimate;
-      const Plan& p = even->plan;
-      PlanCandidate u = c;
-      u.uneven = true;
-      bool have = false;
-      try {
-        if (s.sh.pp == 1 && s.sh.dp > 1) {
-          // Examples over the dp replicas: a replica is as slow as its slowest rank.
-          const int64_t batch = base.batch_size;
-          const double per = static_cast<double>(batch) / s.sh.dp;
-          BalanceProblem bp;
-          bp.total = static_cast<double>(batch);
-          bp.what = "examples";
-          bp.min_units.assign(static_cast<size_t>(s.sh.dp), 1);
-          bp.time_per_unit.assign(static_cast<size_t>(s.sh.dp), 0);
-          bp.max_units.assign(static_cast<size_t>(s.sh.dp), 1e300);
-          for (int r = 0; r < world; ++r) {
-            const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
-            const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
-            bp.time_per_unit[d] = std::max(bp.time_per_unit[d], re.compute_s / per);
-            // Memory grows at most in proportion to the examples (a
-            // conservative bound above the even share).
-            bp.max_units[d] =
-                std::min(bp.max_units[d],
-                         per * cluster.device(r).memory_bytes /
-                             std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
-          }
-          u.shape.batch_shares = round_shares(bp, balance_lp(bp));
-          have = true;
-        } else if (s.sh.pp > 1) {
-          // Layers over the stages: a stage is as slow as its slowest rank.
-          const std::vector<int64_t> even_layers = [&] {
-            std::vector<int64_t> v;
-            for (const StagePlan& st : p.stages)
-              v.push_back(static_cast<int64_t>(st.layers.size()));
-            return v;
-          }();
-          BalanceProblem bp;
-          bp.total = units;
-          bp.what = "layers";
-          bp.min_units.assign(static_cast<size_t>(s.sh.pp), 1);
-          bp.time_per_unit.assign(static_cast<size_t>(s.sh.pp), 0);
-          for (int r = 0; r < world; ++r) {
-            const auto st = static_cast<size_t>(p.mesh.coord(r, "pp"));
-            const double per_layer = est.ranks[static_cast<size_t>(r)].compute_s /
-                                     std::max<double>(1, static_cast<double>(even_layers[st]));
-            bp.time_per_unit[st] = std::max(bp.time_per_unit[st], per_layer);
-          }
-          u.shape.stage_layers = round_shares(bp, balance_lp(bp));
-          have = true;
-        } else if (s.sh.tp > 1 && spec.kind == "gpt") {
-          // Heads over the tensor ranks.
-          BalanceProblem bp;
-          bp.total = static_cast<double>(spec.heads);
-          bp.what = "heads";
-          bp.min_units.assign(static_cast<size_t>(s.sh.tp), 1);
-          bp.time_per_unit.assign(static_cast<size_t>(s.sh.tp), 0);
-          const double per = static_cast<double>(spec.heads) / s.sh.tp;
-          for (int r = 0; r < world; ++r) {
-            const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
-            bp.time_per_unit[t] =
-                std::max(bp.time_per_unit[t], est.ranks[static_cast<size_t>(r)].compute_s / per);
-          }
-          u.shape.tp_ratios = round_shares(bp, balance_lp(bp));
-          have = true;
-        }
-      } catch (const ConfigError& e) {
-        ++res.refused;
-        if (reasons.size() < 8) reasons.insert(std::string("uneven shares: ") + e.what());
-      }
-      const bool same =
-          u.shape.batch_shares.empty() && u.shape.stage_layers.empty() && u.shape.tp_ratios.empty();
-      if (have && !same) {
-        if (std::optional<PlanCandidate> got = evaluate(u)) fits.push_back(*got);
-      }
+    record(*sr.even);
+    if (!sr.lp_error.empty()) {
+      ++res.candidates, ++res.refused;
+      if (reasons.size() < 8) reasons.insert(sr.lp_error);
     }
-    ++done;
-    if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
+    if (sr.uneven) record(*sr.uneven);
   }
   // Recomputation that changes neither the predicted step nor any rank's
   // memory (e.g. where the runtime does not apply it) is not a plan of its own.

@@ -45,6 +45,9 @@ struct SearchOptions {
   // every layer; across nodes they are rarely worth it); false: any degree.
   bool tp_within_node = true;
   bool uneven = true;  // LP shares on unequal devices
+  // Threads pricing shapes at once (0: the machine's); the result is the
+  // same for any number.
+  int threads = 0;
   // Called after each candidate: done, total, the best step time so far (0: none fits yet).
   std::function<void(int done, int total, double best_step_s)> progress;
 };
