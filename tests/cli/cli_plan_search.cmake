@@ -49,3 +49,12 @@ expect_run(RC 1 STDERR "cluster file [^\n]*bad\\.toml: nodes\\[0\\]\\.device: un
 file(WRITE ${dir}/nomem.toml "[devices.cpu]\npeak_tflops = 0.05\n[[nodes]]\nranks_per_node = 2\n")
 expect_run(RC 1 STDERR "nomem\\.toml: devices\\.cpu\\.memory_gb: required by the planner"
   COMMAND ${MESHTRAIN} plan --config ${cfg} --cluster ${dir}/nomem.toml)
+
+# dist.slowdown stands in for a file without ranks.slowdown (as for simulate).
+file(WRITE ${dir}/plain.toml "device = \"cpu\"\n[devices.cpu]\npeak_tflops = 0.05\nmemory_gb = 4\n[[nodes]]\nranks_per_node = 2\n")
+expect_run(RC 0 TIMEOUT 60 STDOUT " 1 [^\n]*shares=.96,32."
+  COMMAND ${MESHTRAIN} plan --config ${cfg} --cluster ${dir}/plain.toml --set "dist.slowdown=[1, 3]"
+    --quiet --out ${dir}/plain.json)
+expect_run(RC 1 STDERR "dist\\.slowdown: 3 factors for the cluster's 2 ranks"
+  COMMAND ${MESHTRAIN} plan --config ${cfg} --cluster ${dir}/plain.toml --set "dist.slowdown=[1, 3, 1]"
+    --quiet --out ${dir}/plain.json)

@@ -50,7 +50,15 @@ int cmd_plan(const CommandOptions& opts) {
   }
   const ClusterFile file = read_cluster_file(opts.cluster_path);
   const int world = opts.nproc > 0 ? opts.nproc : (file.ranks() > 0 ? 0 : rc.nproc);
-  const planner::ClusterModel cluster = cluster_model(file, world);
+  planner::ClusterModel cluster = cluster_model(file, world);
+  // dist.slowdown stands in for the file's ranks.slowdown (as for simulate).
+  if (cluster.slowdown.empty() && !rc.train.dist.slowdown.empty()) {
+    if (static_cast<int>(rc.train.dist.slowdown.size()) != cluster.world()) {
+      throw ConfigError(fmt::format("dist.slowdown: {} factors for the cluster's {} ranks",
+                                    rc.train.dist.slowdown.size(), cluster.world()));
+    }
+    cluster.slowdown = rc.train.dist.slowdown;
+  }
 
   planner::SearchOptions so;
   so.top = opts.top;
