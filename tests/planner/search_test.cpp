@@ -84,16 +84,34 @@ TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
 }
 
 TEST(PlanSearch, NothingFitsSaysWhichConstraintAndByHowMuch) {
-  const ClusterModel tiny = cluster(2, 1e5);  // 100 kB per device
+  // 100 kB per device: the parameters and gradients alone (the bound) rule
+  // out every shape before pricing.
+  const ClusterModel tiny = cluster(2, 1e5);
   const SearchResult r = search_plans(mlp(), options(32), tiny);
   EXPECT_TRUE(r.best.empty());
+  EXPECT_EQ(r.pruned, r.candidates);
   ASSERT_TRUE(r.closest.has_value());
+  EXPECT_TRUE(r.closest->lower_bound);
   EXPECT_GT(r.closest->need_bytes, r.closest->have_bytes);
   const std::string m = nothing_fits_message(r, tiny);
   EXPECT_THAT(m, HasSubstr("no plan fits"));
   EXPECT_THAT(m, HasSubstr("exceed device memory"));
-  EXPECT_THAT(m, HasSubstr("the closest (" + r.closest->plan + ") needs"));
+  EXPECT_THAT(m, HasSubstr("the closest (" + r.closest->plan + ") needs at least"));
   EXPECT_THAT(m, HasSubstr(format_bytes(r.closest->need_bytes - r.closest->have_bytes) + " over"));
+  // 1.2 MB: above the bound of the sharded shapes (the mlp's 269k
+  // parameters: 4 x 269k = 1.08 MB at ZeRO-3 on 2 ranks), below what they
+  // need with optimizer state and activations: priced, and the message
+  // names the rank and its device.
+  const ClusterModel small = cluster(2, 1.2e6);
+  const SearchResult q = search_plans(mlp(), options(32), small);
+  EXPECT_TRUE(q.best.empty());
+  EXPECT_LT(q.pruned, q.over_memory);
+  ASSERT_TRUE(q.closest.has_value());
+  EXPECT_FALSE(q.closest->lower_bound);
+  EXPECT_THAT(nothing_fits_message(q, small),
+              HasSubstr(fmt::format("on rank {} (dev, {} of memory): {} over", q.closest->rank,
+                                    format_bytes(q.closest->have_bytes),
+                                    format_bytes(q.closest->need_bytes - q.closest->have_bytes))));
 }
 
 TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
@@ -123,8 +141,36 @@ TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
   EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
   // The uneven plan carries its shares: the settings and the plan's batch split.
   const std::vector<std::string> s = uneven->settings(2);
-  EXPECT_NE(std::find(s.begin(), s.end(), "dist.batch_shares=[32, 16]"), s.end());
+  EXPECT_NE(std::find(s.begin(), s.end(), "dist.batch_shares=[32,16]"), s.end());
   EXPECT_THAT(plan_to_json(uneven->plan), HasSubstr("32"));
+}
+
+TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
+  // A 4-block GPT on two ranks, the second 3x slower: the pipeline's uneven
+  // twin gives the fast stage 3 blocks and the slow one 1, and is faster
+  // than the even 2 + 2 cut.
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 4, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  ClusterModel c = cluster(2, 1e12);
+  c.slowdown = {1, 3};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  o.schedules = {ScheduleKind::one_f_one_b};
+  o.microbatch_factors = {2};
+  const SearchResult r = search_plans(gpt, options(16), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.pp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr) << (r.refusals.empty() ? "" : r.refusals.front());
+  ASSERT_NE(uneven, nullptr);
+  EXPECT_EQ(uneven->shape.stage_layers, (std::vector<int64_t>{3, 1}));
+  EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
 }
 
 TEST(PlanSearch, DeterministicAndRankedByStepTime) {

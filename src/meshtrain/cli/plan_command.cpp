@@ -75,8 +75,10 @@ int cmd_plan(const CommandOptions& opts) {
 
   fmt::print("{} (batch {}) on {} ranks of {} ({} nodes; {})\n", rc.model.kind, rc.train.batch_size,
              cluster.world(), opts.cluster_path, cluster.layout.nodes(), kinds_line(cluster));
-  fmt::print("{} plans priced: {} fit in memory, {} over memory, {} refused\n", r.candidates,
-             r.fitting, r.over_memory, r.refused);
+  fmt::print(
+      "{} plans: {} fit in memory, {} over memory ({} of them by their parameters alone, "
+      "not priced), {} refused\n",
+      r.candidates, r.fitting, r.over_memory, r.pruned, r.refused);
   for (const std::string& why : r.refusals) fmt::print("  refused, e.g.: {}\n", why);
   if (r.unpriced > 0) {
     fmt::print("{} plans the cost model could not price (not proposed):\n", r.unpriced);

@@ -175,8 +175,9 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       ++res.over_memory;
       const int64_t need = c.estimate.ranks[static_cast<size_t>(worst)].peak_memory_bytes;
       const auto have = static_cast<int64_t>(cluster.device(worst).memory_bytes);
-      if (!res.closest || need - have < res.closest->need_bytes - res.closest->have_bytes) {
-        res.closest = SearchResult::Miss{c.describe(), worst, need, have};
+      if (!res.closest || res.closest->lower_bound ||
+          need - have < res.closest->need_bytes - res.closest->have_bytes) {
+        res.closest = SearchResult::Miss{c.describe(), worst, need, have, false};
       }
       return std::nullopt;
     }
@@ -185,7 +186,27 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     return c;
   };
 
+  double max_memory = 0;
+  for (const DeviceKind& k : cluster.kinds) max_memory = std::max(max_memory, k.memory_bytes);
+  const auto params = static_cast<double>(m.graph.param_count());
   for (const Shape& s : shapes) {
+    const double dp = s.sh.dp, split = static_cast<double>(s.sh.tp) * s.sh.pp;
+    const double bound =
+        params / split * (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0));
+    if (bound > max_memory) {
+      ++res.candidates, ++res.over_memory, ++res.pruned;
+      PlanCandidate c;
+      c.shape = s.sh, c.zero_stage = s.zero, c.recompute = s.recompute;
+      const auto need = static_cast<int64_t>(bound);
+      const auto have = static_cast<int64_t>(max_memory);
+      if (!res.closest || (res.closest->lower_bound &&
+                           need - have < res.closest->need_bytes - res.closest->have_bytes)) {
+        res.closest = SearchResult::Miss{c.describe(), 0, need, have, true};
+      }
+      ++done;
+      if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
+      continue;
+    }
     PlanCandidate c;
     c.shape = s.sh;
     c.zero_stage = s.zero;
@@ -273,6 +294,29 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     ++done;
     if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
   }
+  // Recomputation that changes neither the predicted step nor any rank's
+  // memory (e.g. where the runtime does not apply it) is not a plan of its own.
+  {
+    std::map<std::string, const PlanCandidate*> plain;
+    for (const PlanCandidate& c : fits) {
+      if (!c.recompute) plain[c.describe()] = &c;
+    }
+    std::vector<PlanCandidate> kept;
+    for (PlanCandidate& c : fits) {
+      if (c.recompute) {
+        PlanCandidate twin = c;
+        twin.recompute = false;
+        const auto it = plain.find(twin.describe());
+        if (it != plain.end() && it->second->estimate.step_s == c.estimate.step_s &&
+            it->second->estimate.max_peak_memory_bytes() == c.estimate.max_peak_memory_bytes()) {
+          ++res.no_effect;
+          continue;
+        }
+      }
+      kept.push_back(std::move(c));
+    }
+    fits = std::move(kept);
+  }
   std::stable_sort(fits.begin(), fits.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
     if (a.estimate.step_s != b.estimate.step_s) return a.estimate.step_s < b.estimate.step_s;
     return a.describe() < b.describe();
@@ -288,7 +332,13 @@ std::string nothing_fits_message(const SearchResult& r, const ClusterModel& clus
       "no plan fits: of {} plans tried, {} exceed device memory and {} "
       "the runtime would refuse",
       r.candidates, r.over_memory, r.refused);
-  if (r.closest) {
+  if (r.closest && r.closest->lower_bound) {
+    s += fmt::format(
+        "; the closest ({}) needs at least {} per rank for its parameters and gradients alone, "
+        "the largest device has {}: {} over",
+        r.closest->plan, format_bytes(r.closest->need_bytes), format_bytes(r.closest->have_bytes),
+        format_bytes(r.closest->need_bytes - r.closest->have_bytes));
+  } else if (r.closest) {
     const DeviceKind& k = cluster.device(r.closest->rank);
     s += fmt::format("; the closest ({}) needs {} on rank {} ({}, {} of memory): {} over",
                      r.closest->plan, format_bytes(r.closest->need_bytes), r.closest->rank, k.name,

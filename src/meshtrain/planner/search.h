@@ -8,6 +8,13 @@
 // exceeds that rank's device memory are never returned; when none fits the
 // result says which plan came closest and by how much it is over.
 //
+// Before pricing a shape, a lower bound of its memory (the parameters and
+// gradients a rank holds at least: P / (tp x pp) elements of each, divided
+// by dp where ZeRO shards them, 4 bytes each) above every device's memory
+// skips it as over memory: that is what keeps the search of a
+// hundreds-of-billions model on a thousand devices from pricing the plans
+// that cannot hold it.
+//
 // Deterministic: candidates are enumerated in a fixed order and ties are
 // broken by their description.
 #pragma once
@@ -72,7 +79,10 @@ struct SearchResult {
     std::string plan;
     int rank = 0;
     int64_t need_bytes = 0, have_bytes = 0;
+    bool lower_bound = false;  // need_bytes is the parameters' and gradients' bound (not priced)
   };
+  int no_effect = 0;  // of fitting: recomputation that changed neither time nor memory, dropped
+  int pruned = 0;     // of over_memory: over by the parameter + gradient bound alone, not priced
   std::optional<Miss> closest;
   std::vector<std::string> refusals;  // the distinct reasons, first few
 };
