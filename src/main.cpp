@@ -58,6 +58,18 @@ int main(int argc, char** argv) {
   inspect->add_flag("--print-config", opts.print_config,
                     "print the effective configuration (defaults marked) and stop");
 
+  CLI::App* simulate = app.add_subcommand(
+      "simulate", "predict a plan's step time, MFU and memory on a cluster file (simulation)");
+  simulate->add_option("--config", opts.config_path, "TOML config file (default: the defaults)");
+  simulate->add_option("--set", opts.overrides, "override a config value: section.key=value")
+      ->take_all();
+  simulate->add_option("--plan", opts.plan_path,
+                       "parallel plan JSON (docs/plan.md) instead of the config's [parallel]");
+  simulate->add_option("--cluster", opts.cluster_path, "cluster file (docs/cluster.md)")
+      ->required();
+  simulate->add_option("--trace", opts.trace_path,
+                       "write the predicted Chrome-trace timeline (the format of train --trace)");
+
   CLI::App* config = app.add_subcommand("config", "describe the configuration keys");
   bool list_keys = false, markdown = false;
   config->add_flag("--list", list_keys, "every key with type, default, allowed values, meaning")
@@ -84,6 +96,30 @@ int main(int argc, char** argv) {
   gen->add_option("--out", opts.graph_out, "the graph file to write (docs/graph_format.md)")
       ->required();
 
+  CLI::App* calibrate = app.add_subcommand(
+      "calibrate",
+      "measure this machine (kernels, memory, collectives) and write its cluster file");
+  calibrate
+      ->add_option("--nproc", opts.nproc, "ranks to measure the collectives on (1: kernels only)")
+      ->check(CLI::Range(1, mt::kMaxRanks));
+  calibrate->add_option("--out", opts.calibrate_out, "the cluster file to write (default: stdout)");
+  calibrate->add_flag("--quick", opts.calibrate_quick, "small sizes only (seconds; for tests)");
+  calibrate->add_flag("--quiet", opts.quiet, "no progress lines");
+
+  CLI::App* plan = app.add_subcommand(
+      "plan", "search parallel plans for a model on a cluster file and write the best");
+  add_common(plan);
+  plan->add_option("--cluster", opts.cluster_path, "cluster file (docs/cluster.md)")->required();
+  plan->add_option("--nproc", opts.nproc, "ranks (default: the cluster file's)")
+      ->check(CLI::Range(1, 1 << 20));
+  plan->add_option("--top", opts.top, "how many plans to print (default 5)")
+      ->check(CLI::Range(1, 1000));
+  plan->add_option("--out", opts.plan_out, "where the best plan goes (default plan.json)");
+  plan->add_option("--threads", opts.plan_threads,
+                   "threads pricing plans (default: the machine's; the output does not change)")
+      ->check(CLI::Range(1, 1024));
+  plan->add_flag("--quiet", opts.quiet, "no progress line");
+
   if (argc > 1) {
     // CLI11 answers a misspelt command with "A subcommand is required".
     std::vector<std::string> names;
@@ -103,9 +139,12 @@ int main(int argc, char** argv) {
   try {
     if (train->parsed()) return mt::cmd_train(opts, argc, argv);
     if (inspect->parsed()) return mt::cmd_inspect(opts);
+    if (simulate->parsed()) return mt::cmd_simulate(opts);
     if (exp->parsed()) return mt::cmd_export(opts);
     if (config->parsed()) return mt::cmd_config_list(markdown);
     if (gen->parsed()) return mt::cmd_graph_gen(opts);
+    if (plan->parsed()) return mt::cmd_plan(opts);
+    if (calibrate->parsed()) return mt::cmd_calibrate(opts, argc, argv);
   } catch (const mt::InternalError& e) {
     std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
     mt::abort_distributed_job(3);

@@ -97,7 +97,7 @@ TEST(ClusterFile, BadFilesNameFileKeyAndExpectation) {
                   "ranks.slowdown: 3 factors given for 2 ranks");
   expect_rejected("node_size = 1\n[linkz]\n", 1, "linkz: unknown key (expected one of:");
   expect_rejected("[[nodes]]\nranks = [0]\ndevice = \"gpu\"\n", 1,
-                  "nodes[0].device: device \"gpu\" is not defined");
+                  "nodes[0].device: unknown device kind \"gpu\" (expected a [devices.gpu] table");
   expect_rejected("node_size = 1\n[devices.cpu]\npeak_tflops = -2\n", 1,
                   "devices.cpu.peak_tflops: expected a number > 0, got -2");
   expect_rejected("node_size = 1\n[[link_pairs]]\nnodes = [\"node0\", \"node0\"]\n", 1,
@@ -105,6 +105,158 @@ TEST(ClusterFile, BadFilesNameFileKeyAndExpectation) {
   expect_rejected("node_size = 1\n[links]\nsharing = \"node\"\n", 1,
                   "links.sharing: expected \"rank_pair\" or \"node_pair\", got \"node\"");
   expect_rejected("node_size = [1\n", 1, "line 1");
+}
+
+void expect_model_rejected(const std::string& text, int world, const std::string& message) {
+  try {
+    cluster_model(parse_cluster_file(text, "bad.toml"), world);
+    ADD_FAILURE() << "accepted:\n" << text;
+  } catch (const ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cluster file bad.toml: " + message)) << text;
+  }
+}
+
+// Device kinds, node groups given by count, measured collectives: the
+// planner's ClusterModel from a file.
+TEST(ClusterFile, DeviceKindsBecomeTheClusterModel) {
+  const ClusterFile f = parse_cluster_file(R"(
+[devices.big]
+peak_tflops_f32 = 19.5
+peak_tflops_tf32 = 156
+peak_tflops_bf16 = 312
+memory_gb = 80
+memory_bandwidth_gb_s = 2039
+default_efficiency = 0.4
+source = "datasheet"
+[devices.big.efficiency]
+matmul = 0.7
+[devices.small]
+peak_tflops = 15.7
+memory_gb = 32
+[[nodes]]
+name = "a"
+count = 2
+ranks_per_node = 2
+device = "big"
+[[nodes]]
+name = "v"
+ranks_per_node = 3
+device = "small"
+[[sites]]
+nodes = ["a"]
+[links.inter_site]
+bandwidth_gbit_s = 10
+[collectives.ring.intra_node]
+latency_ms = 0.01
+bandwidth_gbit_s = 800
+)",
+                                           "t.toml");
+  EXPECT_EQ(f.ranks(), 7);
+  ASSERT_EQ(f.nodes.size(), 3u);
+  EXPECT_EQ(f.nodes[1].name, "a-1");
+  EXPECT_EQ(f.nodes[1].ranks, (std::vector<int>{2, 3}));
+  EXPECT_EQ(f.nodes[2].ranks, (std::vector<int>{4, 5, 6}));
+  const planner::ClusterModel m = cluster_model(f);
+  ASSERT_EQ(m.world(), 7);
+  EXPECT_EQ(m.device(0).name, "big");
+  EXPECT_EQ(m.device(6).name, "small");
+  EXPECT_DOUBLE_EQ(m.device(3).peak_flops_f32, 156e12);  // TF32 is the f32 path where given
+  EXPECT_DOUBLE_EQ(m.device(3).peak_flops_bf16, 312e12);
+  EXPECT_DOUBLE_EQ(m.device(3).memory_bytes, 80e9);
+  EXPECT_DOUBLE_EQ(m.device(3).memory_bandwidth, 2039e9);
+  EXPECT_DOUBLE_EQ(m.device(3).efficiency.at("matmul"), 0.7);
+  EXPECT_DOUBLE_EQ(m.device(3).default_efficiency, 0.4);
+  EXPECT_EQ(m.device(0).source, "datasheet");
+  EXPECT_DOUBLE_EQ(m.device(5).peak_flops_f32, 15.7e12);
+  EXPECT_EQ(m.layout.kind(0, 2), LinkKind::inter_node);
+  EXPECT_EQ(m.layout.kind(0, 4), LinkKind::inter_site);
+  EXPECT_DOUBLE_EQ(m.layout.link(3, 4).bandwidth_bytes_s, 10e9 / 8);
+  EXPECT_DOUBLE_EQ(m.algorithm_links.at("ring/intra_node").bandwidth_bytes_s, 100e9);
+  EXPECT_DOUBLE_EQ(m.algorithm_links.at("ring/intra_node").latency_s, 1e-5);
+  // A node_size file needs the world; the one kind is every rank's.
+  const ClusterFile g = parse_cluster_file(
+      "node_size = 2\n[devices.cpu]\npeak_tflops = 1\nmemory_gb = 8\n", "g.toml");
+  EXPECT_EQ(cluster_model(g, 4).world(), 4);
+  EXPECT_EQ(cluster_model(g, 4).kind_of, (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_THAT([&] { cluster_model(g); },
+              ::testing::ThrowsMessage<ConfigError>(HasSubstr("g.toml: node_size:")));
+}
+
+TEST(ClusterFile, BadDeviceKindsNameTheKey) {
+  expect_rejected("node_size = 1\n[devices.cpu]\nmemory_gb = 0\n", 1,
+                  "devices.cpu.memory_gb: expected a number > 0, got 0");
+  expect_rejected("node_size = 1\n[devices.cpu]\nmemory_bandwidth_gb_s = -5\n", 1,
+                  "devices.cpu.memory_bandwidth_gb_s: expected a number > 0, got -5");
+  expect_rejected("node_size = 1\n[devices.cpu.efficiency]\nmatmul = 1.5\n", 1,
+                  "devices.cpu.efficiency.matmul: expected a fraction of peak in (0, 1], got 1.5");
+  expect_rejected("node_size = 1\ndevice = \"tpu\"\n[devices.cpu]\n", 1,
+                  "device: unknown device kind \"tpu\" (expected a [devices.tpu] table; defined: "
+                  "\"cpu\")");
+  expect_rejected("node_size = 1\n[devices.cpu]\npeak_tflops = 1\npeak_tflops_f32 = 1\n", 1,
+                  "devices.cpu.peak_tflops_f32: give peak_tflops or peak_tflops_f32");
+  expect_rejected("node_size = 1\n[collectives.ring.between]\nlatency_ms = 1\n", 1,
+                  "collectives.ring.between: unknown link kind");
+  expect_rejected("node_size = 1\n[collectives.ring.intra_node]\nbandwidth_gbit_s = -1\n", 1,
+                  "collectives.ring.intra_node.bandwidth_gbit_s: expected a number > 0, got -1");
+  expect_rejected("[[nodes]]\nranks = [0]\nranks_per_node = 2\n", 1,
+                  "nodes[0].ranks: give ranks, or count and ranks_per_node, not both");
+  expect_rejected(
+      "[[nodes]]\nname = \"g\"\ncount = 2\nranks_per_node = 1\n[[nodes]]\nname = "
+      "\"h\"\nranks = [2]\n[[link_pairs]]\nnodes = [\"g\", \"h\"]\n",
+      3, "link_pairs[0].nodes[0]: \"g\" names 2 nodes");
+  expect_model_rejected("[[nodes]]\nranks = [0]\n", 0,
+                        "nodes[0].device: node \"node0\" has no device kind and the file defines "
+                        "no [devices.NAME] table");
+  expect_model_rejected("[[nodes]]\nranks = [0]\n[devices.a]\nmemory_gb = 1\n", 0,
+                        "devices.a.peak_tflops_f32: required by the planner");
+  expect_model_rejected("[[nodes]]\nranks = [0]\n[devices.a]\npeak_tflops = 1\n", 0,
+                        "devices.a.memory_gb: required by the planner");
+  expect_model_rejected(
+      "[[nodes]]\nranks = [0]\ndevice = \"a\"\n[devices.a]\npeak_tflops = "
+      "1\nmemory_gb = 1\n[[nodes]]\nranks = [1]\n[devices.b]\n",
+      0,
+      "nodes[1].device: node \"node1\" has no device kind and the file "
+      "defines several kinds");
+}
+
+// The shipped real-system files (configs/cluster/, numbers from vendor
+// datasheets named in their comments) load as cluster models.
+TEST(ClusterFile, ShippedRealSystemFilesLoad) {
+  struct Want {
+    const char* file;
+    int kinds;
+    double intra_gbit, inter_gbit;
+  };
+  for (const Want& w :
+       {Want{"a100_ib200.toml", 1, 2400, 200}, Want{"h100_ndr400.toml", 1, 3600, 400},
+        Want{"a100_v100_mixed.toml", 2, 1200, 100}, Want{"two_sites_10gbit.toml", 1, 2400, 200}}) {
+    SCOPED_TRACE(w.file);
+    const planner::ClusterModel m =
+        cluster_model(read_cluster_file(std::string(MT_SOURCE_DIR "/configs/cluster/") + w.file));
+    ASSERT_EQ(m.world(), 32);
+    EXPECT_EQ(m.layout.nodes(), 4);
+    EXPECT_EQ(static_cast<int>(m.kinds.size()), w.kinds);
+    for (const planner::DeviceKind& k : m.kinds) {
+      EXPECT_GT(k.peak_flops_f32, 1e13) << k.name;
+      EXPECT_GT(k.peak_flops_bf16, k.peak_flops_f32 * 0.99) << k.name;
+      EXPECT_GT(k.memory_bytes, 3e10) << k.name;
+      EXPECT_GT(k.memory_bandwidth, 8e11) << k.name;
+      EXPECT_FALSE(k.source.empty()) << k.name;
+    }
+    EXPECT_DOUBLE_EQ(m.layout.intra_node.bandwidth_bytes_s, w.intra_gbit * 1e9 / 8);
+    EXPECT_DOUBLE_EQ(m.layout.inter_node.bandwidth_bytes_s, w.inter_gbit * 1e9 / 8);
+  }
+  const planner::ClusterModel mixed =
+      cluster_model(read_cluster_file(MT_SOURCE_DIR "/configs/cluster/a100_v100_mixed.toml"));
+  EXPECT_EQ(mixed.device(0).name, "a100_80gb");
+  EXPECT_EQ(mixed.device(31).name, "v100_32gb");
+  EXPECT_DOUBLE_EQ(mixed.layout.link(0, 8).bandwidth_bytes_s, 200e9 / 8);  // the A100 pair
+  EXPECT_DOUBLE_EQ(mixed.layout.link(0, 16).bandwidth_bytes_s, 100e9 / 8);
+  const planner::ClusterModel sites =
+      cluster_model(read_cluster_file(MT_SOURCE_DIR "/configs/cluster/two_sites_10gbit.toml"));
+  EXPECT_EQ(sites.layout.kind(0, 8), LinkKind::inter_node);
+  EXPECT_EQ(sites.layout.kind(0, 16), LinkKind::inter_site);
+  EXPECT_DOUBLE_EQ(sites.layout.link(0, 16).bandwidth_bytes_s, 10e9 / 8);
 }
 
 // dist.cluster is read with the config; its slowdown becomes dist.slowdown

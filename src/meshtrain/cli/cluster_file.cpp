@@ -123,7 +123,9 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
   }
   ClusterFile f;
   f.path = source;
-  rd.only(root, "", {"node_size", "nodes", "sites", "links", "link_pairs", "ranks", "devices"});
+  rd.only(root, "",
+          {"node_size", "nodes", "sites", "links", "link_pairs", "ranks", "devices", "device",
+           "collectives"});
   if (const toml::node* n = root.get("node_size")) {
     f.node_size = static_cast<int>(rd.integer(*n, "node_size", 1));
   }
@@ -131,35 +133,139 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
     for (const auto& [name, v] : rd.table(*n, "devices")) {
       const std::string p = fmt::format("devices.{}.", name.str());
       const toml::table& d = rd.table(v, p.substr(0, p.size() - 1));
-      rd.only(d, p, {"peak_tflops", "memory_gb"});
+      rd.only(d, p,
+              {"peak_tflops", "peak_tflops_f32", "peak_tflops_tf32", "peak_tflops_bf16",
+               "memory_gb", "memory_bandwidth_gb_s", "efficiency", "default_efficiency", "source"});
       ClusterFile::Device dev;
-      if (const toml::node* x = d.get("peak_tflops")) {
-        dev.peak_tflops = rd.number(*x, p + "peak_tflops", 0, true);
+      if (d.get("peak_tflops") && d.get("peak_tflops_f32")) {
+        rd.fail(p + "peak_tflops_f32", "give peak_tflops or peak_tflops_f32 (the same), not both");
+      }
+      for (const char* key : {"peak_tflops", "peak_tflops_f32"}) {
+        if (const toml::node* x = d.get(key)) dev.peak_tflops = rd.number(*x, p + key, 0, true);
+      }
+      if (const toml::node* x = d.get("peak_tflops_tf32")) {
+        dev.peak_tflops_tf32 = rd.number(*x, p + "peak_tflops_tf32", 0, true);
+      }
+      if (const toml::node* x = d.get("peak_tflops_bf16")) {
+        dev.peak_tflops_bf16 = rd.number(*x, p + "peak_tflops_bf16", 0, true);
       }
       if (const toml::node* x = d.get("memory_gb")) {
         dev.memory_gb = rd.number(*x, p + "memory_gb", 0, true);
       }
+      if (const toml::node* x = d.get("memory_bandwidth_gb_s")) {
+        dev.memory_bandwidth_gb_s = rd.number(*x, p + "memory_bandwidth_gb_s", 0, true);
+      }
+      auto fraction = [&](const toml::node& x, const std::string& key) {
+        const double e = rd.number(x, key, 0, true);
+        if (e > 1) rd.fail(key, fmt::format("expected a fraction of peak in (0, 1], got {}", e));
+        return e;
+      };
+      if (const toml::node* x = d.get("efficiency")) {
+        for (const auto& [op, e] : rd.table(*x, p + "efficiency")) {
+          dev.efficiency[std::string(op.str())] =
+              fraction(e, fmt::format("{}efficiency.{}", p, op.str()));
+        }
+      }
+      if (const toml::node* x = d.get("default_efficiency")) {
+        dev.default_efficiency = fraction(*x, p + "default_efficiency");
+      }
+      if (const toml::node* x = d.get("source")) dev.source = rd.string(*x, p + "source");
       f.devices[std::string(name.str())] = dev;
     }
   }
+  auto known_device = [&](const std::string& key, const std::string& name) {
+    if (f.devices.count(name)) return;
+    std::string list;
+    for (const auto& [k, d] : f.devices)
+      list += fmt::format("{}\"{}\"", list.empty() ? "" : ", ", k);
+    rd.fail(key, fmt::format("unknown device kind \"{}\" (expected a [devices.{}] table; defined: "
+                             "{})",
+                             name, name, list.empty() ? "none" : list));
+  };
+  if (const toml::node* n = root.get("device")) {
+    f.device = rd.string(*n, "device");
+    known_device("device", f.device);
+  }
+  if (const toml::node* n = root.get("collectives")) {
+    for (const auto& [alg, v] : rd.table(*n, "collectives")) {
+      const std::string pa = fmt::format("collectives.{}", alg.str());
+      for (const auto& [kind, w] : rd.table(v, pa)) {
+        const std::string k(kind.str());
+        const std::string pk = fmt::format("{}.{}", pa, k);
+        if (k != "self" && k != "intra_node" && k != "inter_node" && k != "inter_site") {
+          rd.fail(pk, "unknown link kind (expected intra_node, inter_node, inter_site, self)");
+        }
+        f.collectives[fmt::format("{}/{}", alg.str(), k)] = rd.link(rd.table(w, pk), pk + ".");
+      }
+    }
+  }
   std::set<std::string> names;
+  // nodes given with count > 1: the name -> the nodes it expands to (sites may name it).
+  std::map<std::string, std::vector<std::string>> groups;
   if (const toml::node* n = root.get("nodes")) {
     if (f.node_size > 0) {
       rd.fail("nodes", "give either node_size or [[nodes]], not both");
     }
     const toml::array& arr = rd.array(*n, "nodes");
     std::map<int64_t, std::string> owner;
+    int next_rank = 0;  // where the next ranks_per_node node starts
     for (size_t i = 0; i < arr.size(); ++i) {
       const std::string p = fmt::format("nodes[{}].", i);
       const toml::table& t = rd.table(arr[i], p.substr(0, p.size() - 1));
-      rd.only(t, p, {"name", "ranks", "device"});
-      ClusterFile::Node node;
-      node.name = t.get("name") ? rd.string(*t.get("name"), p + "name") : fmt::format("node{}", i);
-      if (!names.insert(node.name).second) {
-        rd.fail(p + "name", fmt::format("node \"{}\" is defined twice", node.name));
+      rd.only(t, p, {"name", "ranks", "device", "count", "ranks_per_node"});
+      const std::string base =
+          t.get("name") ? rd.string(*t.get("name"), p + "name") : fmt::format("node{}", i);
+      std::string device;
+      if (const toml::node* d = t.get("device")) {
+        device = rd.string(*d, p + "device");
+        known_device(p + "device", device);
       }
+      auto add = [&](ClusterFile::Node node, const std::string& key) {
+        if (!names.insert(node.name).second) {
+          rd.fail(key, fmt::format("node \"{}\" is defined twice", node.name));
+        }
+        node.device = device;
+        f.nodes.push_back(std::move(node));
+      };
       const toml::node* rn = t.get("ranks");
-      if (rn == nullptr) rd.fail(p + "ranks", "required key is missing (the node's ranks)");
+      const toml::node* per = t.get("ranks_per_node");
+      if (rn != nullptr && (per != nullptr || t.get("count"))) {
+        rd.fail(p + "ranks", "give ranks, or count and ranks_per_node, not both");
+      }
+      if (rn == nullptr) {
+        if (per == nullptr) {
+          rd.fail(p + "ranks",
+                  "required key is missing (the node's ranks, or ranks_per_node [and count])");
+        }
+        const int k = static_cast<int>(rd.integer(*per, p + "ranks_per_node", 1));
+        const int count =
+            t.get("count") ? static_cast<int>(rd.integer(*t.get("count"), p + "count", 1)) : 1;
+        if (count > 1) {
+          if (names.count(base) || groups.count(base)) {
+            rd.fail(p + "name", fmt::format("node \"{}\" is defined twice", base));
+          }
+          groups[base] = {};
+        }
+        for (int c = 0; c < count; ++c) {
+          ClusterFile::Node node;
+          node.name = count > 1 ? fmt::format("{}-{}", base, c) : base;
+          for (int j = 0; j < k; ++j) {
+            const int r = next_rank++;
+            if (auto [it, added] = owner.try_emplace(r, node.name); !added) {
+              rd.fail(p + "ranks_per_node",
+                      fmt::format("rank {} is already on node \"{}\" (a rank belongs to one "
+                                  "node; ranks_per_node numbers ranks on from the last such node)",
+                                  r, it->second));
+            }
+            node.ranks.push_back(r);
+          }
+          if (count > 1) groups[base].push_back(node.name);
+          add(std::move(node), p + "name");
+        }
+        continue;
+      }
+      ClusterFile::Node node;
+      node.name = base;
       const toml::array& ranks = rd.array(*rn, p + "ranks");
       if (ranks.empty()) rd.fail(p + "ranks", "expected at least one rank, got []");
       for (size_t j = 0; j < ranks.size(); ++j) {
@@ -171,15 +277,7 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
         }
         node.ranks.push_back(static_cast<int>(r));
       }
-      if (const toml::node* d = t.get("device")) {
-        node.device = rd.string(*d, p + "device");
-        if (!f.devices.count(node.device)) {
-          rd.fail(p + "device",
-                  fmt::format("device \"{}\" is not defined (expected a [devices.{}] table)",
-                              node.device, node.device));
-        }
-      }
-      f.nodes.push_back(std::move(node));
+      add(std::move(node), p + "name");
     }
   } else if (f.node_size == 0) {
     rd.fail("nodes", "required: either node_size = N or [[nodes]] entries with their ranks");
@@ -194,7 +292,7 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       rd.fail(key,
               fmt::format("no node \"{}\" (with node_size the nodes are node0, node1, ...)", name));
     }
-    if (!names.count(name)) {
+    if (!names.count(name) && !groups.count(name)) {
       std::string list;
       for (const auto& n : f.nodes)
         list += fmt::format("{}\"{}\"", list.empty() ? "" : ", ", n.name);
@@ -215,12 +313,16 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       const toml::array& nodes = rd.array(*nn, p + "nodes");
       for (size_t j = 0; j < nodes.size(); ++j) {
         const std::string key = fmt::format("{}nodes[{}]", p, j);
-        std::string name = rd.string(nodes[j], key);
+        const std::string name = rd.string(nodes[j], key);
         known_node(key, name);
-        if (auto [it, added] = site_of.try_emplace(name, site.name); !added) {
-          rd.fail(key, fmt::format("node \"{}\" is already in site \"{}\"", name, it->second));
+        const auto g = groups.find(name);
+        for (const std::string& one :
+             g != groups.end() ? g->second : std::vector<std::string>{name}) {
+          if (auto [it, added] = site_of.try_emplace(one, site.name); !added) {
+            rd.fail(key, fmt::format("node \"{}\" is already in site \"{}\"", one, it->second));
+          }
+          site.nodes.push_back(one);
         }
-        site.nodes.push_back(std::move(name));
       }
       f.sites.push_back(std::move(site));
     }
@@ -263,6 +365,14 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       pair.b = rd.string(two[1], p + "nodes[1]");
       known_node(p + "nodes[0]", pair.a);
       known_node(p + "nodes[1]", pair.b);
+      for (const auto& [key, name] :
+           {std::pair{p + "nodes[0]", pair.a}, {p + "nodes[1]", pair.b}}) {
+        if (groups.count(name)) {
+          rd.fail(key, fmt::format("\"{}\" names {} nodes (count); a link pair joins two nodes "
+                                   "(\"{}-0\", ...)",
+                                   name, groups.at(name).size(), name));
+        }
+      }
       if (pair.a == pair.b) {
         rd.fail(p + "nodes",
                 fmt::format("a link joins two different nodes, got \"{}\" twice", pair.a));
@@ -365,6 +475,84 @@ ClusterLayout resolve_cluster(const ClusterFile& f, int world) {
   }
   l.validate();
   return l;
+}
+
+int ClusterFile::ranks() const {
+  if (node_size > 0) return 0;
+  int n = 0;
+  for (const Node& node : nodes) n += static_cast<int>(node.ranks.size());
+  return n;
+}
+
+planner::ClusterModel cluster_model(const ClusterFile& f, int world) {
+  Reader rd(f.path);
+  if (world <= 0) {
+    world = f.ranks();
+    if (world == 0) {
+      rd.fail("node_size",
+              "the file gives a node size, not its ranks: the planner needs the number of ranks "
+              "(--nproc), or [[nodes]] with ranks or ranks_per_node");
+    }
+  }
+  planner::ClusterModel m;
+  m.source = f.path;
+  m.layout = resolve_cluster(f, world);
+  std::map<std::string, int> index;
+  for (const auto& [name, d] : f.devices) {
+    const std::string p = fmt::format("devices.{}.", name);
+    planner::DeviceKind k;
+    k.name = name;
+    k.peak_flops_f32 = d.peak_tflops_tf32.value_or(d.peak_tflops.value_or(0)) * 1e12;
+    k.peak_flops_bf16 = d.peak_tflops_bf16.value_or(0) * 1e12;
+    k.memory_bytes = d.memory_gb.value_or(0) * 1e9;
+    k.memory_bandwidth = d.memory_bandwidth_gb_s.value_or(0) * 1e9;
+    k.efficiency = d.efficiency;
+    if (d.default_efficiency) k.default_efficiency = *d.default_efficiency;
+    k.source = d.source;
+    index[name] = static_cast<int>(m.kinds.size());
+    m.kinds.push_back(std::move(k));
+  }
+  // Each rank's kind: its node's, else the file's `device`, else the only one.
+  std::vector<std::string> node_device;
+  if (f.node_size > 0) {
+    node_device.assign(m.layout.node_names.size(), "");
+  } else {
+    for (const auto& n : f.nodes) node_device.push_back(n.device);
+  }
+  m.kind_of.assign(static_cast<size_t>(world), -1);
+  std::set<int> used;
+  for (int r = 0; r < world; ++r) {
+    const size_t node = static_cast<size_t>(m.layout.node_of[static_cast<size_t>(r)]);
+    std::string name = node_device[node];
+    const std::string key =
+        f.node_size > 0 ? std::string("device") : fmt::format("nodes[{}].device", node);
+    if (name.empty()) name = f.device;
+    if (name.empty() && f.devices.size() == 1) name = f.devices.begin()->first;
+    if (name.empty()) {
+      rd.fail(key, fmt::format("node \"{}\" has no device kind and the file {} (the planner needs "
+                               "each rank's device: give the node a device, or a top-level "
+                               "device = \"NAME\")",
+                               m.layout.node_names[node],
+                               f.devices.empty() ? "defines no [devices.NAME] table"
+                                                 : "defines several kinds"));
+    }
+    m.kind_of[static_cast<size_t>(r)] = index.at(name);
+    used.insert(index.at(name));
+  }
+  for (int k : used) {
+    const ClusterFile::Device& d = f.devices.at(m.kinds[static_cast<size_t>(k)].name);
+    const std::string p = fmt::format("devices.{}.", m.kinds[static_cast<size_t>(k)].name);
+    if (!d.peak_tflops && !d.peak_tflops_tf32) {
+      rd.fail(p + "peak_tflops_f32",
+              "required by the planner (the device's dense f32 peak, TFLOP/s), missing");
+    }
+    if (!d.memory_gb) {
+      rd.fail(p + "memory_gb", "required by the planner (the device's memory, GB), missing");
+    }
+  }
+  m.slowdown = f.slowdown;
+  m.algorithm_links = f.collectives;
+  return m;
 }
 
 }  // namespace mt

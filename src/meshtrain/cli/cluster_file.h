@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "meshtrain/comm/cluster.h"
+#include "meshtrain/planner/cluster_model.h"
 
 namespace mt {
 
@@ -41,12 +42,26 @@ struct ClusterFile {
   };
   std::vector<Pair> pairs;
   std::vector<double> slowdown;  // per rank, >= 1; empty = none
-  // Device kinds (issue 12, the planner, reads them; the transport does not).
+  // Device kinds (the planner reads them; the transport does not).
   struct Device {
-    std::optional<double> peak_tflops;
+    std::optional<double> peak_tflops;       // dense f32 (peak_tflops or peak_tflops_f32)
+    std::optional<double> peak_tflops_tf32;  // dense TF32 tensor cores, where the f32 path has them
+    std::optional<double> peak_tflops_bf16;  // dense bf16 / f16
     std::optional<double> memory_gb;
+    std::optional<double> memory_bandwidth_gb_s;
+    std::map<std::string, double> efficiency;  // operator name -> fraction of peak
+    std::optional<double> default_efficiency;
+    std::string source;  // where the numbers come from
   };
   std::map<std::string, Device> devices;
+  std::string device;  // top-level `device`: the kind of nodes that name none
+  // Measured latency / bandwidth of a collective algorithm over a link kind
+  // ([collectives.ALGORITHM.LINK_KIND], `meshtrain calibrate` writes them),
+  // keyed "ALGORITHM/LINK_KIND".
+  std::map<std::string, LinkSpec> collectives;
+
+  // The number of ranks the nodes hold (0 with node_size: it depends on the job).
+  int ranks() const;
 };
 
 ClusterFile read_cluster_file(const std::string& path);
@@ -55,5 +70,12 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
 // The layout for a job of `world` ranks: nodes must cover ranks 0..world-1,
 // each rank once; the slowdown list must have one factor per rank.
 ClusterLayout resolve_cluster(const ClusterFile& file, int world);
+
+// The planner's model of the cluster for `world` ranks (0: the file's own
+// rank count, which a node_size file does not have). Every rank needs a
+// device kind with peak_tflops (or peak_tflops_f32) and memory_gb: its node's
+// `device`, else the top-level `device`, else the only kind defined.
+// ConfigError naming the key otherwise.
+planner::ClusterModel cluster_model(const ClusterFile& file, int world = 0);
 
 }  // namespace mt

@@ -752,6 +752,17 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
   return 0;
 }
 
+RunConfig load_command_config(const CommandOptions& opts) {
+  if (!opts.config_path.empty()) return load(opts);
+  Config c = Config::parse("", "defaults");
+  c.set_all(opts.overrides);
+  return read_run_config(c);
+}
+
+std::optional<Plan> command_plan(const CommandOptions& opts, const RunConfig& rc, int world) {
+  return run_plan(opts, rc, world);
+}
+
 int cmd_inspect(const CommandOptions& opts) {
   std::string effective;
   bool empty = false;

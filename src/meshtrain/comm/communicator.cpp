@@ -8,6 +8,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/communicator_impl.h"
+#include "meshtrain/comm/cost.h"
 
 namespace mt {
 
@@ -168,11 +169,12 @@ bool Communicator::has_native() const {
 }
 
 CommAlgorithm Communicator::choose_algorithm(Collective c, size_t bytes) const {
-  if (comm::hierarchical_applies(c) && impl_->node_comm &&
-      impl_->options.policy.prefer_hierarchical) {
-    return CommAlgorithm::hierarchical;
-  }
-  return impl_->options.policy.choose(c, bytes, impl_->size, has_shared_memory(), has_native());
+  comm::GroupTopology t;
+  t.size = impl_->size;
+  t.shared_memory = has_shared_memory();
+  t.native = has_native();
+  t.hierarchy = impl_->node_comm != nullptr;
+  return comm::select_algorithm(impl_->options.policy, c, bytes, t);
 }
 
 std::optional<std::string> Communicator::broken() const {

@@ -5,6 +5,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/algorithms.h"
 #include "meshtrain/comm/communicator_impl.h"
+#include "meshtrain/comm/cost.h"
 #include "meshtrain/comm/reduce.h"
 
 namespace mt {
@@ -62,10 +63,13 @@ CommAlgorithm Communicator::Impl::resolve(const Call& call, const CallInfo& info
                                                                call.op, max_count(call, size));
   CommAlgorithm a = call.opts.algorithm;
   if (a == CommAlgorithm::automatic) {
-    if (comm::hierarchical_applies(call.kind) && node_comm && options.policy.prefer_hierarchical) {
-      return CommAlgorithm::hierarchical;
-    }
-    return options.policy.choose(call.kind, info.bytes, size, shm != nullptr, native_ok);
+    // The same pure function the planner calls (comm/cost.h).
+    comm::GroupTopology t;
+    t.size = size;
+    t.shared_memory = shm != nullptr;
+    t.native = native_ok;
+    t.hierarchy = node_comm != nullptr;
+    return comm::select_algorithm(options.policy, call.kind, info.bytes, t);
   }
   if (!applies(call.kind, a)) {
     throw ConfigError(fmt::format("{}: algorithm {} does not apply to {}", info.where(),

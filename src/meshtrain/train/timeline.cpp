@@ -247,6 +247,20 @@ std::string Timeline::serialize(int pid) const {
   return out;
 }
 
+void write_trace_file(const std::string& path, const std::vector<std::string>& bodies) {
+  write_file_atomically(path, [&](const ByteSink& sink) {
+    sink(kHeader.data(), kHeader.size());
+    bool first = true;
+    for (const std::string& b : bodies) {
+      if (b.empty()) continue;
+      if (!first) sink(",\n", 2);
+      sink(b.data(), b.size());
+      first = false;
+    }
+    sink(kFooter.data(), kFooter.size());
+  });
+}
+
 void Timeline::write(const std::string& path) const {
   const std::string body = serialize(pid_);
   write_file_atomically(path, [&](const ByteSink& sink) {

@@ -157,4 +157,9 @@ class Timeline {
 
 std::string_view alignment_name(Timeline::Alignment a);
 
+// Writes a trace file from serialize() bodies (one per rank), atomically, in
+// the format merge_and_write() writes (the planner's simulator uses it, so a
+// predicted timeline and a measured one have one format). FileError on failure.
+void write_trace_file(const std::string& path, const std::vector<std::string>& bodies);
+
 }  // namespace mt

@@ -1,0 +1,364 @@
+#include "meshtrain/cli/calibrate.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/cli/commands.h"
+#include "meshtrain/cli/launch.h"
+#include "meshtrain/comm/backends/mpi/mpi_communicator.h"
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/exec/executor.h"
+#include "meshtrain/tensor/machine.h"
+#include "meshtrain/train/training_plan.h"
+
+namespace mt {
+
+CalibrationFit fit_alpha_beta(const std::vector<double>& steps, const std::vector<double>& bytes,
+                              const std::vector<double>& seconds) {
+  // Normal equations of t = s L + b beta, each measurement weighted by
+  // 1 / t^2 (relative errors: a 5% error on a large message must not drown
+  // the latency the small ones measure).
+  double ss = 0, sb = 0, bb = 0, st = 0, bt = 0;
+  for (size_t k = 0; k < seconds.size(); ++k) {
+    const double w = seconds[k] > 0 ? 1.0 / (seconds[k] * seconds[k]) : 0.0;
+    ss += w * steps[k] * steps[k], sb += w * steps[k] * bytes[k], bb += w * bytes[k] * bytes[k];
+    st += w * steps[k] * seconds[k], bt += w * bytes[k] * seconds[k];
+  }
+  if (bb <= 0) throw ConfigError("calibrate: no bytes moved, the bandwidth is undetermined");
+  double latency = 0, beta = 0;
+  const double det = ss * bb - sb * sb;
+  if (std::abs(det) > 1e-12 * ss * bb) {
+    latency = (st * bb - bt * sb) / det;
+    beta = (ss * bt - sb * st) / det;
+  }
+  if (!(latency > 0) || !(beta > 0)) {  // the bound L >= 0 binds
+    latency = 0;
+    beta = bt / bb;
+  }
+  if (!(beta > 0)) throw ConfigError("calibrate: the fitted bandwidth is not positive");
+  CalibrationFit f;
+  f.latency_s = latency;
+  f.bandwidth_bytes_s = 1.0 / beta;
+  double err = 0;
+  for (size_t k = 0; k < seconds.size(); ++k) {
+    const double pred = steps[k] * latency + bytes[k] * beta;
+    err += std::pow((pred - seconds[k]) / seconds[k], 2);
+  }
+  f.rms_rel_error = std::sqrt(err / static_cast<double>(std::max<size_t>(1, seconds.size())));
+  return f;
+}
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One operator kind at one model size: FLOPs and seconds summed over its calls.
+struct OpRate {
+  double flops = 0, seconds = 0;
+  double rate() const { return seconds > 0 ? flops / seconds : 0; }
+};
+
+struct KernelRun {
+  std::string label;                  // "mlp 256", "gpt d128"
+  std::map<std::string, OpRate> ops;  // by operator name
+};
+
+// Forward + backward of `spec` at `batch` through the executor, its profile
+// per operator kind: the fastest of `reps` runs after one warm-up.
+KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t batch, int reps) {
+  TrainerOptions o;
+  o.batch_size = batch;
+  TrainingGraph tg = build_training_graph(spec, o, batch);
+  const Graph& g = tg.model.graph;
+  tg.exec.profile = true;
+  Executor ex(g, tg.exec);
+  std::vector<Tensor> keep;
+  for (int i = 0; i < g.num_values(); ++i) {
+    const Value& v = g.value(static_cast<ValueId>(i));
+    if (v.role != ValueRole::input && v.role != ValueRole::param) continue;
+    keep.push_back(v.role == ValueRole::param ? Tensor::full(v.shape, v.dtype, 0.01)
+                                              : Tensor::zeros(v.shape, v.dtype));
+    ex.bind(static_cast<ValueId>(i), keep.back());
+  }
+  for (const auto& [id, t] : tg.model.constants) ex.bind(id, t);
+  ex.run();
+  // Per operator kind, the fastest of the runs (the machine may be shared:
+  // the best run is the closest to what the kernels can do).
+  KernelRun k;
+  k.label = label;
+  for (int rep = 0; rep < reps; ++rep) {
+    ex.reset_profile();
+    ex.run();
+    std::map<std::string, OpRate> run;
+    for (const OpProfile& p : ex.profile()) {
+      if (p.flops <= 0 || p.total_ns <= 0) continue;
+      OpRate& r = run[std::string(op_name(p.op))];
+      r.flops += p.flops;
+      r.seconds += static_cast<double>(p.total_ns) * 1e-9;
+    }
+    for (const auto& [op, r] : run) {
+      auto [it, added] = k.ops.try_emplace(op, r);
+      if (!added && r.rate() > it->second.rate()) it->second = r;
+    }
+  }
+  return k;
+}
+
+double copy_bandwidth(size_t bytes, int reps) {
+  std::vector<char> a(bytes, 1), b(bytes, 0);
+  double best = 0;
+  for (int r = 0; r < reps; ++r) {
+    const double t0 = now_s();
+    std::memcpy(b.data(), a.data(), bytes);
+    const double t = now_s() - t0;
+    if (t > 0) best = std::max(best, 2.0 * static_cast<double>(bytes) / t);  // read + write
+  }
+  if (b[bytes / 2] != 1) throw InternalError("calibrate: the copy did not copy");
+  return best;
+}
+
+int64_t mem_total_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemTotal:") return kb * 1024;
+  }
+  return available_memory_bytes();
+}
+
+std::string g3(double v) {
+  return fmt::format("{:.4g}", v);
+}
+
+}  // namespace
+
+int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
+  const int nproc = opts.nproc > 0 ? opts.nproc : 1;
+  if (nproc > 1 && !launched_by_mpi()) {
+    LaunchOptions lo;
+    lo.nproc = nproc;
+    std::vector<std::string> args;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--nproc") {
+        ++i;
+      } else if (a.rfind("--nproc=", 0) != 0) {
+        args.push_back(a);
+      }
+    }
+    return run_under_mpirun(lo, args);
+  }
+  std::unique_ptr<Communicator> comm;
+  if (launched_by_mpi()) {
+    CommOptions co;
+    co.timeout = std::chrono::minutes(10);
+    comm = make_mpi_communicator(co);
+  }
+  const int rank = comm ? comm->rank() : 0;
+  const int world = comm ? comm->size() : 1;
+  const bool quick = opts.calibrate_quick;
+  auto say = [&](const std::string& s) {
+    if (rank == 0 && !opts.quiet) fmt::print(stderr, "meshtrain calibrate: {}\n", s);
+  };
+  const double started = now_s();
+
+  // 1. Kernels, on rank 0 (the others wait: they share the machine's cores).
+  std::vector<KernelRun> runs;
+  double mem_bw = 0;
+  if (rank == 0) {
+    struct Size {
+      std::string label;
+      ModelSpec spec;
+      int64_t batch;
+    };
+    std::vector<Size> sizes;
+    for (int64_t w :
+         quick ? std::vector<int64_t>{128, 256} : std::vector<int64_t>{256, 512, 1024}) {
+      ModelSpec s;
+      s.kind = "mlp";
+      s.hidden = {w, w};
+      sizes.push_back({fmt::format("mlp hidden {}", w), s, quick ? 32 : 128});
+    }
+    for (int64_t d : quick ? std::vector<int64_t>{64} : std::vector<int64_t>{128, 256}) {
+      ModelSpec s;
+      s.kind = "gpt";
+      s.layers = 2, s.d_model = d, s.heads = 4, s.seq_len = quick ? 32 : 64, s.vocab = 256;
+      sizes.push_back({fmt::format("gpt d_model {}", d), s, quick ? 4 : 8});
+    }
+    for (const Size& s : sizes) {
+      say(fmt::format("kernels: {} (batch {})", s.label, s.batch));
+      runs.push_back(profile_model(s.label, s.spec, s.batch, quick ? 2 : 5));
+    }
+    say("memory bandwidth: a large copy");
+    mem_bw = copy_bandwidth(quick ? (16u << 20) : (256u << 20), quick ? 2 : 5);
+  }
+
+  // 2. Collectives: every algorithm the communicator runs here, a few sizes.
+  struct Fit {
+    std::string algorithm;
+    CalibrationFit fit;
+    std::string detail;
+  };
+  std::vector<Fit> fits;
+  if (comm && world > 1) {
+    comm->barrier();
+    struct Case {
+      Collective c;
+      CommAlgorithm a;
+    };
+    std::vector<Case> cases = {{Collective::all_reduce, CommAlgorithm::ring},
+                               {Collective::all_reduce, CommAlgorithm::halving_doubling},
+                               {Collective::all_gather, CommAlgorithm::ring},
+                               {Collective::reduce_scatter, CommAlgorithm::ring},
+                               {Collective::broadcast, CommAlgorithm::tree},
+                               {Collective::all_to_all, CommAlgorithm::pairwise}};
+    if (comm->has_shared_memory()) {
+      cases.push_back({Collective::all_reduce, CommAlgorithm::shared_memory});
+    }
+    const std::vector<size_t> elems = quick ? std::vector<size_t>{1024, 65536}
+                                            : std::vector<size_t>{1024, 16384, 262144, 2097152};
+    const int reps = quick ? 3 : 7;
+    std::map<CommAlgorithm, std::vector<double>> s_of, b_of, t_of;
+    std::map<CommAlgorithm, std::string> detail;
+    for (const Case& cs : cases) {
+      say(fmt::format("collectives: {} {}", collective_name(cs.c), algorithm_name(cs.a)));
+      for (size_t n : elems) {
+        const size_t count = std::max<size_t>(1, n / static_cast<size_t>(world)) *
+                             static_cast<size_t>(world);  // divisible blocks
+        const size_t block = count / static_cast<size_t>(world);
+        std::vector<float> a(count, 1.0f), b(count, 0.0f);
+        CollectiveOptions co;
+        co.algorithm = cs.a;
+        auto call = [&] {
+          switch (cs.c) {
+            case Collective::all_reduce:
+              comm->all_reduce(a.data(), b.data(), count, DType::f32, ReduceOp::sum, co);
+              break;
+            case Collective::all_gather:
+              comm->all_gather(a.data(), b.data(), block, DType::f32, co);
+              break;
+            case Collective::reduce_scatter:
+              comm->reduce_scatter(a.data(), b.data(), block, DType::f32, ReduceOp::sum, co);
+              break;
+            case Collective::broadcast:
+              comm->broadcast(a.data(), count, DType::f32, 0, co);
+              break;
+            default:
+              comm->all_to_all(a.data(), b.data(), block, DType::f32, co);
+              break;
+          }
+        };
+        const size_t cost_count =
+            (cs.c == Collective::all_reduce || cs.c == Collective::broadcast) ? count : block;
+        const CollectiveCost my = comm->cost(cs.c, cs.a, cost_count, DType::f32);
+        call();  // warm-up
+        std::vector<double> times;
+        for (int r = 0; r < reps; ++r) {
+          comm->barrier();
+          const double t0 = now_s();
+          call();
+          double t[3] = {now_s() - t0, static_cast<double>(my.steps),
+                         static_cast<double>(std::max(my.bytes_sent, my.bytes_received))};
+          comm->all_reduce(t, t, 3, DType::f64, ReduceOp::max);  // the slowest rank's
+          times.push_back(t[0]);
+          if (r == 0) {
+            s_of[cs.a].push_back(t[1]);
+            b_of[cs.a].push_back(t[2]);
+          }
+        }
+        std::nth_element(times.begin(), times.begin() + static_cast<long>(times.size() / 2),
+                         times.end());
+        t_of[cs.a].push_back(times[times.size() / 2]);
+        detail[cs.a] +=
+            fmt::format("{}{} {} B {:.1f} us", detail[cs.a].empty() ? "" : ", ",
+                        collective_name(cs.c), count * 4, times[times.size() / 2] * 1e6);
+      }
+    }
+    for (const auto& [a, t] : t_of) {
+      try {
+        fits.push_back(
+            {std::string(algorithm_name(a)), fit_alpha_beta(s_of[a], b_of[a], t), detail[a]});
+      } catch (const ConfigError& e) {
+        say(fmt::format("{}: no fit ({})", algorithm_name(a), e.what()));
+      }
+    }
+  }
+  if (rank != 0) return 0;
+
+  // 3. The file.
+  double peak = 0;
+  for (const KernelRun& k : runs) {
+    if (auto it = k.ops.find("matmul"); it != k.ops.end()) peak = std::max(peak, it->second.rate());
+  }
+  if (peak <= 0) throw InternalError("calibrate: no matmul was timed");
+  // Efficiency per operator: at the largest size measured that has it.
+  std::map<std::string, double> eff;
+  std::map<std::string, std::string> per_size;
+  for (const KernelRun& k : runs) {
+    for (const auto& [op, r] : k.ops) {
+      eff[op] = std::clamp(r.rate() / peak, 1e-6, 1.0);
+      per_size[op] += fmt::format("{}{} {} GFLOP/s", per_size[op].empty() ? "" : "; ", k.label,
+                                  g3(r.rate() * 1e-9));
+    }
+  }
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  const std::time_t now = std::time(nullptr);
+  char when[64];
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  double load = 0;
+  if (std::ifstream la("/proc/loadavg"); la) la >> load;
+  const CpuInfo& cpu = cpu_info();
+  std::string out;
+  out += fmt::format(
+      "# This machine, measured by `meshtrain calibrate --nproc {}` on {} ({}), {} ranks, load "
+      "{:.2f},\n# in {:.1f} s{}. docs/cluster.md describes the format.\n"
+      "# peak_tflops_f32 is the best matmul throughput measured (a CPU has no datasheet peak\n"
+      "# its kernels reach); each operator's efficiency is its throughput over that peak.\n"
+      "# Memory is MemTotal / ranks (the ranks share it).\n\n",
+      world, when, host, world, load, now_s() - started, quick ? " (--quick: small sizes)" : "");
+  out += "device = \"cpu\"\n\n[devices.cpu]\n";
+  out += fmt::format("peak_tflops_f32 = {}\n", g3(peak * 1e-12));
+  out += fmt::format("memory_gb = {}\n", g3(static_cast<double>(mem_total_bytes()) / world * 1e-9));
+  if (mem_bw > 0) out += fmt::format("memory_bandwidth_gb_s = {}\n", g3(mem_bw * 1e-9));
+  out += fmt::format("source = \"meshtrain calibrate on {}, {} ({}), {}\"\n", host, cpu.model,
+                     cpu.isa_flags(), when);
+  out += "[devices.cpu.efficiency]\n";
+  for (const auto& [op, e] : eff) {
+    out += fmt::format("# {}: {}\n\"{}\" = {}\n", op, per_size[op], op, g3(e));
+  }
+  out += fmt::format("\n[[nodes]]\nname = \"{}\"\nranks_per_node = {}\n", host, world);
+  for (const Fit& f : fits) {
+    out += fmt::format(
+        "\n# {}: measured (median of the repetitions, slowest rank) {};\n"
+        "# fit: rms relative error {:.0f}%\n",
+        f.algorithm, f.detail, f.fit.rms_rel_error * 100);
+    out += fmt::format("[collectives.{}.intra_node]\nlatency_ms = {}\nbandwidth_gbit_s = {}\n",
+                       f.algorithm, g3(f.fit.latency_s * 1e3), g3(f.fit.bandwidth_bytes_s * 8e-9));
+  }
+  if (opts.calibrate_out.empty()) {
+    fmt::print("{}", out);
+  } else {
+    std::ofstream f(opts.calibrate_out, std::ios::binary);
+    if (!f || !(f << out)) {
+      throw FileError(fmt::format("calibrate --out {}: cannot write: {}", opts.calibrate_out,
+                                  std::strerror(errno)));
+    }
+    say(fmt::format("wrote {} ({:.0f} s)", opts.calibrate_out, now_s() - started));
+  }
+  return 0;
+}
+
+}  // namespace mt

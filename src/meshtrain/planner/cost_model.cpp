@@ -1,0 +1,722 @@
+// Rank programs from the trainer's own graphs (planner/cost_model.h).
+#include "meshtrain/planner/cost_model.h"
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+#include <tuple>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/graph/collective.h"
+#include "meshtrain/graph/cost.h"
+#include "meshtrain/graph/op_registry.h"
+#include "meshtrain/planner/simulator.h"
+#include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/schedule.h"
+#include "meshtrain/sync/buckets.h"
+#include "meshtrain/train/optimizer.h"
+#include "meshtrain/train/param_store.h"
+#include "meshtrain/train/pipeline_training.h"
+#include "meshtrain/train/training_plan.h"
+
+namespace mt::planner {
+
+namespace {
+
+bool half(DType t) {
+  return t == DType::bf16 || t == DType::f16;
+}
+
+}  // namespace
+
+double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown) {
+  if (is_group_op(n.op)) return 0.0;
+  const OpCost c = op_cost(g, n);
+  if (c.flops <= 0 && c.bytes <= 0) return 0.0;
+  bool low = false;
+  for (ValueId v : n.inputs) low = low || half(g.value(v).dtype);
+  const double peak = low && kind.peak_flops_bf16 > 0 ? kind.peak_flops_bf16 : kind.peak_flops_f32;
+  auto it = kind.efficiency.find(std::string(op_name(n.op)));
+  const double eff = it != kind.efficiency.end() ? it->second : kind.default_efficiency;
+  const double t_flops = peak > 0 && eff > 0 ? c.flops / (peak * eff) : 0.0;
+  const double t_bytes = kind.memory_bandwidth > 0 ? c.bytes / kind.memory_bandwidth : 0.0;
+  return std::max(t_flops, t_bytes) * slowdown;
+}
+
+comm::CommCostModel comm_model(const ClusterModel& cluster) {
+  comm::CommCostModel m;
+  m.layout = cluster.layout;
+  m.algorithm_links = cluster.algorithm_links;
+  return m;
+}
+
+int64_t StepEstimate::max_peak_memory_bytes() const {
+  int64_t m = 0;
+  for (const RankEstimate& r : ranks) m = std::max(m, r.peak_memory_bytes);
+  return m;
+}
+
+uint64_t StepEstimate::max_bytes_sent() const {
+  uint64_t m = 0;
+  for (const RankEstimate& r : ranks) m = std::max(m, r.bytes_sent);
+  return m;
+}
+
+namespace {
+
+// Global group ids: one per distinct list of world ranks.
+struct GroupTable {
+  std::map<std::vector<int>, int> ids;
+  std::vector<std::vector<int>> list;
+  int id(const std::vector<int>& ranks) {
+    auto [it, fresh] = ids.emplace(ranks, static_cast<int>(list.size()));
+    if (fresh) list.push_back(ranks);
+    return it->second;
+  }
+};
+
+// The shape of a collective node's call, as the CollectiveRunner makes it.
+comm::CollectiveShape node_shape(const Graph& g, const Node& n, int group_size) {
+  comm::CollectiveShape s;
+  const CollectiveAttrs a = CollectiveAttrs::of(n);
+  const DType t = g.value(n.inputs.at(0)).dtype;
+  s.elem_bytes = dtype_size(t);
+  const size_t total = static_cast<size_t>(collective_payload_bytes(g, n)) / s.elem_bytes;
+  const int nranks = std::max(1, group_size);
+  auto split = [&](std::vector<int64_t> sizes) {
+    if (sizes.empty()) sizes.assign(static_cast<size_t>(nranks), 1);
+    const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+    std::vector<size_t> counts;
+    for (int64_t z : sizes) {
+      counts.push_back(sum > 0 ? static_cast<size_t>(static_cast<double>(total) * z / sum) : 0);
+    }
+    return counts;
+  };
+  switch (n.op) {
+    case OpKind::all_gather:
+    case OpKind::gather_from_group:
+      s.kind = Collective::all_gatherv;
+      s.counts = split(a.sizes);
+      break;
+    case OpKind::reduce_scatter:
+      s.kind = Collective::reduce_scatterv;
+      s.counts = split(a.sizes);
+      break;
+    case OpKind::all_to_all:
+      s.kind = Collective::all_to_all;
+      s.count = total / static_cast<size_t>(nranks);
+      break;
+    default:  // all_reduce, reduce_from_group
+      s.kind = Collective::all_reduce;
+      s.count = total;
+      break;
+  }
+  return s;
+}
+
+// The mesh axis whose group (for `rank`) is `ranks`, or "" when none is.
+std::string axis_of_group(const Mesh& mesh, int rank, const std::vector<int>& ranks) {
+  for (const MeshAxis& ax : mesh.axes()) {
+    if (mesh.group(rank, ax.name) == ranks) return ax.name;
+  }
+  return "";
+}
+
+// Builds one Program's tasks.
+struct ProgramBuilder {
+  Program p;
+  std::map<std::string, int> slot_index;
+  std::map<int, int64_t> seq;  // per group slot: calls so far
+
+  int slot(const std::string& name) {
+    auto [it, fresh] = slot_index.emplace(name, static_cast<int>(p.groups.size()));
+    if (fresh) p.groups.push_back(name);
+    return it->second;
+  }
+  int compute(std::string name, std::string category, double seconds, double flops,
+              std::vector<int> after = {}) {
+    Task t;
+    t.kind = Task::Kind::compute;
+    t.name = std::move(name);
+    t.category = std::move(category);
+    t.seconds = seconds;
+    t.flops = flops;
+    t.after = std::move(after);
+    p.flops += flops;
+    p.tasks.push_back(std::move(t));
+    return static_cast<int>(p.tasks.size()) - 1;
+  }
+  int collective(std::string name, const std::string& group, const comm::CollectiveShape& s,
+                 int lane, std::vector<int> after = {}) {
+    Task t;
+    t.kind = Task::Kind::collective;
+    t.lane = lane;
+    t.name = std::move(name);
+    t.category = "comm";
+    t.group = slot(group);
+    t.seq = seq[t.group]++;
+    t.shape = static_cast<int>(p.shapes.size());
+    p.shapes.push_back(s);
+    t.after = std::move(after);
+    p.tasks.push_back(std::move(t));
+    return static_cast<int>(p.tasks.size()) - 1;
+  }
+  int p2p(Task::Kind kind, std::string name, int peer, int64_t tag, uint64_t bytes, int lane,
+          std::vector<int> after = {}) {
+    Task t;
+    t.kind = kind;
+    t.lane = lane;
+    t.name = std::move(name);
+    t.category = "p2p";
+    t.peer = peer;
+    t.tag = tag;
+    t.bytes = bytes;
+    t.after = std::move(after);
+    p.tasks.push_back(std::move(t));
+    return static_cast<int>(p.tasks.size()) - 1;
+  }
+};
+
+// The optimizer's update of `numel` f32 elements: memory-bound, reading and
+// writing the parameter, the gradient and each state tensor.
+double optimizer_seconds(const DeviceKind& kind, int64_t numel, int state_kinds, double slowdown) {
+  const double bytes = static_cast<double>(numel) * 4.0 * 2.0 * (2 + state_kinds);
+  const double flops = static_cast<double>(numel) * (4.0 + 4.0 * state_kinds);
+  const double t_bytes = kind.memory_bandwidth > 0 ? bytes / kind.memory_bandwidth : 0.0;
+  const double t_flops =
+      kind.peak_flops_f32 > 0 ? flops / (kind.peak_flops_f32 * kind.default_efficiency) : 0.0;
+  return std::max(t_bytes, t_flops) * slowdown;
+}
+
+// Time of a collective node folded into a pass (pipeline passes), on the
+// group of the rank the pass was built for.
+double folded_collective_s(const comm::CommCostModel& cm, const Graph& g, const Node& n,
+                           const std::vector<std::vector<int>>& groups) {
+  if (!communicates(n.op)) return 0.0;
+  const CollectiveAttrs a = CollectiveAttrs::of(n);
+  const std::vector<int>& ranks = groups.at(static_cast<size_t>(a.group));
+  return cm.collective(node_shape(g, n, static_cast<int>(ranks.size())), ranks).seconds;
+}
+
+// ---- data parallel / ZeRO / tensor parallel (no pipeline) --------------------
+
+// What a data-parallel program depends on besides the rank's device.
+struct DpKey {
+  std::vector<int> lowered_coords;
+  int64_t micro_batch;
+  int kind;
+  double slowdown;
+  bool operator<(const DpKey& o) const {
+    return std::tie(lowered_coords, micro_batch, kind, slowdown) <
+           std::tie(o.lowered_coords, o.micro_batch, o.kind, o.slowdown);
+  }
+};
+
+void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
+                         const ClusterModel& cluster, const comm::CommCostModel& cm, Programs& out,
+                         GroupTable& groups) {
+  const int world = cluster.world();
+  const Plan* plan = o.dist.plan.get();
+  const bool lowered = plan != nullptr && needs_lowering(*plan);
+  const std::vector<std::string> axes =
+      lowered ? lowered_axes(plan->mesh) : std::vector<std::string>{};
+  const int kinds = static_cast<int>(make_optimizer(o.optimizer, o.optim)->state_kinds().size());
+  const DataParallelOptions& dp = o.dist.dp;
+  const int K = dp.accumulation_steps;
+
+  // The graph (and its memory plan) per lowered coordinates and micro-batch.
+  struct Built {
+    TrainingGraph tg;
+    TrainingPlan plan;
+    int rank;
+  };
+  std::map<std::pair<std::vector<int>, int64_t>, std::unique_ptr<Built>> graphs;
+  std::map<DpKey, int> programs;
+
+  for (int r = 0; r < world; ++r) {
+    const DataParallelPlace place = data_parallel_place(o, r, world);
+    const BatchSplit split = split_batch(o, place.rank, place.world);
+    std::vector<int> coords;
+    for (const std::string& a : axes) coords.push_back(plan->mesh.coord(r, a));
+    auto& built = graphs[{coords, split.micro_batch}];
+    if (!built) {
+      built = std::make_unique<Built>();
+      built->rank = r;
+      built->tg = build_training_graph(spec, o, split.micro_batch, r);
+      built->plan = plan_training(built->tg, spec, o, split, r, world);
+    }
+    const DpKey key{coords, split.micro_batch, cluster.kind_of.at(static_cast<size_t>(r)),
+                    cluster.slowdown_of(r)};
+    auto [it, fresh] = programs.emplace(key, static_cast<int>(out.programs.size()));
+    RankBinding bind;
+    bind.program = it->second;
+    if (fresh) {
+      const Graph& g = built->tg.model.graph;
+      const DeviceKind& dev = cluster.device(r);
+      const double slow = cluster.slowdown_of(r);
+      ProgramBuilder b;
+      b.p.signature = fmt::format(
+          "rank {}: {}micro-batch {}, device {}, slowdown {}", r,
+          axes.empty()
+              ? ""
+              : fmt::format("{} coords [{}], ", fmt::join(axes, "/"), fmt::join(coords, ",")),
+          split.micro_batch, dev.name, slow);
+      // Buckets over the data-parallel group, and which backward node
+      // completes each bucket's gradients.
+      int64_t flat = 0;
+      const ParamLayout layout = ParamStore::layout(g, &flat);
+      const BucketPlan buckets(layout, flat, dp.bucket_bytes, place.world, place.rank);
+      std::vector<NodeId> producer(static_cast<size_t>(g.num_values()), -1);
+      for (NodeId i = 0; i < g.num_nodes(); ++i) {
+        for (ValueId v : g.node(i).outputs) producer[static_cast<size_t>(v)] = i;
+      }
+      std::map<NodeId, std::vector<int>> completes;  // node -> buckets it completes
+      for (size_t bi = 0; bi < buckets.buckets().size(); ++bi) {
+        const BucketInfo& bk = buckets.buckets()[bi];
+        NodeId last = -1;
+        for (int pi = bk.first_param; pi <= bk.last_param; ++pi) {
+          const auto pv = g.find(layout[static_cast<size_t>(pi)].name);
+          const ValueId gv = pv ? g.grad_of(*pv) : kNoValue;
+          if (gv != kNoValue) last = std::max(last, producer[static_cast<size_t>(gv)]);
+        }
+        completes[last].push_back(static_cast<int>(bi));
+      }
+      const int dp_world = place.world;
+      const std::string dp_axis = lowered ? "dp" : "world";
+      const LoweredProgram& lp = built->tg.lowered;
+      const double recompute_s =
+          built->plan.activations.recompute_flops > 0 && dev.peak_flops_f32 > 0
+              ? built->plan.activations.recompute_flops /
+                    (dev.peak_flops_f32 * dev.default_efficiency) * slow
+              : 0.0;
+
+      // ZeRO-3: the bucket holding each parameter value, gathered before
+      // the first operator of a phase (forward, backward) that reads it.
+      const bool zero3 = dp_world > 1 && dp.stage == 3;
+      std::vector<int> bucket_of_value(static_cast<size_t>(g.num_values()), -1);
+      for (ValueId v : g.params()) {
+        const int pi = buckets.find(g.value(v).name);
+        if (pi >= 0) bucket_of_value[static_cast<size_t>(v)] = buckets.bucket_of(pi);
+      }
+      std::vector<int> bucket_task(buckets.buckets().size(), -1);
+      int last_backward = -1, last_forward = -1;
+      std::vector<int> pending;  // gathers the next compute task waits for
+      for (int k = 0; k < K; ++k) {
+        const bool last_micro = k == K - 1;
+        double run_s = 0, run_flops = 0;
+        bool run_backward = false;
+        auto flush = [&]() {
+          if (run_s <= 0 && run_flops <= 0 && pending.empty()) return;
+          const int t = b.compute(fmt::format("{} {}", run_backward ? "backward" : "forward", k),
+                                  run_backward ? "backward" : "forward", run_s, run_flops, pending);
+          pending.clear();
+          (run_backward ? last_backward : last_forward) = t;
+          run_s = 0;
+          run_flops = 0;
+        };
+        std::vector<char> gathered(buckets.buckets().size(), 0);
+        bool in_backward = false;
+        for (NodeId i = 0; i < g.num_nodes(); ++i) {
+          const Node& n = g.node(i);
+          if (n.backward != in_backward) {
+            flush();
+            std::fill(gathered.begin(), gathered.end(), 0);
+            in_backward = n.backward;
+            if (in_backward && recompute_s > 0) {
+              b.compute(fmt::format("recompute {}", k), "backward", recompute_s,
+                        built->plan.activations.recompute_flops);
+            }
+          }
+          run_backward = in_backward;
+          if (zero3 && !is_group_op(n.op)) {
+            for (ValueId v : n.inputs) {
+              const int bi = bucket_of_value[static_cast<size_t>(v)];
+              if (bi < 0 || gathered[static_cast<size_t>(bi)]) continue;
+              if (run_s > 0 || run_flops > 0) flush();
+              gathered[static_cast<size_t>(bi)] = 1;
+              comm::CollectiveShape gs{Collective::all_gatherv, 0,
+                                       buckets.buckets()[static_cast<size_t>(bi)].counts, 4, 0};
+              // Backward gathers again after forward freed the bucket.
+              std::vector<int> after;
+              if (n.backward && last_forward >= 0) after.push_back(last_forward);
+              pending.push_back(b.collective(fmt::format("all_gatherv params bucket {}", bi),
+                                             dp_axis, gs, 2, after));
+            }
+          }
+          if (communicates(n.op)) {
+            flush();
+            const CollectiveAttrs a = CollectiveAttrs::of(n);
+            const std::vector<int>& ranks = lp.groups.at(static_cast<size_t>(a.group));
+            const std::string axis = axis_of_group(plan->mesh, r, ranks);
+            if (axis.empty()) {
+              throw InternalError(fmt::format(
+                  "planner: collective '{}' of rank {} runs on ranks [{}], which are no mesh "
+                  "axis's group",
+                  n.name, r, fmt::join(ranks, ", ")));
+            }
+            b.collective(fmt::format("{} {}", op_name(n.op), n.name), axis,
+                         node_shape(g, n, static_cast<int>(ranks.size())), 0);
+            continue;
+          }
+          run_s += op_seconds(dev, g, n, slow);
+          run_flops += op_cost(g, n).flops;
+          auto c = completes.find(i);
+          if (last_micro && c != completes.end() && dp_world > 1) {
+            flush();
+            for (int bi : c->second) bucket_task[static_cast<size_t>(bi)] = last_backward;
+          }
+        }
+        flush();
+      }
+      // Gradient buckets, in bucket order on the comm lane (with overlap off,
+      // all after backward).
+      std::vector<int> synced;
+      if (dp_world > 1) {
+        for (size_t bi = 0; bi < buckets.buckets().size(); ++bi) {
+          const BucketInfo& bk = buckets.buckets()[bi];
+          const int ready = dp.overlap && bucket_task[bi] >= 0 ? bucket_task[bi] : last_backward;
+          comm::CollectiveShape s;
+          s.elem_bytes = 4;
+          if (dp.stage >= 2) {
+            s.kind = Collective::reduce_scatterv;
+            s.counts = bk.counts;
+          } else {
+            s.kind = Collective::all_reduce;
+            s.count = static_cast<size_t>(bk.numel());
+          }
+          synced.push_back(b.collective(fmt::format("{} bucket {}", collective_name(s.kind), bi),
+                                        dp_axis, s, 1,
+                                        ready >= 0 ? std::vector<int>{ready} : std::vector<int>{}));
+        }
+      }
+      std::vector<int> before_opt = synced;
+      if (last_backward >= 0) before_opt.push_back(last_backward);
+      const int64_t opt_numel = dp.stage >= 1 ? buckets.shard_numel() : buckets.param_numel();
+      const int opt = b.compute("optimizer", "optimizer",
+                                optimizer_seconds(dev, opt_numel, kinds, slow), 0, before_opt);
+      // Stages 1-2 gather the updated parameters; stage 3 gathers each
+      // bucket before its use in forward and again in backward (modelled as
+      // two gathers of every bucket per micro-step, on the comm lane).
+      if (dp_world > 1 && (dp.stage == 1 || dp.stage == 2)) {
+        for (size_t bi = 0; bi < buckets.buckets().size(); ++bi) {
+          comm::CollectiveShape s{Collective::all_gatherv, 0, buckets.buckets()[bi].counts, 4, 0};
+          b.collective(fmt::format("all_gatherv params bucket {}", bi), dp_axis, s, 1, {opt});
+        }
+      }
+      if (zero3) {
+        out.notes.push_back(
+            "ZeRO-3: each bucket's parameters are gathered (on their own lane) before the first "
+            "forward and the first backward operator that reads them, as far ahead as the "
+            "lane allows (the runtime prefetches one bucket ahead)");
+      }
+      b.p.peak_memory_bytes = built->plan.total_bytes();
+      b.p.memory_detail = built->plan.describe();
+      out.programs.push_back(std::move(b.p));
+    }
+    // Bind the slots to this rank's groups.
+    const Program& prog = out.programs[static_cast<size_t>(bind.program)];
+    for (const std::string& slot : prog.groups) {
+      std::vector<int> ranks;
+      if (slot == "world") {
+        ranks.resize(static_cast<size_t>(world));
+        std::iota(ranks.begin(), ranks.end(), 0);
+      } else {
+        ranks = plan->mesh.group(r, slot);
+      }
+      bind.group_ids.push_back(groups.id(ranks));
+    }
+    out.ranks.push_back(std::move(bind));
+  }
+}
+
+// ---- pipeline -------------------------------------------------------------------
+
+struct PpKey {
+  std::vector<int> lowered_coords;
+  int stage;
+  int kind;
+  double slowdown;
+  bool operator<(const PpKey& o) const {
+    return std::tie(lowered_coords, stage, kind, slowdown) <
+           std::tie(o.lowered_coords, o.stage, o.kind, o.slowdown);
+  }
+};
+
+// A stage pass: its operators' time and FLOPs, and its tensor-parallel
+// collectives' time (folded: timed on the group of the rank the pass was
+// built for).
+struct PassTime {
+  double compute = 0, comm = 0, flops = 0;
+};
+
+PassTime pass_time(const DeviceKind& dev, double slow, const StagePass& pass,
+                   const comm::CommCostModel& cm, const std::vector<std::vector<int>>& groups) {
+  PassTime t;
+  for (const Node& n : pass.graph.nodes()) {
+    t.compute += op_seconds(dev, pass.graph, n, slow);
+    t.comm += folded_collective_s(cm, pass.graph, n, groups);
+    t.flops += op_cost(pass.graph, n).flops;
+  }
+  return t;
+}
+
+void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
+                    const ClusterModel& cluster, const comm::CommCostModel& cm, Programs& out,
+                    GroupTable& groups) {
+  check_pipeline_options(o);
+  const int world = cluster.world();
+  const Plan& plan = *o.dist.plan;
+  plan.mesh.check_world(world, "the plan's mesh");
+  const int p = plan.pipeline_stages();
+  const int dp_world = plan.mesh.axis_size("dp");
+  const std::vector<std::string> axes =
+      needs_lowering(plan) ? lowered_axes(plan.mesh) : std::vector<std::string>{};
+  const int kinds = static_cast<int>(make_optimizer(o.optimizer, o.optim)->state_kinds().size());
+  ModelSpec spec = model_spec;
+  spec.compute = o.precision;
+
+  // Every data-parallel rank gets an equal share (no batch_shares here).
+  const BatchSplit split = split_batch(o, 0, dp_world);
+  if (split.local_batch % plan.microbatches != 0) {
+    throw ConfigError(fmt::format(
+        "parallel.microbatches: {} examples per data-parallel rank cannot be split into {} "
+        "micro-batches",
+        split.local_batch, plan.microbatches));
+  }
+  const int64_t micro = split.local_batch / plan.microbatches;
+  const PipelineSchedule schedule =
+      make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
+  const ScheduleSimulation unit = simulate(schedule);
+
+  struct Built {
+    PipelineCut cut;
+    LoweredProgram lowered;
+  };
+  std::map<std::vector<int>, std::unique_ptr<Built>> cuts;
+  std::map<PpKey, int> programs;
+  out.notes.push_back(
+      "pipeline: tensor-parallel collectives inside a stage pass are folded into the pass's "
+      "time on the group of the rank the pass was built for; data-parallel gradients are "
+      "all-reduced per parameter after the pipeline, not overlapped (as the runtime does)");
+
+  for (int r = 0; r < world; ++r) {
+    std::vector<int> coords;
+    for (const std::string& a : axes) coords.push_back(plan.mesh.coord(r, a));
+    auto& built = cuts[coords];
+    if (!built) {
+      built = std::make_unique<Built>();
+      const ModelGraph m = build_rank_model(spec, micro, o, r, &built->lowered);
+      built->cut = cut_pipeline(m.graph, m.loss, plan.stages);
+    }
+    const int stage = plan.mesh.coord(r, "pp");
+    const PpKey key{coords, stage, cluster.kind_of.at(static_cast<size_t>(r)),
+                    cluster.slowdown_of(r)};
+    auto [it, fresh] = programs.emplace(key, static_cast<int>(out.programs.size()));
+    RankBinding bind;
+    bind.program = it->second;
+    const std::vector<int> pp_group = plan.mesh.group(r, "pp");
+    if (fresh) {
+      const DeviceKind& dev = cluster.device(r);
+      const double slow = cluster.slowdown_of(r);
+      const PipelineCut& cut = built->cut;
+      ProgramBuilder b;
+      b.p.signature = fmt::format(
+          "rank {}: pipeline stage {}{}, device {}, slowdown {}", r, stage,
+          axes.empty()
+              ? ""
+              : fmt::format(", {} coords [{}]", fmt::join(axes, "/"), fmt::join(coords, ",")),
+          dev.name, slow);
+      for (int q = 0; q < p; ++q) b.p.peers.push_back(fmt::format("pp{}", q));
+      // Per virtual stage: pass times and boundary bytes.
+      struct StageTimes {
+        PassTime f, b, bi, bw;
+        uint64_t act_bytes = 0, grad_bytes = 0;
+      };
+      std::vector<StageTimes> st(cut.stages.size());
+      for (size_t s = 0; s < cut.stages.size(); ++s) {
+        if (static_cast<int>(s) % p != stage) continue;
+        const PipelineStage& ps = cut.stages[s];
+        const auto& lg = built->lowered.groups;
+        StageTimes& t = st[s];
+        t.f = pass_time(dev, slow, ps.forward, cm, lg);
+        t.b = pass_time(dev, slow, ps.backward, cm, lg);
+        t.bi = pass_time(dev, slow, ps.backward_input, cm, lg);
+        t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg);
+        for (const StageBoundary& sb : ps.outputs) t.act_bytes += static_cast<uint64_t>(sb.bytes());
+        for (const StageBoundary& sb : ps.inputs) {
+          if (sb.has_grad) t.grad_bytes += static_cast<uint64_t>(sb.bytes());
+        }
+      }
+      // A pass: its operators, then its folded tensor collectives (a
+      // compute-lane task of category "comm"); returns the last task.
+      auto pass = [&](const std::string& where, const char* category, const PassTime& t) {
+        int last = b.compute(where, category, t.compute, t.flops);
+        if (t.comm > 0) last = b.compute(where + " tensor collectives", "comm", t.comm, 0);
+        return last;
+      };
+      // The schedule's actions, in order. Sends go on the comm lane once
+      // the pass that produced them is done; receives wait on the compute lane.
+      std::map<std::pair<int, int>, int> done;  // (microbatch, virtual stage) -> last compute task
+      auto tag = [](int kind, int mb, int s) {
+        return (static_cast<int64_t>(kind) << 40) | (static_cast<int64_t>(mb) << 20) | s;
+      };
+      for (const PipelineAction& a : schedule.actions[static_cast<size_t>(stage)]) {
+        const StageTimes& t = st[static_cast<size_t>(a.stage)];
+        const std::string where = describe(a);
+        switch (a.kind) {
+          case ActionKind::forward:
+            done[{a.microbatch, a.stage}] = pass(where, "forward", t.f);
+            break;
+          case ActionKind::backward:
+            done[{a.microbatch, a.stage}] = pass(where, "backward", t.b);
+            break;
+          case ActionKind::backward_input:
+            done[{a.microbatch, a.stage}] = pass(where, "backward", t.bi);
+            break;
+          case ActionKind::backward_weight:
+            pass(where, "backward", t.bw);
+            break;
+          case ActionKind::send_activation:
+            b.p2p(Task::Kind::send, where, a.peer, tag(0, a.microbatch, a.stage), t.act_bytes, 1,
+                  {done.at({a.microbatch, a.stage})});
+            break;
+          case ActionKind::send_grad:
+            b.p2p(Task::Kind::send, where, a.peer, tag(1, a.microbatch, a.stage), t.grad_bytes, 1,
+                  {done.at({a.microbatch, a.stage})});
+            break;
+          case ActionKind::recv_activation:
+            // The matching send is tagged with the sending (previous) stage.
+            b.p2p(Task::Kind::recv, where, a.peer, tag(0, a.microbatch, a.stage - 1), 0, 0);
+            break;
+          case ActionKind::recv_grad:
+            b.p2p(Task::Kind::recv, where, a.peer, tag(1, a.microbatch, a.stage + 1), 0, 0);
+            break;
+        }
+      }
+      // A parameter held by several stages (GPT's tied wte): after every
+      // send has completed, the first holder receives each other holder's
+      // gradient, sums, and sends the sum back (PipelineRuntime's
+      // exchange_shared), on the compute lane.
+      std::vector<int> sends;
+      for (size_t i = 0; i < b.p.tasks.size(); ++i) {
+        if (b.p.tasks[i].kind == Task::Kind::send) sends.push_back(static_cast<int>(i));
+      }
+      int64_t shared_tag = 0;
+      for (const auto& [name, vstages] : cut.shared_params) {
+        ++shared_tag;
+        std::set<int> hs;
+        for (int vs : vstages) hs.insert(vs % p);
+        const std::vector<int> h(hs.begin(), hs.end());
+        if (h.size() < 2 || !hs.count(stage)) continue;
+        uint64_t bytes = 0;
+        for (int vs : vstages) {
+          if (vs % p != stage) continue;
+          const Graph& fg = cut.stages[static_cast<size_t>(vs)].forward.graph;
+          if (auto v = fg.find(name)) bytes = static_cast<uint64_t>(fg.value(*v).shape.numel()) * 4;
+        }
+        const int64_t tg = (int64_t{2} << 40) | shared_tag;
+        const std::string what = fmt::format("shared gradient {}", name);
+        if (stage == h.front()) {
+          for (size_t k = 1; k < h.size(); ++k) {
+            b.p2p(Task::Kind::recv, "recv " + what, h[k], tg, bytes, 0, sends);
+            sends.clear();
+          }
+          for (size_t k = 1; k < h.size(); ++k) {
+            b.p2p(Task::Kind::send, "send " + what, h[k], tg, bytes, 0);
+          }
+        } else {
+          b.p2p(Task::Kind::send, "send " + what, h.front(), tg, bytes, 0, sends);
+          sends.clear();
+          b.p2p(Task::Kind::recv, "recv " + what, h.front(), tg, bytes, 0);
+        }
+      }
+      // Gradients over dp, one all-reduce per parameter (lane 0, after the
+      // pipeline's last pass), then the optimizer.
+      int64_t param_numel = 0, param_bytes = 0;
+      std::set<std::string> held;
+      for (size_t s = 0; s < cut.stages.size(); ++s) {
+        if (static_cast<int>(s) % p != stage) continue;
+        const Graph& fg = cut.stages[s].forward.graph;
+        for (ValueId v : fg.params()) {
+          const Value& val = fg.value(v);
+          if (!held.insert(val.name).second) continue;
+          param_numel += val.shape.numel();
+          param_bytes += val.shape.numel() * 4;
+          if (dp_world > 1) {
+            comm::CollectiveShape cs{
+                Collective::all_reduce, static_cast<size_t>(val.shape.numel()), {}, 4, 0};
+            b.collective(fmt::format("all_reduce grad {}", val.name), "dp", cs, 0);
+          }
+        }
+      }
+      b.compute("optimizer", "optimizer", optimizer_seconds(dev, param_numel, kinds, slow), 0);
+
+      // Memory: parameters, gradients, optimizer state of the stage's
+      // parameters; one stash per micro-batch chunk in flight (the
+      // schedule's peak); the largest pass's arena.
+      int64_t stash = 0, arena = 0;
+      for (size_t s = 0; s < cut.stages.size(); ++s) {
+        if (static_cast<int>(s) % p != stage) continue;
+        stash = std::max(stash, cut.stages[s].stash_bytes);
+        for (const StagePass* sp : {&cut.stages[s].forward, &cut.stages[s].backward}) {
+          ExecOptions eo = o.exec;
+          arena = std::max(arena, plan_memory(sp->graph, eo, GradMemory::kept).arena_bytes);
+        }
+      }
+      const int64_t in_flight = unit.peak_in_flight.at(static_cast<size_t>(stage));
+      const int64_t state = param_bytes * (2 + kinds);
+      b.p.peak_memory_bytes = state + stash * in_flight + arena;
+      b.p.memory_detail = fmt::format(
+          "parameters + gradients + optimizer state {} B, activation stash {} B x {} in flight, "
+          "largest pass arena {} B",
+          state, stash, in_flight, arena);
+      out.programs.push_back(std::move(b.p));
+    }
+    const Program& prog = out.programs[static_cast<size_t>(bind.program)];
+    for (const std::string& slot : prog.groups)
+      bind.group_ids.push_back(groups.id(plan.mesh.group(r, slot)));
+    for (int q = 0; q < p; ++q) bind.peer_ranks.push_back(pp_group[static_cast<size_t>(q)]);
+    out.ranks.push_back(std::move(bind));
+  }
+}
+
+}  // namespace
+
+Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options,
+                        const ClusterModel& cluster) {
+  // One training step: what a run writes or loads around it does not matter.
+  TrainerOptions options = run_options;
+  options.checkpoint_path.clear();
+  options.checkpoint_every = 0;
+  options.resume_path.clear();
+  options.init_path.clear();
+  const int world = cluster.world();
+  if (world < 1) throw ConfigError(fmt::format("cluster {}: no ranks", cluster.source));
+  if (options.dist.plan) options.dist.plan->mesh.check_world(world, "the plan's mesh");
+  Programs out;
+  GroupTable groups;
+  const comm::CommCostModel cm = comm_model(cluster);
+  if (options.dist.plan && pipeline_plan(options)) {
+    build_pipeline(spec, options, cluster, cm, out, groups);
+  } else {
+    build_data_parallel(spec, options, cluster, cm, out, groups);
+  }
+  out.groups = groups.list;
+  out.samples_per_step = options.batch_size;
+  out.half_precision = options.precision == DType::bf16 || options.precision == DType::f16;
+  for (const RankBinding& b : out.ranks) {
+    out.model_flops_per_step += out.programs[static_cast<size_t>(b.program)].flops;
+  }
+  return out;
+}
+
+StepEstimate estimate_step(const ModelSpec& spec, const TrainerOptions& options,
+                           const ClusterModel& cluster) {
+  return simulate(build_programs(spec, options, cluster), cluster);
+}
+
+}  // namespace mt::planner

@@ -1,0 +1,149 @@
+// The planner's cost model: what one optimizer step of a run (a model, the
+// trainer's options with their plan, a cluster) costs on every rank, without
+// data and without allocating tensors (graphs hold shapes only).
+//
+// Pieces, each from the code the runtime runs:
+//   compute   per operator from graph/cost.h's OpCost on the rank's device
+//             kind: max(flops / (peak(dtype) x efficiency(op)),
+//             bytes / memory bandwidth), times the rank's slowdown;
+//   comm      per collective from comm/cost.h (the algorithm the
+//             communicator's policy picks for the group, its alpha-beta
+//             time over the links it crosses): tensor-parallel collectives
+//             the lowering inserted (spmd/lower.h), data-parallel gradient
+//             buckets (sync/buckets.h) or ZeRO's reduce-scatter / gathers,
+//             pipeline sends between stages;
+//   schedule  the pipeline schedule's own action lists (spmd/schedule.h);
+//   memory    the trainer's own per-rank plan (train/training_plan.h, what
+//             `inspect` prints); under pipeline plans the stage's
+//             parameters, gradients, optimizer state, one activation stash
+//             per micro-batch in flight (the schedule's peak) and the
+//             largest pass's arena.
+// The step time itself comes from the discrete-event simulator
+// (planner/simulator.h) over the ranks' programs that build_programs makes;
+// estimate_step() does both. See docs/planner.md for what is and is not
+// modelled.
+//
+// Units: seconds, bytes, FLOPs. Pure functions of their arguments; they
+// throw ConfigError (naming the key) for runs the trainer would refuse.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "meshtrain/comm/cost.h"
+#include "meshtrain/graph/graph.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/planner/cluster_model.h"
+#include "meshtrain/train/trainer.h"
+
+namespace mt::planner {
+
+// Seconds operator `n` of `g` takes on a device of `kind` at `slowdown`
+// (collectives and free ops such as reshape: 0; their cost is comm's).
+// dtype-aware: the peak is peak_flops_bf16 when the node's inputs are bf16
+// or f16 (and that peak is set), else peak_flops_f32.
+double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown = 1.0);
+
+// The comm layer's cost model over the cluster's layout and fits.
+comm::CommCostModel comm_model(const ClusterModel& cluster);
+
+// One task of a rank program, the unit the simulator schedules. Tasks of a
+// lane run in order; a task may also wait for earlier tasks of its rank
+// (`after`). Collectives start when every member of the group has reached
+// them (group + sequence number match them); sends and receives match by
+// (sender, receiver, tag).
+struct Task {
+  enum class Kind : uint8_t { compute, collective, send, recv };
+  Kind kind = Kind::compute;
+  int lane = 0;          // 0 compute, 1 communication (trace lanes as Timeline's)
+  std::string name;      // trace name: "forward F3@1", "all_reduce dp bucket 2", ...
+  std::string category;  // "forward", "backward", "optimizer", "comm", "p2p"
+  // compute: its duration. Collectives and sends are timed by the simulator
+  // on the rank's own group / peer (links differ between groups): `shape`
+  // indexes Program::shapes; a send carries `bytes`.
+  double seconds = 0;
+  int shape = -1;
+  std::vector<int> after;  // indices of earlier tasks of this program it waits for
+  // collective: which of the program's groups (Program::groups) and its
+  // call number on that group; send / recv: the peer slot and a tag.
+  int group = -1;
+  int64_t seq = 0;
+  int peer = -1;  // send / recv: index into Program::peers
+  int64_t tag = 0;
+  uint64_t bytes = 0;  // send / recv: the message's bytes
+  double flops = 0;    // compute
+};
+
+// A rank program: what one rank does in one optimizer step. Ranks that do
+// the same thing (same stage, same shard shapes, same device kind and
+// slowdown) share one Program; per rank only the world ranks of its groups
+// and peers differ (RankBinding).
+struct Program {
+  std::string signature;  // what made it distinct, for messages and dedup
+  std::vector<Task> tasks;
+  std::vector<comm::CollectiveShape> shapes;  // of the collective tasks
+  std::vector<std::string> groups;            // group slots by name ("tp", "dp", ...)
+  std::vector<std::string> peers;             // peer slots by name ("pp-next", "pp-prev")
+  double flops = 0;                           // model FLOPs this rank computes per step
+  int64_t peak_memory_bytes = 0;
+  std::string memory_detail;  // the parts, for the report
+};
+
+// Which world ranks a rank's group and peer slots are.
+struct RankBinding {
+  int program = 0;              // index into Programs::programs
+  std::vector<int> group_ids;   // per group slot: a global group id
+  std::vector<int> peer_ranks;  // per peer slot: a world rank (-1: none)
+};
+
+struct Programs {
+  std::vector<Program> programs;         // distinct programs
+  std::vector<RankBinding> ranks;        // per world rank
+  std::vector<std::vector<int>> groups;  // global group id -> world ranks
+  double model_flops_per_step = 0;       // the whole model's (all ranks), for MFU
+  int64_t samples_per_step = 0;          // global batch
+  bool half_precision = false;           // bf16 / f16 runs: MFU against the bf16 peak
+  std::vector<std::string> notes;        // simplifications taken, for the report
+};
+
+// The programs of every rank of a run: the trainer's graph (or the
+// pipeline's stage passes) for this plan, with each operator's time on the
+// rank's device and each collective's time on its group. Throws ConfigError
+// for options the trainer would refuse (as plan_training does), and when
+// the cluster's world differs from the plan's.
+Programs build_programs(const ModelSpec& spec, const TrainerOptions& options,
+                        const ClusterModel& cluster);
+
+// One rank's share of a predicted step.
+struct RankEstimate {
+  double compute_s = 0;  // busy computing
+  double comm_s = 0;     // in collectives / sends on the critical lane (not hidden)
+  double idle_s = 0;     // step - compute - comm (bubbles, waiting for peers)
+  double forward_s = 0, backward_s = 0, optimizer_s = 0;  // compute by phase
+  int64_t peak_memory_bytes = 0;
+  uint64_t bytes_sent = 0;  // per step
+  double utilisation = 0;   // compute_s / step_s
+};
+
+struct StepEstimate {
+  double step_s = 0;
+  double samples_per_s = 0;
+  // model FLOPs per step / (step_s x sum of the ranks' peak FLOP/s at the
+  // run's precision: bf16 for bf16 / f16 runs where the device states it)
+  double mfu = 0;
+  std::vector<RankEstimate> ranks;  // per world rank
+  int distinct_programs = 0;
+  std::vector<std::string> notes;
+
+  int64_t max_peak_memory_bytes() const;
+  uint64_t max_bytes_sent() const;
+};
+
+// build_programs + the simulator (planner/simulator.h), no trace.
+StepEstimate estimate_step(const ModelSpec& spec, const TrainerOptions& options,
+                           const ClusterModel& cluster);
+
+}  // namespace mt::planner

@@ -1,0 +1,454 @@
+#include "meshtrain/planner/search.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/planner/balance.h"
+#include "meshtrain/spmd/lower.h"
+#include "meshtrain/train/pipeline_training.h"
+#include "meshtrain/train/training_plan.h"
+
+namespace mt::planner {
+
+namespace {
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; ++i) {
+    if (n % i == 0) d.push_back(i);
+  }
+  return d;
+}
+
+// "[3,1]": no spaces, so that the settings paste into a shell as they are.
+std::string list(const std::vector<int64_t>& v) {
+  return fmt::format("[{}]", fmt::join(v, ","));
+}
+
+// Seconds per unit of work of each rank relative to the others: its slowdown
+// over its device's f32 peak (what makes ranks unequal before any plan).
+bool unequal_devices(const ClusterModel& c) {
+  std::set<std::pair<int, double>> seen;
+  for (int r = 0; r < c.world(); ++r)
+    seen.insert({c.kind_of[static_cast<size_t>(r)], c.slowdown_of(r)});
+  if (seen.size() <= 1) return false;
+  std::set<double> speed;
+  for (const auto& [k, s] : seen) speed.insert(c.kinds[static_cast<size_t>(k)].peak_flops_f32 / s);
+  return speed.size() > 1;
+}
+
+// The largest number of ranks on one node.
+int max_node_ranks(const ClusterModel& c) {
+  std::map<int, int> per;
+  int m = 1;
+  for (int n : c.layout.node_of) m = std::max(m, ++per[n]);
+  return m;
+}
+
+struct Evaluated {
+  bool refused = false;
+  std::string why;
+  int64_t over_bytes = 0;  // > 0: over memory on `worst_rank`
+  int worst_rank = 0;
+  int64_t need = 0, have = 0;
+};
+
+}  // namespace
+
+std::string PlanCandidate::describe() const {
+  std::string s = fmt::format("dp={} tp={} pp={}", shape.dp, shape.tp, shape.pp);
+  if (shape.pp > 1) {
+    s += fmt::format(" mb={} {}", shape.microbatches, schedule_name(shape.schedule));
+  }
+  s += fmt::format(" zero={}", zero_stage);
+  if (recompute) s += " recompute";
+  if (!shape.batch_shares.empty()) s += " shares=" + list(shape.batch_shares);
+  if (!shape.tp_ratios.empty()) s += " tp_ratios=" + list(shape.tp_ratios);
+  if (!shape.stage_layers.empty()) s += " stage_layers=" + list(shape.stage_layers);
+  return s;
+}
+
+std::vector<std::string> PlanCandidate::settings(int world) const {
+  std::vector<std::string> s = {fmt::format("dist.nproc={}", world),
+                                fmt::format("dist.zero_stage={}", zero_stage)};
+  if (!shape.batch_shares.empty()) s.push_back("dist.batch_shares=" + list(shape.batch_shares));
+  if (recompute) s.push_back("exec.recompute=true");
+  return s;
+}
+
+SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
+                          const ClusterModel& cluster, const SearchOptions& opt) {
+  const int world = cluster.world();
+  if (world < 1) throw ConfigError("plan search: the cluster has no ranks");
+  ModelSpec shape_spec = spec;
+  shape_spec.compute = DType::f32;  // names and shapes do not depend on it
+  const ModelGraph m = build_model(shape_spec, base.batch_size);
+  const ShorthandModel sm{spec.kind, spec.kind == "gpt" ? spec.d_model / spec.heads : 1};
+  const int units = static_cast<int>(stage_units(sm, m.graph).size());
+  const int node_ranks = max_node_ranks(cluster);
+  const bool unequal = opt.uneven && unequal_devices(cluster);
+
+  // The even shapes, in a fixed order.
+  struct Shape {
+    ParallelShorthand sh;
+    int zero = 0;
+    bool recompute = false;
+  };
+  std::vector<Shape> shapes;
+  for (int tp : divisors(world)) {
+    if (opt.tp_within_node && tp > node_ranks) continue;
+    for (int pp : divisors(world / tp)) {
+      if (pp > units) continue;
+      const int dp = world / (tp * pp);
+      std::vector<std::pair<int, ScheduleKind>> pipe;
+      if (pp == 1) {
+        pipe.push_back({1, ScheduleKind::one_f_one_b});
+      } else {
+        for (int f : opt.microbatch_factors) {
+          for (ScheduleKind k : opt.schedules) pipe.push_back({pp * f, k});
+        }
+      }
+      for (const auto& [mb, kind] : pipe) {
+        for (int zero : opt.zero_stages) {
+          if (dp == 1 && zero > 0) continue;
+          // The pipeline runtime does not recompute yet (docs/plan.md).
+          for (int rc = 0; rc < (opt.recompute && pp == 1 ? 2 : 1); ++rc) {
+            Shape s;
+            s.sh.dp = dp, s.sh.tp = tp, s.sh.pp = pp;
+            s.sh.microbatches = mb, s.sh.schedule = kind;
+            s.zero = zero, s.recompute = rc == 1;
+            shapes.push_back(s);
+          }
+        }
+      }
+    }
+  }
+
+  // Pricing is pure (the cost model's functions of their arguments), so the
+  // shapes are priced on several threads; what is kept, counted and
+  // reported is then recorded in shape order, so the result does not depend
+  // on the threads.
+  struct Priced {
+    enum Kind { fits, over, refused, unpriced } kind = refused;
+    PlanCandidate c;
+    std::string why;
+    int worst = 0;  // over: the rank furthest over its memory
+  };
+  auto price = [&](PlanCandidate c) {
+    Priced out;
+    TrainerOptions o = base;
+    o.dist.dp.stage = c.zero_stage;
+    o.exec.recompute = c.recompute;
+    o.dist.batch_shares = c.shape.batch_shares;
+    o.dist.slowdown.clear();  // the cluster model carries the slowdown
+    try {
+      c.plan = expand_shorthand(c.shape, sm, m.graph, world);
+      c.plan.model = spec.kind;
+      validate_plan(c.plan, m.graph, world, base.batch_size, "plan");
+      if (needs_lowering(c.plan) || c.plan.pipeline_stages() > 1) {
+        o.dist.plan = std::make_shared<const Plan>(c.plan);
+      } else {
+        o.dist.plan = nullptr;
+      }
+      // What the pipeline runtime refuses, refused before pricing (cheap).
+      if (c.plan.pipeline_stages() > 1) check_pipeline_options(o);
+      c.estimate = estimate_step(spec, o, cluster);
+    } catch (const ConfigError& e) {
+      out.why = e.what();
+      out.c = std::move(c);
+      return out;
+    } catch (const InternalError& e) {
+      // The cost model could not price it (a simulator deadlock, ...): not a
+      // plan to propose, and said in the output, never silently dropped.
+      out.kind = Priced::unpriced;
+      out.why = fmt::format("{}: {}", c.describe(), e.what());
+      out.c = std::move(c);
+      return out;
+    }
+    out.kind = Priced::fits;
+    int64_t worst_over = 0;
+    for (int r = 0; r < world; ++r) {
+      const int64_t need = c.estimate.ranks[static_cast<size_t>(r)].peak_memory_bytes;
+      const auto have = static_cast<int64_t>(cluster.device(r).memory_bytes);
+      if (need > have && (out.kind == Priced::fits || need - have > worst_over)) {
+        out.kind = Priced::over;
+        worst_over = need - have;
+        out.worst = r;
+      }
+    }
+    out.c = std::move(c);
+    return out;
+  };
+  std::mutex glpk;  // GLPK's environment is process-wide
+  auto lp = [&](const BalanceProblem& bp) {
+    std::lock_guard<std::mutex> hold(glpk);
+    return balance_lp(bp);
+  };
+
+  double max_memory = 0;
+  for (const DeviceKind& k : cluster.kinds) max_memory = std::max(max_memory, k.memory_bytes);
+  const auto params = static_cast<double>(m.graph.param_count());
+  // Optimizer state per parameter the bound may count for sure: AdamW's and
+  // LAMB's two f32 moments (SGD's and LARS's momentum is optional: 0).
+  const double state_bytes = base.optimizer == "adamw" || base.optimizer == "lamb" ? 8.0 : 0.0;
+
+  struct ShapeResult {
+    double bound = 0;  // > max_memory: not priced
+    std::optional<Priced> even, uneven;
+    std::string lp_error;
+  };
+  std::vector<ShapeResult> results(shapes.size());
+  std::atomic<size_t> next{0};
+  std::mutex progress_mutex;
+  int done = 0;
+  double best_s = 0;
+  auto work = [&] {
+    for (size_t i = next++; i < shapes.size(); i = next++) {
+      const Shape& s = shapes[i];
+      ShapeResult& sr = results[i];
+      const double dp = s.sh.dp, split = static_cast<double>(s.sh.tp) * s.sh.pp;
+      sr.bound = params / split *
+                 (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0) +
+                  state_bytes / (s.zero >= 1 ? dp : 1.0));
+      if (sr.bound <= max_memory) {
+        PlanCandidate c;
+        c.shape = s.sh;
+        c.zero_stage = s.zero;
+        c.recompute = s.recompute;
+        sr.even = price(c);
+        if (unequal && sr.even->kind == Priced::fits) {
+          // Uneven shares from the LP, priced from the even plan's per-rank compute.
+          const StepEstimate& est = sr.even->c.estimate;
+          const Plan& p = sr.even->c.plan;
+          PlanCandidate u = c;
+          u.uneven = true;
+          bool have = false;
+          try {
+            if (s.sh.pp == 1 && s.sh.dp > 1) {
+              // Examples over the dp replicas: a replica is as slow as its slowest rank.
+              const int64_t batch = base.batch_size;
+              const double per = static_cast<double>(batch) / s.sh.dp;
+              BalanceProblem bp;
+              bp.total = static_cast<double>(batch);
+              bp.what = "examples";
+              bp.min_units.assign(static_cast<size_t>(s.sh.dp), 1);
+              bp.time_per_unit.assign(static_cast<size_t>(s.sh.dp), 0);
+              bp.max_units.assign(static_cast<size_t>(s.sh.dp), 1e300);
+              for (int r = 0; r < world; ++r) {
+                const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
+                const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
+                bp.time_per_unit[d] = std::max(bp.time_per_unit[d], re.compute_s / per);
+                // Memory grows at most in proportion to the examples (a
+                // conservative bound above the even share).
+                bp.max_units[d] =
+                    std::min(bp.max_units[d],
+                             per * cluster.device(r).memory_bytes /
+                                 std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
+              }
+              u.shape.batch_shares = round_shares(bp, lp(bp));
+              have = true;
+            } else if (s.sh.pp > 1) {
+              // Layers over the stages: a stage is as slow as its slowest rank.
+              const std::vector<int64_t> even_layers = [&] {
+                std::vector<int64_t> v;
+                for (const StagePlan& st : p.stages)
+                  v.push_back(static_cast<int64_t>(st.layers.size()));
+                return v;
+              }();
+              BalanceProblem bp;
+              bp.total = units;
+              bp.what = "layers";
+              bp.min_units.assign(static_cast<size_t>(s.sh.pp), 1);
+              bp.time_per_unit.assign(static_cast<size_t>(s.sh.pp), 0);
+              for (int r = 0; r < world; ++r) {
+                const auto st = static_cast<size_t>(p.mesh.coord(r, "pp"));
+                const double per_layer = est.ranks[static_cast<size_t>(r)].compute_s /
+                                         std::max<double>(1, static_cast<double>(even_layers[st]));
+                bp.time_per_unit[st] = std::max(bp.time_per_unit[st], per_layer);
+              }
+              u.shape.stage_layers = round_shares(bp, lp(bp));
+              have = true;
+            } else if (s.sh.tp > 1 && spec.kind == "gpt") {
+              // Heads over the tensor ranks.
+              BalanceProblem bp;
+              bp.total = static_cast<double>(spec.heads);
+              bp.what = "heads";
+              bp.min_units.assign(static_cast<size_t>(s.sh.tp), 1);
+              bp.time_per_unit.assign(static_cast<size_t>(s.sh.tp), 0);
+              const double per = static_cast<double>(spec.heads) / s.sh.tp;
+              for (int r = 0; r < world; ++r) {
+                const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
+                bp.time_per_unit[t] = std::max(bp.time_per_unit[t],
+                                               est.ranks[static_cast<size_t>(r)].compute_s / per);
+              }
+              u.shape.tp_ratios = round_shares(bp, lp(bp));
+              have = true;
+            }
+          } catch (const ConfigError& e) {
+            sr.lp_error = std::string("uneven shares: ") + e.what();
+          }
+          const bool same = u.shape.batch_shares.empty() && u.shape.stage_layers.empty() &&
+                            u.shape.tp_ratios.empty();
+          if (have && !same) sr.uneven = price(u);
+        }
+      }
+      std::lock_guard<std::mutex> hold(progress_mutex);
+      for (const std::optional<Priced>* q : {&sr.even, &sr.uneven}) {
+        if (*q && (*q)->kind == Priced::fits && (best_s == 0 || (*q)->c.estimate.step_s < best_s)) {
+          best_s = (*q)->c.estimate.step_s;
+        }
+      }
+      ++done;
+      if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
+    }
+  };
+  const int threads = std::max(
+      1, std::min<int>(
+             opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency()),
+             static_cast<int>(shapes.size())));
+  {
+    std::vector<std::thread> pool;
+    std::exception_ptr failed;
+    std::mutex failed_mutex;
+    for (int t = 1; t < threads; ++t) {
+      pool.emplace_back([&] {
+        try {
+          work();
+        } catch (...) {
+          std::lock_guard<std::mutex> hold(failed_mutex);
+          if (!failed) failed = std::current_exception();
+          next = shapes.size();
+        }
+      });
+    }
+    try {
+      work();
+    } catch (...) {
+      std::lock_guard<std::mutex> hold(failed_mutex);
+      if (!failed) failed = std::current_exception();
+      next = shapes.size();
+    }
+    for (std::thread& t : pool) t.join();
+    if (failed) std::rethrow_exception(failed);
+  }
+
+  // Recorded in shape order.
+  SearchResult res;
+  std::vector<PlanCandidate> fits;
+  std::set<std::string> reasons;
+  auto record = [&](Priced& q) {
+    ++res.candidates;
+    switch (q.kind) {
+      case Priced::refused:
+        ++res.refused;
+        if (reasons.size() < 8) reasons.insert(q.why);
+        return;
+      case Priced::unpriced:
+        ++res.unpriced;
+        if (res.unpriced_reasons.size() < 4) res.unpriced_reasons.push_back(q.why);
+        return;
+      case Priced::over: {
+        ++res.over_memory;
+        const int64_t need = q.c.estimate.ranks[static_cast<size_t>(q.worst)].peak_memory_bytes;
+        const auto have = static_cast<int64_t>(cluster.device(q.worst).memory_bytes);
+        if (!res.closest || res.closest->lower_bound ||
+            need - have < res.closest->need_bytes - res.closest->have_bytes) {
+          res.closest = SearchResult::Miss{q.c.describe(), q.worst, need, have, false};
+        }
+        return;
+      }
+      case Priced::fits:
+        ++res.fitting;
+        fits.push_back(std::move(q.c));
+        return;
+    }
+  };
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    ShapeResult& sr = results[i];
+    if (sr.bound > max_memory) {
+      const Shape& s = shapes[i];
+      ++res.candidates, ++res.over_memory, ++res.pruned;
+      PlanCandidate c;
+      c.shape = s.sh, c.zero_stage = s.zero, c.recompute = s.recompute;
+      const auto need = static_cast<int64_t>(sr.bound);
+      const auto have = static_cast<int64_t>(max_memory);
+      if (!res.closest || (res.closest->lower_bound &&
+                           need - have < res.closest->need_bytes - res.closest->have_bytes)) {
+        res.closest = SearchResult::Miss{c.describe(), 0, need, have, true};
+      }
+      continue;
+    }
+    record(*sr.even);
+    if (!sr.lp_error.empty()) {
+      ++res.candidates, ++res.refused;
+      if (reasons.size() < 8) reasons.insert(sr.lp_error);
+    }
+    if (sr.uneven) record(*sr.uneven);
+  }
+  // Recomputation that changes neither the predicted step nor any rank's
+  // memory (e.g. where the runtime does not apply it) is not a plan of its own.
+  {
+    std::map<std::string, const PlanCandidate*> plain;
+    for (const PlanCandidate& c : fits) {
+      if (!c.recompute) plain[c.describe()] = &c;
+    }
+    std::vector<PlanCandidate> kept;
+    for (PlanCandidate& c : fits) {
+      if (c.recompute) {
+        PlanCandidate twin = c;
+        twin.recompute = false;
+        const auto it = plain.find(twin.describe());
+        auto same = [](double a, double b) { return std::abs(a - b) <= 1e-9 * std::max(a, b); };
+        if (it != plain.end() && same(it->second->estimate.step_s, c.estimate.step_s) &&
+            same(static_cast<double>(it->second->estimate.max_peak_memory_bytes()),
+                 static_cast<double>(c.estimate.max_peak_memory_bytes()))) {
+          ++res.no_effect;
+          continue;
+        }
+      }
+      kept.push_back(std::move(c));
+    }
+    fits = std::move(kept);
+  }
+  std::stable_sort(fits.begin(), fits.end(), [](const PlanCandidate& a, const PlanCandidate& b) {
+    if (a.estimate.step_s != b.estimate.step_s) return a.estimate.step_s < b.estimate.step_s;
+    return a.describe() < b.describe();
+  });
+  if (static_cast<int>(fits.size()) > opt.top) fits.resize(static_cast<size_t>(opt.top));
+  res.best = std::move(fits);
+  res.refusals.assign(reasons.begin(), reasons.end());
+  return res;
+}
+
+std::string nothing_fits_message(const SearchResult& r, const ClusterModel& cluster) {
+  std::string s = fmt::format(
+      "no plan fits: of {} plans tried, {} exceed device memory and {} "
+      "the runtime would refuse",
+      r.candidates, r.over_memory, r.refused);
+  if (r.closest && r.closest->lower_bound) {
+    s += fmt::format(
+        "; the closest ({}) needs at least {} per rank for its parameters, gradients and optimizer "
+        "state alone, "
+        "the largest device has {}: {} over",
+        r.closest->plan, format_bytes(r.closest->need_bytes), format_bytes(r.closest->have_bytes),
+        format_bytes(r.closest->need_bytes - r.closest->have_bytes));
+  } else if (r.closest) {
+    const DeviceKind& k = cluster.device(r.closest->rank);
+    s += fmt::format("; the closest ({}) needs {} on rank {} ({}, {} of memory): {} over",
+                     r.closest->plan, format_bytes(r.closest->need_bytes), r.closest->rank, k.name,
+                     format_bytes(r.closest->have_bytes),
+                     format_bytes(r.closest->need_bytes - r.closest->have_bytes));
+  }
+  if (!r.refusals.empty()) s += fmt::format("; refused: {}", r.refusals.front());
+  return s;
+}
+
+}  // namespace mt::planner

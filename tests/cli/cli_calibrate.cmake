@@ -1,0 +1,33 @@
+# meshtrain calibrate --quick on 2 ranks: writes a cluster file of this
+# machine that the cluster-file reader and the planner accept (measured
+# device kind, efficiency per operator, collective fits per algorithm).
+cmake_minimum_required(VERSION 3.25)
+include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
+
+set(dir ${OUT}/cli_calibrate)
+file(REMOVE_RECURSE ${dir})
+file(MAKE_DIRECTORY ${dir})
+expect_run(RC 0 TIMEOUT 120
+  STDERR "meshtrain calibrate: kernels: mlp" "collectives: all_reduce ring" "wrote ${dir}/cal\\.toml"
+  COMMAND ${MESHTRAIN} calibrate --quick --nproc 2 --out ${dir}/cal.toml)
+file(READ ${dir}/cal.toml cal)
+foreach(re "\\[devices\\.cpu\\]" "peak_tflops_f32 = [0-9.e-]+" "memory_gb = [0-9.]+"
+    "memory_bandwidth_gb_s = [0-9.]+" "\"matmul\" = [0-9.e-]+\n" "\\[collectives\\.ring\\.intra_node\\]"
+    "\\[collectives\\.halving_doubling\\.intra_node\\]" "ranks_per_node = 2")
+  if(NOT cal MATCHES "${re}")
+    message(FATAL_ERROR "cal.toml does not match '${re}':\n${cal}")
+  endif()
+endforeach()
+# Every fitted bandwidth is positive (the fit keeps W > 0, latency >= 0).
+string(REGEX MATCHALL "bandwidth_gbit_s = [^\n]+" bws "${cal}")
+foreach(bw IN LISTS bws)
+  if(bw MATCHES "= -" OR bw MATCHES "= 0\n" OR bw MATCHES "nan|inf")
+    message(FATAL_ERROR "bad fitted bandwidth: ${bw}\n${cal}")
+  endif()
+endforeach()
+# The planner takes the measured file as it is (2 ranks of this machine).
+expect_run(RC 0 TIMEOUT 60 STDOUT "on 2 ranks of [^\n]*cal\\.toml" "wrote the best plan"
+  COMMAND ${MESHTRAIN} plan --config ${SRC}/configs/mlp_fashion.toml --cluster ${dir}/cal.toml
+    --quiet --out ${dir}/plan.json)
+# Bad arguments exit 2 (CLI11) before measuring anything.
+expect_run(RC 2 STDERR "nproc" COMMAND ${MESHTRAIN} calibrate --nproc 0)

@@ -1,0 +1,491 @@
+// The planner's cost model and simulator: operator times against hand
+// values, the simulator on tiny programs against closed forms (GPipe and
+// 1F1B bubbles, ring all-reduce, overlap of gradient buckets with
+// backward), the trainer's own memory plan, deduplicated rank programs and
+// determinism (the trace file bytes included).
+#include <fstream>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "common/temp_dir.h"
+#include "meshtrain/base/error.h"
+#include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/graph/builder.h"
+#include "meshtrain/graph/collective.h"
+#include "meshtrain/graph/cost.h"
+#include "meshtrain/planner/cost_model.h"
+#include "meshtrain/planner/simulator.h"
+#include "meshtrain/spmd/collective_runner.h"
+#include "meshtrain/spmd/pipeline_runtime.h"
+#include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/schedule.h"
+#include "meshtrain/spmd/shorthand.h"
+#include "meshtrain/train/training_plan.h"
+
+namespace mt::planner {
+namespace {
+
+DeviceKind device(double peak = 1e12, double bw = 1e11) {
+  DeviceKind k;
+  k.name = "test";
+  k.peak_flops_f32 = peak;
+  k.peak_flops_bf16 = 4 * peak;
+  k.memory_bytes = 1e12;
+  k.memory_bandwidth = bw;
+  k.default_efficiency = 0.5;
+  return k;
+}
+
+// n ranks, one per node, every inter-node link (L, W).
+ClusterModel cluster(int n, double latency = 0, double bandwidth = 0, int node_size = 1) {
+  ClusterModel c;
+  c.source = "test";
+  c.kinds = {device()};
+  c.kind_of.assign(static_cast<size_t>(n), 0);
+  c.layout = ClusterLayout::by_node_size(n, node_size);
+  c.layout.inter_node = {latency, bandwidth};
+  return c;
+}
+
+TEST(OpSeconds, FlopsOrBytesWhicheverIsLarger) {
+  Graph g;
+  Builder b(g);
+  const ValueId x = b.input("x", {64, 128}, DType::f32);
+  const ValueId w = b.param("w", {128, 256}, ParamInit{});
+  const ValueId y = b.matmul(x, w);
+  const ValueId z = b.relu(y);
+  DeviceKind k = device(1e12, 1e11);
+  k.efficiency["matmul"] = 0.8;
+  const Node& mm = g.node(0);
+  const Node& relu = g.node(1);
+  ASSERT_EQ(mm.op, OpKind::matmul);
+  const double flops = 2.0 * 64 * 128 * 256;
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, mm), flops / (1e12 * 0.8));
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, mm, 2.0), 2 * flops / (1e12 * 0.8));
+  // relu: memory-bound, 64x256 f32 read and written.
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, relu),
+                   std::max(op_cost(g, relu).flops / (1e12 * 0.5), 2.0 * 64 * 256 * 4 / 1e11));
+  (void)z;
+  // bf16 inputs use the bf16 peak.
+  Graph h;
+  Builder hb(h);
+  const ValueId xa = hb.input("x", {64, 128}, DType::bf16);
+  const ValueId wa = hb.input("w", {128, 256}, DType::bf16);
+  hb.matmul(xa, wa);
+  k.memory_bandwidth = 1e14;  // compute-bound at the bf16 peak too
+  EXPECT_DOUBLE_EQ(op_seconds(k, h, h.node(0)), flops / (4e12 * 0.8));
+}
+
+// Programs of a pipeline schedule with forward f and backward b per stage,
+// in the form build_programs makes (sends on the comm lane).
+Programs pipeline_programs(const PipelineSchedule& s, double f, double b, uint64_t bytes,
+                           double bi = 0, double bw = 0) {
+  Programs out;
+  const int p = s.stages;
+  std::map<std::pair<int, int>, int> done;
+  for (int st = 0; st < p; ++st) {
+    Program prog;
+    prog.signature = fmt::format("stage {}", st);
+    for (int q = 0; q < p; ++q) prog.peers.push_back(fmt::format("pp{}", q));
+    std::map<std::pair<int, int>, int> last;
+    for (const PipelineAction& a : s.actions[static_cast<size_t>(st)]) {
+      Task t;
+      t.name = describe(a);
+      const int64_t tag = (a.microbatch << 8) | a.stage;
+      switch (a.kind) {
+        case ActionKind::forward:
+          t.seconds = f;
+          t.category = "forward";
+          last[{a.microbatch, a.stage}] = static_cast<int>(prog.tasks.size());
+          break;
+        case ActionKind::backward:
+          t.seconds = b;
+          t.category = "backward";
+          last[{a.microbatch, a.stage}] = static_cast<int>(prog.tasks.size());
+          break;
+        case ActionKind::backward_input:
+          t.seconds = bi;
+          t.category = "backward";
+          last[{a.microbatch, a.stage}] = static_cast<int>(prog.tasks.size());
+          break;
+        case ActionKind::backward_weight:
+          t.seconds = bw;
+          t.category = "backward";
+          break;
+        case ActionKind::send_activation:
+        case ActionKind::send_grad:
+          t.kind = Task::Kind::send;
+          t.lane = 1;
+          t.peer = a.peer;
+          t.bytes = bytes;
+          t.tag = (a.kind == ActionKind::send_grad ? 1 << 20 : 0) | tag;
+          t.after = {last.at({a.microbatch, a.stage})};
+          break;
+        case ActionKind::recv_activation:
+          t.kind = Task::Kind::recv;
+          t.peer = a.peer;
+          t.tag = (a.microbatch << 8) | (a.stage - 1);
+          break;
+        case ActionKind::recv_grad:
+          t.kind = Task::Kind::recv;
+          t.peer = a.peer;
+          t.tag = (1 << 20) | (a.microbatch << 8) | (a.stage + 1);
+          break;
+        default:
+          ADD_FAILURE() << "unexpected action";
+      }
+      prog.tasks.push_back(t);
+    }
+    out.programs.push_back(prog);
+    RankBinding bind;
+    bind.program = st;
+    for (int q = 0; q < p; ++q) bind.peer_ranks.push_back(q);
+    out.ranks.push_back(bind);
+  }
+  return out;
+}
+
+TEST(Simulator, PipelineBubblesMatchTheClosedForms) {
+  for (ScheduleKind kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
+    for (auto [p, m] : {std::pair{2, 4}, std::pair{4, 8}, std::pair{4, 4}}) {
+      const double f = 1e-3, b = 2e-3;
+      const PipelineSchedule s = make_schedule(kind, p, m);
+      const StepEstimate e = simulate(pipeline_programs(s, f, b, 1000), cluster(p));
+      EXPECT_NEAR(e.step_s, (m + p - 1) * (f + b), 1e-12) << schedule_name(kind) << p << m;
+      double busy = 0, total = 0;
+      for (const RankEstimate& r : e.ranks) {
+        busy += r.compute_s;
+        total += e.step_s;
+      }
+      EXPECT_NEAR(1 - busy / total, formula_idle_fraction(kind, p, m, 1), 1e-9);
+      EXPECT_EQ(e.distinct_programs, p);
+    }
+  }
+}
+
+TEST(Simulator, EverySchedulesMakespanIsTheSchedulesOwn) {
+  // Interleaved and zero-bubble too: with free links the simulator's step is
+  // the makespan spmd/schedule.h's simulate() gives for the same costs, and
+  // the interleaved bubble is (p-1)/(v m + p-1).
+  const double f = 1e-3, bi = 1e-3, bw = 1e-3;
+  struct Case {
+    ScheduleKind kind;
+    int p, m, v;
+  };
+  for (const Case& k :
+       {Case{ScheduleKind::interleaved, 2, 4, 2}, Case{ScheduleKind::interleaved, 4, 8, 2},
+        Case{ScheduleKind::zero_bubble, 4, 8, 1}, Case{ScheduleKind::one_f_one_b, 3, 5, 1}}) {
+    const PipelineSchedule s = make_schedule(k.kind, k.p, k.m, k.v);
+    const StepEstimate e = simulate(pipeline_programs(s, f, bi + bw, 1000, bi, bw), cluster(k.p));
+    const ScheduleSimulation want = simulate(s, ActionCosts{f, bi, bw});
+    EXPECT_NEAR(e.step_s, want.makespan * 1.0, 1e-12) << schedule_name(k.kind) << k.p << k.m;
+    if (k.kind == ScheduleKind::interleaved) {
+      double busy = 0;
+      for (const RankEstimate& r : e.ranks) busy += r.compute_s;
+      EXPECT_NEAR(1 - busy / (k.p * e.step_s), formula_idle_fraction(k.kind, k.p, k.m, k.v), 1e-9);
+    }
+  }
+}
+
+TEST(Simulator, GPipeWithLinkLatency) {
+  // Each of the p-1 hops costs L + bytes/W once on the way in and once on
+  // the way back: step = (m+p-1)(f+b) + 2(p-1)(L + bytes/W).
+  const int p = 4, m = 6;
+  const double f = 1e-3, b = 2e-3, L = 1e-4, W = 1e9;
+  const uint64_t bytes = 100'000;
+  const PipelineSchedule s = make_schedule(ScheduleKind::gpipe, p, m);
+  const StepEstimate e = simulate(pipeline_programs(s, f, b, bytes), cluster(p, L, W));
+  EXPECT_NEAR(e.step_s, (m + p - 1) * (f + b) + 2 * (p - 1) * (L + bytes / W), 1e-12);
+  EXPECT_EQ(e.ranks[0].bytes_sent, static_cast<uint64_t>(m) * bytes);
+}
+
+// One all-reduce of `count` f32 over n ranks after `compute` seconds.
+Programs all_reduce_programs(int n, size_t count, double compute) {
+  Programs out;
+  Program prog;
+  prog.groups = {"world"};
+  Task c;
+  c.name = "work";
+  c.category = "forward";
+  c.seconds = compute;
+  prog.tasks.push_back(c);
+  Task ar;
+  ar.kind = Task::Kind::collective;
+  ar.name = "all_reduce";
+  ar.group = 0;
+  ar.shape = 0;
+  prog.tasks.push_back(ar);
+  prog.shapes.push_back({Collective::all_reduce, count, {}, 4, 0});
+  out.programs.push_back(prog);
+  std::vector<int> all(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) all[static_cast<size_t>(r)] = r;
+  out.groups = {all};
+  for (int r = 0; r < n; ++r) out.ranks.push_back(RankBinding{0, {0}, {}});
+  return out;
+}
+
+TEST(Simulator, RingAllReduceStartsWhenTheLastMemberArrives) {
+  const int n = 4;
+  const double L = 1e-5, W = 1e9;
+  const size_t count = 4 * 250'000;
+  const double B = count * 4.0;
+  ClusterModel c = cluster(n, L, W);
+  c.slowdown = {1, 1, 3, 1};  // rank 2 arrives at 3 ms
+  Programs progs = all_reduce_programs(n, count, 1e-3);
+  // Per-rank programs differ by slowdown here only through the compute time;
+  // give rank 2 its own program.
+  progs.programs.push_back(progs.programs[0]);
+  progs.programs[1].tasks[0].seconds = 3e-3;
+  progs.ranks[2].program = 1;
+  const StepEstimate e = simulate(progs, c);
+  const double ring = 2.0 * (n - 1) / n * B / W + 2.0 * (n - 1) * L;
+  EXPECT_NEAR(e.step_s, 3e-3 + ring, 1e-12);
+  EXPECT_NEAR(e.ranks[0].idle_s, 2e-3, 1e-12);  // waited for rank 2
+  EXPECT_NEAR(e.ranks[2].idle_s, 0.0, 1e-12);
+  EXPECT_EQ(e.ranks[1].bytes_sent, static_cast<uint64_t>(2 * (n - 1) * B / n));
+}
+
+TEST(Simulator, BucketsOverlapBackward) {
+  // Backward in two halves; bucket 0 ready after the first half, bucket 1
+  // after the second; buckets run on the comm lane in order, the optimizer
+  // waits for both. Closed form: max(b1 + c0, b1 + b2) + c1 (+ optimizer).
+  const double b1 = 4e-3, b2 = 2e-3, opt = 1e-3, W = 1e9;
+  const size_t count = 1'000'000;  // 4 MB: ring at 2 ranks, c = B / W
+  const double c0 = count * 4.0 / W;
+  Programs out;
+  Program prog;
+  prog.groups = {"world"};
+  auto compute = [&](const char* name, double s, std::vector<int> after = {}) {
+    Task t;
+    t.name = name;
+    t.category = "backward";
+    t.seconds = s;
+    t.after = std::move(after);
+    prog.tasks.push_back(t);
+    return static_cast<int>(prog.tasks.size()) - 1;
+  };
+  auto bucket = [&](int seq, int after) {
+    Task t;
+    t.kind = Task::Kind::collective;
+    t.lane = 1;
+    t.name = "bucket";
+    t.group = 0;
+    t.seq = seq;
+    t.shape = 0;
+    t.after = {after};
+    prog.tasks.push_back(t);
+    return static_cast<int>(prog.tasks.size()) - 1;
+  };
+  prog.shapes.push_back({Collective::all_reduce, count, {}, 4, 0});
+  const int h1 = compute("backward 1", b1);
+  const int k0 = bucket(0, h1);
+  const int h2 = compute("backward 2", b2);
+  const int k1 = bucket(1, h2);
+  compute("optimizer", opt, {k0, k1});
+  out.programs.push_back(prog);
+  out.groups = {{0, 1}};
+  out.ranks = {RankBinding{0, {0}, {}}, RankBinding{0, {0}, {}}};
+  const StepEstimate e = simulate(out, cluster(2, 0, W));
+  EXPECT_NEAR(e.step_s, std::max(b1 + c0, b1 + b2) + c0 + opt, 1e-12);
+  EXPECT_NEAR(e.ranks[0].comm_s, 2 * c0, 1e-12);
+}
+
+TEST(Simulator, DeadlockIsAnError) {
+  Programs progs = all_reduce_programs(3, 10, 1e-3);
+  progs.groups = {{0, 1, 2}};
+  Program lonely;
+  lonely.signature = "no collective";
+  lonely.tasks.push_back(Task{});
+  progs.programs.push_back(lonely);
+  progs.ranks[2] = RankBinding{1, {}, {}};
+  EXPECT_THROW(simulate(progs, cluster(3)), InternalError);
+}
+
+TrainerOptions mlp_options(int world) {
+  TrainerOptions o;
+  o.batch_size = 64;
+  o.eval = false;
+  o.dist.dp.bucket_bytes = 64 * 1024;
+  (void)world;
+  return o;
+}
+
+ModelSpec mlp() {
+  ModelSpec s;
+  s.kind = "mlp";
+  s.hidden = {128, 64};
+  return s;
+}
+
+TEST(CostModel, DataParallelUsesTheTrainersPlanAndOneProgram) {
+  const int n = 4;
+  const ModelSpec spec = mlp();
+  const TrainerOptions o = mlp_options(n);
+  const ClusterModel c = cluster(n, 1e-5, 1e9);
+  const Programs progs = build_programs(spec, o, c);
+  EXPECT_EQ(progs.programs.size(), 1u);
+  const StepEstimate e = simulate(progs, c);
+  ASSERT_EQ(e.ranks.size(), static_cast<size_t>(n));
+  const TrainingPlan tp = plan_training(spec, o, 0, n);
+  EXPECT_EQ(e.ranks[0].peak_memory_bytes, tp.total_bytes());
+  // Every gradient element crosses the ring: 2 (n-1)/n of the buckets per rank
+  // (each bucket's ring splits it evenly up to one element per rank).
+  const double want = 2.0 * (n - 1) / n * tp.param_count * 4;
+  EXPECT_NEAR(static_cast<double>(e.ranks[1].bytes_sent), want, want * 1e-3);
+  EXPECT_GT(e.step_s, 0);
+  EXPECT_GT(e.mfu, 0);
+  EXPECT_LT(e.mfu, 1);
+  // Slowing one rank slows the step (everyone waits at the buckets).
+  ClusterModel slow = c;
+  slow.slowdown = {1, 1, 1, 2};
+  const StepEstimate es = estimate_step(spec, o, slow);
+  EXPECT_GT(es.step_s, e.step_s);
+  EXPECT_EQ(build_programs(spec, o, slow).programs.size(), 2u);
+}
+
+TEST(CostModel, TensorAndPipelinePlansDeduplicatePrograms) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 64;
+  spec.heads = 4;
+  spec.seq_len = 16;
+  spec.vocab = 64;
+  TrainerOptions o;
+  o.batch_size = 16;
+  o.eval = false;
+  const int world = 8;
+  ParallelShorthand sh;
+  sh.tp = 2;
+  sh.pp = 2;
+  sh.microbatches = 4;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  o.dist.plan = std::make_shared<Plan>(
+      expand_shorthand(sh, ShorthandModel{"gpt", spec.d_model / spec.heads}, m.graph, world));
+  const ClusterModel c = cluster(world, 1e-5, 10e9, 2);
+  const Programs progs = build_programs(spec, o, c);
+  // 2 stages x 2 tensor coordinates; the 2 data-parallel replicas share them.
+  EXPECT_EQ(progs.programs.size(), 4u);
+  const StepEstimate e = simulate(progs, c);
+  EXPECT_GT(e.step_s, 0);
+  for (const RankEstimate& r : e.ranks) {
+    EXPECT_GT(r.compute_s, 0);
+    EXPECT_GT(r.peak_memory_bytes, 0);
+    EXPECT_GT(r.bytes_sent, 0u);
+    EXPECT_LE(r.compute_s, e.step_s * (1 + 1e-12));
+  }
+}
+
+// The tensor-parallel collectives of a lowered program cost the planner
+// what the runtime's CollectiveRunner states for them on live communicators
+// (threads as ranks, one node: shared memory), rank by rank.
+TEST(CostModel, TensorParallelBytesAreTheRunnersStatedCosts) {
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 2;
+  gpt.d_model = 32;
+  gpt.heads = 4;
+  gpt.seq_len = 8;
+  struct Case {
+    ModelSpec spec;
+    int tp;
+    bool sp;
+  };
+  // MLP at tp 2 (its head's 10 classes split in two); GPT at tp 4, with and
+  // without sequence parallelism (all-reduce, all-gather, reduce-scatter,
+  // the vocabulary-parallel gathers).
+  for (const Case& k : {Case{mlp(), 2, false}, Case{gpt, 4, false}, Case{gpt, 4, true}}) {
+    TrainerOptions o = mlp_options(k.tp);
+    o.batch_size = 8;
+    ParallelShorthand sh;
+    sh.tp = k.tp;
+    sh.sp = k.sp;
+    const ModelGraph m = build_model(k.spec, o.batch_size);
+    const ShorthandModel sm{k.spec.kind, k.spec.kind == "gpt" ? k.spec.d_model / k.spec.heads : 1};
+    o.dist.plan = std::make_shared<Plan>(expand_shorthand(sh, sm, m.graph, k.tp));
+    ClusterModel c = cluster(k.tp, 0, 0, k.tp);  // one node, no emulation
+    const Programs progs = build_programs(k.spec, o, c);
+    EXPECT_EQ(progs.programs.size(), static_cast<size_t>(k.tp));
+    const StepEstimate e = simulate(progs, c);
+    LocalWorldOptions lo;
+    lo.size = k.tp;
+    LocalWorld::run(lo, [&](Communicator& world) {
+      const int r = world.rank();
+      const TrainingGraph tg = build_training_graph(k.spec, o, o.batch_size, r);
+      CommCollectiveRunner runner(world, tg.lowered.groups);
+      uint64_t want = 0;
+      for (const Node& n : tg.model.graph.nodes()) {
+        if (communicates(n.op)) want += runner.cost_of(tg.model.graph, n).bytes_sent;
+      }
+      EXPECT_GT(want, 0u);
+      EXPECT_EQ(e.ranks[static_cast<size_t>(r)].bytes_sent, want)
+          << k.spec.kind << " tp " << k.tp << " sp " << k.sp << " rank " << r;
+    });
+  }
+}
+
+// A pipeline's point-to-point bytes per rank (boundary activations and
+// gradients, the tied embedding's gradient exchange) are what the pipeline
+// runtime predicts for its own sends.
+TEST(CostModel, PipelineBytesAreTheRuntimesPrediction) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  for (ScheduleKind kind : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b}) {
+    TrainerOptions o = mlp_options(2);
+    o.batch_size = 8;
+    ParallelShorthand sh;
+    sh.pp = 2;
+    sh.microbatches = 4;
+    sh.schedule = kind;
+    const ModelGraph m = build_model(spec, o.batch_size);
+    const Plan plan = expand_shorthand(sh, ShorthandModel{"gpt", 8}, m.graph, 2);
+    o.dist.plan = std::make_shared<Plan>(plan);
+    const ClusterModel c = cluster(2, 1e-5, 1e9);
+    const StepEstimate e = estimate_step(spec, o, c);
+    LocalWorld::run(2, [&](Communicator& world) {
+      const ModelGraph mb = build_model(spec, o.batch_size / sh.microbatches);
+      const PipelineCut cut = cut_pipeline(mb.graph, mb.loss, plan.stages);
+      PipelineRuntime rt(world, cut, make_schedule(kind, 2, sh.microbatches), {});
+      EXPECT_GT(rt.predicted_bytes_sent(), 0u);
+      EXPECT_EQ(e.ranks[static_cast<size_t>(world.rank())].bytes_sent, rt.predicted_bytes_sent())
+          << schedule_name(kind) << " rank " << world.rank();
+    });
+  }
+}
+
+TEST(Simulator, Deterministic) {
+  const int n = 4;
+  const ModelSpec spec = mlp();
+  const TrainerOptions o = mlp_options(n);
+  ClusterModel c = cluster(n, 1e-5, 1e9);
+  c.slowdown = {1, 1.5, 1, 1.25};
+  mt::testing::TempDir dir;
+  auto run = [&](const std::string& name) {
+    SimulationOptions so;
+    so.trace_path = dir.file(name);
+    const StepEstimate e = simulate(build_programs(spec, o, c), c, so);
+    std::ifstream in(so.trace_path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return std::make_pair(e, ss.str());
+  };
+  const auto [a, ta] = run("a.json");
+  const auto [b, tb] = run("b.json");
+  EXPECT_EQ(a.step_s, b.step_s);
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(a.ranks[static_cast<size_t>(r)].idle_s, b.ranks[static_cast<size_t>(r)].idle_s);
+  }
+  EXPECT_EQ(ta, tb);
+  const auto j = nlohmann::json::parse(ta);
+  ASSERT_TRUE(j.contains("traceEvents"));
+  EXPECT_GT(j["traceEvents"].size(), 8u);
+}
+
+}  // namespace
+}  // namespace mt::planner

@@ -1,0 +1,227 @@
+// The plan search (planner/search.h) on small models and clusters: it never
+// returns a plan over memory; when nothing fits it names the closest plan and
+// by how much it is over; on unequal devices the LP's shares equalise the
+// predicted compute time and beat the even split; the result is the same on
+// every run.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "meshtrain/base/error.h"
+#include "meshtrain/planner/search.h"
+#include "meshtrain/train/training_plan.h"
+
+namespace mt::planner {
+namespace {
+
+using ::testing::HasSubstr;
+
+DeviceKind kind(std::string name, double flops, double memory) {
+  DeviceKind k;
+  k.name = std::move(name);
+  k.peak_flops_f32 = flops;
+  k.memory_bytes = memory;
+  k.memory_bandwidth = 1e11;
+  k.default_efficiency = 0.5;
+  return k;
+}
+
+// n ranks, node_size per node, links 10 us / 10 GB/s.
+ClusterModel cluster(int n, double memory, int node_size = 2) {
+  ClusterModel c;
+  c.source = "test";
+  c.kinds = {kind("dev", 1e11, memory)};
+  c.kind_of.assign(static_cast<size_t>(n), 0);
+  c.layout = ClusterLayout::by_node_size(n, node_size);
+  c.layout.intra_node = {1e-5, 1e10};
+  c.layout.inter_node = {1e-5, 1e10};
+  return c;
+}
+
+ModelSpec mlp() {
+  ModelSpec s;
+  s.kind = "mlp";
+  s.hidden = {256, 256};
+  return s;
+}
+
+TrainerOptions options(int64_t batch) {
+  TrainerOptions o;
+  o.batch_size = batch;
+  o.eval = false;
+  o.optimizer = "adamw";
+  return o;
+}
+
+TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
+  // Find the memory range the plans span, then give the devices memory in
+  // the middle of it: some plans fit, some do not.
+  const ModelSpec spec = mlp();
+  const SearchResult all = search_plans(spec, options(32), cluster(4, 1e12));
+  ASSERT_FALSE(all.best.empty());
+  EXPECT_EQ(all.over_memory, 0);
+  EXPECT_EQ(all.unpriced, 0) << all.unpriced_reasons.front();
+  SearchOptions every;
+  every.top = 1000;
+  const SearchResult wide = search_plans(spec, options(32), cluster(4, 1e12), every);
+  int64_t lo = INT64_MAX, hi = 0;
+  for (const PlanCandidate& p : wide.best) {
+    lo = std::min(lo, p.estimate.max_peak_memory_bytes());
+    hi = std::max(hi, p.estimate.max_peak_memory_bytes());
+  }
+  ASSERT_LT(lo, hi) << "the plans should differ in memory (ZeRO stages, tensor parallelism)";
+  const double middle = 0.5 * static_cast<double>(lo + hi);
+  const SearchResult r = search_plans(spec, options(32), cluster(4, middle), every);
+  EXPECT_GT(r.over_memory, 0);
+  ASSERT_FALSE(r.best.empty());
+  for (const PlanCandidate& p : r.best) {
+    for (const RankEstimate& e : p.estimate.ranks) {
+      EXPECT_LE(static_cast<double>(e.peak_memory_bytes), middle) << p.describe();
+    }
+  }
+  EXPECT_EQ(r.fitting + r.over_memory + r.refused + r.unpriced, r.candidates);
+}
+
+TEST(PlanSearch, NothingFitsSaysWhichConstraintAndByHowMuch) {
+  // 100 kB per device: the parameters and gradients alone (the bound) rule
+  // out every shape before pricing.
+  const ClusterModel tiny = cluster(2, 1e5);
+  const SearchResult r = search_plans(mlp(), options(32), tiny);
+  EXPECT_TRUE(r.best.empty());
+  EXPECT_EQ(r.pruned, r.candidates);
+  ASSERT_TRUE(r.closest.has_value());
+  EXPECT_TRUE(r.closest->lower_bound);
+  EXPECT_GT(r.closest->need_bytes, r.closest->have_bytes);
+  const std::string m = nothing_fits_message(r, tiny);
+  EXPECT_THAT(m, HasSubstr("no plan fits"));
+  EXPECT_THAT(m, HasSubstr("exceed device memory"));
+  EXPECT_THAT(m, HasSubstr("the closest (" + r.closest->plan + ") needs at least"));
+  EXPECT_THAT(m, HasSubstr(format_bytes(r.closest->need_bytes - r.closest->have_bytes) + " over"));
+  // 2.3 MB: above the bound of the sharded shapes (the mlp's 269k
+  // parameters, AdamW: (4 + 4 + 8) / 2 x 269k = 2.15 MB at ZeRO-3 on 2
+  // ranks), below what they need with buffers and activations: priced, and
+  // the message names the rank and its device.
+  const ClusterModel small = cluster(2, 2.3e6);
+  const SearchResult q = search_plans(mlp(), options(32), small);
+  EXPECT_TRUE(q.best.empty());
+  EXPECT_LT(q.pruned, q.over_memory);
+  ASSERT_TRUE(q.closest.has_value());
+  EXPECT_FALSE(q.closest->lower_bound);
+  EXPECT_THAT(nothing_fits_message(q, small),
+              HasSubstr(fmt::format("on rank {} (dev, {} of memory): {} over", q.closest->rank,
+                                    format_bytes(q.closest->have_bytes),
+                                    format_bytes(q.closest->need_bytes - q.closest->have_bytes))));
+}
+
+TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
+  // Two ranks, the second twice as slow (slowdown 2): the LP gives it a
+  // third of the batch, and the predicted compute times agree within 10%.
+  ClusterModel c = cluster(2, 1e12);
+  c.slowdown = {1, 2};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  const SearchResult r = search_plans(mlp(), options(48), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.dp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr);
+  ASSERT_NE(uneven, nullptr);
+  EXPECT_EQ(uneven->shape.batch_shares, (std::vector<int64_t>{32, 16}));
+  const double c0 = uneven->estimate.ranks[0].compute_s;
+  const double c1 = uneven->estimate.ranks[1].compute_s;
+  EXPECT_NEAR(c0 / c1, 1.0, 0.1) << c0 << " vs " << c1;
+  // The even split leaves the fast rank waiting.
+  EXPECT_GT(even->estimate.ranks[1].compute_s / even->estimate.ranks[0].compute_s, 1.5);
+  EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
+  // The uneven plan carries its shares: the settings and the plan's batch split.
+  const std::vector<std::string> s = uneven->settings(2);
+  EXPECT_NE(std::find(s.begin(), s.end(), "dist.batch_shares=[32,16]"), s.end());
+  EXPECT_THAT(plan_to_json(uneven->plan), HasSubstr("32"));
+}
+
+TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
+  // A 4-block GPT on two ranks, the second 3x slower: the pipeline's uneven
+  // twin gives the fast stage 3 blocks and the slow one 1, and is faster
+  // than the even 2 + 2 cut.
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 4, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  ClusterModel c = cluster(2, 1e12);
+  c.slowdown = {1, 3};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  o.schedules = {ScheduleKind::one_f_one_b};
+  o.microbatch_factors = {2};
+  const SearchResult r = search_plans(gpt, options(16), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.pp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr) << (r.refusals.empty() ? "" : r.refusals.front());
+  ASSERT_NE(uneven, nullptr);
+  EXPECT_EQ(uneven->shape.stage_layers, (std::vector<int64_t>{3, 1}));
+  EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
+}
+
+TEST(PlanSearch, LpHeadsBalanceUnequalTensorRanks) {
+  // The same GPT over tp = 2 with the second rank 3x slower: 3 heads and 1.
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 2, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  ClusterModel c = cluster(2, 1e12);
+  c.slowdown = {1, 3};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  const SearchResult r = search_plans(gpt, options(8), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.tp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr);
+  ASSERT_NE(uneven, nullptr);
+  EXPECT_EQ(uneven->shape.tp_ratios, (std::vector<int64_t>{3, 1}));
+  EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
+}
+
+TEST(PlanSearch, DeterministicAndRankedByStepTime) {
+  ClusterModel c = cluster(4, 1e12);
+  c.slowdown = {1, 1, 1, 3};
+  SearchOptions o;
+  o.top = 8;
+  o.threads = 1;
+  const SearchResult a = search_plans(mlp(), options(32), c, o);
+  o.threads = 4;  // the same on any number of threads
+  const SearchResult b = search_plans(mlp(), options(32), c, o);
+  EXPECT_EQ(a.candidates, b.candidates);
+  EXPECT_EQ(a.fitting, b.fitting);
+  EXPECT_EQ(a.refused, b.refused);
+  EXPECT_EQ(a.unpriced, b.unpriced);
+  EXPECT_EQ(a.refusals, b.refusals);
+  ASSERT_EQ(a.best.size(), b.best.size());
+  ASSERT_FALSE(a.best.empty());
+  for (size_t i = 0; i < a.best.size(); ++i) {
+    EXPECT_EQ(a.best[i].describe(), b.best[i].describe());
+    EXPECT_EQ(a.best[i].estimate.step_s, b.best[i].estimate.step_s);
+    EXPECT_EQ(plan_to_json(a.best[i].plan), plan_to_json(b.best[i].plan));
+    if (i > 0) {
+      EXPECT_LE(a.best[i - 1].estimate.step_s, a.best[i].estimate.step_s);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mt::planner
