@@ -15,6 +15,18 @@ One line per (graph, partitioner):
                             counters), the partition's edge cut (`inspect`).
 The 2-rank run must end with the single process's loss and accuracies (to
 the printed 4 and 3 decimals): otherwise the line is an error.
+
+Then the deep model (--deep-layers residual GCN blocks, on the kNN graph if
+it is among --graphs, else the first graph), --deep-epochs epochs over 2
+ranks, graph parallel (locality partition) against layer pipelining
+(gnn.parallel = "layer", --chunks locality chunks after 2 startup epochs):
+  gnn_layer_pipeline_bytes  bytes per rank per epoch; meshtrain = the layer
+                            pipeline's (largest rank), peer = graph
+                            parallelism's halo + gradient bytes (largest
+                            rank), ratio = peer / meshtrain (how many times
+                            fewer bytes); both epoch times and test
+                            accuracies beside (accuracy is reported, not
+                            required equal: historical embeddings are stale).
 """
 
 import json
@@ -26,6 +38,7 @@ CONFIG = REPO / "configs" / "gcn_csbm.toml"
 PARTITIONS = ("contiguous", "random", "locality")
 SUMMARY = re.compile(r"loss [0-9.]+, accuracy train [0-9.]+ val [0-9.]+ test [0-9.]+")
 BYTES = re.compile(r"halo exchange \[([0-9, ]+)\], gradient all-reduce \[([0-9, ]+)\]")
+STAGE_BYTES = re.compile(r"between stages \[([0-9, ]+)\]")
 CUT = re.compile(r"edge cut: ([0-9]+) of ([0-9]+) entries")
 
 
@@ -35,6 +48,9 @@ def add_args(p):
     p.add_argument("--knn-k", type=int, default=10, help="kNN neighbours (default 10)")
     p.add_argument("--rmat-scale", type=int, default=18, help="R-MAT 2^scale vertices (default 18)")
     p.add_argument("--epochs", type=int, default=20, help="timed epochs (default 20)")
+    p.add_argument("--deep-layers", type=int, default=32, help="resgcn blocks (default 32)")
+    p.add_argument("--deep-epochs", type=int, default=30, help="deep model epochs (default 30)")
+    p.add_argument("--chunks", type=int, default=4, help="layer pipeline chunks (default 4)")
 
 
 def graph_sets(ctx, name):
@@ -103,3 +119,51 @@ def run(ctx):
             elif not b:
                 line["error"] = "no bytes line printed"
             ctx.emit(line)
+
+    deep_graph(ctx, exe, cpu)
+
+
+def deep_graph(ctx, exe, cpu):
+    names = ctx.args.graphs.split(",")
+    gname = "knn" if "knn" in names else names[0]
+    graph = ctx.workdir / f"{gname}.safetensors"
+    epochs = 3 if ctx.quick else ctx.args.deep_epochs
+    layers = 4 if ctx.quick else ctx.args.deep_layers
+    line = {"name": "gnn_layer_pipeline_bytes", "unit": "bytes/epoch", "graph": gname,
+            "model": f"resgcn x{layers}", "ranks": 2, "threads": 1, "epochs": epochs,
+            "chunks": ctx.args.chunks, "peer_name": "meshtrain graph parallel (locality)", **cpu}
+    if not graph.exists():
+        ctx.emit({**line, "error": f"no {gname} graph file"})
+        return
+    train = [exe, "train", "--config", CONFIG, "--quiet", "--nproc", "2",
+             "--set", 'data.graph="file"', "--set", f'data.graph_file="{graph}"',
+             "--set", "train.threads=1", "--set", 'model.kind="resgcn"',
+             "--set", f"model.gnn_layers={layers}", "--set", f"train.epochs={epochs}",
+             "--set", f"train.log_every={epochs}", "--set", 'gnn.partition="locality"']
+    runs = {}
+    for mode, extra in (("graph", []),
+                        ("layer", ["--set", f"gnn.chunks={ctx.args.chunks}",
+                                   "--set", "gnn.startup_epochs=2"])):
+        metrics = ctx.workdir / f"deep_{mode}.jsonl"
+        r = ctx.run([*train, "--metrics", metrics, "--set", f'gnn.parallel="{mode}"', *extra],
+                    thread_env(1), f"deep-{mode}")
+        if not r.ok:
+            ctx.emit({**line, "error": r.failure()})
+            return
+        runs[mode] = (json.loads(metrics.read_text().splitlines()[-1]), r.stdout)
+    g, gout = runs["graph"]
+    lp, lout = runs["layer"]
+    b = BYTES.search(gout)
+    sb = STAGE_BYTES.search(lout)
+    if not b or not sb:
+        ctx.emit({**line, "error": "no bytes line printed"})
+        return
+    halo = [int(x) for x in b.group(1).split(",")]
+    grads = [int(x) for x in b.group(2).split(",")]
+    gp = max(h + a for h, a in zip(halo, grads))
+    pipe = max(int(x) for x in sb.group(1).split(","))
+    line.update({"meshtrain": pipe, "peer": gp, "ratio": ratio(gp, pipe),
+                 "layer_epoch_ms": 1e3 * lp["median_epoch_s"],
+                 "graph_epoch_ms": 1e3 * g["median_epoch_s"],
+                 "layer_test_acc": lp["test_acc"], "graph_test_acc": g["test_acc"]})
+    ctx.emit(line)

@@ -36,6 +36,7 @@
 #include "meshtrain/train/full_graph.h"
 #include "meshtrain/train/graph_file.h"
 #include "meshtrain/train/graph_parallel.h"
+#include "meshtrain/train/layer_pipeline.h"
 #include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/trainer.h"
 #include "meshtrain/train/training_plan.h"
@@ -496,10 +497,16 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
   if (several && rc.gnn.mode == GnnParallel::none) {
     throw ConfigError(fmt::format(
         "dist.nproc = {}: gnn.parallel = \"none\" trains the graph in one process; set "
-        "gnn.parallel = \"graph\" for graph parallelism over the ranks, or dist.nproc = 1",
+        "gnn.parallel = \"graph\" for graph parallelism over the ranks, \"layer\" for layer "
+        "pipelining, or dist.nproc = 1",
         nproc));
   }
-  if (several) check_graph_parallel_model(rc.model, rc.gnn.replication);
+  if (several && rc.gnn.mode == GnnParallel::graph) {
+    check_graph_parallel_model(rc.model, rc.gnn.replication);
+  }
+  if (several && rc.gnn.mode == GnnParallel::layer && !launched_by_mpi()) {
+    layer_pipeline_stages(rc.model.gnn_layers, nproc);  // throws naming gnn_layers
+  }
   if (several && !launched_by_mpi() && nproc % rc.gnn.replication != 0) {
     throw ConfigError(fmt::format(
         "gnn.replication = {} must divide the {} ranks (row blocks = ranks / replication)",
@@ -524,15 +531,19 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
   if (empty && leader) empty_notice(opts);
   const GraphData g = open_graph(rc.data);
   if (!opts.quiet && leader) {
-    fmt::print(
-        stderr, "meshtrain: training {} on {} (full graph, {}, {})\n", rc.model.kind, g.describe(),
-        ranks == 1 ? std::string("1 process")
+    fmt::print(stderr, "meshtrain: training {} on {} (full graph, {}, {})\n", rc.model.kind,
+               g.describe(),
+               ranks == 1 ? std::string("1 process")
+               : par.mode == GnnParallel::layer
+                   ? fmt::format("layer pipeline over {} ranks, {} {} chunks after {}", ranks,
+                                 par.chunks, partition_method_name(par.partition.method),
+                                 plural(par.startup_epochs, "startup epoch"))
                    : fmt::format("graph parallel over {} ranks{}, {} partition", ranks,
                                  par.replication > 1
                                      ? fmt::format(" (1.5D, replication {})", par.replication)
                                      : std::string(),
                                  partition_method_name(par.partition.method)),
-        plural(rc.train.threads, "thread"));
+               plural(rc.train.threads, "thread"));
   }
   auto log = [&](const std::string& line) {
     if (!opts.quiet) fmt::print(stderr, "meshtrain: {}\n", line);
@@ -550,7 +561,9 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
       replica(static_cast<size_t>(ranks));
   if (ranks > 1) {
     Tensor mine = Tensor::empty(Shape{3}, DType::f64);
-    mine.set_item(0, static_cast<double>(r.halo_bytes_sent_per_epoch));
+    mine.set_item(
+        0, static_cast<double>(par.mode == GnnParallel::layer ? r.pipeline_bytes_sent_per_epoch
+                                                              : r.halo_bytes_sent_per_epoch));
     mine.set_item(1, static_cast<double>(r.allreduce_bytes_sent_per_epoch));
     mine.set_item(2, static_cast<double>(r.replica_bytes_sent_per_epoch));
     Tensor all = Tensor::empty(Shape{3 * ranks}, DType::f64);
@@ -567,7 +580,9 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
       "epoch {:.1f} ms, {} parameters\n",
       r.epochs.size(), r.final_loss, r.train_acc, r.val_acc, r.test_acc,
       1e3 * r.median_epoch_seconds, r.params);
-  if (ranks > 1) {
+  if (ranks > 1 && par.mode == GnnParallel::layer) {
+    fmt::print("bytes sent per rank per epoch: between stages [{}]\n", fmt::join(halo, ", "));
+  } else if (ranks > 1) {
     fmt::print("bytes sent per rank per epoch: halo exchange [{}], gradient all-reduce [{}]{}\n",
                fmt::join(halo, ", "), fmt::join(grads, ", "),
                par.replication > 1 ? fmt::format(", partial aggregations over the replicas [{}]",

@@ -217,8 +217,14 @@ const std::vector<KeyMeaning> kMeanings = {
     {"parallel.stage_layers",
      "layers (gpt: transformer blocks) per pipeline stage, e.g. [3, 1]; [] = balanced by FLOPs"},
     {"gnn.parallel",
-     "full-graph GNN training over dist.nproc ranks: none (one process) or graph (1D row "
-     "partitioning, halo exchange of the boundary rows, docs/graph_format.md)"},
+     "full-graph GNN training over dist.nproc ranks: none (one process), graph (1D row "
+     "partitioning, halo exchange of the boundary rows) or layer (GNNPipe: consecutive layers "
+     "per rank, vertex chunks flow through them; docs/graph_format.md)"},
+    {"gnn.chunks",
+     "gnn.parallel = layer: vertex chunks that flow through the stages (split by gnn.partition); "
+     "a chunk reads later chunks' messages from the previous epoch (historical embeddings)"},
+    {"gnn.startup_epochs",
+     "gnn.parallel = layer: the first epochs run as one chunk (no historical embeddings)"},
     {"gnn.partition",
      "which rank owns each vertex: contiguous id blocks, random (seeded by train.seed), or "
      "locality (LDG streaming + label propagation, balanced within gnn.imbalance)"},

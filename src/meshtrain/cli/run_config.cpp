@@ -300,9 +300,13 @@ RunConfig read_run_config(const Config& c) {
   so.ps_switch = c.get_string("sync.ps_switch", so.ps_switch);
   so.staleness_lr = c.get_bool("sync.staleness_lr", so.staleness_lr);
   validate_sync_options(so);
-  r.gnn.mode = c.get_string("gnn.parallel", "none", {"none", "graph"}) == "graph"
-                   ? GnnParallel::graph
-                   : GnnParallel::none;
+  const std::string gnn_mode = c.get_string("gnn.parallel", "none", {"none", "graph", "layer"});
+  r.gnn.mode = gnn_mode == "graph"   ? GnnParallel::graph
+               : gnn_mode == "layer" ? GnnParallel::layer
+                                     : GnnParallel::none;
+  r.gnn.chunks = c.get_int("gnn.chunks", r.gnn.chunks, Bounds<int64_t>::positive());
+  r.gnn.startup_epochs =
+      c.get_int("gnn.startup_epochs", r.gnn.startup_epochs, Bounds<int64_t>::non_negative());
   r.gnn.partition.method = parse_partition_method(
       c.get_string("gnn.partition", "contiguous", {"contiguous", "random", "locality"}));
   r.gnn.partition.imbalance =

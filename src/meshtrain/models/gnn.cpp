@@ -384,4 +384,112 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
   return m;
 }
 
+int64_t gnn_message_width(const ModelSpec& spec, int64_t layer, int64_t features, int64_t classes) {
+  const int64_t hid = spec.gnn_hidden;
+  if (spec.kind == "resgcn") return hid;
+  if (spec.kind == "sage") return layer == 0 ? features : hid;
+  return layer + 1 == spec.gnn_layers ? classes : hid;  // gcn: act(h) W
+}
+
+void check_layer_chunk_model(const ModelSpec& spec) {
+  if (!(spec.kind == "gcn" || spec.kind == "resgcn" ||
+        (spec.kind == "sage" && spec.sage_aggregation == "mean"))) {
+    throw ConfigError(fmt::format(
+        "gnn.parallel = \"layer\": model.kind {}{} is not supported (layer pipelining splits a "
+        "layer into per-vertex messages summed over in-neighbours; gcn, resgcn and sage with "
+        "mean aggregation are)",
+        spec.kind, spec.kind == "sage" ? " with max aggregation" : ""));
+  }
+}
+
+GnnChunkGraph build_gnn_layer_chunk(const ModelSpec& spec, const GnnLayerChunk& c, int64_t features,
+                                    int64_t classes) {
+  check_layer_chunk_model(spec);
+  const int64_t layers = spec.gnn_layers, hid = spec.gnn_hidden;
+  MT_CHECK(c.first_layer >= 0 && c.first_layer < c.last_layer && c.last_layer <= layers,
+           "layers [{}, {}) of {}", c.first_layer, c.last_layer, layers);
+  const auto rows = static_cast<int64_t>(c.rows.size());
+  MT_CHECK(c.adj_in.rows == rows && c.adj_in.cols == rows && c.adj_out.rows == rows &&
+               c.adj_out.cols == c.vertices,
+           "chunk adjacency {}x{} and {}x{} for {} rows of {}", c.adj_in.rows, c.adj_in.cols,
+           c.adj_out.rows, c.adj_out.cols, rows, c.vertices);
+  const bool first = c.first_layer == 0, last = c.last_layer == layers;
+  const bool resgcn = spec.kind == "resgcn", sage = spec.kind == "sage";
+
+  ModelGraph m;
+  Builder b(m.graph);
+  Net net{b, m, nullptr, {}, {}, kNoValue, {}, {}, {}};
+  const AdjInputs inside = bind_adj(b, m, "adj_in", c.adj_in, &c.values_in, false);
+  const AdjInputs outside = bind_adj(b, m, "adj_out", c.adj_out, &c.values_out, false);
+
+  GnnChunkGraph out;
+  const int64_t width_in = first ? features : hid;
+  out.h_in = b.input(first ? "x" : "h_in", {rows, width_in});
+  ValueId h = out.h_in;
+  auto norm = [&](ValueId v, const std::string& name) {
+    ValueId gm = net.param(name + ".gamma", {hid}, ParamInit{ParamInit::Kind::ones, 0});
+    ValueId bt = net.param(name + ".beta", {hid}, ParamInit{ParamInit::Kind::zeros, 0});
+    return b.relu(b.layer_norm(v, gm, bt));
+  };
+  if (first && resgcn) h = b.matmul(h, weight(net, "input.w", features, hid));
+  for (int64_t l = c.first_layer; l < c.last_layer; ++l) {
+    const int64_t mw = gnn_message_width(spec, l, features, classes);
+    const int64_t in = l == 0 && !resgcn ? features : hid;
+    const bool out_last = l + 1 == layers;
+    const std::string name = resgcn ? fmt::format("block{}", l + 1) : fmt::format("conv{}", l + 1);
+    // The message of the chunk's rows.
+    ValueId act = l > 0 && !resgcn ? b.relu(h) : h;
+    ValueId msg = kNoValue;
+    if (resgcn) {
+      msg = b.matmul(norm(h, name + ".norm"), weight(net, name + ".conv.w", hid, hid));
+    } else if (sage) {
+      msg = act;
+    } else {
+      msg = b.matmul(act, weight(net, name + ".w", in, out_last ? classes : hid));
+    }
+    ValueId other = b.input(fmt::format("messages_other{}", l), {c.vertices, mw});
+    out.messages_other.push_back(other);
+    out.messages.push_back(msg);
+    // Over the in-neighbours: those outside the chunk (from the buffer),
+    // then those inside (this chunk's messages).
+    ValueId agg = b.add(b.spmm(outside.row_ptr, outside.col_idx, other, outside.values),
+                        b.spmm(inside.row_ptr, inside.col_idx, msg, inside.values));
+    if (resgcn) {
+      h = b.add(h, bias_add(net, agg, hid, name + ".conv"));
+    } else if (sage) {
+      const int64_t o = out_last ? classes : hid;
+      ValueId self = b.matmul(act, weight(net, name + ".w_self", in, o));
+      ValueId neigh = b.matmul(agg, weight(net, name + ".w_neigh", in, o));
+      h = bias_add(net, b.add(self, neigh), o, name);
+    } else {
+      h = bias_add(net, agg, out_last ? classes : hid, name);
+    }
+  }
+  if (!last) {
+    out.h_out = b.name(h, "h_out");
+  } else {
+    if (resgcn) {
+      h = bias_add(net, b.matmul(norm(h, "final_norm"), weight(net, "head.w", hid, classes)),
+                   classes, "head");
+    }
+    out.logits = b.name(h, "logits");
+    const auto t = static_cast<int64_t>(c.loss_rows.size());
+    MT_CHECK(c.loss_total > 0, "no training vertex in the graph");
+    if (t > 0) {
+      out.y = b.input("y", {t}, DType::i32);
+      ValueId idx = b.input("loss_rows", {t}, DType::i32);
+      m.constants.emplace_back(idx, tensor_from(c.loss_rows));
+      out.loss = b.scale(b.cross_entropy(b.embedding(out.logits, idx), out.y),
+                         static_cast<double>(t) / static_cast<double>(c.loss_total));
+    } else {
+      // No training vertex in this chunk: a zero loss that still
+      // differentiates (to zeros), so the backward runs as for the others.
+      out.loss = b.scale(b.sum_to(out.logits, {}), 0.0);
+    }
+  }
+  out.graph = std::move(m.graph);
+  out.constants = std::move(m.constants);
+  return out;
+}
+
 }  // namespace mt

@@ -139,6 +139,53 @@ bool is_gnn(const std::string& kind);
 // (not as a sum of parts), so graph parallelism joins a row's halo to it.
 bool gnn_needs_whole_rows(const ModelSpec& spec);
 
+// GNNPipe's unit of work (train/layer_pipeline.h): graph layers
+// [first_layer, last_layer) of a gcn, resgcn or sage (mean) model -- with
+// resgcn's input linear when first_layer == 0 and the head and loss when
+// last_layer == gnn_layers -- for one chunk of vertices. Each layer splits
+// into a message m = M(h) per vertex (gcn: act(h) W, resgcn:
+// relu(layer_norm(h)) W, sage: act(h); act = relu after the first layer)
+// and an update of the chunk's rows from the aggregation over their
+// in-neighbours' messages (gcn: agg + b, resgcn: h + agg + b, sage:
+// act(h) W_self + agg W_neigh + b). The neighbours' messages come from
+// two places: the chunk's own rows (computed here, entries adj_in with
+// chunk-local columns) and `messages_other[l]`, a graph input [vertices,
+// width] read through entries adj_out (columns outside the chunk, global
+// ids), which the runtime fills with this epoch's messages where they exist
+// and the previous epoch's (historical embeddings) elsewhere. With one chunk
+// adj_out is empty and the layer is build_gnn's. Parameter names and
+// initialisation are build_gnn's, so the stages together hold its model.
+struct GnnLayerChunk {
+  int64_t first_layer = 0, last_layer = 0;
+  int64_t vertices = 0;       // of the whole graph
+  std::vector<int32_t> rows;  // the chunk's vertex ids
+  // The chunk's rows of gnn_adjacency(), split by column: inside the chunk
+  // ([rows, rows], chunk-local columns) and outside ([rows, vertices]).
+  Csr adj_in, adj_out;
+  std::vector<float> values_in, values_out;
+  std::vector<int32_t> loss_rows;  // last stage: chunk rows in the training mask (chunk-local)
+  int64_t loss_total = 0;          // training vertices over all chunks
+};
+
+struct GnnChunkGraph {
+  Graph graph;
+  ValueId h_in = kNoValue;   // [rows, width in]: x's rows, or the previous stage's output
+  ValueId h_out = kNoValue;  // [rows, hidden] to the next stage (not in the last)
+  ValueId y = kNoValue, logits = kNoValue, loss = kNoValue;  // the last stage
+  // Per layer of the range: the other rows' messages (input) and the
+  // chunk's own (output, [rows, width]).
+  std::vector<ValueId> messages_other, messages;
+  std::vector<std::pair<ValueId, Tensor>> constants;
+};
+
+// Message width of layer l (what messages_other[l] holds per vertex).
+int64_t gnn_message_width(const ModelSpec& spec, int64_t layer, int64_t features, int64_t classes);
+// Throws ConfigError for a model kind layer pipelining does not split (gat,
+// sage max: a message depends on both ends of an edge or is not a sum).
+void check_layer_chunk_model(const ModelSpec& spec);
+GnnChunkGraph build_gnn_layer_chunk(const ModelSpec& spec, const GnnLayerChunk& c, int64_t features,
+                                    int64_t classes);
+
 // Throws ConfigError for an unknown kind or an impossible spec (e.g. d_model
 // not divisible by heads), naming the field.
 ModelGraph build_model(const ModelSpec& spec, int64_t batch);

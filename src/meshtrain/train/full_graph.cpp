@@ -15,6 +15,7 @@
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/graph_parallel.h"
+#include "meshtrain/train/layer_pipeline.h"
 #include "meshtrain/train/lr_schedule.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
@@ -55,6 +56,13 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
   refuse(!opts.checkpoint_path.empty(), "train.checkpoint", "no checkpoints yet");
   refuse(!opts.resume_path.empty(), "train.resume", "no checkpoints yet");
   refuse(!opts.init_path.empty(), "train.init", "no weight import yet");
+  if (par.mode == GnnParallel::layer) {
+    if (comm == nullptr) {
+      throw ConfigError("gnn.parallel = \"layer\" needs a communicator (run under mpirun)");
+    }
+    g.validate(g.name);
+    return train_layer_pipeline(spec, g, opts, log, par, *comm);
+  }
   const bool graph_parallel = par.mode == GnnParallel::graph;
   if (graph_parallel && comm == nullptr) {
     throw ConfigError("gnn.parallel = \"graph\" needs a communicator (run under mpirun)");

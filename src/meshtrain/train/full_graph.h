@@ -37,6 +37,7 @@ namespace mt {
 enum class GnnParallel : uint8_t {
   none,   // one process (the communicator, if any, must have one rank)
   graph,  // 1D graph parallelism: rows partitioned, halo rows exchanged per layer
+  layer,  // layer pipelining (GNNPipe): consecutive layers per rank, vertex chunks flow
 };
 
 struct GraphParallelOptions {
@@ -45,6 +46,11 @@ struct GraphParallelOptions {
   // CAGNET's replication factor c: 1 = 1D; c > 1 = 1.5D (P / c row blocks,
   // each held by c ranks; must divide the ranks).
   int64_t replication = 1;
+  // Layer pipelining (train/layer_pipeline.h): vertex chunks (partition by
+  // `partition` into `chunks` parts) and the first epochs run as one chunk
+  // (no historical embeddings).
+  int64_t chunks = 4;
+  int64_t startup_epochs = 1;
 };
 
 struct GraphEpoch {
@@ -74,6 +80,11 @@ struct FullGraphResult {
   // 1.5D: bytes of the all-reduces of partial aggregations over the
   // replica group, counted and as the runner's cost function predicts.
   uint64_t replica_bytes_sent_per_epoch = 0, expected_replica_bytes_per_epoch = 0;
+  // Layer pipelining, this rank: its layers [first, last), and the bytes it
+  // sent to its neighbour stages per training epoch, counted and predicted.
+  int64_t first_layer = 0, last_layer = 0;
+  uint64_t pipeline_bytes_sent_per_epoch = 0;
+  int64_t expected_pipeline_bytes_per_epoch = 0;
 };
 
 // Fraction of `vertices` whose argmax over logits [N, C] equals its label

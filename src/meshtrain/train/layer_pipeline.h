@@ -1,0 +1,64 @@
+// Layer pipelining for full-graph GNN training, after GNNPipe: the model's
+// graph layers are cut into consecutive ranges, one per rank (a stage holds
+// its layers' parameters and computes them for the whole graph), and the
+// vertices into chunks that flow through the stages, so stage p computes
+// chunk k while stage p-1 computes chunk k+1. What crosses between stages
+// is a chunk's embedding rows forward and their gradient backward: 2 (P-1)
+// n h floats per epoch over all ranks (n vertices, h the hidden width),
+// independent of the number of layers -- graph parallelism moves halo rows
+// at every layer instead.
+//
+// A layer's aggregation reads every in-neighbour's message
+// (models/model.h, GnnLayerChunk). For chunk k, neighbours in chunks before
+// k have this epoch's messages (computed already, on this stage); those in
+// later chunks are not computed yet and stand in with their messages from
+// the previous epoch: the historical embeddings. They are constants: no
+// gradient flows into them. The first `startup_epochs` epochs (and the
+// final evaluation) run as one chunk, with no staleness; with one chunk the
+// run equals single-process training.
+//
+// Schedule per epoch, every stage: the forward of chunks 0..K-1 (receive
+// the chunk's input rows, compute, send its output rows asynchronously),
+// then the backward of chunks K-1..0. Backward in reverse chunk order makes
+// the gradient exact for the chunked forward: chunk k's backward adds the
+// gradients of the fresh messages of chunks j < k it read into their
+// gradient buffers before chunk j's backward runs. Each backward recomputes
+// its chunk's forward (the executor runs forward and backward together), so
+// a stage computes 1.33x the FLOPs of its layers; activations are not
+// stashed between the two passes.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "meshtrain/comm/communicator.h"
+#include "meshtrain/data/graph_data.h"
+#include "meshtrain/models/model.h"
+#include "meshtrain/train/full_graph.h"
+#include "meshtrain/train/trainer.h"
+
+namespace mt {
+
+// Graph layers [first, last) of each of `stages` stages: as even as the
+// layer count allows, earlier stages taking the remainder. ConfigError
+// when there are fewer layers than stages.
+std::vector<std::pair<int64_t, int64_t>> layer_pipeline_stages(int64_t layers, int stages);
+
+// Bytes stage `stage` of `stages` sends per training epoch: each vertex's
+// output row (gnn_hidden floats) forward unless it is the last stage, its
+// input row's gradient backward unless it is the first.
+int64_t layer_pipeline_bytes_per_epoch(const ModelSpec& spec, int64_t vertices, int stage,
+                                       int stages);
+
+// train_full_graph with par.mode == GnnParallel::layer: every rank of comm
+// calls it with the same graph and options; rank r is stage r. Results
+// (losses, accuracies, final parameters by name) are the same on every rank.
+FullGraphResult train_layer_pipeline(const ModelSpec& spec, const GraphData& g,
+                                     const TrainerOptions& opts,
+                                     const std::function<void(const std::string&)>& log,
+                                     const GraphParallelOptions& par, Communicator& comm);
+
+}  // namespace mt
