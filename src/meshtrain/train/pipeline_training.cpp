@@ -618,9 +618,9 @@ struct PipelineTraining::Impl {
 
   // The step's passes (lane "compute", category forward / backward, with
   // their CPU time and the runtime's overhead around them) and waits.
-  void trace_step(int64_t step, int64_t t0, int64_t t1) {
+  void trace_step(int64_t at, int64_t t0, int64_t t1) {
     if (!timeline.enabled()) return;
-    timeline.add(fmt::format("step {}", step + 1), "step", t0, t1, 3);
+    timeline.add(fmt::format("step {}", at + 1), "step", t0, t1, 3);
     for (const PipelineSpan& sp : runtime->spans()) {
       const bool fwd = sp.kind == ActionKind::forward;
       timeline.add(describe(PipelineAction{sp.kind, sp.microbatch, sp.stage, -1}),
