@@ -26,8 +26,12 @@ def check(cond, what):
         failures.append(what)
 
 
+import os  # noqa: E402
 cpu = common.cpu_context()
-check(set(cpu) == {"cpu_vendor", "cpu_model", "cpu_isa"}, f"cpu_context keys: {sorted(cpu)}")
+check(set(cpu) == {"cpu_vendor", "cpu_model", "cpu_family_model", "cpu_isa"},
+      f"cpu_context keys: {sorted(cpu)}")
+check(os.uname().machine != "x86_64" or cpu["cpu_family_model"].startswith("family "),
+      f"cpu_family_model on x86: {cpu}")
 import os  # noqa: E402
 check(cpu["cpu_isa"].split()[0] == os.uname().machine, f"cpu_isa starts with the arch: {cpu}")
 
