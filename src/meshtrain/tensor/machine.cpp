@@ -110,6 +110,10 @@ std::string CpuInfo::isa_flags() const {
   return s;
 }
 
+std::string CpuInfo::describe() const {
+  return fmt::format("{} {} (family {}, model {})", vendor, model, family, model_number);
+}
+
 const CpuInfo& cpu_info() {
   static const CpuInfo info = detect();
   return info;

@@ -26,6 +26,9 @@ struct CpuInfo {
   bool amx = false;  // AMX-TILE and AMX-BF16 (Sapphire Rapids and later)
   // "avx2,fma,avx512,avx512_bf16" -- the flags above that hold, comma-separated.
   std::string isa_flags() const;
+  // "AuthenticAMD AMD EPYC 9B45 (family 26, model 2)": virtual machines often
+  // shorten the brand string, so family and model say which core it is.
+  std::string describe() const;
 };
 
 // This machine's CPU (cpuid, read once).
