@@ -56,6 +56,10 @@ std::string best_openblas_coretype(const CpuInfo& cpu);
 //                  results on their CPU);
 //          "best": the CPU's best core type even over the environment's;
 //          "keep": never change anything.
+// Under auto and best, an environment's core type that needs instructions
+// the CPU lacks (SkylakeX on an AVX2-only CPU) is replaced too: OpenBLAS
+// does not check a forced core type, and its first GEMM would die on an
+// illegal instruction.
 // env_coretype: the environment's OPENBLAS_CORETYPE (nullptr if unset);
 // already_reexecuted: this process is the re-executed one (never loop).
 // The matmul engine's correctness probe still checks whatever runs: an
