@@ -6,7 +6,8 @@
 #   auto: the environment's choice wins (a note says what best would do);
 #   keep: nothing is said or changed.
 # With -DMPIRUN: the same for `best` when each rank is started by a plain
-# `mpirun -np 2` (each rank re-executes itself; the launcher keeps its pid).
+# `mpirun -np 2` (each rank re-executes itself; mpirun keeps its pid), and
+# under `--nproc 2` (meshtrain's launcher restarts once; the ranks inherit).
 # Skipped on a CPU without AVX2 + FMA (no core type above Prescott to ask for).
 cmake_minimum_required(VERSION 3.25)
 include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
@@ -63,7 +64,23 @@ if(DEFINED MPIRUN)
   if(NOT core MATCHES "^${best} \\(re-executed with OPENBLAS_CORETYPE; OpenBLAS had chosen Prescott\\)")
     message(FATAL_ERROR "summary's OpenBLAS core is '${core}', expected ${best} after a re-execution")
   endif()
-  message(STATUS "ok: mpirun ranks re-executed with ${best}")
+  # meshtrain's own launcher (--nproc 2): it re-executes once before
+  # starting the ranks, which inherit the variable and say nothing more.
+  file(REMOVE ${metrics})
+  expect_run(RC 0 TIMEOUT 120
+    STDERR "restarting with OPENBLAS_CORETYPE=${best}"
+    COMMAND ${CMAKE_COMMAND} -E env OPENBLAS_CORETYPE=Prescott OMPI_ALLOW_RUN_AS_ROOT=1
+      OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ${train} --nproc 2 "--set" "exec.openblas_coretype=\"best\"")
+  string(REGEX MATCHALL "restarting with OPENBLAS_CORETYPE" notes "${err}")
+  list(LENGTH notes n)
+  if(NOT n EQUAL 1)
+    message(FATAL_ERROR "expected one restart note (the launcher), got ${n}:\n${err}")
+  endif()
+  summary_core(core)
+  if(NOT core MATCHES "^${best} \\(re-executed with OPENBLAS_CORETYPE; OpenBLAS had chosen Prescott\\)")
+    message(FATAL_ERROR "--nproc 2: summary's OpenBLAS core is '${core}', expected ${best}")
+  endif()
+  message(STATUS "ok: mpirun ranks and --nproc ranks re-executed with ${best}")
   return()
 endif()
 
