@@ -337,7 +337,7 @@ int main(int argc, char** argv) {
   register_elementwise();
   // The machine and its engines, in the JSON's "context" beside the rates.
   const mt::CpuInfo& cpu = mt::cpu_info();
-  benchmark::AddCustomContext("cpu", cpu.vendor + " " + cpu.model);
+  benchmark::AddCustomContext("cpu", cpu.describe());
   benchmark::AddCustomContext("isa", cpu.isa_flags());
   benchmark::AddCustomContext("onednn_isa", mt::onednn_isa());
   benchmark::AddCustomContext("openblas_core", mt::openblas_core_description());

@@ -109,23 +109,29 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
 
 
 def cpu_context():
-    """{"cpu_vendor", "cpu_model", "cpu_isa"} of this machine from /proc/cpuinfo
-    (the ISA as the architecture and the notable extensions it lists);
-    "unknown" where a field cannot be read."""
+    """{"cpu_vendor", "cpu_model", "cpu_family_model", "cpu_isa"} of this
+    machine from /proc/cpuinfo (family and model number say which core it is
+    where a virtual machine shortens the brand string; the ISA as the
+    architecture and the notable extensions it lists); "unknown" where a
+    field cannot be read."""
     info = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key in ("vendor_id", "model name", "flags", "Features") and key not in info:
+                if key in ("vendor_id", "model name", "cpu family", "model", "flags",
+                           "Features") and key not in info:
                     info[key] = value.strip()
     except OSError:
         pass
     flags = set((info.get("flags") or info.get("Features") or "").split())
     isa = " ".join([os.uname().machine] + [f for f in ISA_FLAGS if f in flags])
+    family_model = (f"family {info['cpu family']}, model {info['model']}"
+                    if "cpu family" in info and "model" in info else "unknown")
     return {"cpu_vendor": info.get("vendor_id", "unknown"),
-            "cpu_model": info.get("model name", "unknown"), "cpu_isa": isa}
+            "cpu_model": info.get("model name", "unknown"), "cpu_family_model": family_model,
+            "cpu_isa": isa}
 
 
 # Where the two sides' bytes travel, for the transport fields of comparison
@@ -303,7 +309,8 @@ class Context:
         print("(ratio > 1: meshtrain better; fast: p90 step rates; busy: others' CPU share "
               "during meshtrain/peer; matmul: meshtrain/peer GFLOP/s)", file=sys.stderr)
         cpu = self.line_context
-        print(f"CPU: {cpu.get('cpu_vendor')} {cpu.get('cpu_model')} ({cpu.get('cpu_isa')})",
+        print(f"CPU: {cpu.get('cpu_vendor')} {cpu.get('cpu_model')} "
+              f"({cpu.get('cpu_family_model')}; {cpu.get('cpu_isa')})",
               file=sys.stderr)
 
     def log(self, msg):

@@ -33,6 +33,11 @@ NOTE = ("peer trains on synthetic random data of the same shapes (throughput doe
         "runs eagerly")
 
 
+# The trainer's warm-up steps (kWarmupSteps in train/trainer.cpp) plus the
+# step at which it resets its profile.
+MEAN_SKIP_STEPS = 6
+
+
 def add_args(p):
     p.add_argument("--models", default="mlp,cnn,gpt", help="comma-separated subset of mlp,cnn,gpt")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
@@ -242,6 +247,17 @@ def compare(ctx, model, threads, steps, warmup, setup, mt, peers, matmul):
         ctx.emit(line)
 
 
+def mean_step_s(run, batch, skip=MEAN_SKIP_STEPS):
+    """Mean step time in seconds over the run's step lines after the first
+    `skip` (the steps whose matmuls the summary's matmul_s_per_step, a mean,
+    covers: the trainer's profile starts after its warm-up); None without
+    them. A mean against a mean: the median step rate against the mean
+    matmul time gave shares above 1 on a loaded machine."""
+    lines = sorted((s for s in run.steps if s.get("samples_per_s")), key=lambda s: s.get("step", 0))
+    times = [batch / s["samples_per_s"] for s in lines[skip:]]
+    return sum(times) / len(times) if times else None
+
+
 def matmul_fields(bf, f32, batch, precision="bf16"):
     """What bounds the bf16 speed-up: matmul time per step in each precision
     (from the runs' summaries), their ratio, and the share of the f32 step
@@ -253,7 +269,10 @@ def matmul_fields(bf, f32, batch, precision="bf16"):
         return round(sec * 1e3, 3) if sec else None
 
     share = None
-    if f_mm and f32.samples_per_s:
+    step_s = mean_step_s(f32, batch)
+    if f_mm and step_s:
+        share = round(f_mm / step_s, 4)
+    elif f_mm and f32.samples_per_s:
         share = round(f_mm * f32.samples_per_s / batch, 4)
     return {f"matmul_ms_per_step_{precision}": ms(b_mm), "matmul_ms_per_step_f32": ms(f_mm),
             "matmul_speedup": ratio(f_mm, b_mm), "f32_matmul_share": share}

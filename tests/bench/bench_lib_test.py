@@ -26,8 +26,12 @@ def check(cond, what):
         failures.append(what)
 
 
+import os  # noqa: E402
 cpu = common.cpu_context()
-check(set(cpu) == {"cpu_vendor", "cpu_model", "cpu_isa"}, f"cpu_context keys: {sorted(cpu)}")
+check(set(cpu) == {"cpu_vendor", "cpu_model", "cpu_family_model", "cpu_isa"},
+      f"cpu_context keys: {sorted(cpu)}")
+check(os.uname().machine != "x86_64" or cpu["cpu_family_model"].startswith("family "),
+      f"cpu_family_model on x86: {cpu}")
 import os  # noqa: E402
 check(cpu["cpu_isa"].split()[0] == os.uname().machine, f"cpu_isa starts with the arch: {cpu}")
 
@@ -60,6 +64,25 @@ try:
     check(list(line)[0] == "suite" and "loadavg_1m" in line, f"suite first, load added: {line}")
 finally:
     ctx.cleanup()
+
+import core  # noqa: E402
+import meshtrain  # noqa: E402
+
+# The matmuls' share of the f32 step (behind the bf16 bound) is a mean over a
+# mean: 8 ms of matmuls per step against steps of 10 ms, with one slow step
+# (30 ms) that moves the mean but not the median; warm-up steps left out.
+steps = [{"step": i, "samples_per_s": 128 / 0.5} for i in range(1, 7)]  # warm-up
+steps += [{"step": i, "samples_per_s": 128 / 0.010} for i in range(7, 16)]
+steps += [{"step": 16, "samples_per_s": 128 / 0.030}]
+f32 = meshtrain.MeshtrainRun({"samples_per_s": 12800.0, "matmul_s_per_step": 0.0096}, steps,
+                             None, None, 1.0)
+bf = meshtrain.MeshtrainRun({"matmul_s_per_step": 0.0048}, [], None, None, 1.0)
+fields = core.matmul_fields(bf, f32, 128)
+check(abs(core.mean_step_s(f32, 128) - 0.012) < 1e-9, f"mean step: {core.mean_step_s(f32, 128)}")
+check(fields["f32_matmul_share"] == 0.8 and fields["matmul_speedup"] == 2.0,
+      f"matmul share from mean step time: {fields}")
+no_steps = core.matmul_fields(bf, meshtrain.MeshtrainRun(f32.summary, [], None, None, 1.0), 128)
+check(no_steps["f32_matmul_share"] == 0.96, f"share without step lines (median rate): {no_steps}")
 
 import accuracy  # noqa: E402
 

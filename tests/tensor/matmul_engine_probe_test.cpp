@@ -159,6 +159,24 @@ TEST(OpenBlasCoretype, AdviceFixesMisdetectionButKeepsTheEnvironmentsChoice) {
   EXPECT_EQ(
       advise_openblas_coretype("auto", cpu_with(true, false), "Prescott", nullptr, false).set_to,
       "Haswell");
+  // An environment's core type the CPU cannot run (OpenBLAS does not check
+  // it; its first GEMM would raise SIGILL) is replaced under auto and best,
+  // kept under keep.
+  for (const char* policy : {"auto", "best"}) {
+    a = advise_openblas_coretype(policy, cpu_with(true, false), "SkylakeX", "SkylakeX", false);
+    EXPECT_EQ(a.set_to, "Haswell") << policy;
+    EXPECT_NE(a.note.find("asks for kernels this CPU cannot run"), std::string::npos) << a.note;
+    EXPECT_EQ(advise_openblas_coretype(policy, cpu_with(false, false), "Haswell", "Haswell", false)
+                  .set_to,
+              "Prescott");
+  }
+  EXPECT_EQ(
+      advise_openblas_coretype("keep", cpu_with(true, false), "SkylakeX", "SkylakeX", false).set_to,
+      "");
+  // OpenBLAS's own choice above the cpuid view is its business (no restart).
+  EXPECT_EQ(
+      advise_openblas_coretype("auto", cpu_with(true, false), "SkylakeX", nullptr, false).set_to,
+      "");
   // An unknown (maybe newer) name is left alone under auto.
   EXPECT_EQ(advise_openblas_coretype("auto", avx512, "Graniterapids", nullptr, false).set_to, "");
 }

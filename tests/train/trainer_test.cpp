@@ -9,11 +9,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/local/local_world.h"
 #include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/train/param_store.h"
+#include "meshtrain/train/precision.h"
 #include "meshtrain/train/trainer.h"
 
 namespace mt {
@@ -238,6 +240,59 @@ TEST(Trainer, PrecisionAutoKeepsF32WhenBf16MatmulsMeasureSlower) {
   ASSERT_FALSE(notices.empty());
   EXPECT_NE(notices[0].find("warning:"), std::string::npos) << notices[0];
   EXPECT_NE(notices[0].find("slower than f32"), std::string::npos) << notices[0];
+}
+
+TEST(PrecisionPolicy, InjectedRatesDecideAndTheReasonSaysWhy) {
+  // The pure policy on rates a test chooses: Intel without AMX (bf16 at
+  // 0.65x f32), a near tie below the gain that pays for the casts, and a
+  // CPU where bf16 runs twice as fast (AVX512_BF16 here, AMX elsewhere).
+  struct Case {
+    std::string requested;
+    double f32, bf16;
+    bool amx, cpu_amx;
+    DType want;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {"auto",
+       115,
+       75,
+       false,
+       false,
+       DType::f32,
+       {"chose f32", "0.65x f32", "matmuls stay f32", "no AMX on this CPU"}},
+      {"auto", 100, 105, false, false, DType::f32, {"chose f32", "below the 1.10x"}},
+      {"auto", 100, 200, false, false, DType::bf16, {"chose bf16", "2.00x f32"}},
+      {"auto", 100, 400, true, true, DType::bf16, {"chose bf16", "AMX)"}},
+      {"auto", 100, 90, false, true, DType::f32, {"AMX on the CPU but not used by oneDNN"}},
+      {"bf16", 115, 75, false, false, DType::bf16, {"warning:", "slower than f32"}},
+      {"bf16", 100, 200, false, false, DType::bf16, {"bf16 as configured"}},
+      {"f32", 100, 200, false, false, DType::f32, {"f32 as configured"}},
+  };
+  for (const Case& c : cases) {
+    PrecisionDecision d;
+    d.requested = c.requested;
+    d.measured = true;
+    d.f32_gflops = c.f32;
+    d.bf16_gflops = c.bf16;
+    d.amx = c.amx;
+    d.cpu_amx = c.cpu_amx;
+    d.isa = c.amx ? "avx512_core_amx" : "avx512_core_bf16";
+    apply_precision_policy(d);
+    EXPECT_EQ(d.chosen, c.want) << c.requested << " " << c.f32 << " " << c.bf16 << ": " << d.reason;
+    for (const std::string& w : c.says) {
+      EXPECT_NE(d.reason.find(w), std::string::npos) << "'" << w << "' not in: " << d.reason;
+    }
+  }
+  // Nothing measured (not the fast backend): auto is f32.
+  PrecisionDecision none;
+  none.requested = "auto";
+  apply_precision_policy(none);
+  EXPECT_EQ(none.chosen, DType::f32);
+  EXPECT_NE(none.reason.find("nothing measured"), std::string::npos) << none.reason;
+  PrecisionDecision bad;
+  bad.requested = "fp8";
+  EXPECT_THROW(apply_precision_policy(bad), ConfigError);
 }
 
 bool has_bf16_values(const Graph& g) {

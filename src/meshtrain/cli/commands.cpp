@@ -654,11 +654,12 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     return 0;
   }
   const int nproc = opts.nproc > 0 ? opts.nproc : rc.nproc;
-  if (rc.data.kind == "graph") return train_graph(opts, rc, nproc, empty, argc, argv);
+  // Before anything else runs (the graph trainer's kernels use OpenBLAS too).
   if (rc.train.exec.backend == "fast") {
     const bool launching = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
     reexec_for_openblas(rc.openblas_coretype, opts.quiet, launching, argv);
   }
+  if (rc.data.kind == "graph") return train_graph(opts, rc, nproc, empty, argc, argv);
   const bool launcher = (nproc > 1 || !opts.hostfile.empty()) && !launched_by_mpi();
   if (launcher) {
     const std::optional<Plan> tplan =

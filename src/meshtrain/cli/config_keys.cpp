@@ -93,7 +93,8 @@ const std::vector<KeyMeaning> kMeanings = {
     {"train.threads", "threads per rank for the kernels"},
     {"train.precision",
      "f32, or mixed precision with bf16 / f16 matmuls and f32 master weights; auto: bf16 where "
-     "its matmuls measure faster than f32 on this machine at start-up, else f32"},
+     "its matmuls measure >= 1.1x f32 on the model's shapes at start-up, else f32 throughout "
+     "(docs/engines.md)"},
     {"train.eval", "evaluate on the test split after every epoch and at the end"},
     {"train.log_every", "steps between metrics lines"},
     {"train.checkpoint",
@@ -131,7 +132,9 @@ const std::vector<KeyMeaning> kMeanings = {
 
     {"exec.backend", "kernels: fast (oneDNN, OpenBLAS, AVX-512) or reference (the oracle)"},
     {"exec.recompute", "recompute cheap activations in backward instead of keeping them"},
-    {"exec.matmul", "f32 matmul library; measure picks per shape by timing the first calls"},
+    {"exec.matmul",
+     "f32 matmul library; measure picks per shape by timing the first calls among the engines "
+     "that pass the correctness probe (docs/engines.md)"},
     {"exec.conv_layout", "convolution layout; measure picks per shape by timing"},
     {"exec.openblas_coretype",
      "auto: restart with OPENBLAS_CORETYPE set when OpenBLAS chose kernels below the CPU's "

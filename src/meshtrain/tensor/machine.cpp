@@ -110,6 +110,10 @@ std::string CpuInfo::isa_flags() const {
   return s;
 }
 
+std::string CpuInfo::describe() const {
+  return fmt::format("{} {} (family {}, model {})", vendor, model, family, model_number);
+}
+
 const CpuInfo& cpu_info() {
   static const CpuInfo info = detect();
   return info;
@@ -191,7 +195,21 @@ CoretypeAdvice advise_openblas_coretype(std::string_view policy, const CpuInfo& 
   const int can = cpu_blas_level(cpu);
   const std::string best = best_openblas_coretype(cpu);
   if (already_reexecuted) return a;  // the re-executed process keeps what it got
-  if (policy == "keep" || have >= can || best.empty()) return a;
+  if (policy == "keep") return a;
+  const bool from_env = env_coretype != nullptr && *env_coretype != '\0';
+  if (from_env && have > can) {
+    // OpenBLAS takes a forced core type without checking the CPU (0.3.21's
+    // force_coretype), so its first GEMM would die on an illegal
+    // instruction: the environment's choice cannot win here.
+    a.set_to = best.empty() ? std::string("Prescott") : best;
+    a.note = fmt::format(
+        "OPENBLAS_CORETYPE={} in the environment asks for kernels this CPU cannot run (it has "
+        "{}): restarting with OPENBLAS_CORETYPE={}",
+        env_coretype,
+        cpu.isa_flags().empty() ? std::string("none of AVX2, AVX-512") : cpu.isa_flags(), a.set_to);
+    return a;
+  }
+  if (have >= can || best.empty()) return a;
   const std::string what = have < 0
                                ? fmt::format("'{}' (a core type meshtrain does not know)", corename)
                                : fmt::format("{} kernels", corename);
@@ -205,7 +223,6 @@ CoretypeAdvice advise_openblas_coretype(std::string_view policy, const CpuInfo& 
   }
   if (have < 0 && policy != "best") return a;  // an unknown name may be newer than our table
   a.set_to = best;
-  const bool from_env = env_coretype != nullptr && *env_coretype != '\0';
   a.note = fmt::format(
       "OpenBLAS {} {}{} on a CPU with {}: restarting with OPENBLAS_CORETYPE={}",
       from_env ? "runs" : "chose", what,

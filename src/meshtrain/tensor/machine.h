@@ -26,6 +26,9 @@ struct CpuInfo {
   bool amx = false;  // AMX-TILE and AMX-BF16 (Sapphire Rapids and later)
   // "avx2,fma,avx512,avx512_bf16" -- the flags above that hold, comma-separated.
   std::string isa_flags() const;
+  // "AuthenticAMD AMD EPYC 9B45 (family 26, model 2)": virtual machines often
+  // shorten the brand string, so family and model say which core it is.
+  std::string describe() const;
 };
 
 // This machine's CPU (cpuid, read once).
@@ -53,6 +56,10 @@ std::string best_openblas_coretype(const CpuInfo& cpu);
 //                  results on their CPU);
 //          "best": the CPU's best core type even over the environment's;
 //          "keep": never change anything.
+// Under auto and best, an environment's core type that needs instructions
+// the CPU lacks (SkylakeX on an AVX2-only CPU) is replaced too: OpenBLAS
+// does not check a forced core type, and its first GEMM would die on an
+// illegal instruction.
 // env_coretype: the environment's OPENBLAS_CORETYPE (nullptr if unset);
 // already_reexecuted: this process is the re-executed one (never loop).
 // The matmul engine's correctness probe still checks whatever runs: an

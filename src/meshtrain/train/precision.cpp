@@ -55,6 +55,13 @@ double time_matmul(KernelBackend& k, const MatmulUse& u, DType t, int threads) {
   return std::max(best, 1e-9);
 }
 
+// Whether AMX did the bf16 work, for the rates line.
+std::string amx_note(const PrecisionDecision& d) {
+  if (d.amx) return ", AMX";
+  if (d.cpu_amx) return ", AMX on the CPU but not used by oneDNN";
+  return ", no AMX on this CPU";
+}
+
 }  // namespace
 
 std::vector<MatmulUse> matmul_uses(const Graph& g) {
@@ -88,7 +95,7 @@ void apply_precision_policy(PrecisionDecision& d) {
       d.measured ? fmt::format(
                        "bf16 matmuls run at {:.2f}x f32 on this model's shapes ({:.1f} vs "
                        "{:.1f} GFLOP/s, oneDNN {}{})",
-                       r, d.bf16_gflops, d.f32_gflops, d.isa, d.amx ? ", AMX" : "")
+                       r, d.bf16_gflops, d.f32_gflops, d.isa, amx_note(d))
                  : std::string();
   if (d.requested == "auto" && !d.measured) {
     d.chosen = DType::f32;
@@ -114,7 +121,9 @@ void apply_precision_policy(PrecisionDecision& d) {
       d.chosen = DType::f32;
       d.reason = fmt::format(
           "train.precision = \"auto\" chose f32: {}, below the {:.2f}x that pays for the casts; "
-          "matmuls stay f32",
+          "matmuls stay f32, and so do activations and gradients (no bf16 storage or "
+          "communication around f32 matmuls; sync.codec = \"bf16\" compresses gradients on "
+          "request)",
           rates, PrecisionDecision::kMinGain);
     }
   } else {
@@ -129,7 +138,8 @@ PrecisionDecision decide_precision(const std::string& requested, const std::vect
   PrecisionDecision d;
   d.requested = requested;
   d.isa = onednn_isa();
-  d.amx = cpu_info().amx && d.isa == "avx512_core_amx";
+  d.cpu_amx = cpu_info().amx;
+  d.amx = d.cpu_amx && d.isa == "avx512_core_amx";
   if ((requested == "bf16" || requested == "auto") && backend == "fast") {
     // A private instance, so the training backend's engine choices and its
     // report list only what training runs; one thread, timed in the thread's

@@ -43,10 +43,11 @@ struct PrecisionDecision {
   bool measured = false;
   // Over the step's matmuls, flop-weighted, at one thread.
   double f32_gflops = 0, bf16_gflops = 0;
-  double seconds = 0;  // the measurement's own time
-  std::string isa;     // oneDNN's ISA ("avx512_core_amx" where AMX runs bf16)
-  bool amx = false;
-  std::string reason;  // one line for the log
+  double seconds = 0;    // the measurement's own time
+  std::string isa;       // oneDNN's ISA ("avx512_core_amx" where AMX runs bf16)
+  bool amx = false;      // oneDNN runs bf16 on AMX tiles
+  bool cpu_amx = false;  // the CPU (and the OS) offer AMX, whether oneDNN uses it or not
+  std::string reason;    // one line for the log
   double bf16_over_f32() const { return f32_gflops > 0 ? bf16_gflops / f32_gflops : 0.0; }
 };
 
@@ -60,7 +61,11 @@ PrecisionDecision decide_precision(const std::string& requested, const std::vect
                                    double bf16_rate_factor_for_testing = 1.0);
 
 // The decision for "f32" / "bf16" / "f16" / "auto" once the rates are known
-// (pure: the policy above).
+// (pure: the policy above). When auto keeps f32 it keeps all of it: meshtrain
+// has no mode that stores activations or sends gradients in bf16 around f32
+// matmuls (sync.codec = "bf16" compresses gradients, but only on request: it
+// is lossy and breaks step-by-step equality with the single-process run), and
+// the reason says so.
 void apply_precision_policy(PrecisionDecision& d);
 
 }  // namespace mt

@@ -1475,7 +1475,7 @@ struct Trainer::Impl {
         {"dp_expected_buffer_bytes", r.memory.expected_buffer_bytes},
         {"precision", std::string(dtype_name(o.precision))},
         {"precision_decision", precision_json()},
-        {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},
+        {"cpu", cpu_info().describe()},
         {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
         {"matmul_engines", engines_json()},
         {"op_profile_ms_per_step", op_profile_json()}};
@@ -1514,7 +1514,8 @@ nlohmann::json Trainer::Impl::precision_json() const {
   nlohmann::json j = {{"requested", precision.requested},
                       {"chosen", std::string(dtype_name(precision.chosen))},
                       {"reason", precision.reason},
-                      {"amx", precision.amx}};
+                      {"amx", precision.amx},
+                      {"cpu_amx", precision.cpu_amx}};
   if (precision.measured) {
     j["f32_matmul_gflops_1t"] = precision.f32_gflops;
     j["bf16_matmul_gflops_1t"] = precision.bf16_gflops;
