@@ -178,7 +178,7 @@ class LocalStepsSync : public ReplicaSync {
       // active neighbour said so.
       float* out = send_.data<float>();
       out[0] = kDone;
-      for (int q : partners_) pair_->send(out, n_ + 1, DType::f32, q, p2p(kRequestTag));
+      for (int q : partners_) pair_->send(out, 1, DType::f32, q, p2p(kRequestTag));
     } else {
       if (server_.joinable()) server_.join();
       apply_pending();
@@ -224,7 +224,7 @@ class LocalStepsSync : public ReplicaSync {
   int pending_group_ = -1;
   // adpsgd: even ranks active, odd ranks passive (see local_steps.h).
   static constexpr float kAverage = 0, kDone = 1;
-  static constexpr uint32_t kRequestTag = 0x4144, kReplyTag = 0x4145;
+  static constexpr uint32_t kRequestTag = 0x4144, kBodyTag = 0x4145, kReplyTag = 0x4146;
   std::unique_ptr<Communicator> pair_;
   std::vector<int> partners_;  // opposite-role neighbours
   std::mt19937_64 rng_;
@@ -322,16 +322,17 @@ class LocalStepsSync : public ReplicaSync {
       }
     }
     rng_.seed(0x5eed0000u + static_cast<uint64_t>(r));
-    pair_ = group_.split(0, r, "adpsgd", opts());
+    const uint64_t before = sync_bytes_sent(group_);
+    pair_ = group_.split(0, r, "adpsgd", opts());  // its agreement is no gossip traffic
+    side_bytes_ += sync_bytes_sent(group_) - before;
     MemoryScope tag(MemoryCategory::comm);
     send_ = Tensor::empty({flat_.numel() + 1}, DType::f32);
     recv_ = Tensor::empty({flat_.numel()}, DType::f32);
     published_ = Tensor::empty({flat_.numel()}, DType::f32);
     if (r % 2 == 1) {
       pending_sum_ = Tensor::zeros({flat_.numel()}, DType::f32);
-      // one receive buffer per active neighbour
-      recv_ =
-          Tensor::empty({static_cast<int64_t>(partners_.size()) * (flat_.numel() + 1)}, DType::f32);
+      // one request float per active neighbour, then one parameter body
+      recv_ = Tensor::empty({static_cast<int64_t>(partners_.size()) + flat_.numel()}, DType::f32);
     }
   }
 
@@ -350,7 +351,10 @@ class LocalStepsSync : public ReplicaSync {
     out[0] = kAverage;
     std::memcpy(out + 1, flat_.raw(), n_ * sizeof(float));
     const auto t0 = std::chrono::steady_clock::now();
-    pair_->send(out, n_ + 1, DType::f32, q, p2p(kRequestTag));
+    // A one-float request first (the passive server polls for those), then
+    // the parameters, which its server receives with a blocking call.
+    pair_->send(out, 1, DType::f32, q, p2p(kRequestTag));
+    pair_->send(out + 1, n_, DType::f32, q, p2p(kBodyTag));
     pair_->recv(recv_.raw(), n_, DType::f32, q, p2p(kReplyTag));
     reply_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++exchanges_;
@@ -380,14 +384,13 @@ class LocalStepsSync : public ReplicaSync {
   // next step boundary). It waits on nobody but the active ranks' requests.
   void serve_loop() {
     try {
-      const size_t msg = n_ + 1;
       float* in = recv_.data<float>();
+      float* body = in + partners_.size();
       auto slot = [&](int q) {
         return static_cast<size_t>(std::find(partners_.begin(), partners_.end(), q) -
                                    partners_.begin());
       };
-      for (int q : partners_)
-        pair_->post_recv(in + slot(q) * msg, msg, DType::f32, q, p2p(kRequestTag));
+      for (int q : partners_) pair_->post_recv(in + slot(q), 1, DType::f32, q, p2p(kRequestTag));
       size_t open = partners_.size();
       MemoryScope tag(MemoryCategory::comm);
       Tensor reply = Tensor::empty({flat_.numel()}, DType::f32);
@@ -400,20 +403,21 @@ class LocalStepsSync : public ReplicaSync {
                           "rank {}: {}",
                           group_.rank(), r->peer, r->lost_message));
         }
-        const float* x = in + slot(r->peer) * msg;
-        if (x[0] == kDone) {
+        if (in[slot(r->peer)] == kDone) {
           --open;
           continue;
         }
+        pair_->recv(body, n_, DType::f32, r->peer, p2p(kBodyTag));
+        const float* x = body;
         {
           std::lock_guard lock(mu_);
           std::memcpy(reply.raw(), published_.raw(), n_ * sizeof(float));
           float* b = pending_sum_.data<float>();
-          for (size_t i = 0; i < n_; ++i) b[i] = 0.5F * (b[i] + x[1 + i]);
+          for (size_t i = 0; i < n_; ++i) b[i] = 0.5F * (b[i] + x[i]);
           pending_scale_ *= 0.5;
         }
         ++served_;
-        pair_->post_recv(in + slot(r->peer) * msg, msg, DType::f32, r->peer, p2p(kRequestTag));
+        pair_->post_recv(in + slot(r->peer), 1, DType::f32, r->peer, p2p(kRequestTag));
         pair_->send(reply.raw(), n_, DType::f32, r->peer, p2p(kReplyTag));
       }
     } catch (...) {
