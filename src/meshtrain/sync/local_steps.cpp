@@ -187,6 +187,12 @@ class LocalStepsSync : public ReplicaSync {
   }
 
   std::vector<std::string> notices() const override {
+    if (o_.scheme == "partial" && group_.size() > 1) {
+      return {
+          fmt::format("sync.scheme = \"partial\": rank {} averaged {} layer groups, waiting "
+                      "{:.3g} s in all for averages still in flight",
+                      group_.rank(), partial_starts_, settle_wait_s_)};
+    }
     if (o_.scheme != "adpsgd" || group_.size() == 1) return {};
     if (group_.rank() % 2 == 0) {
       return {
@@ -222,6 +228,8 @@ class LocalStepsSync : public ReplicaSync {
   Tensor stage_;
   CommHandle pending_;
   int pending_group_ = -1;
+  int64_t partial_starts_ = 0;
+  double settle_wait_s_ = 0;  // blocked on an average in flight
   // adpsgd: even ranks active, odd ranks passive (see local_steps.h).
   static constexpr float kAverage = 0, kDone = 1;
   static constexpr uint32_t kRequestTag = 0x4144, kBodyTag = 0x4145, kReplyTag = 0x4146;
@@ -285,6 +293,7 @@ class LocalStepsSync : public ReplicaSync {
     }
     pending_ = group_.all_reduce_async(st, st, at, DType::f32, ReduceOp::sum, opts());
     pending_group_ = g;
+    ++partial_starts_;
   }
 
   // Waits for the average in flight, if any, and writes it into the parameters.
@@ -292,7 +301,9 @@ class LocalStepsSync : public ReplicaSync {
     if (pending_group_ < 0) return;
     const int g = pending_group_;
     pending_group_ = -1;
+    const auto t0 = std::chrono::steady_clock::now();
     pending_.wait();
+    settle_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     pending_ = CommHandle();
     const float* st = stage_.data<float>();
     float* theta = flat_.data<float>();

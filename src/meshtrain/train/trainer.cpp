@@ -1379,6 +1379,14 @@ struct Trainer::Impl {
         sj["consensus_distance"] = c.distance;
         sj["consensus_relative"] = c.relative;
       }
+      if (o.dist.sync.scheme == "adpsgd" || o.dist.sync.scheme == "partial") {
+        // Rank 0's own account (exchanges and their waits, or the time spent
+        // waiting for layer averages in flight).
+        for (const std::string& msg : dp->notices()) {
+          notice(msg);
+          sj["notices"].push_back(msg);
+        }
+      }
       sync_summary = sj;
     }
     double hidden = -1;
