@@ -310,6 +310,15 @@ TEST(SyncSchemesMpi, BadSettingsAreRefusedNamingTheKey) {
                              "\"allreduce\" so far"),
             std::string::npos)
       << error_of(s);
+  for (const char* name : {"partial", "adpsgd"}) {
+    EXPECT_NE(error_of(scheme(name), 1).find("dist.zero_stage must be 0 (got 1)"),
+              std::string::npos)
+        << name;
+    s = scheme(name);
+    s.codec = "f16";
+    EXPECT_NE(error_of(s).find("not \"" + std::string(name) + "\""), std::string::npos)
+        << error_of(s);
+  }
   EXPECT_NE(error_of(scheme("diloco"), 0, "/tmp/never")
                 .find("train.checkpoint: not available with sync.scheme = \"diloco\" yet"),
             std::string::npos);
