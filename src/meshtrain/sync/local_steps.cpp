@@ -189,9 +189,10 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<std::string> notices() const override {
     if (o_.scheme == "partial" && group_.size() > 1) {
       return {
-          fmt::format("sync.scheme = \"partial\": rank {} averaged {} layer groups, waiting "
-                      "{:.3g} s in all for averages still in flight",
-                      group_.rank(), partial_starts_, settle_wait_s_)};
+          fmt::format("sync.scheme = \"partial\": rank {} averaged {} layer groups; their "
+                      "all-reduces took {:.3g} s, of which it waited {:.3g} s (the rest "
+                      "overlapped with its own work)",
+                      group_.rank(), partial_starts_, partial_comm_s_, settle_wait_s_)};
     }
     if (o_.scheme != "adpsgd" || group_.size() == 1) return {};
     if (group_.rank() % 2 == 0) {
@@ -229,7 +230,9 @@ class LocalStepsSync : public ReplicaSync {
   CommHandle pending_;
   int pending_group_ = -1;
   int64_t partial_starts_ = 0;
-  double settle_wait_s_ = 0;  // blocked on an average in flight
+  double settle_wait_s_ = 0;   // blocked on an average in flight
+  double partial_comm_s_ = 0;  // inside those all-reduces (the communicator's clock)
+  double comm_s_at_start_ = 0;
   // adpsgd: even ranks active, odd ranks passive (see local_steps.h).
   static constexpr float kAverage = 0, kDone = 1;
   static constexpr uint32_t kRequestTag = 0x4144, kBodyTag = 0x4145, kReplyTag = 0x4146;
@@ -291,9 +294,16 @@ class LocalStepsSync : public ReplicaSync {
     for (const Range& r : ranges) {
       for (int64_t i = 0; i < r.numel; ++i) st[at++] = s * theta[r.offset + i];
     }
+    comm_s_at_start_ = all_reduce_seconds();
     pending_ = group_.all_reduce_async(st, st, at, DType::f32, ReduceOp::sum, opts());
     pending_group_ = g;
     ++partial_starts_;
+  }
+
+  double all_reduce_seconds() const {
+    const CommCounters c = group_.counters();
+    const auto it = c.by_collective.find("all_reduce");
+    return it == c.by_collective.end() ? 0.0 : it->second.seconds;
   }
 
   // Waits for the average in flight, if any, and writes it into the parameters.
@@ -304,6 +314,7 @@ class LocalStepsSync : public ReplicaSync {
     const auto t0 = std::chrono::steady_clock::now();
     pending_.wait();
     settle_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    partial_comm_s_ += all_reduce_seconds() - comm_s_at_start_;
     pending_ = CommHandle();
     const float* st = stage_.data<float>();
     float* theta = flat_.data<float>();
