@@ -8,6 +8,10 @@
 //   of 4 terms per element per step);
 // - local SGD with period 4 sends exactly a quarter of period 1's bytes (the
 //   communicator's counters) and its replicas agree after a synchronization;
+// - partial (layer-wise) synchronization with period 1 equals all-reduce DP
+//   and local SGD with period 1; with period 3 it sends a third of period
+//   1's bytes, and right after a layer's averaging step that layer (and only
+//   it) is equal on every rank;
 // - gossip on a ring lets replicas differ (consensus distance > 0) and still
 //   learns;
 // - bad settings are refused before any step, naming the key.
@@ -22,6 +26,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/sync/replica_sync.h"
+#include "meshtrain/train/param_store.h"
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
@@ -66,17 +71,21 @@ struct Outcome {
   std::vector<double> losses;
   std::vector<float> params;  // the replicas' mean
   std::vector<float> own;     // this rank's own parameters
+  std::vector<ParamStore::Entry> entries;
   uint64_t bytes = 0;
   ReplicaSync::Consensus consensus;
 };
 
-Outcome train(const SyncOptions& sync) {
+Outcome train(const SyncOptions& sync, int64_t steps = kSteps) {
   auto data = std::make_shared<test::SyntheticData>(spec(), 256, 9);
-  Trainer t(spec(), data, nullptr, options(sync), &world());
+  TrainerOptions o = options(sync);
+  o.max_steps = steps;
+  Trainer t(spec(), data, nullptr, o, &world());
   Outcome out;
   out.losses = t.run().losses;
   const Tensor own = t.params().flat_values();
   out.own.assign(own.data<float>(), own.data<float>() + own.numel());
+  out.entries = t.params().entries();
   const Tensor mean = t.gather_params();
   out.params.assign(mean.data<float>(), mean.data<float>() + mean.numel());
   out.bytes = t.replica_sync().bytes_sent();
@@ -112,7 +121,8 @@ TEST(SyncSchemesMpi, ExactEquivalencesWithAllReduce) {
   diloco.outer_momentum = 0.0;
   SyncOptions gossip = scheme("gossip");
   gossip.topology = "complete";
-  for (const SyncOptions& s : {local, diloco, gossip}) {
+  SyncOptions partial = scheme("partial");  // period 1: every layer every step
+  for (const SyncOptions& s : {local, diloco, gossip, partial}) {
     const Outcome got = train(s);
     const double d = divergence(dp, got);
     if (world().rank() == 0) {
@@ -146,6 +156,58 @@ TEST(SyncSchemesMpi, LocalSgdSendsOnceEveryPeriod) {
   EXPECT_EQ(b.consensus.distance, 0.0);
   // Between synchronizations replicas differ; the losses show it differs from period 1.
   EXPECT_NE(a.losses.back(), b.losses.back());
+}
+
+// Layer-wise partial synchronization: the MLP's layers fc1, fc2, head
+// (layout order) go to groups 0, 1, 2 with period 3; step t averages group
+// (t - 1) % 3.
+TEST(SyncSchemesMpi, PartialSyncAveragesOneLayerGroupPerStep) {
+  const Outcome local = train(scheme("local_sgd"));
+  const Outcome every = train(scheme("partial"));
+  const double d = divergence(local, every);
+  if (world().rank() == 0) {
+    std::printf("partial (period 1) vs local_sgd (period 1): worst relative difference %.3g\n", d);
+  }
+  EXPECT_LE(d, 1e-6);
+  SyncOptions third = scheme("partial");
+  third.period = 3;
+  const Outcome b = train(third);
+  ASSERT_GT(every.bytes, 0u);
+  if (world().rank() == 0) {
+    std::printf("partial bytes over %d steps: period 1 %llu, period 3 %llu\n", kSteps,
+                static_cast<unsigned long long>(every.bytes),
+                static_cast<unsigned long long>(b.bytes));
+  }
+  // 12 steps = 4 rounds of the 3 groups: one full average per round. Per
+  // rank the ring's chunk boundaries differ with the count; summed over
+  // ranks each all-reduce sends 2 (n - 1) x its bytes, so the totals match.
+  double sums[2] = {static_cast<double>(every.bytes), static_cast<double>(b.bytes)};
+  world().all_reduce(sums, sums, 2, DType::f64);
+  if (world().rank() == 0) {
+    std::printf("partial bytes over %d steps, all ranks: period 1 %.0f, period 3 %.0f\n", kSteps,
+                sums[0], sums[1]);
+  }
+  EXPECT_NEAR(sums[1] * 3 / sums[0], 1.0, 0.005) << sums[1] << " x 3 vs " << sums[0];
+
+  // Which layers agree across ranks after 11 steps (step 11 averaged group
+  // 1 = fc2) and after 12 (group 2 = head).
+  for (int64_t steps : {int64_t{11}, int64_t{12}}) {
+    const Outcome o = train(third, steps);
+    ASSERT_EQ(o.entries.size(), 6u);
+    const int n = world().size();
+    std::vector<float> all(o.own.size() * static_cast<size_t>(n));
+    world().all_gather(o.own.data(), all.data(), o.own.size(), DType::f32);
+    const std::string averaged = steps == 11 ? "fc2" : "head";
+    for (const ParamStore::Entry& e : o.entries) {
+      bool equal = true;
+      for (int64_t i = 0; i < e.shape.numel(); ++i) {
+        const size_t at = static_cast<size_t>(e.offset + i);
+        for (int r = 1; r < n; ++r) equal = equal && all[at] == all[r * o.own.size() + at];
+      }
+      const bool in_layer = e.name.starts_with(averaged + ".");
+      EXPECT_EQ(equal, in_layer) << e.name << " after " << steps << " steps";
+    }
+  }
 }
 
 TEST(SyncSchemesMpi, GossipOnARingLetsReplicasDriftAndLearns) {
@@ -248,6 +310,15 @@ TEST(SyncSchemesMpi, BadSettingsAreRefusedNamingTheKey) {
                              "\"allreduce\" so far"),
             std::string::npos)
       << error_of(s);
+  for (const char* name : {"partial", "adpsgd"}) {
+    EXPECT_NE(error_of(scheme(name), 1).find("dist.zero_stage must be 0 (got 1)"),
+              std::string::npos)
+        << name;
+    s = scheme(name);
+    s.codec = "f16";
+    EXPECT_NE(error_of(s).find("not \"" + std::string(name) + "\""), std::string::npos)
+        << error_of(s);
+  }
   EXPECT_NE(error_of(scheme("diloco"), 0, "/tmp/never")
                 .find("train.checkpoint: not available with sync.scheme = \"diloco\" yet"),
             std::string::npos);

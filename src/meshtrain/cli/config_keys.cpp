@@ -190,13 +190,18 @@ const std::vector<KeyMeaning> kMeanings = {
      "per-tp-rank integer shares of every tensor-parallel split, e.g. [2, 1]; [] = even"},
     {"sync.scheme",
      "how data-parallel replicas agree: allreduce (every step, ZeRO per dist.zero_stage), "
-     "local_sgd, diloco, gossip or ps (parameter server, docs/sync.md) (sync/replica_sync.h)"},
-    {"sync.period", "local_sgd / diloco: optimizer steps between synchronizations (H)"},
+     "local_sgd, diloco, gossip (D-PSGD), adpsgd (AD-PSGD), partial (layer-wise) or ps "
+     "(parameter server) (docs/sync.md, sync/replica_sync.h)"},
+    {"sync.period",
+     "local_sgd / diloco: optimizer steps between synchronizations (H); partial: layer groups, "
+     "each averaged once every this-many steps"},
     {"sync.sync_until",
      "local_sgd: average after every step for the first this-many steps (post-local SGD)"},
     {"sync.outer_lr", "diloco: the outer Nesterov step's learning rate"},
     {"sync.outer_momentum", "diloco: the outer Nesterov momentum"},
-    {"sync.topology", "gossip: the graph replicas average over (uniform weights 1 / (degree + 1))"},
+    {"sync.topology",
+     "gossip: the graph replicas average over (uniform weights 1 / (degree + 1)); adpsgd: an "
+     "active (even) rank picks its partner among its odd neighbours on it"},
     {"sync.codec",
      "gradient codec on the all-reduce exchange: none, f16, bf16, topk:K, randk:K (K a count or a "
      "fraction), qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK (docs/codecs.md)"},

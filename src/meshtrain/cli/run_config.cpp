@@ -281,8 +281,9 @@ RunConfig read_run_config(const Config& c) {
   r.parallel = read_parallel(c);
   r.parallel_given = c.has("parallel");
   SyncOptions& so = d.sync;
-  so.scheme = c.get_string("sync.scheme", "allreduce",
-                           {"allreduce", "local_sgd", "diloco", "gossip", "ps"});
+  so.scheme =
+      c.get_string("sync.scheme", "allreduce",
+                   {"allreduce", "local_sgd", "diloco", "gossip", "adpsgd", "partial", "ps"});
   so.period = c.get_int("sync.period", so.period, Bounds<int64_t>::positive());
   so.sync_until = c.get_int("sync.sync_until", so.sync_until, Bounds<int64_t>::non_negative());
   so.outer_lr = c.get_double("sync.outer_lr", so.outer_lr, Bounds<double>::positive());

@@ -2,8 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <random>
+#include <thread>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
@@ -20,7 +26,8 @@ class LocalStepsSync : public ReplicaSync {
       : o_(o),
         group_(group),
         self_(make_self_communicator()),
-        local_(*self_, std::move(layout), flat, std::move(dp)),
+        local_(*self_, layout, flat, std::move(dp)),
+        layout_(std::move(layout)),
         flat_(std::move(flat)),
         share_(share) {
     n_ = static_cast<size_t>(flat_.numel());
@@ -35,9 +42,42 @@ class LocalStepsSync : public ReplicaSync {
       send_ = Tensor::empty({std::max<int64_t>(deg, 1) * flat_.numel()}, DType::f32);
       recv_ = Tensor::empty({std::max<int64_t>(deg, 1) * flat_.numel()}, DType::f32);
     }
+    if (o_.scheme == "partial") plan_layer_groups();
+    if (o_.scheme == "adpsgd" && group_.size() > 1) setup_adpsgd();
   }
 
-  void attach(Executor& exec, const Graph& graph) override { local_.attach(exec, graph); }
+  ~LocalStepsSync() override {
+    try {
+      if (pending_.valid()) pending_.wait();
+    } catch (...) {  // the communicator reports it to whoever uses it next
+    }
+    stop_ = true;
+    if (server_.joinable()) server_.join();
+  }
+
+  void attach(Executor& exec, const Graph& graph) override {
+    local_.attach(exec, graph);
+    if (o_.scheme == "partial" && group_.size() > 1) {
+      // A layer's average lands right before the forward phase first reads
+      // one of its parameters (or at the next update, whichever is first).
+      auto of = std::make_shared<std::vector<int>>();
+      for (ValueId v : graph.params()) {
+        const auto it = group_of_name_.find(graph.value(v).name);
+        if (static_cast<size_t>(v) >= of->size()) of->resize(static_cast<size_t>(v) + 1, -1);
+        (*of)[static_cast<size_t>(v)] = it == group_of_name_.end() ? -1 : it->second;
+      }
+      ParamHooks hooks;
+      hooks.acquire = [this, of](ValueId v, bool /*backward*/) {
+        const auto i = static_cast<size_t>(v);
+        if (pending_group_ >= 0 && i < of->size() && (*of)[i] == pending_group_) settle();
+      };
+      exec.set_param_hooks(std::move(hooks));
+    }
+    if (o_.scheme == "adpsgd" && group_.size() > 1 && !server_.joinable()) {
+      std::memcpy(published_.raw(), flat_.raw(), n_ * sizeof(float));
+      if (group_.rank() % 2 == 1) server_ = std::thread([this] { serve_loop(); });
+    }
+  }
   // Each replica's gradient is the mean over its own examples: the trainer's
   // weight (a share of the global batch) divided by this rank's share.
   void begin_micro_step(double w) override { local_.begin_micro_step(w / share_); }
@@ -46,10 +86,15 @@ class LocalStepsSync : public ReplicaSync {
   std::function<void(std::span<double>)> norm_reducer() override { return {}; }
 
   void step(const std::function<void(std::span<ParamSlice>)>& update) override {
+    settle();
     local_.step(update);
     ++steps_;
     if (group_.size() == 1) return;
-    if (o_.scheme == "local_sgd") {
+    if (o_.scheme == "partial") {
+      start_partial(static_cast<int>((steps_ - 1) % o_.period));
+    } else if (o_.scheme == "adpsgd") {
+      adpsgd_step();
+    } else if (o_.scheme == "local_sgd") {
       if (steps_ <= o_.sync_until || steps_ % o_.period == 0) average_in_place();
     } else if (o_.scheme == "diloco") {
       if (steps_ % o_.period == 0) outer_step();
@@ -59,8 +104,12 @@ class LocalStepsSync : public ReplicaSync {
   }
 
   // This replica's own parameters.
-  void gather_params(Tensor& flat_out) override { copy(flat_, flat_out); }
+  void gather_params(Tensor& flat_out) override {
+    settle();
+    copy(flat_, flat_out);
+  }
   void average_into(Tensor& flat_out) override {
+    settle();
     const uint64_t before = sync_bytes_sent(group_);
     weighted_sum(flat_, flat_out);
     side_bytes_ += sync_bytes_sent(group_) - before;
@@ -68,6 +117,7 @@ class LocalStepsSync : public ReplicaSync {
 
   Consensus consensus() override {
     if (group_.size() == 1) return {};
+    settle();
     const uint64_t before = sync_bytes_sent(group_);
     MemoryScope tag(MemoryCategory::comm);
     Tensor mean = Tensor::empty({flat_.numel()}, DType::f32);
@@ -88,7 +138,10 @@ class LocalStepsSync : public ReplicaSync {
     return c;
   }
 
-  std::vector<ShardPiece> param_pieces(PieceUse use) override { return local_.param_pieces(use); }
+  std::vector<ShardPiece> param_pieces(PieceUse use) override {
+    settle();
+    return local_.param_pieces(use);
+  }
   std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
                                        PieceUse use) const override {
     return local_.state_pieces(state, use);
@@ -98,7 +151,8 @@ class LocalStepsSync : public ReplicaSync {
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
-    const int64_t extra = 4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel());
+    const int64_t extra = 4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() +
+                               stage_.numel() + published_.numel() + pending_sum_.numel());
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;
@@ -108,15 +162,56 @@ class LocalStepsSync : public ReplicaSync {
   void reset_stats() override { local_.reset_stats(); }
   std::string name() const override { return o_.scheme; }
   bool replicas_identical() const override { return group_.size() == 1; }
+  // adpsgd: no per-step collective may tie the ranks together.
+  bool lock_step() const override { return o_.scheme != "adpsgd" || group_.size() == 1; }
   // The scheme's own traffic: measurements (consensus, the averages taken
   // for evaluation) left out.
-  uint64_t bytes_sent() const override { return sync_bytes_sent(group_) - side_bytes_; }
+  uint64_t bytes_sent() const override {
+    return sync_bytes_sent(group_) - side_bytes_ + (pair_ ? sync_bytes_sent(*pair_) : 0);
+  }
+
+  void finish() override {
+    settle();
+    if (o_.scheme != "adpsgd" || group_.size() == 1) return;
+    if (group_.rank() % 2 == 0) {
+      // "done" to every passive neighbour: its server stops once every
+      // active neighbour said so.
+      float* out = send_.data<float>();
+      out[0] = kDone;
+      for (int q : partners_) pair_->send(out, 1, DType::f32, q, p2p(kRequestTag));
+    } else {
+      if (server_.joinable()) server_.join();
+      apply_pending();
+    }
+    rethrow_server_error();
+  }
+
+  std::vector<std::string> notices() const override {
+    if (o_.scheme == "partial" && group_.size() > 1) {
+      return {
+          fmt::format("sync.scheme = \"partial\": rank {} averaged {} layer groups; their "
+                      "all-reduces took {:.3g} s, of which it waited {:.3g} s (the rest "
+                      "overlapped with its own work)",
+                      group_.rank(), partial_starts_, partial_comm_s_, settle_wait_s_)};
+    }
+    if (o_.scheme != "adpsgd" || group_.size() == 1) return {};
+    if (group_.rank() % 2 == 0) {
+      return {
+          fmt::format("sync.scheme = \"adpsgd\": active rank {} averaged with a passive "
+                      "neighbour {} times, waiting {:.3g} s for replies in all",
+                      group_.rank(), exchanges_, reply_wait_s_)};
+    }
+    return {fmt::format("sync.scheme = \"adpsgd\": passive rank {} answered {} requests",
+                        group_.rank(), served_.load())};
+  }
+  double reply_wait_seconds() const { return reply_wait_s_; }
 
  private:
   SyncOptions o_;
   Communicator& group_;
   std::unique_ptr<Communicator> self_;
   DataParallel local_;
+  ParamLayout layout_;
   Tensor flat_;
   size_t n_ = 0;
   double share_ = 1;
@@ -125,8 +220,242 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<int> neighbours_;
   Tensor send_, recv_;       // gossip
   uint64_t side_bytes_ = 0;  // sent by consensus() and average_into()
+  // partial: layer groups (element ranges of flat_) and the one in flight.
+  struct Range {
+    int64_t offset = 0, numel = 0;
+  };
+  std::vector<std::vector<Range>> groups_;
+  std::map<std::string, int> group_of_name_;
+  Tensor stage_;
+  CommHandle pending_;
+  int pending_group_ = -1;
+  int64_t partial_starts_ = 0;
+  double settle_wait_s_ = 0;   // blocked on an average in flight
+  double partial_comm_s_ = 0;  // inside those all-reduces (the communicator's clock)
+  double comm_s_at_start_ = 0;
+  // adpsgd: even ranks active, odd ranks passive (see local_steps.h).
+  static constexpr float kAverage = 0, kDone = 1;
+  static constexpr uint32_t kRequestTag = 0x4144, kBodyTag = 0x4145, kReplyTag = 0x4146;
+  std::unique_ptr<Communicator> pair_;
+  std::vector<int> partners_;  // opposite-role neighbours
+  std::mt19937_64 rng_;
+  std::thread server_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> served_{0};
+  std::mutex mu_;       // guards published_, pending_sum_, pending_scale_
+  Tensor published_;    // passive: parameters as of the last step boundary
+  Tensor pending_sum_;  // passive: theta <- pending_scale_ theta + pending_sum_
+  double pending_scale_ = 1;
+  std::exception_ptr server_error_;
+  int64_t exchanges_ = 0;
+  double reply_wait_s_ = 0;
 
   const CollectiveOptions& opts() const { return local_.options().collective; }
+
+  CollectiveOptions p2p(uint32_t tag) const {
+    CollectiveOptions c = opts();
+    c.tag = tag;
+    return c;
+  }
+
+  // partial: layers are the layout's parameters grouped by name up to the
+  // last '.', numbered in layout order; layer l is in group l % period.
+  void plan_layer_groups() {
+    groups_.assign(static_cast<size_t>(o_.period), {});
+    std::map<std::string, int> layer_of;
+    int64_t widest = 0;
+    for (const ParamLayoutEntry& e : layout_) {
+      const size_t dot = e.name.rfind('.');
+      const std::string layer = dot == std::string::npos ? e.name : e.name.substr(0, dot);
+      const auto [it, fresh] = layer_of.emplace(layer, static_cast<int>(layer_of.size()));
+      (void)fresh;
+      const int g = static_cast<int>(it->second % o_.period);
+      groups_[static_cast<size_t>(g)].push_back({e.offset, e.shape.numel()});
+      group_of_name_[e.name] = g;
+    }
+    for (const auto& g : groups_) {
+      int64_t n = 0;
+      for (const Range& r : g) n += r.numel;
+      widest = std::max(widest, n);
+    }
+    MemoryScope tag(MemoryCategory::comm);
+    stage_ = Tensor::empty({std::max<int64_t>(widest, 1)}, DType::f32);
+  }
+
+  // Starts the weighted average of group g's parameters (as this step left
+  // them) on the communicator's progress thread.
+  void start_partial(int g) {
+    const auto& ranges = groups_[static_cast<size_t>(g)];
+    if (ranges.empty()) return;  // fewer layers than sync.period
+    float* st = stage_.data<float>();
+    const float* theta = flat_.data<float>();
+    const auto s = static_cast<float>(share_);
+    size_t at = 0;
+    for (const Range& r : ranges) {
+      for (int64_t i = 0; i < r.numel; ++i) st[at++] = s * theta[r.offset + i];
+    }
+    comm_s_at_start_ = all_reduce_seconds();
+    pending_ = group_.all_reduce_async(st, st, at, DType::f32, ReduceOp::sum, opts());
+    pending_group_ = g;
+    ++partial_starts_;
+  }
+
+  double all_reduce_seconds() const {
+    const CommCounters c = group_.counters();
+    const auto it = c.by_collective.find("all_reduce");
+    return it == c.by_collective.end() ? 0.0 : it->second.seconds;
+  }
+
+  // Waits for the average in flight, if any, and writes it into the parameters.
+  void settle() {
+    if (pending_group_ < 0) return;
+    const int g = pending_group_;
+    pending_group_ = -1;
+    const auto t0 = std::chrono::steady_clock::now();
+    pending_.wait();
+    settle_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    partial_comm_s_ += all_reduce_seconds() - comm_s_at_start_;
+    pending_ = CommHandle();
+    const float* st = stage_.data<float>();
+    float* theta = flat_.data<float>();
+    size_t at = 0;
+    for (const Range& r : groups_[static_cast<size_t>(g)]) {
+      std::memcpy(theta + r.offset, st + at, static_cast<size_t>(r.numel) * sizeof(float));
+      at += static_cast<size_t>(r.numel);
+    }
+  }
+
+  void setup_adpsgd() {
+    const int r = group_.rank(), n = group_.size();
+    for (int q : gossip_neighbours(o_.topology, r, n)) {
+      if (q % 2 != r % 2) partners_.push_back(q);
+    }
+    // Every rank's own view decides whether it can take part; the check is
+    // the same computation everywhere, so every rank throws or none does.
+    for (int q = 0; q < n; ++q) {
+      bool any = false;
+      for (int p : gossip_neighbours(o_.topology, q, n)) any = any || p % 2 != q % 2;
+      if (!any) {
+        throw ConfigError(fmt::format(
+            "sync.topology = \"{}\": sync.scheme = \"adpsgd\" pairs even (active) ranks with odd "
+            "(passive) neighbours, and rank {} of {} has no neighbour of the other parity "
+            "(use ring or complete)",
+            o_.topology, q, n));
+      }
+    }
+    rng_.seed(0x5eed0000u + static_cast<uint64_t>(r));
+    const uint64_t before = sync_bytes_sent(group_);
+    pair_ = group_.split(0, r, "adpsgd", opts());  // its agreement is no gossip traffic
+    side_bytes_ += sync_bytes_sent(group_) - before;
+    MemoryScope tag(MemoryCategory::comm);
+    send_ = Tensor::empty({flat_.numel() + 1}, DType::f32);
+    recv_ = Tensor::empty({flat_.numel()}, DType::f32);
+    published_ = Tensor::empty({flat_.numel()}, DType::f32);
+    if (r % 2 == 1) {
+      pending_sum_ = Tensor::zeros({flat_.numel()}, DType::f32);
+      // one request float per active neighbour, then one parameter body
+      recv_ = Tensor::empty({static_cast<int64_t>(partners_.size()) + flat_.numel()}, DType::f32);
+    }
+  }
+
+  // Active: send this rank's parameters to a random passive neighbour, take
+  // its reply, keep the mean of the two. Passive: fold in the averages its
+  // server took since the last step and publish the result.
+  void adpsgd_step() {
+    rethrow_server_error();
+    if (group_.rank() % 2 == 1) {
+      apply_pending();
+      return;
+    }
+    std::uniform_int_distribution<size_t> pick(0, partners_.size() - 1);
+    const int q = partners_[pick(rng_)];
+    float* out = send_.data<float>();
+    out[0] = kAverage;
+    std::memcpy(out + 1, flat_.raw(), n_ * sizeof(float));
+    const auto t0 = std::chrono::steady_clock::now();
+    // A one-float request first (the passive server polls for those), then
+    // the parameters, which its server receives with a blocking call.
+    pair_->send(out, 1, DType::f32, q, p2p(kRequestTag));
+    pair_->send(out + 1, n_, DType::f32, q, p2p(kBodyTag));
+    pair_->recv(recv_.raw(), n_, DType::f32, q, p2p(kReplyTag));
+    reply_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++exchanges_;
+    float* theta = flat_.data<float>();
+    const float* x = recv_.data<float>();
+    for (size_t i = 0; i < n_; ++i) theta[i] = 0.5F * (theta[i] + x[i]);
+  }
+
+  void apply_pending() {
+    std::lock_guard lock(mu_);
+    float* theta = flat_.data<float>();
+    float* b = pending_sum_.data<float>();
+    if (pending_scale_ != 1) {
+      const auto a = static_cast<float>(pending_scale_);
+      for (size_t i = 0; i < n_; ++i) {
+        theta[i] = a * theta[i] + b[i];
+        b[i] = 0;
+      }
+      pending_scale_ = 1;
+    }
+    std::memcpy(published_.raw(), flat_.raw(), n_ * sizeof(float));
+  }
+
+  // Passive rank's server thread: the only user of pair_ on this rank. It
+  // answers each active neighbour's request with the published parameters
+  // and records theta <- (theta + x_active) / 2 as pending (applied at the
+  // next step boundary). It waits on nobody but the active ranks' requests.
+  void serve_loop() {
+    try {
+      float* in = recv_.data<float>();
+      float* body = in + partners_.size();
+      auto slot = [&](int q) {
+        return static_cast<size_t>(std::find(partners_.begin(), partners_.end(), q) -
+                                   partners_.begin());
+      };
+      for (int q : partners_) pair_->post_recv(in + slot(q), 1, DType::f32, q, p2p(kRequestTag));
+      size_t open = partners_.size();
+      MemoryScope tag(MemoryCategory::comm);
+      Tensor reply = Tensor::empty({flat_.numel()}, DType::f32);
+      while (open > 0 && !stop_) {
+        const auto r = pair_->wait_any(std::chrono::milliseconds(50));
+        if (!r) continue;
+        if (r->lost) {
+          throw CommError(
+              fmt::format("sync.scheme = \"adpsgd\": passive rank {} lost active "
+                          "rank {}: {}",
+                          group_.rank(), r->peer, r->lost_message));
+        }
+        if (in[slot(r->peer)] == kDone) {
+          --open;
+          continue;
+        }
+        pair_->recv(body, n_, DType::f32, r->peer, p2p(kBodyTag));
+        const float* x = body;
+        {
+          std::lock_guard lock(mu_);
+          std::memcpy(reply.raw(), published_.raw(), n_ * sizeof(float));
+          float* b = pending_sum_.data<float>();
+          for (size_t i = 0; i < n_; ++i) b[i] = 0.5F * (b[i] + x[i]);
+          pending_scale_ *= 0.5;
+        }
+        ++served_;
+        pair_->post_recv(in + slot(r->peer), 1, DType::f32, r->peer, p2p(kRequestTag));
+        pair_->send(reply.raw(), n_, DType::f32, r->peer, p2p(kReplyTag));
+      }
+    } catch (...) {
+      std::lock_guard lock(mu_);
+      server_error_ = std::current_exception();
+    }
+  }
+
+  void rethrow_server_error() {
+    std::exception_ptr e;
+    {
+      std::lock_guard lock(mu_);
+      e = server_error_;
+    }
+    if (e) std::rethrow_exception(e);
+  }
 
   void copy(const Tensor& from, Tensor& to) const {
     MT_CHECK(to.numel() >= from.numel() && to.dtype() == DType::f32, "parameter buffer {}",

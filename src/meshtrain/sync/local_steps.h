@@ -16,12 +16,45 @@
 //              in which only neighbours receive (every rank calls it, so
 //              there is no pairwise ordering to deadlock on). On the complete
 //              graph it is local_sgd with period 1 and equal shares.
+//   partial    layer-wise partial synchronization (in the spirit of
+//              DreamDDP): a layer is the parameters sharing a name up to the
+//              last '.', numbered in layout order; layer l is in group
+//              l % period. After step t's update the weighted mean of group
+//              (t - 1) % period starts (an all_reduce_async of a packed copy)
+//              and lands in the parameters when the next forward first
+//              reads one of the group's parameters (an executor parameter
+//              hook), or at the next update / gather / checkpoint / finish,
+//              whichever comes first; so it overlaps with the next step's
+//              start and the forward of the layers before the group. Every
+//              layer is averaged once every `period` steps (groups are empty
+//              when layers < period). With period 1 it is local_sgd with
+//              period 1; bytes over a whole number of periods are local_sgd's
+//              with the same period.
+//   adpsgd     AD-PSGD: even ranks are active, odd ranks passive. After each
+//              local step an active rank sends its parameters to one passive
+//              neighbour (uniform at random among its opposite-parity
+//              neighbours on sync.topology, per-rank seed) on a communicator
+//              of its own and keeps the mean of its own and the reply. A
+//              passive rank's server thread (the only user of that
+//              communicator on its rank) answers each request at once with
+//              the parameters it published at its last step boundary and
+//              folds the active's parameters in as a pending average
+//              (theta <- (theta + x) / 2, composed as theta <- a theta + b),
+//              applied at its next step boundary. Deadlock-free by
+//              construction: requests go only active -> passive, replies only
+//              back; a passive server never waits for its own rank's compute
+//              or for another rank's reply, so the wait graph is bipartite
+//              with edges one way and has no cycle; no collective ties ranks
+//              together per step (lock_step() is false: the trainer reports
+//              each rank's own loss).
 //
 // Gradients are handled by a DataParallel over a one-rank communicator (its
 // buckets, accumulation and gradient memory), scaled so each replica's
 // gradient is the mean over its own examples. Memory beyond DataParallel's:
 // diloco two parameter-sized buffers (start and the outer momentum), gossip
-// 2 x degree parameter-sized exchange buffers, counted as buffers in memory().
+// 2 x degree parameter-sized exchange buffers, partial one buffer the size of
+// the largest layer group, adpsgd two (active) or three (passive)
+// parameter-sized buffers, counted as buffers in memory().
 #pragma once
 
 #include <memory>

@@ -64,10 +64,12 @@ uint64_t sync_bytes_sent(const Communicator& c) {
 }
 
 void validate_sync_options(const SyncOptions& o) {
-  static const std::set<std::string> schemes = {"allreduce", "local_sgd", "diloco", "gossip", "ps"};
+  static const std::set<std::string> schemes = {"allreduce", "local_sgd", "diloco", "gossip",
+                                                "ps",        "partial",   "adpsgd"};
   if (!schemes.count(o.scheme)) {
     throw ConfigError(fmt::format(
-        "sync.scheme: unknown scheme '{}' (expected allreduce, local_sgd, diloco, gossip or ps)",
+        "sync.scheme: unknown scheme '{}' (expected allreduce, local_sgd, diloco, gossip, "
+        "adpsgd, partial or ps)",
         o.scheme));
   }
   if (o.servers < 1) {

@@ -15,6 +15,12 @@
 //              identical
 //   gossip     (sync/local_steps.h) D-PSGD: after each local step every replica
 //              averages its parameters with its neighbours on a graph
+//   adpsgd     (sync/local_steps.h) AD-PSGD: after each local step an active
+//              (even) rank averages with one random passive (odd)
+//              neighbour, whose server thread answers at once; no barrier
+//   partial    (sync/local_steps.h) layer-wise partial synchronization: step
+//              t averages layer group (t - 1) % period asynchronously; the
+//              average lands before the next forward reads that layer
 //
 // The calling sequence is DataParallel's (see its header for the contract):
 // attach() once per executor; per optimizer step begin_micro_step(w),
@@ -46,8 +52,10 @@ namespace mt {
 
 // The [sync] section of a run config: which scheme and its settings.
 struct SyncOptions {
-  std::string scheme = "allreduce";  // allreduce | local_sgd | diloco | gossip | ps
-  // local_sgd / diloco: optimizer steps between synchronizations (H >= 1).
+  // allreduce | local_sgd | diloco | gossip | adpsgd | partial | ps
+  std::string scheme = "allreduce";
+  // local_sgd / diloco: optimizer steps between synchronizations (H >= 1);
+  // partial: the number of layer groups, each averaged once per period.
   int64_t period = 1;
   // local_sgd: post-local SGD, synchronous (averaging after every step) for
   // the first this-many steps, then every `period` steps.
@@ -55,7 +63,8 @@ struct SyncOptions {
   // diloco: the outer Nesterov step on the averaged pseudo-gradient.
   double outer_lr = 0.7;
   double outer_momentum = 0.9;
-  // gossip: ring | torus | exponential | complete (mixing weights in gossip_neighbours()).
+  // gossip, adpsgd: ring | torus | exponential | complete (mixing weights in
+  // gossip_neighbours(); adpsgd pairs only neighbours of opposite parity).
   std::string topology = "ring";
   // Steps between consensus-distance reports (0: only at the end).
   int64_t consensus_every = 0;

@@ -1133,8 +1133,14 @@ struct Trainer::Impl {
     double reduced[2] = {tensor_leader() ? loss : 0.0,
                          o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0};
     if (o.dist.sync.scheme == "ps") return ps_worker_step(reduced, epoch);
-    comm->all_reduce(reduced, reduced, 2, DType::f64);
-    loss = reduced[0];
+    if (dp->lock_step()) {
+      comm->all_reduce(reduced, reduced, 2, DType::f64);
+      loss = reduced[0];
+    } else {
+      // Asynchronous replicas (sync.scheme = "adpsgd"): no collective per
+      // step; each rank reports the mean loss over its own examples.
+      loss = loss * static_cast<double>(o.batch_size) / static_cast<double>(local_batch);
+    }
     stop_requested = reduced[1] > 0;
     if (!std::isfinite(loss) && o.precision != DType::f16) {
       throw Error(
@@ -1372,6 +1378,14 @@ struct Trainer::Impl {
         const ReplicaSync::Consensus c = dp->consensus();
         sj["consensus_distance"] = c.distance;
         sj["consensus_relative"] = c.relative;
+      }
+      if (o.dist.sync.scheme == "adpsgd" || o.dist.sync.scheme == "partial") {
+        // Rank 0's own account (exchanges and their waits, or the time spent
+        // waiting for layer averages in flight).
+        for (const std::string& msg : dp->notices()) {
+          notice(msg);
+          sj["notices"].push_back(msg);
+        }
       }
       sync_summary = sj;
     }
