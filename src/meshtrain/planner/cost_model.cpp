@@ -350,13 +350,17 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
           if (communicates(n.op)) {
             flush();
             const CollectiveAttrs a = CollectiveAttrs::of(n);
+            // The lowered graph's groups are the world ranks of the rank it
+            // was built for (built->rank), which may be in another tensor
+            // group than r (a slower rank, another device kind): the slot is
+            // the mesh axis, bound below to each rank's own group.
             const std::vector<int>& ranks = lp.groups.at(static_cast<size_t>(a.group));
-            const std::string axis = axis_of_group(plan->mesh, r, ranks);
+            const std::string axis = axis_of_group(plan->mesh, built->rank, ranks);
             if (axis.empty()) {
               throw InternalError(fmt::format(
                   "planner: collective '{}' of rank {} runs on ranks [{}], which are no mesh "
                   "axis's group",
-                  n.name, r, fmt::join(ranks, ", ")));
+                  n.name, built->rank, fmt::join(ranks, ", ")));
             }
             b.collective(fmt::format("{} {}", op_name(n.op), n.name), axis,
                          node_shape(g, n, static_cast<int>(ranks.size())), 0);
