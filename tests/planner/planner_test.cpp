@@ -429,6 +429,44 @@ TEST(CostModel, ProgramsSharedAcrossTensorGroupsUseTheRanksOwnGroups) {
   EXPECT_GT(em.step_s, e.step_s);
 }
 
+// The search's cache of cut stage passes: 1F1B and GPipe of one shape share
+// them (hits), and what they predict is what an uncached build predicts.
+TEST(CostModel, CachedStagePassesPredictTheSame) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  spec.vocab = 64;
+  const int world = 4;
+  TrainerOptions o = mlp_options(world);
+  o.batch_size = 8;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  const ClusterModel c = cluster(world, 1e-5, 10e9, 2);
+  BuildCache cache;
+  for (ScheduleKind kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe}) {
+    ParallelShorthand sh;
+    sh.tp = 2;
+    sh.pp = 2;
+    sh.microbatches = 4;
+    sh.schedule = kind;
+    o.dist.plan = std::make_shared<Plan>(
+        expand_shorthand(sh, ShorthandModel{"gpt", spec.d_model / spec.heads}, m.graph, world));
+    const StepEstimate plain = simulate(build_programs(spec, o, c), c);
+    const StepEstimate cached = simulate(build_programs(spec, o, c, &cache), c);
+    EXPECT_EQ(plain.step_s, cached.step_s) << schedule_name(kind);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(plain.ranks[static_cast<size_t>(r)].peak_memory_bytes,
+                cached.ranks[static_cast<size_t>(r)].peak_memory_bytes);
+      EXPECT_EQ(plain.ranks[static_cast<size_t>(r)].bytes_sent,
+                cached.ranks[static_cast<size_t>(r)].bytes_sent);
+    }
+  }
+  EXPECT_EQ(cache.misses, 2);  // one per tensor coordinate
+  EXPECT_EQ(cache.hits, 2);    // GPipe took 1F1B's
+}
+
 // The tensor-parallel collectives of a lowered program cost the planner
 // what the runtime's CollectiveRunner states for them on live communicators
 // (threads as ranks, one node: shared memory), rank by rank.

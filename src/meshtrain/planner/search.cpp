@@ -143,6 +143,13 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     std::string why;
     int worst = 0;  // over: the rank furthest over its memory
   };
+  // Stage passes shared by candidates that differ only in the schedule or
+  // the micro-batch count (planner/cost_model.h).
+  BuildCache cache;
+  cache.capacity =
+      16 * static_cast<size_t>(std::max(
+               1, opt.threads > 0 ? opt.threads
+                                  : static_cast<int>(std::thread::hardware_concurrency())));
   auto price = [&](PlanCandidate c) {
     Priced out;
     TrainerOptions o = base;
@@ -165,7 +172,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       // proposed and needs no step time (only its memory, for the closest
       // miss), so it is not simulated -- exact, and most of a large
       // model's shapes are over.
-      const Programs progs = build_programs(spec, o, cluster);
+      const Programs progs = build_programs(spec, o, cluster, &cache);
       bool over = false;
       for (int r = 0; r < world && !over; ++r) {
         const Program& pr =
