@@ -146,10 +146,11 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   // Stage passes shared by candidates that differ only in the schedule or
   // the micro-batch count (planner/cost_model.h).
   BuildCache cache;
-  cache.capacity =
-      16 * static_cast<size_t>(std::max(
-               1, opt.threads > 0 ? opt.threads
-                                  : static_cast<int>(std::thread::hardware_concurrency())));
+  // One shape's entries (one per tensor coordinate, up to a node's ranks)
+  // until its twin with the other schedule, on each thread.
+  const int pricing_threads =
+      opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
+  cache.capacity = static_cast<size_t>(std::max(1, pricing_threads) * node_ranks);
   auto price = [&](PlanCandidate c) {
     Priced out;
     TrainerOptions o = base;
