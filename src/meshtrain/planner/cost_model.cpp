@@ -543,23 +543,22 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
     auto& built = cuts[coords];
     if (!built && cache != nullptr) {
       const std::string key = fmt::format("{}|coords {}", plan_key, fmt::join(coords, ","));
+      std::shared_future<std::shared_ptr<const PipelineBuilt>> entry;
+      std::promise<std::shared_ptr<const PipelineBuilt>> promise;
+      bool mine = false;
       {
         std::lock_guard<std::mutex> hold(cache->mutex);
         auto it = cache->pipelines.find(key);
         if (it != cache->pipelines.end()) {
-          built = it->second;
+          entry = it->second;
           ++cache->hits;
-        }
-      }
-      if (!built) {
-        // Built outside the lock; a thread racing on the same key builds the
-        // same thing, and the first stored is kept.
-        auto fresh = make_built(r);
-        std::lock_guard<std::mutex> hold(cache->mutex);
-        ++cache->misses;
-        auto [it, stored] = cache->pipelines.emplace(key, std::move(fresh));
-        built = it->second;
-        if (stored) {
+        } else {
+          // Claimed before it is built, so that a thread pricing the twin
+          // candidate at the same time waits for it instead of building it too.
+          mine = true;
+          ++cache->misses;
+          entry = promise.get_future().share();
+          cache->pipelines.emplace(key, entry);
           cache->order.push_back(key);
           while (cache->order.size() > std::max<size_t>(1, cache->capacity)) {
             cache->pipelines.erase(cache->order.front());
@@ -567,6 +566,14 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
           }
         }
       }
+      if (mine) {
+        try {
+          promise.set_value(make_built(r));
+        } catch (...) {
+          promise.set_exception(std::current_exception());  // the waiters throw it too
+        }
+      }
+      built = entry.get();
     } else if (!built) {
       built = make_built(r);
     }

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -124,7 +125,8 @@ struct PipelineBuilt;
 struct BuildCache {
   size_t capacity = 64;
   std::mutex mutex;
-  std::map<std::string, std::shared_ptr<const PipelineBuilt>> pipelines;
+  // Built or being built (a thread that claimed the key fulfils it).
+  std::map<std::string, std::shared_future<std::shared_ptr<const PipelineBuilt>>> pipelines;
   std::deque<std::string> order;  // keys, oldest first
   int64_t hits = 0, misses = 0;
 };
