@@ -126,6 +126,50 @@ TEST(CommTime, SlowestLinkOfTheGroupBounds) {
   EXPECT_DOUBLE_EQ(m.group_link(CommAlgorithm::ring, fast).bandwidth_bytes_s, 10e9);
 }
 
+// Without per-pair links a group's link comes from the kinds of its pairs
+// (linear in the group; the planner prices groups of a thousand ranks):
+// the same as the worst of every pair's link, here over 2 sites x 3 nodes x
+// 2 ranks, with and without a pair override.
+TEST(CommTime, GroupLinkIsTheWorstPairsLink) {
+  CommCostModel m;
+  m.layout = ClusterLayout::by_node_size(12, 2);
+  m.layout.site_of_node = {0, 0, 0, 1, 1, 1};
+  m.layout.intra_node = {1e-6, 100e9};
+  m.layout.inter_node = {1e-5, 10e9};
+  m.layout.inter_site = {1e-3, 1e9};
+  auto brute = [&](const std::vector<int>& g, LinkKind* kind) {
+    LinkSpec w{};
+    *kind = g.size() > 1 ? LinkKind::intra_node : LinkKind::self;
+    bool first = true;
+    for (int a : g) {
+      for (int b : g) {
+        const LinkKind k = m.layout.kind(a, b);
+        if (a == b || k == LinkKind::intra_node) continue;
+        if (k == LinkKind::inter_site || *kind != LinkKind::inter_site) *kind = k;
+        const LinkSpec& l = m.layout.link(a, b);
+        w.latency_s = first ? l.latency_s : std::max(w.latency_s, l.latency_s);
+        w.bandwidth_bytes_s =
+            first ? l.bandwidth_bytes_s : std::min(w.bandwidth_bytes_s, l.bandwidth_bytes_s);
+        first = false;
+      }
+    }
+    return first && g.size() > 1 ? m.layout.intra_node : w;
+  };
+  const std::vector<std::vector<int>> groups = {{0},    {0, 1},  {0, 2},       {1, 3, 5},
+                                                {4, 6}, {0, 11}, {2, 3, 8, 9}, iota_ranks(12)};
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) m.layout.node_pairs[{1, 2}] = {5e-3, 5e8};
+    for (const std::vector<int>& g : groups) {
+      LinkKind want{}, got{};
+      const LinkSpec w = brute(g, &want);
+      const LinkSpec l = m.group_link(CommAlgorithm::ring, g, &got);
+      EXPECT_EQ(got, want) << "pass " << pass << " group of " << g.size() << " from " << g[0];
+      EXPECT_DOUBLE_EQ(l.latency_s, w.latency_s) << "pass " << pass << " from " << g[0];
+      EXPECT_DOUBLE_EQ(l.bandwidth_bytes_s, w.bandwidth_bytes_s) << "pass " << pass;
+    }
+  }
+}
+
 // The planner's choice and bytes are the communicator's: ranks as threads,
 // one node (shared memory), and 2 nodes x 2 ranks (hierarchical).
 TEST(CommTime, ChoiceAndBytesMatchTheCommunicator) {

@@ -3,9 +3,11 @@
 // 1F1B bubbles, ring all-reduce, overlap of gradient buckets with
 // backward), the trainer's own memory plan, deduplicated rank programs and
 // determinism (the trace file bytes included).
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -376,6 +378,93 @@ TEST(CostModel, TensorAndPipelinePlansDeduplicatePrograms) {
     EXPECT_GT(r.bytes_sent, 0u);
     EXPECT_LE(r.compute_s, e.step_s * (1 + 1e-12));
   }
+}
+
+// A program built for one rank and taken by a rank of another tensor group
+// (a slower rank, or a rank on another device kind, gets its own program
+// built from the graph of the first rank with its tensor coordinates) names
+// its collectives' groups by mesh axis, bound to that rank's own groups:
+// dp=2 x tp=2 with one slow rank, and with the second replica on another
+// device kind, neither throws nor deadlocks, and the slow rank slows the step.
+TEST(CostModel, ProgramsSharedAcrossTensorGroupsUseTheRanksOwnGroups) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 2;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  spec.vocab = 64;
+  const int world = 4;
+  TrainerOptions o = mlp_options(world);
+  o.batch_size = 8;
+  ParallelShorthand sh;
+  sh.tp = 2;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  o.dist.plan = std::make_shared<Plan>(
+      expand_shorthand(sh, ShorthandModel{"gpt", spec.d_model / spec.heads}, m.graph, world));
+  ASSERT_EQ(o.dist.plan->mesh.axis_size("dp"), 2);
+  const ClusterModel even = cluster(world, 1e-5, 10e9, 2);
+  const StepEstimate e = estimate_step(spec, o, even);
+
+  ClusterModel slow = even;
+  slow.slowdown = {1, 1, 1, 3};
+  const Programs progs = build_programs(spec, o, slow);
+  EXPECT_EQ(progs.programs.size(), 3u);  // tp coordinates 0, 1, and the slow rank 3
+  // Rank 3's tensor group is [2, 3], not rank 1's [0, 1].
+  const RankBinding& b3 = progs.ranks[3];
+  const Program& p3 = progs.programs[static_cast<size_t>(b3.program)];
+  for (size_t s = 0; s < p3.groups.size(); ++s) {
+    const std::vector<int>& ranks = progs.groups[static_cast<size_t>(b3.group_ids[s])];
+    EXPECT_TRUE(std::find(ranks.begin(), ranks.end(), 3) != ranks.end())
+        << "slot " << p3.groups[s] << " of rank 3 is ranks " << fmt::format("{}", ranks);
+  }
+  const StepEstimate es = simulate(progs, slow);
+  EXPECT_GT(es.step_s, e.step_s);
+
+  ClusterModel mixed = even;
+  mixed.kinds.push_back(device(0.5e12));
+  mixed.kinds.back().name = "half";
+  mixed.kind_of = {0, 0, 1, 1};
+  const StepEstimate em = estimate_step(spec, o, mixed);
+  EXPECT_GT(em.step_s, e.step_s);
+}
+
+// The search's cache of cut stage passes: 1F1B and GPipe of one shape share
+// them (hits), and what they predict is what an uncached build predicts.
+TEST(CostModel, CachedStagePassesPredictTheSame) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  spec.vocab = 64;
+  const int world = 4;
+  TrainerOptions o = mlp_options(world);
+  o.batch_size = 8;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  const ClusterModel c = cluster(world, 1e-5, 10e9, 2);
+  BuildCache cache;
+  for (ScheduleKind kind : {ScheduleKind::one_f_one_b, ScheduleKind::gpipe}) {
+    ParallelShorthand sh;
+    sh.tp = 2;
+    sh.pp = 2;
+    sh.microbatches = 4;
+    sh.schedule = kind;
+    o.dist.plan = std::make_shared<Plan>(
+        expand_shorthand(sh, ShorthandModel{"gpt", spec.d_model / spec.heads}, m.graph, world));
+    const StepEstimate plain = simulate(build_programs(spec, o, c), c);
+    const StepEstimate cached = simulate(build_programs(spec, o, c, &cache), c);
+    EXPECT_EQ(plain.step_s, cached.step_s) << schedule_name(kind);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(plain.ranks[static_cast<size_t>(r)].peak_memory_bytes,
+                cached.ranks[static_cast<size_t>(r)].peak_memory_bytes);
+      EXPECT_EQ(plain.ranks[static_cast<size_t>(r)].bytes_sent,
+                cached.ranks[static_cast<size_t>(r)].bytes_sent);
+    }
+  }
+  EXPECT_EQ(cache.misses, 2);  // one per tensor coordinate
+  EXPECT_EQ(cache.hits, 2);    // GPipe took 1F1B's
 }
 
 // The tensor-parallel collectives of a lowered program cost the planner

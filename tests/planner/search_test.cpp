@@ -81,6 +81,16 @@ TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
     }
   }
   EXPECT_EQ(r.fitting + r.over_memory + r.refused + r.unpriced, r.candidates);
+  // Over-memory plans are not simulated, only their memory taken: the
+  // closest miss needs what the least-over plan needs when fully priced.
+  int64_t least_over = INT64_MAX;
+  for (const PlanCandidate& p : wide.best) {
+    const int64_t need = p.estimate.max_peak_memory_bytes();
+    if (static_cast<double>(need) > middle) least_over = std::min(least_over, need);
+  }
+  ASSERT_TRUE(r.closest.has_value());
+  EXPECT_FALSE(r.closest->lower_bound);
+  EXPECT_EQ(r.closest->need_bytes, least_over) << r.closest->plan;
 }
 
 TEST(PlanSearch, NothingFitsSaysWhichConstraintAndByHowMuch) {

@@ -130,27 +130,43 @@ std::string fit_key(CommAlgorithm a, LinkKind k) {
 
 LinkSpec CommCostModel::group_link(CommAlgorithm a, std::span<const int> ranks,
                                    LinkKind* kind_out) const {
-  // One representative rank per node of the group; the worst link between
-  // any two of them (or the node's own link when there is one node).
-  std::vector<int> reps;
-  std::vector<int> seen;
-  for (int r : ranks) {
-    const int node = layout.node_of.at(static_cast<size_t>(r));
-    if (std::find(seen.begin(), seen.end(), node) == seen.end()) {
-      seen.push_back(node);
-      reps.push_back(r);
-    }
-  }
+  // The worst link between any two nodes of the group (or the node's own
+  // link when there is one node).
+  std::vector<int> nodes;
+  nodes.reserve(ranks.size());
+  for (int r : ranks) nodes.push_back(layout.node_of.at(static_cast<size_t>(r)));
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
   LinkKind kind = ranks.size() > 1 ? LinkKind::intra_node : LinkKind::self;
   LinkSpec link = ranks.size() > 1 ? layout.intra_node : LinkSpec{};
-  if (reps.size() > 1) {
+  if (nodes.size() > 1) {
     link = LinkSpec{};
     kind = LinkKind::inter_node;
-    for (size_t i = 0; i < reps.size(); ++i) {
-      for (size_t j = i + 1; j < reps.size(); ++j) {
-        const LinkKind k = layout.kind(reps[i], reps[j]);
-        if (k == LinkKind::inter_site) kind = LinkKind::inter_site;
-        link = worse(link, layout.link(reps[i], reps[j]));
+    auto site = [&](int node) { return layout.site_of_node.at(static_cast<size_t>(node)); };
+    if (layout.node_pairs.empty()) {
+      // Every pair's link is its kind's: inter_node where some two nodes
+      // share a site, inter_site where some two do not (linear, where the
+      // pairs are quadratic: a data-parallel group of a thousand ranks).
+      std::vector<int> sites;
+      for (int nd : nodes) sites.push_back(site(nd));
+      std::sort(sites.begin(), sites.end());
+      const bool shared_site = std::adjacent_find(sites.begin(), sites.end()) != sites.end();
+      const bool several_sites = sites.front() != sites.back();
+      if (shared_site) link = worse(link, layout.inter_node);
+      if (several_sites) {
+        kind = LinkKind::inter_site;
+        link = worse(link, layout.inter_site);
+      }
+    } else {
+      for (size_t i = 0; i < nodes.size(); ++i) {
+        for (size_t j = i + 1; j < nodes.size(); ++j) {
+          const bool cross = site(nodes[i]) != site(nodes[j]);
+          if (cross) kind = LinkKind::inter_site;
+          const auto it = layout.node_pairs.find({nodes[i], nodes[j]});
+          link = worse(link, it != layout.node_pairs.end()
+                                 ? it->second
+                                 : (cross ? layout.inter_site : layout.inter_node));
+        }
       }
     }
   }

@@ -54,6 +54,15 @@ comm::CommCostModel comm_model(const ClusterModel& cluster) {
   return m;
 }
 
+// A pipeline's stage passes for one tensor coordinate, with each virtual
+// stage's largest pass arena (what does not depend on the schedule, the
+// device or the slowdown).
+struct PipelineBuilt {
+  PipelineCut cut;
+  LoweredProgram lowered;
+  std::vector<int64_t> arena;  // per virtual stage
+};
+
 int64_t StepEstimate::max_peak_memory_bytes() const {
   int64_t m = 0;
   for (const RankEstimate& r : ranks) m = std::max(m, r.peak_memory_bytes);
@@ -350,13 +359,17 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
           if (communicates(n.op)) {
             flush();
             const CollectiveAttrs a = CollectiveAttrs::of(n);
+            // The lowered graph's groups are the world ranks of the rank it
+            // was built for (built->rank), which may be in another tensor
+            // group than r (a slower rank, another device kind): the slot is
+            // the mesh axis, bound below to each rank's own group.
             const std::vector<int>& ranks = lp.groups.at(static_cast<size_t>(a.group));
-            const std::string axis = axis_of_group(plan->mesh, r, ranks);
+            const std::string axis = axis_of_group(plan->mesh, built->rank, ranks);
             if (axis.empty()) {
               throw InternalError(fmt::format(
                   "planner: collective '{}' of rank {} runs on ranks [{}], which are no mesh "
                   "axis's group",
-                  n.name, r, fmt::join(ranks, ", ")));
+                  n.name, built->rank, fmt::join(ranks, ", ")));
             }
             b.collective(fmt::format("{} {}", op_name(n.op), n.name), axis,
                          node_shape(g, n, static_cast<int>(ranks.size())), 0);
@@ -466,7 +479,7 @@ PassTime pass_time(const DeviceKind& dev, double slow, const StagePass& pass,
 
 void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
                     const ClusterModel& cluster, const comm::CommCostModel& cm, Programs& out,
-                    GroupTable& groups) {
+                    GroupTable& groups, BuildCache* cache) {
   check_pipeline_options(o);
   const int world = cluster.world();
   const Plan& plan = *o.dist.plan;
@@ -492,11 +505,32 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
   const ScheduleSimulation unit = simulate(schedule);
 
-  struct Built {
-    PipelineCut cut;
-    LoweredProgram lowered;
+  // The cache key: the plan but its schedule and micro-batch count (the
+  // cut does not depend on them), the micro-batch size, the coordinates.
+  std::string plan_key;
+  if (cache != nullptr) {
+    Plan keyed = plan;
+    keyed.schedule = ScheduleKind::one_f_one_b;
+    keyed.microbatches = 1;
+    keyed.warmup_extra = 0;
+    plan_key = fmt::format("{}|micro {}|{}|recompute {}", plan_to_json(keyed), micro,
+                           dtype_name(o.precision), o.exec.recompute);
+  }
+  auto make_built = [&](int r) {
+    auto b = std::make_shared<PipelineBuilt>();
+    const ModelGraph m = build_rank_model(spec, micro, o, r, &b->lowered);
+    b->cut = cut_pipeline(m.graph, m.loss, plan.stages);
+    for (const PipelineStage& ps : b->cut.stages) {
+      int64_t arena = 0;
+      for (const StagePass* sp : {&ps.forward, &ps.backward}) {
+        ExecOptions eo = o.exec;
+        arena = std::max(arena, plan_memory(sp->graph, eo, GradMemory::kept).arena_bytes);
+      }
+      b->arena.push_back(arena);
+    }
+    return std::shared_ptr<const PipelineBuilt>(std::move(b));
   };
-  std::map<std::vector<int>, std::unique_ptr<Built>> cuts;
+  std::map<std::vector<int>, std::shared_ptr<const PipelineBuilt>> cuts;
   std::map<PpKey, int> programs;
   out.notes.push_back(
       "pipeline: tensor-parallel collectives inside a stage pass are folded into the pass's "
@@ -507,10 +541,41 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
     std::vector<int> coords;
     for (const std::string& a : axes) coords.push_back(plan.mesh.coord(r, a));
     auto& built = cuts[coords];
-    if (!built) {
-      built = std::make_unique<Built>();
-      const ModelGraph m = build_rank_model(spec, micro, o, r, &built->lowered);
-      built->cut = cut_pipeline(m.graph, m.loss, plan.stages);
+    if (!built && cache != nullptr) {
+      const std::string key = fmt::format("{}|coords {}", plan_key, fmt::join(coords, ","));
+      std::shared_future<std::shared_ptr<const PipelineBuilt>> entry;
+      std::promise<std::shared_ptr<const PipelineBuilt>> promise;
+      bool mine = false;
+      {
+        std::lock_guard<std::mutex> hold(cache->mutex);
+        auto it = cache->pipelines.find(key);
+        if (it != cache->pipelines.end()) {
+          entry = it->second;
+          ++cache->hits;
+        } else {
+          // Claimed before it is built, so that a thread pricing the twin
+          // candidate at the same time waits for it instead of building it too.
+          mine = true;
+          ++cache->misses;
+          entry = promise.get_future().share();
+          cache->pipelines.emplace(key, entry);
+          cache->order.push_back(key);
+          while (cache->order.size() > std::max<size_t>(1, cache->capacity)) {
+            cache->pipelines.erase(cache->order.front());
+            cache->order.pop_front();
+          }
+        }
+      }
+      if (mine) {
+        try {
+          promise.set_value(make_built(r));
+        } catch (...) {
+          promise.set_exception(std::current_exception());  // the waiters throw it too
+        }
+      }
+      built = entry.get();
+    } else if (!built) {
+      built = make_built(r);
     }
     const int stage = plan.mesh.coord(r, "pp");
     const PpKey key{coords, stage, cluster.kind_of.at(static_cast<size_t>(r)),
@@ -662,10 +727,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         stash = std::max(stash, cut.stages[s].stash_bytes);
-        for (const StagePass* sp : {&cut.stages[s].forward, &cut.stages[s].backward}) {
-          ExecOptions eo = o.exec;
-          arena = std::max(arena, plan_memory(sp->graph, eo, GradMemory::kept).arena_bytes);
-        }
+        arena = std::max(arena, built->arena[s]);
       }
       const int64_t in_flight = unit.peak_in_flight.at(static_cast<size_t>(stage));
       const int64_t state = param_bytes * (2 + kinds);
@@ -687,7 +749,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
 }  // namespace
 
 Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options,
-                        const ClusterModel& cluster) {
+                        const ClusterModel& cluster, BuildCache* cache) {
   // One training step: what a run writes or loads around it does not matter.
   TrainerOptions options = run_options;
   options.checkpoint_path.clear();
@@ -701,7 +763,7 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options
   GroupTable groups;
   const comm::CommCostModel cm = comm_model(cluster);
   if (options.dist.plan && pipeline_plan(options)) {
-    build_pipeline(spec, options, cluster, cm, out, groups);
+    build_pipeline(spec, options, cluster, cm, out, groups, cache);
   } else {
     build_data_parallel(spec, options, cluster, cm, out, groups);
   }

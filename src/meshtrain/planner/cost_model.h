@@ -28,8 +28,11 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -109,13 +112,32 @@ struct Programs {
   std::vector<std::string> notes;        // simplifications taken, for the report
 };
 
+// What build_programs may reuse across the candidates of one plan search:
+// a pipeline's lowered, cut stage passes and their arenas per (plan without
+// its schedule and micro-batch count, micro-batch size, tensor coordinates,
+// precision, recomputation) -- the same for 1F1B and GPipe, and for every
+// device and slowdown. Valid only across calls whose model and options
+// differ in nothing else (search_plans keeps one per search). Thread-safe.
+struct PipelineBuilt;
+// At most `capacity` entries are kept, the oldest stored dropped first (a
+// 175B-shaped model's cut is tens of MB; candidates that share one are
+// enumerated next to each other).
+struct BuildCache {
+  size_t capacity = 64;
+  std::mutex mutex;
+  // Built or being built (a thread that claimed the key fulfils it).
+  std::map<std::string, std::shared_future<std::shared_ptr<const PipelineBuilt>>> pipelines;
+  std::deque<std::string> order;  // keys, oldest first
+  int64_t hits = 0, misses = 0;
+};
+
 // The programs of every rank of a run: the trainer's graph (or the
 // pipeline's stage passes) for this plan, with each operator's time on the
 // rank's device and each collective's time on its group. Throws ConfigError
 // for options the trainer would refuse (as plan_training does), and when
 // the cluster's world differs from the plan's.
 Programs build_programs(const ModelSpec& spec, const TrainerOptions& options,
-                        const ClusterModel& cluster);
+                        const ClusterModel& cluster, BuildCache* cache = nullptr);
 
 // One rank's share of a predicted step.
 struct RankEstimate {

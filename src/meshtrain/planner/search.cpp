@@ -12,6 +12,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/planner/balance.h"
+#include "meshtrain/planner/simulator.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/training_plan.h"
@@ -142,6 +143,14 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     std::string why;
     int worst = 0;  // over: the rank furthest over its memory
   };
+  // Stage passes shared by candidates that differ only in the schedule or
+  // the micro-batch count (planner/cost_model.h).
+  BuildCache cache;
+  // One shape's entries (one per tensor coordinate, up to a node's ranks)
+  // until its twin with the other schedule, on each thread.
+  const int pricing_threads =
+      opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
+  cache.capacity = static_cast<size_t>(std::max(1, pricing_threads) * node_ranks);
   auto price = [&](PlanCandidate c) {
     Priced out;
     TrainerOptions o = base;
@@ -160,7 +169,28 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       }
       // What the pipeline runtime refuses, refused before pricing (cheap).
       if (c.plan.pipeline_stages() > 1) check_pipeline_options(o);
-      c.estimate = estimate_step(spec, o, cluster);
+      // Memory before time: a plan over some rank's memory is never
+      // proposed and needs no step time (only its memory, for the closest
+      // miss), so it is not simulated -- exact, and most of a large
+      // model's shapes are over.
+      const Programs progs = build_programs(spec, o, cluster, &cache);
+      bool over = false;
+      for (int r = 0; r < world && !over; ++r) {
+        const Program& pr =
+            progs.programs[static_cast<size_t>(progs.ranks[static_cast<size_t>(r)].program)];
+        over = pr.peak_memory_bytes > static_cast<int64_t>(cluster.device(r).memory_bytes);
+      }
+      if (over) {
+        c.estimate.ranks.resize(static_cast<size_t>(world));
+        for (int r = 0; r < world; ++r) {
+          c.estimate.ranks[static_cast<size_t>(r)].peak_memory_bytes =
+              progs.programs[static_cast<size_t>(progs.ranks[static_cast<size_t>(r)].program)]
+                  .peak_memory_bytes;
+        }
+        c.estimate.distinct_programs = static_cast<int>(progs.programs.size());
+      } else {
+        c.estimate = simulate(progs, cluster);
+      }
     } catch (const ConfigError& e) {
       out.why = e.what();
       out.c = std::move(c);

@@ -89,15 +89,21 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
     s.next.assign(index[static_cast<size_t>(b.program)].lanes.size(), 0);
   }
 
-  // Collective times per (group, program, shape): ranks of one group share them.
-  std::map<std::tuple<int, int, int>, comm::CollectiveEstimate> estimates;
+  // Collective times per (group, shape): ranks of one group share them, and
+  // so do equal calls (a pipeline's per-parameter all-reduces of equal
+  // layers, programs that differ only by device) -- pricing a call is
+  // linear in the group's ranks, the simulation calls it per task.
+  using ShapeKey = std::tuple<int, Collective, size_t, std::vector<size_t>, size_t, int>;
+  std::map<ShapeKey, comm::CollectiveEstimate> estimates;
   auto estimate = [&](int gid, int prog, int shape) -> const comm::CollectiveEstimate& {
-    auto key = std::make_tuple(gid, prog, shape);
+    const comm::CollectiveShape& s =
+        programs.programs[static_cast<size_t>(prog)].shapes.at(static_cast<size_t>(shape));
+    ShapeKey key{gid, s.kind, s.count, s.counts, s.elem_bytes, s.root};
     auto it = estimates.find(key);
     if (it == estimates.end()) {
-      const comm::CollectiveShape& s =
-          programs.programs[static_cast<size_t>(prog)].shapes.at(static_cast<size_t>(shape));
-      it = estimates.emplace(key, cm.collective(s, programs.groups.at(static_cast<size_t>(gid))))
+      it = estimates
+               .emplace(std::move(key),
+                        cm.collective(s, programs.groups.at(static_cast<size_t>(gid))))
                .first;
     }
     return it->second;
