@@ -14,15 +14,21 @@ step time, with:
   predicted_step_ms / measured_step_ms / step_rel_err  measured = global
       batch / the summary's samples_per_s (the trainer's median over the
       steps after its warm-up); rel_err = (predicted - measured) / measured
-  predicted_peak_mib / measured_peak_mib / mem_rel_err  the largest rank's:
-      predicted = simulate's "max peak memory" (the trainer's own memory
-      plan: arenas, parameters, gradients, optimizer state, DP buffers);
-      measured = the largest over ranks of the sum of the per-category peaks
-      of the allocator counters (summary "ranks"[].mem_peak_bytes)
+  predicted_peak_mib_rank0 / measured_peak_mib / mem_rel_err  rank 0's:
+      predicted = simulate's peak for rank 0's program (the trainer's own
+      memory plan: arenas, parameters, gradients, optimizer state, DP
+      buffers); measured = rank 0's allocator peak over all categories
+      together (summary mem_peak_total_bytes). predicted_peak_mib is
+      simulate's "max peak memory" over all ranks.
   predicted_peak_mib_per_program  simulate's per-program peaks (first rank
       of each program)
-  measured_peak_mib_per_rank, peak_rss_mib_per_rank  per rank (allocator
-      counters as above; the process's peak RSS as the trainer reports it)
+  measured_category_peaks_sum_mib_per_rank, peak_rss_mib_per_rank  per
+      rank: the sum of the allocator's per-category peaks (an upper bound of
+      its peak) and the process's peak RSS, as the summary reports them.
+      The pipeline trainer reports neither per rank (rank 0's RSS and the
+      activation stash only): its lines have no memory error.
+  predicted_step_ms_cores_shared  for plans with more ranks than cores:
+      simulate again with every rank slowed by ranks / cores
 A plan that fails in simulate or train keeps its line, with "error".
 
 Then `meshtrain plan --nproc 2` for the GPT on the calibrated file: its
@@ -134,8 +140,13 @@ def measured(run, batch):
     out = {
         "measured_step_ms": 1e3 * batch / s["samples_per_s"],
         "samples_per_s_includes_warmup": s.get("samples_per_s_includes_warmup"),
-        "measured_peak_mib": max(per) if per else None,
-        "measured_peak_mib_per_rank": per,
+        # Rank 0's allocator peak of all categories together (the summary's
+        # mem_peak_total_bytes); the other ranks report per-category peaks
+        # only, whose sum is an upper bound (transient "other" buffers peak
+        # apart from the rest).
+        "measured_peak_mib": (round(s["mem_peak_total_bytes"] / 2**20, 3)
+                              if s.get("mem_peak_total_bytes") else None),
+        "measured_category_peaks_sum_mib_per_rank": per,
         "peak_rss_mib_per_rank": [round(r.get("peak_rss_bytes", 0) / 2**20, 1) for r in ranks],
         "final_loss": s.get("final_loss"),
         "others_cpu": run.others_cpu,
@@ -217,7 +228,9 @@ def run(ctx):
         if "predicted_step_ms_cores_shared" in line:
             line["step_rel_err_cores_shared"] = rel(line["predicted_step_ms_cores_shared"],
                                                     line.get("measured_step_ms"))
-        line["mem_rel_err"] = rel(line.get("predicted_peak_mib"), line.get("measured_peak_mib"))
+        per_prog = line.get("predicted_peak_mib_per_program") or []
+        line["predicted_peak_mib_rank0"] = next((p for r, p in per_prog if r == 0), None)
+        line["mem_rel_err"] = rel(line["predicted_peak_mib_rank0"], line.get("measured_peak_mib"))
         ctx.emit(line)
         results.append(line)
 
