@@ -58,12 +58,13 @@ def summary_world(summary):
 
 
 def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None, config=None,
-          sets=()):
+          sets=(), extra_args=()):
     """Trains `model` (mlp, cnn, gpt) for `steps` steps. Never raises: a run
     that fails, or a meshtrain that cannot be built, comes back with .error
     set, so the suite still prints the peer's figures. config: another config
     file than the model's; sets: extra "key=value" overrides (e.g. a
-    [parallel] plan, dist.slowdown)."""
+    [parallel] plan, dist.slowdown); extra_args: more command-line arguments
+    (e.g. --plan FILE)."""
     name = name or f"meshtrain-{model}-t{threads}-{precision}" + (f"-np{nproc}" if nproc else "")
     try:
         exe = ctx.ensure_built("meshtrain")
@@ -78,7 +79,7 @@ def train(ctx, model, steps, threads, precision="f32", nproc=None, name=None, co
                "train.log_every=1",
                f"train.precision={precision}", 'train.checkpoint=""', *sets):
         cmd += ["--set", kv]
-    cmd += ["--metrics", metrics]
+    cmd += ["--metrics", metrics, *extra_args]
     env = thread_env(threads)
     env.update(mpi_env())
     ctx.log(f"{name}: {' '.join(str(c) for c in cmd[1:])}")

@@ -2,7 +2,8 @@
 PyTorch and time nothing: every line gets the CPU and the suite's context,
 a line's own fields win, transports and engines are named, the PyTorch
 peer gets the config's optimizer and schedule, and its learning rate per
-step follows meshtrain's formula (src/meshtrain/train/lr_schedule.cpp)."""
+step follows meshtrain's formula (src/meshtrain/train/lr_schedule.cpp), and
+the plan suite reads `meshtrain simulate`'s report."""
 
 import argparse
 import contextlib
@@ -114,6 +115,28 @@ check(math.isclose(torch_accuracy.lr_at(a, 60, 110), 0.55), "cosine half way: (l
 check(math.isclose(torch_accuracy.lr_at(a, 110, 110), 0.1), "cosine ends at min_lr")
 a.schedule = "constant"
 check(torch_accuracy.lr_at(a, 60, 110) == 1.0, "constant after warm-up")
+
+# bench/run plan reads `meshtrain simulate`'s report (this is its format,
+# from a run of configs/gpt_text.toml at tp=2 with ratios [2, 1]).
+import plan  # noqa: E402
+
+report = """predicted step time: 347.745 ms
+throughput: 46.0 samples/s, 5890 tokens/s
+per program (first rank shown): ranks / compute / comm (all lanes) / idle / utilisation / peak memory / sent per step
+  rank 0         256.399 ms   2.336 ms  88.950 ms  73.7% 142.22 MiB  35.49 MiB
+  rank 1         345.348 ms   2.336 ms     0.0 us  99.3% 106.42 MiB  34.76 MiB
+max peak memory 142.22 MiB ; max sent per step 35.49 MiB
+"""
+got = plan.parse_simulate(report)
+check(got == {"predicted_step_ms": 347.745, "predicted_peak_mib": 142.22,
+              "predicted_peak_mib_per_program": [[0, 142.22], [1, 106.42]]},
+      f"plan.parse_simulate: {got}")
+got = plan.parse_simulate("predicted step time: 1.5 s\n  rank 0 +3   1.0 s  0 B  0 B  99.0%"
+                          "  1.50 GiB  12.00 KiB\nmax peak memory 1.50 GiB ; max sent 12 KiB\n")
+check(got.get("predicted_step_ms") == 1500.0 and got.get("predicted_peak_mib") == 1536.0
+      and got.get("predicted_peak_mib_per_program") == [[0, 1536.0]],
+      f"plan.parse_simulate with s / GiB and a shared program: {got}")
+check(plan.rel(110.0, 100.0) == 0.1 and plan.rel(1.0, None) is None, "plan.rel")
 
 for f in failures:
     print("FAILED:", f)

@@ -1,0 +1,331 @@
+"""Planner validation: `meshtrain simulate`'s predicted step time and peak memory against `meshtrain train`'s measured ones, on this machine.
+
+First `meshtrain calibrate --nproc 2` (--quick with --quick) writes this
+machine's cluster file (one node of 2 ranks); the 4-rank plans use the same
+file with `ranks_per_node = 4` (same machine, same intra-node link fits,
+memory_gb left as measured for 2 ranks). Then, for each plan below (MLP =
+configs/mlp_fashion.toml, GPT = configs/gpt_text.toml, 1 thread per rank,
+no evaluation, no checkpoint): `meshtrain simulate --cluster FILE --config
+CONFIG --set ...` and `meshtrain train --nproc N --metrics FILE --set ...`
+with the same settings.
+
+One line per plan (name plan_<model>_<plan>, unit ms), value = measured
+step time, with:
+  predicted_step_ms / measured_step_ms / step_rel_err  measured = global
+      batch / the summary's samples_per_s (the trainer's median over the
+      steps after its warm-up); rel_err = (predicted - measured) / measured
+  predicted_peak_mib_rank0 / measured_peak_mib / mem_rel_err  rank 0's:
+      predicted = simulate's peak for rank 0's program (the trainer's own
+      memory plan: arenas, parameters, gradients, optimizer state, DP
+      buffers); measured = rank 0's allocator peak over all categories
+      together (summary mem_peak_total_bytes). predicted_peak_mib is
+      simulate's "max peak memory" over all ranks.
+  predicted_peak_mib_per_program  simulate's per-program peaks (first rank
+      of each program)
+  measured_category_peaks_sum_mib_per_rank, peak_rss_mib_per_rank  per
+      rank: the sum of the allocator's per-category peaks (an upper bound of
+      its peak) and the process's peak RSS, as the summary reports them.
+      The pipeline trainer reports neither per rank (rank 0's RSS and the
+      activation stash only): its lines have no memory error.
+  measured_fast_step_ms / step_rel_err_fast  the same against the 90th
+      percentile of the per-step rates (the steps others left alone)
+  predicted_step_ms_cores_shared  for plans with more ranks than cores:
+      simulate again with every rank slowed by ranks / cores
+A plan that fails in simulate or train keeps its line, with "error".
+
+Then `meshtrain plan --nproc 2` for the GPT on the calibrated file: its
+first-ranked plan is trained as written (`train --plan`) and compared with
+the fastest measured 2-rank GPT plan (line plan_search_first, value =
+measured first / fastest measured; goal <= 1.05).
+
+Lines plan_uneven_speedup_<plan>: with dist.slowdown = [1, 2], the uneven
+plan's speedup over its even twin, predicted and measured (goal >= 1.3).
+
+Last line plan_summary: median |rel_err| of time and of memory over the
+plans that ran (goals 0.10 and 0.05), with how many met each.
+No peer: nothing else here predicts these plans.
+"""
+
+import json
+import re
+import statistics
+
+import meshtrain
+from common import REPO, transport_context
+
+# (name, model, nproc, sets); sets are applied to both simulate and train.
+UNEVEN = "dist.slowdown=[1,2]"
+PLANS = [
+    ("mlp_dp2_zero0", "mlp", 2, ["dist.zero_stage=0"]),
+    ("mlp_dp2_zero2", "mlp", 2, ["dist.zero_stage=2"]),
+    ("mlp_dp2_zero3", "mlp", 2, ["dist.zero_stage=3"]),
+    ("mlp_dp2_slow12_even", "mlp", 2, [UNEVEN]),
+    ("mlp_dp2_slow12_shares21", "mlp", 2, [UNEVEN, "dist.batch_shares=[2,1]"]),
+    ("mlp_tp2", "mlp", 2, ["parallel.tp=2"]),
+    ("gpt_dp2_zero0", "gpt", 2, ["dist.zero_stage=0"]),
+    ("gpt_dp2_zero2", "gpt", 2, ["dist.zero_stage=2"]),
+    ("gpt_dp2_zero3", "gpt", 2, ["dist.zero_stage=3"]),
+    ("gpt_tp2", "gpt", 2, ["parallel.tp=2"]),
+    ("gpt_tp2_sp", "gpt", 2, ["parallel.tp=2", "parallel.sp=true"]),
+    ("gpt_tp2_slow12_even", "gpt", 2, ["parallel.tp=2", UNEVEN]),
+    ("gpt_tp2_slow12_ratios21", "gpt", 2, ["parallel.tp=2", "parallel.tp_ratios=[2,1]", UNEVEN]),
+    ("gpt_pp2_gpipe", "gpt", 2, ["parallel.pp=2", "parallel.microbatches=4",
+                                 "parallel.schedule=gpipe"]),
+    ("gpt_pp2_1f1b", "gpt", 2, ["parallel.pp=2", "parallel.microbatches=4",
+                                "parallel.schedule=1f1b"]),
+    ("gpt_pp2_1f1b_slow12_even", "gpt", 2, ["parallel.pp=2", "parallel.microbatches=4",
+                                            "parallel.schedule=1f1b", UNEVEN]),
+    ("gpt_pp2_1f1b_slow12_layers31", "gpt", 2, ["parallel.pp=2", "parallel.microbatches=4",
+                                                "parallel.schedule=1f1b",
+                                                "parallel.stage_layers=[3,1]", UNEVEN]),
+    ("gpt_dp2_tp2", "gpt", 4, ["parallel.dp=2", "parallel.tp=2"]),
+    ("gpt_dp2_pp2_1f1b", "gpt", 4, ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=4",
+                                    "parallel.schedule=1f1b"]),
+]
+
+
+def add_args(p):
+    p.add_argument("--steps", type=int, default=0,
+                   help="training steps per plan (0: 30 MLP / 12 GPT; --quick: 12 / 6)")
+    p.add_argument("--only", default="", help="comma-separated plan names (default: all)")
+    p.add_argument("--cluster", default="",
+                   help="use this cluster file instead of calibrating (2 ranks per node)")
+    p.add_argument("--save-cluster", default="",
+                   help="copy the calibrated cluster file here (the predictions' inputs)")
+
+
+def parse_simulate(text):
+    """Predicted step (ms), max peak (MiB) and per-program peaks from
+    `meshtrain simulate`'s report."""
+    out = {}
+    m = re.search(r"predicted step time: ([0-9.]+) (ms|s|us)\b", text)
+    if m:
+        out["predicted_step_ms"] = float(m.group(1)) * {"s": 1e3, "ms": 1.0, "us": 1e-3}[m.group(2)]
+    m = re.search(r"max peak memory ([0-9.]+) (KiB|MiB|GiB)", text)
+    if m:
+        out["predicted_peak_mib"] = to_mib(float(m.group(1)), m.group(2))
+    per = []
+    for m in re.finditer(r"(?m)^\s+rank (\d+)(?: \+\d+)?\s.*?([0-9.]+) (KiB|MiB|GiB)\s+"
+                         r"[0-9.]+ (?:B|KiB|MiB|GiB)\s*$", text):
+        per.append([int(m.group(1)), to_mib(float(m.group(2)), m.group(3))])
+    if per:
+        out["predicted_peak_mib_per_program"] = per
+    return out
+
+
+def to_mib(v, unit):
+    return round(v * {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}[unit], 3)
+
+
+def rel(pred, meas):
+    if pred is None or not meas:
+        return None
+    return (pred - meas) / meas
+
+
+def simulate(ctx, exe, name, config, cluster, sets, plan_file=None):
+    cmd = [exe, "simulate", "--config", config, "--cluster", cluster]
+    if plan_file:
+        cmd += ["--plan", plan_file]
+    for kv in sets:
+        cmd += ["--set", kv]
+    r = ctx.run(cmd, name=f"sim-{name}", timeout_s=300)
+    if not r.ok:
+        return {"error": f"simulate: {r.failure()}"}
+    out = parse_simulate(r.stdout)
+    if "predicted_step_ms" not in out or "predicted_peak_mib" not in out:
+        return {"error": "simulate: no step time or peak memory in its report"}
+    return out
+
+
+def measured(run, batch):
+    s = run.summary
+    fast = run.fast_samples_per_s(2)
+    ranks = s.get("ranks") or []
+    per = [round(sum((r.get("mem_peak_bytes") or {}).values()) / 2**20, 3) for r in ranks]
+    out = {
+        "measured_step_ms": 1e3 * batch / s["samples_per_s"],
+        # The 90th percentile of per-step rates after 2 steps: the steps
+        # the machine's other users left alone (calibration keeps its
+        # fastest repetition too).
+        "measured_fast_step_ms": 1e3 * batch / fast if fast else None,
+        "samples_per_s_includes_warmup": s.get("samples_per_s_includes_warmup"),
+        # Rank 0's allocator peak of all categories together (the summary's
+        # mem_peak_total_bytes); the other ranks report per-category peaks
+        # only, whose sum is an upper bound (transient "other" buffers peak
+        # apart from the rest).
+        "measured_peak_mib": (round(s["mem_peak_total_bytes"] / 2**20, 3)
+                              if s.get("mem_peak_total_bytes") else None),
+        "measured_category_peaks_sum_mib_per_rank": per,
+        "peak_rss_mib_per_rank": [round(r.get("peak_rss_bytes", 0) / 2**20, 1) for r in ranks],
+        "final_loss": s.get("final_loss"),
+        "others_cpu": run.others_cpu,
+    }
+    plan = s.get("plan") if isinstance(s.get("plan"), dict) else {}
+    if not ranks:
+        # The pipeline trainer's summary has no per-rank allocator counters:
+        # rank 0's peak RSS and the measured activation stash only.
+        out["peak_rss_mib_rank0"] = round(s.get("peak_rss_bytes", 0) / 2**20, 1)
+        out["measured_peak_mib_missing"] = ("the pipeline trainer's summary reports no "
+                                            "allocator counters per rank")
+    if "peak_stash_bytes" in plan:
+        out["measured_peak_stash_mib"] = round(plan["peak_stash_bytes"] / 2**20, 3)
+        out["planned_peak_stash_mib"] = round(plan.get("planned_peak_stash_bytes", 0) / 2**20, 3)
+        out["pipeline_idle_fraction"] = plan.get("pipeline_idle_fraction")
+    return out
+
+
+def run(ctx):
+    ctx.add_context(transport_context(distributed=True))
+    exe = ctx.ensure_built("meshtrain")
+    quick = ctx.quick
+    only = {n for n in ctx.args.only.split(",") if n}
+
+    # --- This machine's cluster file.
+    if ctx.args.cluster:
+        cluster2 = REPO / ctx.args.cluster
+    else:
+        cluster2 = ctx.workdir / "cluster.toml"
+        cmd = [exe, "calibrate", "--nproc", "2", "--out", cluster2, "--quiet"]
+        if quick:
+            cmd.append("--quick")
+        ctx.log("calibrating: " + " ".join(str(c) for c in cmd[1:]))
+        r = ctx.run(cmd, env_extra=meshtrain.mpi_env(), name="calibrate", timeout_s=600)
+        ctx.emit({"name": "plan_calibrate", "unit": "s", "value": round(r.wall_s, 2),
+                  **({} if r.ok else {"error": f"calibrate: {r.failure()}"})})
+        if not r.ok:
+            return
+    text = cluster2.read_text()
+    if ctx.args.save_cluster:
+        (REPO / ctx.args.save_cluster).write_text(text)
+    cluster4 = ctx.workdir / "cluster4.toml"
+    text4, n = re.subn(r"(?m)^ranks_per_node = \d+", "ranks_per_node = 4", text)
+    cluster4.write_text(text4)
+    if n != 1:
+        ctx.log("the cluster file has no single `ranks_per_node =` line: 4-rank plans will fail")
+    m = re.search(r"(?m)^peak_tflops_f32 = ([0-9.]+)", text)
+    ctx.add_context({"cluster_peak_gflops_f32": float(m.group(1)) * 1e3 if m else None})
+
+    base = ["train.eval=false", "train.threads=1", 'train.checkpoint=""']
+    results = []
+    for name, model, nproc, sets in PLANS:
+        if only and name not in only:
+            continue
+        steps = ctx.args.steps or ((12 if quick else 30) if model == "mlp" else (6 if quick else 12))
+        config = meshtrain.config_path(model)
+        batch = meshtrain.peer_setup(model, 16)["batch"]
+        line = {"name": f"plan_{name}", "unit": "ms", "model": model, "nproc": nproc,
+                "plan_sets": sets, "steps": steps, "batch": batch, "peer": None}
+        all_sets = base + [f"dist.nproc={nproc}"] + sets
+        line.update(simulate(ctx, exe, name, config, cluster4 if nproc == 4 else cluster2,
+                             all_sets))
+        if nproc > ctx.ncpu and not any(kv.startswith("dist.slowdown=") for kv in sets):
+            # More ranks than cores: each rank gets ncpu / nproc of a core,
+            # which the cluster file (one device per rank) does not say.
+            f = nproc / ctx.ncpu
+            shared = simulate(ctx, exe, f"{name}-shared", config, cluster4, all_sets + [
+                "dist.slowdown=[" + ",".join([f"{f:g}"] * nproc) + "]"])
+            line["predicted_step_ms_cores_shared"] = shared.get("predicted_step_ms")
+            line["cores_shared_slowdown"] = f
+        mt = meshtrain.train(ctx, model, steps, 1, nproc=nproc, sets=sets,
+                             name=f"train-{name}")
+        if mt.error:
+            line["error"] = "; ".join(e for e in (line.get("error"), mt.error) if e)
+        else:
+            line.update(measured(mt, batch))
+        line["value"] = line.get("measured_step_ms")
+        line["step_rel_err"] = rel(line.get("predicted_step_ms"), line.get("measured_step_ms"))
+        if "predicted_step_ms_cores_shared" in line:
+            line["step_rel_err_cores_shared"] = rel(line["predicted_step_ms_cores_shared"],
+                                                    line.get("measured_step_ms"))
+        line["step_rel_err_fast"] = rel(line.get("predicted_step_ms"),
+                                        line.get("measured_fast_step_ms"))
+        per_prog = line.get("predicted_peak_mib_per_program") or []
+        line["predicted_peak_mib_rank0"] = next((p for r, p in per_prog if r == 0), None)
+        line["mem_rel_err"] = rel(line["predicted_peak_mib_rank0"], line.get("measured_peak_mib"))
+        ctx.emit(line)
+        results.append(line)
+
+    # --- The search's first plan, measured, against the fastest measured.
+    if not only:
+        plan_file = ctx.workdir / "best-gpt.json"
+        cfg = meshtrain.config_path("gpt")
+        cmd = [exe, "plan", "--config", cfg, "--cluster", cluster2, "--nproc", "2", "--top",
+               "5", "--out", plan_file, "--quiet"]
+        for kv in base:
+            cmd += ["--set", kv]
+        r = ctx.run(cmd, name="plan-gpt", timeout_s=300)
+        line = {"name": "plan_search_first", "unit": "ratio", "model": "gpt", "nproc": 2,
+                "peer": None}
+        if not r.ok:
+            line["error"] = f"plan: {r.failure()}"
+        else:
+            rows = [ln.strip() for ln in r.stdout.splitlines() if re.match(r"^\s*\d+\s+[0-9.]+ (ms|s)", ln)]
+            line["search_top"] = rows[:5]
+            m = re.search(r"--plan \S+((?: --set \S+)*)", r.stdout)
+            extra = re.findall(r"--set (\S+)", m.group(1)) if m else []
+            extra = [kv for kv in extra if not kv.startswith("dist.nproc=")]
+            line["first_plan"] = json.loads(plan_file.read_text()) if plan_file.exists() else None
+            line.update({f"first_{k}": v for k, v in
+                         simulate(ctx, exe, "search-first", cfg, cluster2, base + extra,
+                                  plan_file).items()})
+            batch = meshtrain.peer_setup("gpt", 16)["batch"]
+            mt = meshtrain.train(ctx, "gpt", ctx.args.steps or (6 if quick else 12), 1, nproc=2,
+                                 sets=extra, name="train-search-first",
+                                 extra_args=["--plan", plan_file])
+            gpt2 = [x for x in results if x["model"] == "gpt" and x["nproc"] == 2
+                    and x.get("measured_step_ms") and "slow12" not in x["name"]]
+            if mt.error:
+                line["error"] = mt.error
+            elif not gpt2:
+                line["error"] = "no even 2-rank GPT plan was measured"
+            else:
+                first = 1e3 * batch / mt.summary["samples_per_s"]
+                fastest = min(gpt2, key=lambda x: x["measured_step_ms"])
+                line.update({"first_measured_step_ms": first,
+                             "fastest_measured": fastest["name"],
+                             "fastest_measured_step_ms": fastest["measured_step_ms"],
+                             "value": first / fastest["measured_step_ms"],
+                             "goal": 1.05})
+        ctx.emit(line)
+
+    # --- Uneven against even under dist.slowdown = [1, 2]: speedups.
+    by = {x["name"]: x for x in results}
+    for uneven, even in (("mlp_dp2_slow12_shares21", "mlp_dp2_slow12_even"),
+                         ("gpt_tp2_slow12_ratios21", "gpt_tp2_slow12_even"),
+                         ("gpt_pp2_1f1b_slow12_layers31", "gpt_pp2_1f1b_slow12_even")):
+        u, e = by.get(f"plan_{uneven}"), by.get(f"plan_{even}")
+        if not u or not e:
+            continue
+        line = {"name": f"plan_uneven_speedup_{uneven}", "unit": "ratio", "peer": None,
+                "even": even, "goal": 1.3,
+                "predicted": rel(e.get("predicted_step_ms"), u.get("predicted_step_ms")),
+                "measured": rel(e.get("measured_step_ms"), u.get("measured_step_ms")),
+                "measured_fast": rel(e.get("measured_fast_step_ms"),
+                                     u.get("measured_fast_step_ms"))}
+        for k in ("predicted", "measured", "measured_fast"):
+            if line[k] is not None:
+                line[k] += 1.0  # rel() is (a - b) / b; the speedup is a / b
+        line["value"] = line["measured"]
+        if u.get("error") or e.get("error"):
+            line["error"] = "a plan of the pair failed (its line says why)"
+        ctx.emit(line)
+
+    ok_f = [abs(x["step_rel_err_fast"]) for x in results
+            if x.get("step_rel_err_fast") is not None]
+    ok_t = [abs(x["step_rel_err"]) for x in results if x.get("step_rel_err") is not None]
+    ok_s = [abs(x.get("step_rel_err_cores_shared", x["step_rel_err"])) for x in results
+            if x.get("step_rel_err") is not None]
+    ok_m = [abs(x["mem_rel_err"]) for x in results if x.get("mem_rel_err") is not None]
+    ctx.emit({
+        "name": "plan_summary", "unit": "relative error", "peer": None,
+        "plans": len(results), "plans_failed": sum(1 for x in results if x.get("error")),
+        "median_abs_step_rel_err": statistics.median(ok_t) if ok_t else None,
+        "median_abs_mem_rel_err": statistics.median(ok_m) if ok_m else None,
+        "step_within_10pct": sum(1 for e in ok_t if e <= 0.10),
+        "median_abs_step_rel_err_fast": statistics.median(ok_f) if ok_f else None,
+        "median_abs_step_rel_err_cores_shared": statistics.median(ok_s) if ok_s else None,
+        "mem_within_5pct": sum(1 for e in ok_m if e <= 0.05),
+        "goal_step": 0.10, "goal_mem": 0.05,
+        "value": statistics.median(ok_t) if ok_t else None,
+    })
