@@ -59,7 +59,15 @@ void check(const BalanceProblem& p) {
 Balance balance_lp(const BalanceProblem& p) {
   check(p);
   const int n = static_cast<int>(p.time_per_unit.size());
-  glp_term_out(GLP_OFF);
+  // GLPK keeps an environment per thread (the plan search solves on worker
+  // threads); free it when this solve's problem is gone, so no thread
+  // leaves one behind. Declared first: destroyed after the problem.
+  struct Env {
+    Env() { glp_term_out(GLP_OFF); }
+    ~Env() { glp_free_env(); }
+    Env(const Env&) = delete;
+    Env& operator=(const Env&) = delete;
+  } env;
   std::unique_ptr<glp_prob, void (*)(glp_prob*)> lp(glp_create_prob(), glp_delete_prob);
   glp_set_obj_dir(lp.get(), GLP_MIN);
   // Columns 1..n: x_i; column n+1: T.
