@@ -36,6 +36,26 @@ double masked_accuracy(const Tensor& logits, const std::vector<int32_t>& labels,
   return static_cast<double>(right) / static_cast<double>(vertices.size());
 }
 
+void finish_full_graph(FullGraphResult& r, const GraphEpoch& final_pass, MetricsWriter& metrics) {
+  r.final_loss = final_pass.loss;
+  r.train_acc = final_pass.train_acc;
+  r.val_acc = final_pass.val_acc;
+  r.test_acc = final_pass.test_acc;
+  std::vector<double> times;
+  for (const auto& e : r.epochs) times.push_back(e.seconds);
+  if (!times.empty()) {
+    std::nth_element(times.begin(), times.begin() + static_cast<int64_t>(times.size() / 2),
+                     times.end());
+    r.median_epoch_seconds = times[times.size() / 2];
+  }
+  metrics.write({{"final", true},
+                 {"loss", r.final_loss},
+                 {"train_acc", r.train_acc},
+                 {"val_acc", r.val_acc},
+                 {"test_acc", r.test_acc},
+                 {"median_epoch_s", r.median_epoch_seconds}});
+}
+
 namespace {
 
 void refuse(bool bad, const char* key, const char* why) {
@@ -235,24 +255,8 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
   ex.run_forward();
   GraphEpoch fin;
   evaluate(fin);
-  r.final_loss = fin.loss;
-  r.train_acc = fin.train_acc;
-  r.val_acc = fin.val_acc;
-  r.test_acc = fin.test_acc;
   for (auto& e : store.entries()) r.final_params.emplace_back(e.name, e.value.clone());
-  std::vector<double> times;
-  for (const auto& e : r.epochs) times.push_back(e.seconds);
-  if (!times.empty()) {
-    std::nth_element(times.begin(), times.begin() + static_cast<int64_t>(times.size() / 2),
-                     times.end());
-    r.median_epoch_seconds = times[times.size() / 2];
-  }
-  metrics->write({{"final", true},
-                  {"loss", r.final_loss},
-                  {"train_acc", r.train_acc},
-                  {"val_acc", r.val_acc},
-                  {"test_acc", r.test_acc},
-                  {"median_epoch_s", r.median_epoch_seconds}});
+  finish_full_graph(r, fin, *metrics);
   return r;
 }
 

@@ -92,6 +92,12 @@ struct FullGraphResult {
 double masked_accuracy(const Tensor& logits, const std::vector<int32_t>& labels,
                        const std::vector<int32_t>& vertices);
 
+class MetricsWriter;
+// The end of a full-graph run (every path: one process, graph parallel,
+// layer pipeline): the final pass's loss and accuracies into r, the median
+// epoch time, and the final metrics line.
+void finish_full_graph(FullGraphResult& r, const GraphEpoch& final_pass, MetricsWriter& metrics);
+
 // Uses opts.epochs, seed, threads, exec, optimizer/optim, schedule (lr,
 // warm-up, cosine over `epochs` steps), clip_grad_norm, log_every (epochs
 // between metrics lines and log calls), metrics_path. Throws ConfigError for

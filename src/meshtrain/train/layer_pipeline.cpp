@@ -444,10 +444,6 @@ FullGraphResult train_layer_pipeline(const ModelSpec& spec, const GraphData& g,
   // Final evaluation: one chunk, no staleness.
   GraphEpoch fin;
   pass(one, one_runs, false, fin);
-  r.final_loss = fin.loss;
-  r.train_acc = fin.train_acc;
-  r.val_acc = fin.val_acc;
-  r.test_acc = fin.test_acc;
 
   // Every stage's parameters on every rank, stage by stage (shapes from the
   // stage's graph for a one-vertex chunk).
@@ -475,19 +471,7 @@ FullGraphResult train_layer_pipeline(const ModelSpec& spec, const GraphData& g,
       r.params += t.numel();
     }
   }
-  std::vector<double> times;
-  for (const auto& e : r.epochs) times.push_back(e.seconds);
-  if (!times.empty()) {
-    std::nth_element(times.begin(), times.begin() + static_cast<int64_t>(times.size() / 2),
-                     times.end());
-    r.median_epoch_seconds = times[times.size() / 2];
-  }
-  metrics->write({{"final", true},
-                  {"loss", r.final_loss},
-                  {"train_acc", r.train_acc},
-                  {"val_acc", r.val_acc},
-                  {"test_acc", r.test_acc},
-                  {"median_epoch_s", r.median_epoch_seconds}});
+  finish_full_graph(r, fin, *metrics);
   return r;
 }
 
