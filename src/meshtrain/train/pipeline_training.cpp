@@ -241,7 +241,10 @@ struct PipelineTraining::Impl {
     so.total_steps = std::max<int64_t>(total_steps, so.warmup_steps + 1);
     lr = std::make_unique<LrSchedule>(so);
 
-    if (o.resume_path == "auto") resolve_auto_resume();
+    if (o.resume_path == "auto") {
+      o.resume_path = resolve_auto_resume(o.checkpoint_path, world, o.dist.dp.collective,
+                                          [&](const std::string& m) { notice(m); });
+    }
     if (!o.resume_path.empty()) {
       resume(o.resume_path);
       notice(fmt::format("resumed from step {} ({})", step, o.resume_path));
@@ -346,34 +349,6 @@ struct PipelineTraining::Impl {
         notice(fmt::format("warning: {}", e.what()));
       }
     }
-  }
-
-  // train.resume = "auto": the newest valid checkpoint under
-  // train.checkpoint; every rank must find the same one.
-  void resolve_auto_resume() {
-    if (o.checkpoint_path.empty()) {
-      throw ConfigError(
-          "train.resume = \"auto\": needs train.checkpoint, where it looks for the newest "
-          "checkpoint");
-    }
-    const CheckpointSearch found = find_newest_checkpoint(o.checkpoint_path);
-    double steps[2] = {found.newest ? static_cast<double>(found.newest->step) : -1.0, 0.0};
-    steps[1] = -steps[0];
-    world.all_reduce(steps, steps, 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
-    if (steps[0] != -steps[1]) {
-      throw MismatchError(fmt::format(
-          "train.resume = \"auto\": ranks found different newest checkpoints under {} (steps "
-          "{} to {}); do all ranks see the same files?",
-          o.checkpoint_path, -steps[1], steps[0]));
-    }
-    for (const std::string& sk : found.skipped) notice(fmt::format("warning: skipping {}", sk));
-    if (!found.newest) {
-      notice(fmt::format("train.resume = \"auto\": no checkpoint under {}; starting fresh",
-                         o.checkpoint_path));
-      o.resume_path.clear();
-      return;
-    }
-    o.resume_path = found.newest->path;
   }
 
   static int64_t meta_int(const std::map<std::string, std::string>& m, const std::string& key,

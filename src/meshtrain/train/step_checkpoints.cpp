@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/comm/communicator.h"
 #include "meshtrain/train/checkpoint.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 
@@ -144,6 +145,33 @@ std::vector<std::string> prune_step_checkpoints(const std::string& root, int64_t
     removed.push_back(path.string());
   }
   return removed;
+}
+
+std::string resolve_auto_resume(const std::string& root, Communicator& world,
+                                const CollectiveOptions& collective,
+                                const std::function<void(const std::string&)>& notice) {
+  if (root.empty()) {
+    throw ConfigError(
+        "train.resume = \"auto\": needs train.checkpoint, where it looks for the newest "
+        "checkpoint");
+  }
+  const CheckpointSearch found = find_newest_checkpoint(root);
+  // One all-reduce (max) gives the largest and, negated, the smallest step.
+  double steps[2] = {found.newest ? static_cast<double>(found.newest->step) : -1.0, 0.0};
+  steps[1] = -steps[0];
+  world.all_reduce(steps, steps, 2, DType::f64, ReduceOp::max, collective);
+  if (steps[0] != -steps[1]) {
+    throw MismatchError(fmt::format(
+        "train.resume = \"auto\": ranks found different newest checkpoints under {} (steps {} "
+        "to {}); do all ranks see the same files?",
+        root, -steps[1], steps[0]));
+  }
+  for (const std::string& s : found.skipped) notice(fmt::format("warning: skipping {}", s));
+  if (!found.newest) {
+    notice(fmt::format("train.resume = \"auto\": no checkpoint under {}; starting fresh", root));
+    return {};
+  }
+  return found.newest->path;
 }
 
 }  // namespace mt

@@ -13,16 +13,21 @@
 // incomplete or damaged ones.
 //
 // Blocking file-system calls; no collectives (callers run them on one rank
-// or on every rank alike).
+// or on every rank alike), except resolve_auto_resume, which every rank
+// calls together.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace mt {
+
+class Communicator;
+struct CollectiveOptions;
 
 // "<root>/step_<steps, 8 digits or more>"
 std::string step_checkpoint_path(const std::string& root, int64_t step);
@@ -56,5 +61,15 @@ CheckpointSearch find_newest_checkpoint(const std::string& root);
 // Returns the deleted paths. FileError if a deletion fails.
 std::vector<std::string> prune_step_checkpoints(const std::string& root, int64_t keep,
                                                 const std::string& written);
+
+// train.resume = "auto", on every rank of `world` together: the newest
+// valid checkpoint under `root` (find_newest_checkpoint), which every rank
+// must find alike (MismatchError naming the steps otherwise). Returns its
+// path, or "" when there is none (the run starts fresh). ConfigError when
+// `root` (train.checkpoint) is empty. `notice` gets each skipped candidate
+// and the fresh start.
+std::string resolve_auto_resume(const std::string& root, Communicator& world,
+                                const CollectiveOptions& collective,
+                                const std::function<void(const std::string&)>& notice);
 
 }  // namespace mt

@@ -287,7 +287,10 @@ struct Trainer::Impl {
           "warning: train.checkpoint_every = {} has no effect: train.checkpoint is empty",
           o.checkpoint_every));
     }
-    if (o.resume_path == "auto") resolve_auto_resume();
+    if (o.resume_path == "auto") {
+      o.resume_path = resolve_auto_resume(o.checkpoint_path, *comm, o.dist.dp.collective,
+                                          [&](const std::string& m) { notice(m); });
+    }
     // A fresh ZeRO-3 run never holds whole parameters: DataParallel's shard
     // is drawn one parameter at a time below. Resuming and train.init read
     // whole tensors into the store first (then it is dropped).
@@ -786,36 +789,6 @@ struct Trainer::Impl {
 
   void notice(const std::string& msg) const {
     if (leader() && o.on_notice) o.on_notice(msg);
-  }
-
-  // train.resume = "auto": the newest valid checkpoint under
-  // train.checkpoint. Every rank looks; they must find the same one.
-  void resolve_auto_resume() {
-    if (o.checkpoint_path.empty()) {
-      throw ConfigError(
-          "train.resume = \"auto\": needs train.checkpoint, where it looks for the newest "
-          "checkpoint");
-    }
-    const CheckpointSearch found = find_newest_checkpoint(o.checkpoint_path);
-    double steps[2] = {found.newest ? static_cast<double>(found.newest->step) : -1.0, 0.0};
-    steps[1] = -steps[0];
-    comm->all_reduce(steps, steps, 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
-    if (steps[0] != -steps[1]) {
-      throw MismatchError(fmt::format(
-          "train.resume = \"auto\": ranks found different newest checkpoints under {} (steps "
-          "{} to {}); do all ranks see the same files?",
-          o.checkpoint_path, -steps[1], steps[0]));
-    }
-    for (const std::string& s : found.skipped) {
-      notice(fmt::format("warning: skipping {}", s));
-    }
-    if (!found.newest) {
-      notice(fmt::format("train.resume = \"auto\": no checkpoint under {}; starting fresh",
-                         o.checkpoint_path));
-      o.resume_path.clear();
-      return;
-    }
-    o.resume_path = found.newest->path;
   }
 
   TensorSignatures expected_params() const {
