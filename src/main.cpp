@@ -42,8 +42,7 @@ int main(int argc, char** argv) {
                     "write a TensorBoard event file into this directory (train.tensorboard)");
   train->add_flag("--quiet", opts.quiet, "no progress output");
   train->add_option("--plan", opts.plan_path,
-                    "parallel plan JSON (docs/plan.md) instead of the config's [parallel]; only "
-                    "data-parallel plans execute so far");
+                    "parallel plan JSON (docs/plan.md) instead of the config's [parallel]");
   train->add_option("--write-plan", opts.write_plan_path,
                     "write the expanded parallel plan as JSON to this file");
   train->add_flag("--print-config", opts.print_config,

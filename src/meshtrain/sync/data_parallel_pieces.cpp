@@ -1,6 +1,9 @@
 // DataParallel's checkpoint pieces and memory report.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <functional>
+
 #include "meshtrain/sync/data_parallel_impl.h"
 #include "meshtrain/tensor/memory_stats.h"
 
@@ -144,12 +147,17 @@ DataParallelMemory DataParallel::expected_memory(const BucketPlan& p,
   r.expected_param_bytes = opt.stage == 3 ? P / N : P;
   r.expected_grad_bytes = opt.stage >= 2 ? P / N : P;
   r.expected_optimizer_bytes = opt.stage >= 1 ? O / N : O;
-  const int64_t bucket = p.max_bucket_numel() * 4;
+  // Two buckets in flight: the two largest (one when the model fits in one).
+  std::vector<int64_t> sizes;
+  for (const BucketInfo& b : p.buckets()) sizes.push_back(b.numel());
+  std::sort(sizes.begin(), sizes.end(), std::greater<>());
+  int64_t two_buckets = 0;
+  for (size_t i = 0; i < std::min<size_t>(2, sizes.size()); ++i) two_buckets += sizes[i] * 4;
   if (N > 1 && opt.stage >= 2) {
     const bool all_staged = opt.accumulation_steps > 1 || !opt.overlap;
-    r.expected_buffer_bytes = all_staged ? p.flat_numel() * 4 : 2 * bucket;
+    r.expected_buffer_bytes = all_staged ? p.flat_numel() * 4 : two_buckets;
   }
-  if (N > 1 && opt.stage == 3) r.expected_buffer_bytes += 2 * bucket;
+  if (N > 1 && opt.stage == 3) r.expected_buffer_bytes += two_buckets;
   return r;
 }
 
