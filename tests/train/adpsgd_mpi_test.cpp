@@ -7,15 +7,22 @@
 // - the consensus distance stays bounded (relative < 0.1) and the loss falls;
 // - bytes are what the scheme predicts: an active rank sends n + 1 floats
 //   per step (request, parameters) and one per passive neighbour at the end
-//   ("done"); the passive ranks together send n floats per active step.
+//   ("done"); the passive ranks together send n floats per active step;
+// - an active rank that stops sending (alive, but leaves its loop after step
+//   3) is named by its passive neighbours within dist.timeout_s after their
+//   own last step, not waited for without end (runs last: the stopped rank's
+//   exchanges are left half done, and the closing collective fails).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "meshtrain/base/error.h"
 #include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/trainer.h"
@@ -129,6 +136,58 @@ TEST(AdPsgdMpi, SlowRankDoesNotHoldTheOthersBack) {
       EXPECT_EQ(a.bytes, (kSteps * (n + 1) + 2) * 4) << "active rank " << world().rank();
     }
     EXPECT_EQ(static_cast<uint64_t>(passive_bytes), 2 * kSteps * n * 4);
+  }
+}
+
+struct StopHere : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+TEST(AdPsgdMpi, PassiveRanksNameAStuckActiveRank) {
+  constexpr int kStopper = 0, kTimeoutS = 2;
+  auto data = std::make_shared<test::SyntheticData>(spec(), 64 * 12, 3);
+  TrainerOptions o;
+  o.batch_size = 64;
+  o.max_steps = 12;
+  o.epochs = 1;
+  o.progress = false;
+  o.eval = false;
+  o.seed = 7;
+  o.exec.backend = "reference";
+  o.optimizer = "sgd";
+  o.dist.sync.scheme = "adpsgd";
+  o.dist.sync.topology = "ring";
+  o.dist.dp.collective.timeout = std::chrono::milliseconds(kTimeoutS * 1000);
+  o.dist.after_step = [](int64_t step, int rank) {
+    if (rank == kStopper && step == 3) throw StopHere("active rank stops");
+  };
+  std::string error;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    Trainer t(spec(), data, nullptr, o, &world());
+    t.run();
+  } catch (const StopHere&) {
+    error = "stopped";
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int me = world().rank();
+  std::printf("rank %d after %.2f s: %s\n", me, seconds, error.c_str());
+  if (me == kStopper) {
+    EXPECT_EQ(error, "stopped");
+  } else if (me % 2 == 0) {
+    // The other active rank finishes its steps; the run's closing average
+    // over all ranks then times out (the passive ranks are reporting rank 0),
+    // which is an error, not a hang.
+    EXPECT_TRUE(error.empty() || error.find("timed out") != std::string::npos) << error;
+    EXPECT_LT(seconds, 60.0);
+  } else {
+    // Ring of 4: both passive ranks have rank 0 as a neighbour.
+    EXPECT_NE(error.find("active rank(s) 0 sent neither"), std::string::npos) << error;
+    EXPECT_NE(error.find("within 2 s (dist.timeout_s)"), std::string::npos) << error;
+    EXPECT_LT(seconds, 60.0);  // its 12 steps, then the 2 s timeout; never a hang
   }
 }
 

@@ -180,6 +180,9 @@ class LocalStepsSync : public ReplicaSync {
       out[0] = kDone;
       for (int q : partners_) pair_->send(out, 1, DType::f32, q, p2p(kRequestTag));
     } else {
+      // Its own steps are done; from here the server gives up on active
+      // neighbours silent for longer than the communicator's timeout.
+      finishing_since_ = std::chrono::steady_clock::now().time_since_epoch().count();
       if (server_.joinable()) server_.join();
       apply_pending();
     }
@@ -241,6 +244,8 @@ class LocalStepsSync : public ReplicaSync {
   std::mt19937_64 rng_;
   std::thread server_;
   std::atomic<bool> stop_{false};
+  // Passive: steady_clock ticks when finish() began waiting (0: not yet).
+  std::atomic<int64_t> finishing_since_{0};
   std::atomic<int64_t> served_{0};
   std::mutex mu_;       // guards published_, pending_sum_, pending_scale_
   Tensor published_;    // passive: parameters as of the last step boundary
@@ -414,11 +419,35 @@ class LocalStepsSync : public ReplicaSync {
       };
       for (int q : partners_) pair_->post_recv(in + slot(q), 1, DType::f32, q, p2p(kRequestTag));
       size_t open = partners_.size();
+      std::vector<char> said_done(partners_.size(), 0);
+      using Clock = std::chrono::steady_clock;
+      Clock::time_point last_heard = Clock::now();
       MemoryScope tag(MemoryCategory::comm);
       Tensor reply = Tensor::empty({flat_.numel()}, DType::f32);
       while (open > 0 && !stop_) {
         const auto r = pair_->wait_any(std::chrono::milliseconds(50));
-        if (!r) continue;
+        if (!r) {
+          // After this rank's last step, an active neighbour that neither
+          // asks nor says "done" within the timeout is stuck: name it
+          // rather than wait for ever (a slow one keeps asking).
+          const int64_t since = finishing_since_.load();
+          if (since == 0) continue;
+          const Clock::time_point t0 =
+              std::max(last_heard, Clock::time_point(Clock::duration(since)));
+          const std::chrono::milliseconds limit = opts().timeout.value_or(pair_->options().timeout);
+          if (Clock::now() - t0 < limit) continue;
+          std::string silent;
+          for (size_t i = 0; i < partners_.size(); ++i) {
+            if (!said_done[i])
+              silent += fmt::format("{}{}", silent.empty() ? "" : ", ", partners_[i]);
+          }
+          throw TimeoutError(fmt::format(
+              "sync.scheme = \"adpsgd\": passive rank {} finished its steps, but active rank(s) "
+              "{} sent neither a request nor \"done\" within {:.3g} s (dist.timeout_s): stuck or "
+              "stopped?",
+              group_.rank(), silent, static_cast<double>(limit.count()) / 1000.0));
+        }
+        last_heard = Clock::now();
         if (r->lost) {
           throw CommError(
               fmt::format("sync.scheme = \"adpsgd\": passive rank {} lost active "
@@ -426,6 +455,7 @@ class LocalStepsSync : public ReplicaSync {
                           group_.rank(), r->peer, r->lost_message));
         }
         if (in[slot(r->peer)] == kDone) {
+          said_done[slot(r->peer)] = 1;
           --open;
           continue;
         }
