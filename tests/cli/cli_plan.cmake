@@ -47,9 +47,18 @@ if(MPIRUN)
   endif()
   execute_process(COMMAND ${MPIRUN} --allow-run-as-root --oversubscribe --bind-to none -np 2
       ${MESHTRAIN} train ${mlp} ${quick} --set parallel.pp=2 --set parallel.microbatches=2
+      --metrics ${dir}/pp_metrics.jsonl
     RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
   if(NOT rc EQUAL 0 OR NOT out MATCHES "steps 2  final loss")
     message(FATAL_ERROR "mpirun -np 2 with pp=2: exit ${rc}:\n${out}\n${err}")
+  endif()
+  # The summary gives both stages' allocator counters and peak RSS.
+  file(READ ${dir}/pp_metrics.jsonl lines)
+  string(REGEX MATCH "{[^\n]*\"summary\":true[^\n]*}" summary "${lines}")
+  string(JSON rank1_params GET "${summary}" ranks 1 mem_peak_bytes params)
+  string(JSON rank1_rss GET "${summary}" ranks 1 peak_rss_bytes)
+  if(NOT rank1_params GREATER 0 OR NOT rank1_rss GREATER 0)
+    message(FATAL_ERROR "pp=2 summary lacks rank 1's memory: ${summary}")
   endif()
   # A checkpoint written under pp=2 resumes under data parallelism.
   execute_process(COMMAND ${MPIRUN} --allow-run-as-root --oversubscribe --bind-to none -np 2

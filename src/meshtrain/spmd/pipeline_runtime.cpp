@@ -13,6 +13,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/base/timer.h"
+#include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
 
@@ -130,7 +131,11 @@ struct PipelineRuntime::Impl {
         if (params.count(name) != 0) continue;
         const Graph& g = st(vs).forward.graph;
         const Value& v = g.value(*g.find(name));
-        params[name] = Tensor::zeros(v.shape, v.dtype);
+        {
+          MemoryScope as_params(MemoryCategory::params);
+          params[name] = Tensor::zeros(v.shape, v.dtype);
+        }
+        MemoryScope as_grads(MemoryCategory::grads);
         grads[name] = Tensor::zeros(v.shape, DType::f32);
         param_names.push_back(name);
       }
@@ -284,6 +289,7 @@ struct PipelineRuntime::Impl {
     for (; posted < std::min(end, list.size()); ++posted) {
       const PipelineAction& a = list[posted];
       const int vs = a.stage, mb = a.microbatch;
+      MemoryScope in_comm(MemoryCategory::comm);  // receive buffers, stashed until read
       if (a.kind == ActionKind::recv_activation) {
         const auto& ins = st(vs).inputs;
         for (size_t k = 0; k < ins.size(); ++k) {

@@ -1,7 +1,5 @@
 #include "meshtrain/train/pipeline_training.h"
 
-#include <sys/resource.h>
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -28,6 +26,7 @@
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/grad_clip.h"
 #include "meshtrain/train/loss_scaler.h"
+#include "meshtrain/train/memory_report.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/progress.h"
@@ -708,9 +707,10 @@ struct PipelineTraining::Impl {
     r.samples_per_s = median_of(rates.empty() ? warm : rates);
     r.samples_per_s_includes_warmup = rates.empty();
     if (tokens_per_sample > 0) r.tokens_per_s = *r.samples_per_s * tokens_per_sample;
-    rusage ru{};
-    getrusage(RUSAGE_SELF, &ru);
-    r.peak_rss_bytes = static_cast<int64_t>(ru.ru_maxrss) * 1024;
+    r.allocated = memory_counters();
+    r.peak_rss_bytes = peak_rss_bytes();
+    const nlohmann::json ranks =
+        memory_by_rank(world, r.peak_rss_bytes, r.allocated, o.dist.dp.collective);
     nlohmann::json summary = {
         {"summary", true},
         {"steps", r.steps},
@@ -718,6 +718,10 @@ struct PipelineTraining::Impl {
         {"samples_per_s", *r.samples_per_s},
         {"samples_per_s_includes_warmup", r.samples_per_s_includes_warmup},
         {"peak_rss_bytes", r.peak_rss_bytes},
+        {"mem_live_bytes", memory_by_category(r.allocated.live)},
+        {"mem_peak_bytes", memory_by_category(r.allocated.peak)},
+        {"mem_peak_total_bytes", r.allocated.peak_total},
+        {"ranks", ranks},
         {"threads", o.threads},
         {"world_size", world.size()},
         {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},

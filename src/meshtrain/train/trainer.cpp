@@ -1,7 +1,5 @@
 #include "meshtrain/train/trainer.h"
 
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -30,6 +28,7 @@
 #include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/checkpoint_match.h"
 #include "meshtrain/train/grad_clip.h"
+#include "meshtrain/train/memory_report.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/pipeline_training.h"
@@ -55,21 +54,6 @@ constexpr int64_t kWarmupSteps = 5;
 // A measured value, or JSON null where nothing was measured (never 0).
 nlohmann::json or_null(const std::optional<double>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-}
-
-int64_t peak_rss_bytes() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<int64_t>(ru.ru_maxrss) * 1024;
-}
-
-nlohmann::json by_category(const std::array<int64_t, kMemoryCategories>& bytes) {
-  nlohmann::json j = nlohmann::json::object();
-  for (int c = 0; c < kMemoryCategories; ++c) {
-    j[std::string(memory_category_name(static_cast<MemoryCategory>(c)))] =
-        bytes[static_cast<size_t>(c)];
-  }
-  return j;
 }
 
 ParamLayout layout_of(const ParamStore& store) {
@@ -1399,38 +1383,11 @@ struct Trainer::Impl {
         dp->memory(static_cast<int>(optimizer->state_kinds().size()), optimizer->state_bytes());
     r.allocated = memory_counters();
     r.peak_rss_bytes = peak_rss_bytes();
-    // Every rank's figures, for rank 0's summary: peak RSS, then live and
-    // peak allocator bytes per category.
-    constexpr int kPer = 1 + 2 * kMemoryCategories;
-    std::vector<double> per_rank(static_cast<size_t>(kPer * world), 0.0);
-    {
-      double* mine = per_rank.data() + static_cast<ptrdiff_t>(kPer) * rank;
-      mine[0] = static_cast<double>(r.peak_rss_bytes);
-      for (int c = 0; c < kMemoryCategories; ++c) {
-        mine[1 + c] = static_cast<double>(r.allocated.live[static_cast<size_t>(c)]);
-        mine[1 + kMemoryCategories + c] =
-            static_cast<double>(r.allocated.peak[static_cast<size_t>(c)]);
-      }
-    }
-    // (Not under a parameter server: a worker that stopped, which ASP goes
-    // on without, would hold every rank here; the table has this rank only.)
-    if (world > 1 && o.dist.sync.scheme != "ps") {
-      comm->all_reduce(per_rank.data(), per_rank.data(), per_rank.size(), DType::f64, ReduceOp::sum,
-                       o.dist.dp.collective);
-    }
-    nlohmann::json ranks = nlohmann::json::array();
-    for (int q = 0; q < world; ++q) {
-      const double* v = per_rank.data() + static_cast<ptrdiff_t>(kPer) * q;
-      std::array<int64_t, kMemoryCategories> live{}, peak{};
-      for (int c = 0; c < kMemoryCategories; ++c) {
-        live[static_cast<size_t>(c)] = static_cast<int64_t>(v[1 + c]);
-        peak[static_cast<size_t>(c)] = static_cast<int64_t>(v[1 + kMemoryCategories + c]);
-      }
-      ranks.push_back({{"rank", q},
-                       {"peak_rss_bytes", static_cast<int64_t>(v[0])},
-                       {"mem_live_bytes", by_category(live)},
-                       {"mem_peak_bytes", by_category(peak)}});
-    }
+    // Every rank's figures, for rank 0's summary. (Not gathered under a
+    // parameter server: a worker that stopped, which ASP goes on without,
+    // would hold every rank here; the table has this rank only.)
+    const nlohmann::json ranks = memory_by_rank(*comm, r.peak_rss_bytes, r.allocated,
+                                                o.dist.dp.collective, o.dist.sync.scheme != "ps");
     const DataParallelStats st = dp->stats();
     nlohmann::json summary = {
         {"summary", true},
@@ -1445,8 +1402,8 @@ struct Trainer::Impl {
         {"allocated_arena_bytes", exec->allocated_arena_bytes()},
         {"param_bytes", store->numel() * 4},
         {"peak_rss_bytes", r.peak_rss_bytes},
-        {"mem_live_bytes", by_category(r.allocated.live)},
-        {"mem_peak_bytes", by_category(r.allocated.peak)},
+        {"mem_live_bytes", memory_by_category(r.allocated.live)},
+        {"mem_peak_bytes", memory_by_category(r.allocated.peak)},
         {"mem_peak_total_bytes", r.allocated.peak_total},
         {"ranks", ranks},
         {"threads", o.threads},
