@@ -200,7 +200,7 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   // activations unless r = p-1 (the turn stays on the rank) and gradients
   // unless r = 0; its deep chunk the other way round: 2 m per side that has
   // a neighbour. The tied embedding's two stages are both on rank 0 there.
-  const bool v_shape = c.schedule == ScheduleKind::zbv;
+  const bool v_shape = is_v_shaped(c.schedule);
   const int r = comm.rank(), ranks = comm.size();
   const int boundaries_sent = v_shape ? 2 * m * ((r < ranks - 1 ? 1 : 0) + (r > 0 ? 1 : 0))
                                       : m * (2 * c.virtual_stages - 1);

@@ -61,6 +61,11 @@ TEST(PipelineMpi, GptZbvMatchesTheSingleProcessRun) {
                                       PipeCase{"gpt", ScheduleKind::zbv, 4, 2, {1, 1, 1, 1}});
 }
 
+TEST(PipelineMpi, GptDualPipeVMatchesTheSingleProcessRun) {
+  test::check_pipeline_matches_single(world(),
+                                      PipeCase{"gpt", ScheduleKind::dualpipev, 4, 2, {1, 1, 1, 1}});
+}
+
 TEST(PipelineMpi, GpipeStagesOverlap) {
   // p=2, m=4: the formula's (p-1)/(m+p-1) = 0.2 is a floor (a quiet run
   // measured 0.35: the stages differ by about a sixth, and messages and the

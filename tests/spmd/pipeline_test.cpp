@@ -226,6 +226,12 @@ TEST(PipelineLocal, GptZbvMatchesTheSingleProcessRun) {
   on_threads(test::PipeCase{"gpt", ScheduleKind::zbv, 4, 2, {1, 1, 1, 1}});
 }
 
+TEST(PipelineLocal, GptDualPipeVMatchesTheSingleProcessRun) {
+  // The V of zbv, DualPipeV's order: whole backwards in the steady phase,
+  // input / weight passes in the tail; m = 2p = 4.
+  on_threads(test::PipeCase{"gpt", ScheduleKind::dualpipev, 4, 2, {1, 1, 1, 1}});
+}
+
 TEST(PipelineLocal, GptOneFOneBWithExtraWarmupMatchesTheSingleProcessRun) {
   on_threads(test::PipeCase{"gpt", ScheduleKind::one_f_one_b, 4, 1, {}, false, 1});
 }

@@ -214,7 +214,7 @@ TEST(Plan, MalformedFilesNameTheKeyPath) {
             "object {\"axis\", \"ratios\", \"unit\"}, got number 3");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "schedule": "1F1B"})", g, 2),
             "plan p.json: schedule: unknown schedule \"1F1B\" (expected gpipe, 1f1b, interleaved, "
-            "zero_bubble or zbv)");
+            "zero_bubble, zbv or dualpipev)");
   EXPECT_EQ(error_of(R"({"values": {}})", g, 2),
             "plan p.json: mesh: missing (a list of {\"name\", \"size\"} axes)");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "format": "v0"})", g, 2),

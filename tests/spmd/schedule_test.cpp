@@ -11,13 +11,14 @@
 namespace mt {
 namespace {
 
-constexpr ScheduleKind kAll[] = {ScheduleKind::gpipe, ScheduleKind::one_f_one_b,
+constexpr ScheduleKind kAll[] = {ScheduleKind::gpipe,       ScheduleKind::one_f_one_b,
                                  ScheduleKind::interleaved, ScheduleKind::zero_bubble,
-                                 ScheduleKind::zbv};
+                                 ScheduleKind::zbv,         ScheduleKind::dualpipev};
 
 // An independent check of a schedule's lists (not through simulate()):
 // every (micro-batch, virtual stage) is forwarded once and backwarded once
-// (or has one input- and one weight-gradient pass), on the stage that owns
+// (or has one input- and one weight-gradient pass: always under zero_bubble
+// and zbv, never under the others but dualpipev), on the stage that owns
 // it; every send has exactly one matching recv on the peer; on each stage a
 // recv comes before the compute that needs it and a send after the compute
 // that produced it.
@@ -26,6 +27,7 @@ void check_lists(const PipelineSchedule& s) {
                            s.virtual_stages));
   const int S = s.virtual_count(), m = s.microbatches;
   const bool split = s.kind == ScheduleKind::zero_bubble || s.kind == ScheduleKind::zbv;
+  const bool mixed = s.kind == ScheduleKind::dualpipev;
   std::map<std::tuple<int, int, int>, int> count;  // (kind, mb, stage)
   std::map<std::tuple<int, int, int, int, int>, int> sends,
       recvs;  // (what, mb, from-stage, src, dst)
@@ -51,7 +53,9 @@ void check_lists(const PipelineSchedule& s) {
         }
         return false;
       };
-      const ActionKind back = split ? ActionKind::backward_input : ActionKind::backward;
+      auto found_back = [&](bool before) {
+        return find(ActionKind::backward, before) || find(ActionKind::backward_input, before);
+      };
       switch (a.kind) {
         case ActionKind::send_activation:
           EXPECT_TRUE(find(ActionKind::forward, true)) << describe(a);
@@ -63,12 +67,12 @@ void check_lists(const PipelineSchedule& s) {
           ++recvs[{0, a.microbatch, a.stage - 1, a.peer, r}];
           break;
         case ActionKind::send_grad:
-          EXPECT_TRUE(find(back, true)) << describe(a);
+          EXPECT_TRUE(found_back(true)) << describe(a);
           ++sends[{1, a.microbatch, a.stage, r, a.peer}];
           EXPECT_EQ(a.peer, s.owner(a.stage - 1));
           break;
         case ActionKind::recv_grad:
-          EXPECT_TRUE(find(back, false)) << describe(a);
+          EXPECT_TRUE(found_back(false)) << describe(a);
           ++recvs[{1, a.microbatch, a.stage + 1, a.peer, r}];
           break;
         default:
@@ -81,18 +85,25 @@ void check_lists(const PipelineSchedule& s) {
   for (int i = 0; i < m; ++i) {
     for (int st = 0; st < S; ++st) {
       EXPECT_EQ((count[{static_cast<int>(ActionKind::forward), i, st}]), 1) << i << "@" << st;
+      const int whole = count[{static_cast<int>(ActionKind::backward), i, st}];
+      const int input = count[{static_cast<int>(ActionKind::backward_input), i, st}];
+      const int weight = count[{static_cast<int>(ActionKind::backward_weight), i, st}];
+      EXPECT_EQ(whole + input, 1) << i << "@" << st;
+      EXPECT_EQ(weight, input) << i << "@" << st;
       if (split) {
-        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward_input), i, st}]), 1);
-        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward_weight), i, st}]), 1);
-        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward), i, st}]), 0);
-      } else {
-        EXPECT_EQ((count[{static_cast<int>(ActionKind::backward), i, st}]), 1) << i << "@" << st;
+        EXPECT_EQ(whole, 0) << i << "@" << st;
+      }
+      if (!split && !mixed) {
+        EXPECT_EQ(input, 0) << i << "@" << st;
       }
     }
   }
-  int total = 0;
-  for (const auto& [k, n] : count) total += n;
-  EXPECT_EQ(total, m * S * (split ? 3 : 2));
+  int total = 0, weights = 0;
+  for (const auto& [k, n] : count) {
+    total += n;
+    if (std::get<0>(k) == static_cast<int>(ActionKind::backward_weight)) weights += n;
+  }
+  EXPECT_EQ(total, m * S * 2 + weights);
 }
 
 // The simulated start times respect every dependency (checked here from
@@ -124,16 +135,18 @@ void check_times(const PipelineSchedule& s, const ScheduleSimulation& sim, const
   for (const auto& [key, t] : when) {
     const auto [k, mb, st] = key;
     const ActionKind kind = static_cast<ActionKind>(k);
-    const ActionKind back = s.kind == ScheduleKind::zero_bubble || s.kind == ScheduleKind::zbv
-                                ? ActionKind::backward_input
-                                : ActionKind::backward;
+    // The next stage's backward of this micro-batch, whole or its input part.
+    auto back_end = [&](int b_mb, int b_st) {
+      return std::max(end_of(ActionKind::backward, b_mb, b_st),
+                      end_of(ActionKind::backward_input, b_mb, b_st));
+    };
     if (kind == ActionKind::forward && st > 0) {
       EXPECT_GE(t.first, end_of(kind, mb, st - 1));
     }
     if (kind == ActionKind::backward || kind == ActionKind::backward_input) {
       EXPECT_GE(t.first, end_of(ActionKind::forward, mb, st));
       if (st < last) {
-        EXPECT_GE(t.first, end_of(back, mb, st + 1));
+        EXPECT_GE(t.first, back_end(mb, st + 1));
       }
     }
     if (kind == ActionKind::backward_weight) {
@@ -244,6 +257,31 @@ TEST(Schedule, ZbvIsAVAndBeatsOneFOneBAndInterleaved) {
               formula_idle_fraction(ScheduleKind::interleaved, 4, 8, 2));
 }
 
+// DualPipeV: the same V as zbv, every micro-batch through both chunks of
+// each rank, and a bubble below 1F1B's (its fixed order pairs forwards of
+// one chunk with backwards of the other once the V is full).
+TEST(Schedule, DualPipeVIsAVAndBeatsOneFOneB) {
+  for (int p = 2; p <= 5; ++p) {
+    for (int vs = 0; vs < 2 * p; ++vs) {
+      EXPECT_EQ(stage_owner(ScheduleKind::dualpipev, p, vs), vs < p ? vs : 2 * p - 1 - vs);
+    }
+    for (int m = 2 * p; m <= 4 * p; ++m) {
+      const PipelineSchedule s = make_schedule(ScheduleKind::dualpipev, p, m, 2);
+      check_lists(s);
+      const auto d = simulate(s);
+      check_times(s, d, {});
+      const auto f = simulate(make_schedule(ScheduleKind::one_f_one_b, p, m));
+      EXPECT_LT(d.idle_fraction, f.idle_fraction - 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_LE(d.idle_fraction, formula_idle_fraction(ScheduleKind::dualpipev, p, m, 2) + 1e-12)
+          << "p=" << p << " m=" << m;
+    }
+  }
+  std::printf("dualpipev p=4 m=8: idle %.3f (zbv %.3f, 1f1b %.3f)\n",
+              simulate(make_schedule(ScheduleKind::dualpipev, 4, 8, 2)).idle_fraction,
+              simulate(make_schedule(ScheduleKind::zbv, 4, 8, 2)).idle_fraction,
+              formula_idle_fraction(ScheduleKind::one_f_one_b, 4, 8, 1));
+}
+
 // Transfers that take time: plain 1F1B at p = 2 pays two transfers per
 // micro-batch (the stages alternate in lock-step); one extra warm-up forward
 // keeps an activation in flight and pays them about once per step, back
@@ -321,8 +359,8 @@ TEST(Schedule, RequirementsNameTheKeyAndTheNeed) {
             "parallel.virtual_stages: schedule interleaved needs at least 2 virtual stages per "
             "stage, got 1");
   EXPECT_EQ(schedule_error(ScheduleKind::gpipe, 2, 4, 2),
-            "parallel.virtual_stages: 2 virtual stages need schedule interleaved or zbv (schedule "
-            "gpipe runs one stage per rank)");
+            "parallel.virtual_stages: 2 virtual stages need schedule interleaved, zbv or dualpipev "
+            "(schedule gpipe runs one stage per rank)");
   EXPECT_EQ(schedule_error(ScheduleKind::zbv, 2, 4, 1),
             "parallel.virtual_stages: schedule zbv runs exactly 2 model chunks per stage (rank r "
             "holds virtual stages r and 2p-1-r), got 1 (set virtual_stages = 2)");
@@ -330,6 +368,11 @@ TEST(Schedule, RequirementsNameTheKeyAndTheNeed) {
             "parallel.microbatches: schedule zbv with 3 stages needs at least 3 micro-batches "
             "(one per stage to fill the pipeline), got 2");
   EXPECT_EQ(parse_schedule_kind("zbv", "x"), ScheduleKind::zbv);
+  EXPECT_EQ(schedule_error(ScheduleKind::dualpipev, 2, 3, 2),
+            "parallel.microbatches: schedule dualpipev with 2 stages needs at least 4 "
+            "micro-batches (one per model chunk: its steady phase pairs each forward with a "
+            "backward), got 3");
+  EXPECT_EQ(parse_schedule_kind("dualpipev", "x"), ScheduleKind::dualpipev);
   EXPECT_EQ(schedule_error(ScheduleKind::gpipe, 4, 1, 1), "no error");
   EXPECT_THROW(parse_schedule_kind("1F1B", "parallel.schedule"), ConfigError);
   EXPECT_EQ(parse_schedule_kind("zero_bubble", "x"), ScheduleKind::zero_bubble);

@@ -416,6 +416,7 @@ INSTANTIATE_TEST_SUITE_P(
         PpCase{"gpt_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b},
         PpCase{"gpt_zero_bubble_sgd", "gpt", "sgd", ScheduleKind::zero_bubble},
         PpCase{"mlp_zbv_adamw", "mlp", "adamw", ScheduleKind::zbv, 2},
+        PpCase{"mlp_dualpipev_adamw", "mlp", "adamw", ScheduleKind::dualpipev, 2},
         PpCase{"gpt_1f1b_recompute_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1, 2, 1, 1,
                true},
         PpCase{"gpt_dp2_pp2_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1, 4, 2},

@@ -170,14 +170,13 @@ const std::vector<KeyMeaning> kMeanings = {
     {"parallel.dp", "data-parallel degree of the plan; 0 = the ranks left: dist.nproc / (tp * pp)"},
     {"parallel.tp",
      "tensor-parallel degree (Megatron column/row splits, lowered into each rank's graph)"},
-    {"parallel.pp",
-     "pipeline stages (run by the pipeline runtime; no checkpoints under pp > 1 yet)"},
+    {"parallel.pp", "pipeline stages (run by the pipeline runtime)"},
     {"parallel.sp", "sequence parallelism in the layer-norm regions over the tp axis (gpt)"},
     {"parallel.microbatches", "micro-batches per step through the pipeline (pp > 1)"},
     {"parallel.schedule", "pipeline schedule"},
     {"parallel.virtual_stages",
-     "model chunks per pipeline stage (schedule interleaved needs >= 2, zbv exactly 2, the "
-     "others 1)"},
+     "model chunks per pipeline stage (schedule interleaved needs >= 2, zbv and dualpipev "
+     "exactly 2, the others 1)"},
     {"parallel.warmup_extra",
      "schedule 1f1b: extra warm-up forwards on every stage but the last, so a stage has the "
      "next activation in flight while it waits for a gradient (transfer latency stops adding "

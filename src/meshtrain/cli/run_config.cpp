@@ -197,10 +197,10 @@ ParallelShorthand read_parallel(const Config& c) {
   p.sp = c.get_bool("parallel.sp", false);
   p.microbatches =
       static_cast<int>(c.get_int("parallel.microbatches", 1, Bounds<int64_t>::in(1, 65536)));
-  p.schedule =
-      parse_schedule_kind(c.get_string("parallel.schedule", "1f1b",
-                                       {"gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"}),
-                          "parallel.schedule");
+  p.schedule = parse_schedule_kind(
+      c.get_string("parallel.schedule", "1f1b",
+                   {"gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"}),
+      "parallel.schedule");
   p.virtual_stages =
       static_cast<int>(c.get_int("parallel.virtual_stages", 1, Bounds<int64_t>::in(1, 1024)));
   p.warmup_extra =

@@ -630,7 +630,7 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
         sim.idle_fraction,
         formula_idle_fraction(plan.schedule, p, plan.microbatches, plan.virtual_stages),
         plan.schedule == ScheduleKind::zero_bubble ? ", 1F1B's"
-        : plan.schedule == ScheduleKind::zbv       ? ", interleaved's with 2 chunks"
+        : is_v_shaped(plan.schedule)               ? ", interleaved's with 2 chunks"
                                                    : "");
   }
   return out;

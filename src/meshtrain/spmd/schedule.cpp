@@ -22,27 +22,35 @@ std::string_view schedule_name(ScheduleKind k) {
       return "zero_bubble";
     case ScheduleKind::zbv:
       return "zbv";
+    case ScheduleKind::dualpipev:
+      return "dualpipev";
   }
   return "?";
 }
 
 int stage_owner(ScheduleKind kind, int stages, int vs) {
-  if (kind == ScheduleKind::zbv && vs >= stages) return 2 * stages - 1 - vs;
+  if (is_v_shaped(kind) && vs >= stages) return 2 * stages - 1 - vs;
   return vs % stages;
 }
 
 bool splits_backward(ScheduleKind kind) {
-  return kind == ScheduleKind::zero_bubble || kind == ScheduleKind::zbv;
+  return kind == ScheduleKind::zero_bubble || kind == ScheduleKind::zbv ||
+         kind == ScheduleKind::dualpipev;
+}
+
+bool is_v_shaped(ScheduleKind kind) {
+  return kind == ScheduleKind::zbv || kind == ScheduleKind::dualpipev;
 }
 
 ScheduleKind parse_schedule_kind(std::string_view name, std::string_view where) {
   for (ScheduleKind k : {ScheduleKind::gpipe, ScheduleKind::one_f_one_b, ScheduleKind::interleaved,
-                         ScheduleKind::zero_bubble, ScheduleKind::zbv}) {
+                         ScheduleKind::zero_bubble, ScheduleKind::zbv, ScheduleKind::dualpipev}) {
     if (schedule_name(k) == name) return k;
   }
   throw ConfigError(fmt::format(
-      "{}: unknown schedule \"{}\" (expected gpipe, 1f1b, interleaved, zero_bubble or zbv)", where,
-      name));
+      "{}: unknown schedule \"{}\" (expected gpipe, 1f1b, interleaved, zero_bubble, zbv or "
+      "dualpipev)",
+      where, name));
 }
 
 std::string_view action_name(ActionKind k) {
@@ -101,18 +109,24 @@ void check_schedule(ScheduleKind kind, int p, int m, int v, std::string_view whe
     }
     return;
   }
-  if (kind == ScheduleKind::zbv) {
+  if (is_v_shaped(kind)) {
     if (v != 2) {
       throw ConfigError(fmt::format(
-          "{}.virtual_stages: schedule zbv runs exactly 2 model chunks per stage (rank r holds "
+          "{}.virtual_stages: schedule {} runs exactly 2 model chunks per stage (rank r holds "
           "virtual stages r and 2p-1-r), got {} (set virtual_stages = 2)",
-          where, v));
+          where, name, v));
     }
   } else if (v != 1) {
     throw ConfigError(fmt::format(
-        "{}.virtual_stages: {} virtual stages need schedule interleaved or zbv (schedule {} runs "
-        "one stage per rank)",
+        "{}.virtual_stages: {} virtual stages need schedule interleaved, zbv or dualpipev "
+        "(schedule {} runs one stage per rank)",
         where, v, name));
+  }
+  if (kind == ScheduleKind::dualpipev && m < 2 * p) {
+    throw ConfigError(fmt::format(
+        "{}.microbatches: schedule dualpipev with {} stages needs at least {} micro-batches (one "
+        "per model chunk: its steady phase pairs each forward with a backward), got {}",
+        where, p, 2 * p, m));
   }
   if ((kind == ScheduleKind::one_f_one_b || splits_backward(kind)) && m < p) {
     throw ConfigError(fmt::format(
@@ -349,6 +363,85 @@ std::vector<std::vector<Compute>> zbv_order(int p, int m) {
   return o;
 }
 
+// DualPipeV (DeepSeek's DualPipe cut in half, as PyTorch's
+// ScheduleDualPipeV orders it): the V of zbv (rank r holds shallow chunk r
+// and deep chunk 2p-1-r), in eight phases per rank:
+//   1. 2(p-1-r) shallow forwards;
+//   2. r+1 times: a shallow and a deep forward;
+//   3. p-1-r times: deep input gradient, its weight gradient, deep forward;
+//   4. m-2p+r+1 times: shallow forward + deep backward, then deep forward +
+//      shallow backward (the pairs DualPipe overlaps on a GPU, where one's
+//      all-to-all hides behind the other's compute; here they run one after
+//      the other);
+//   5. p-1-r times: deep backward, then deep forward + shallow backward;
+//   6. r+1 times: deep then shallow backward, split into input and weight
+//      passes from the middle on (zero bubble for the tail);
+//   7. p-1-r times: a pending weight pass, then a shallow backward;
+//   8. the r+1 weight passes still pending.
+// Every chunk sees each micro-batch once forward and once backward
+// (whole, or input + weight).
+std::vector<std::vector<Compute>> dualpipev_order(int p, int m) {
+  std::vector<std::vector<Compute>> o(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& l = o[static_cast<size_t>(r)];
+    const int s0 = r, s1 = 2 * p - 1 - r;
+    std::map<int, int> next_f, next_b;         // per chunk: next micro-batch
+    std::vector<std::pair<int, int>> weights;  // pending (chunk, micro-batch)
+    auto forward = [&](int s) { l.push_back({ActionKind::forward, next_f[s]++, s}); };
+    auto backward = [&](int s, bool split) {
+      const int mb = next_b[s]++;
+      if (!split) {
+        l.push_back({ActionKind::backward, mb, s});
+        return;
+      }
+      l.push_back({ActionKind::backward_input, mb, s});
+      weights.push_back({s, mb});
+    };
+    auto weight = [&] {
+      if (weights.empty()) return;
+      l.push_back({ActionKind::backward_weight, weights.front().second, weights.front().first});
+      weights.erase(weights.begin());
+    };
+    for (int i = 0; i < 2 * (p - 1 - r); ++i) forward(s0);
+    for (int i = 0; i < r + 1; ++i) {
+      forward(s0);
+      forward(s1);
+    }
+    for (int i = 0; i < p - 1 - r; ++i) {
+      backward(s1, true);
+      weight();
+      forward(s1);
+    }
+    for (int i = 0; i < m - 2 * p + r + 1; ++i) {
+      forward(s0);
+      backward(s1, false);
+      forward(s1);
+      backward(s0, false);
+    }
+    for (int i = 0; i < p - 1 - r; ++i) {
+      backward(s1, false);
+      forward(s1);
+      backward(s0, false);
+    }
+    bool split = false;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) split = true;
+      backward(s1, split);
+      if (i == (r + 1) / 2 && r % 2 == 0) split = true;
+      backward(s0, split);
+    }
+    for (int i = 0; i < p - 1 - r; ++i) {
+      weight();
+      backward(s0, split);
+    }
+    for (int i = 0; i < r + 1; ++i) weight();
+    MT_CHECK(
+        weights.empty() && next_f[s0] == m && next_f[s1] == m && next_b[s0] == m && next_b[s1] == m,
+        "dualpipev: rank {} of {} does not run every micro-batch once", r, p);
+  }
+  return o;
+}
+
 }  // namespace
 
 void check_warmup_extra(ScheduleKind kind, int extra, std::string_view where) {
@@ -382,6 +475,8 @@ PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v, int extra
       return with_transfers(kind, p, m, 1, zero_bubble_order(p, m));
     case ScheduleKind::zbv:
       return with_transfers(kind, p, m, 2, zbv_order(p, m));
+    case ScheduleKind::dualpipev:
+      return with_transfers(kind, p, m, 2, dualpipev_order(p, m));
   }
   MT_CHECK(false, "unknown schedule kind");
   return {};
@@ -510,7 +605,7 @@ ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs)
 double formula_idle_fraction(ScheduleKind kind, int p, int m, int v) {
   const double pm1 = p - 1;
   if (kind == ScheduleKind::interleaved) return pm1 / (static_cast<double>(v) * m + pm1);
-  if (kind == ScheduleKind::zbv) return pm1 / (2.0 * m + pm1);
+  if (is_v_shaped(kind)) return pm1 / (2.0 * m + pm1);
   return pm1 / (m + pm1);
 }
 

@@ -12,9 +12,9 @@
 //
 // Virtual stage s (0 .. p*v-1) runs on physical stage s % p: with v = 2 and
 // p = 4, physical stage 0 holds virtual stages 0 and 4 (Megatron's model
-// chunks). With v = 1 virtual and physical stages coincide. zbv instead
-// folds the stages into a V: s < p on rank s, s >= p on rank 2p-1-s
-// (stage_owner() says which, for every kind).
+// chunks). With v = 1 virtual and physical stages coincide. zbv and
+// dualpipev instead fold the stages into a V: s < p on rank s, s >= p on
+// rank 2p-1-s (stage_owner() says which, for every kind).
 //
 // Bubbles with unit-cost actions (forward 1, backward 2 = input 1 + weight 1),
 // as the simulator measures them and tests/spmd/schedule_test.cpp checks:
@@ -30,6 +30,13 @@
 //                  p-1. Built greedily like zero_bubble below; measured by
 //                  simulate() (tests/spmd/schedule_test.cpp): below 1F1B's
 //                  and interleaved's (p-1)/(2m+p-1), e.g. p=4, m=8: 0.040.
+//   dualpipev:     DeepSeek's DualPipe cut in half (PyTorch's
+//                  ScheduleDualPipeV): zbv's V, a fixed eight-phase order
+//                  whose steady phase pairs a forward of one chunk with a
+//                  backward of the other, and zero-bubble input / weight
+//                  passes in its tail (schedule.cpp, dualpipev_order).
+//                  Needs m >= 2p. Measured by simulate(), not a formula:
+//                  e.g. p=4, m=8 (tests/spmd/schedule_test.cpp).
 //   zero_bubble:   below 1F1B's: weight-gradient passes, which nothing
 //                  waits for, fill the slots 1F1B leaves idle (ZB-H1's
 //                  warm-up, as 1F1B's; the deferred weight passes keep at
@@ -44,9 +51,9 @@
 
 namespace mt {
 
-enum class ScheduleKind { gpipe, one_f_one_b, interleaved, zero_bubble, zbv };
+enum class ScheduleKind { gpipe, one_f_one_b, interleaved, zero_bubble, zbv, dualpipev };
 
-// "gpipe", "1f1b", "interleaved", "zero_bubble", "zbv".
+// "gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev".
 std::string_view schedule_name(ScheduleKind k);
 // Throws ConfigError naming `where` and listing the kinds.
 ScheduleKind parse_schedule_kind(std::string_view name, std::string_view where);
@@ -67,8 +74,11 @@ std::string_view action_name(ActionKind k);
 // `vs` under `kind` with p physical stages.
 int stage_owner(ScheduleKind kind, int stages, int vs);
 // Whether the schedule splits the backward into input- and weight-gradient
-// passes (zero_bubble, zbv).
+// passes (zero_bubble, zbv; dualpipev for its tail).
 bool splits_backward(ScheduleKind kind);
+// Whether the stages fold into a V: rank r holds virtual stages r and
+// 2p-1-r (zbv, dualpipev).
+bool is_v_shaped(ScheduleKind kind);
 
 struct PipelineAction {
   ActionKind kind = ActionKind::forward;
@@ -95,9 +105,9 @@ struct PipelineSchedule {
 
 // Throws ConfigError when (kind, p, m, v) cannot be scheduled, naming the
 // keys (`where` prefixes them, e.g. "parallel" or "plan x.json") and what is
-// expected: v must be 1 except for interleaved (which needs v >= 2) and zbv
-// (exactly 2); 1f1b, zero_bubble and zbv need m >= p, interleaved m a
-// multiple of p.
+// expected: v must be 1 except for interleaved (which needs v >= 2), zbv and
+// dualpipev (exactly 2); 1f1b, zero_bubble and zbv need m >= p, dualpipev
+// m >= 2p, interleaved m a multiple of p.
 void check_schedule(ScheduleKind kind, int stages, int microbatches, int virtual_stages,
                     std::string_view where);
 
@@ -145,8 +155,8 @@ struct ScheduleSimulation {
 ScheduleSimulation simulate(const PipelineSchedule& s, const ActionCosts& costs = {});
 
 // The closed-form bubble of gpipe / 1f1b / interleaved (above); for
-// zero_bubble, 1F1B's (an upper bound); for zbv, interleaved's with 2
-// chunks, (p-1)/(2m+p-1) (an upper bound).
+// zero_bubble, 1F1B's (an upper bound); for zbv and dualpipev,
+// interleaved's with 2 chunks, (p-1)/(2m+p-1) (an upper bound).
 double formula_idle_fraction(ScheduleKind kind, int stages, int microbatches, int virtual_stages);
 
 }  // namespace mt
