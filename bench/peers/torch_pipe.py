@@ -17,7 +17,7 @@ sums their gradients between the first and last stage). Schedules: gpipe
 2 chunks per rank), zero_bubble (ScheduleInterleavedZeroBubble, 2 chunks per
 rank: PyTorch has no one-chunk zero-bubble schedule), zbv (ScheduleZBVZeroBubble:
 2 chunks per rank in a V, rank r holding chunks r and 2*world-1-r, the loss on
-rank 0).
+rank 0), dualpipev (ScheduleDualPipeV: the same V, DualPipeV's order).
 """
 
 import argparse
@@ -38,7 +38,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"],
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv",
+                                                 "dualpipev"],
                    default="1f1b")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
@@ -62,14 +63,15 @@ def main(argv):
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B,
                                               ScheduleInterleavedZeroBubble,
-                                              ScheduleZBVZeroBubble)
+                                              ScheduleDualPipeV, ScheduleZBVZeroBubble)
 
     threads = torch_train.set_threads(a.threads)
     torch.manual_seed(0)
     ta = argparse.Namespace(model="gpt", layers=a.layers, d_model=a.d_model, heads=a.heads,
                             seq=a.seq, hidden=[], conv_channels=[], fc=0, tp=1)
     gpt = torch_train.build_model(ta)
-    v = 2 if a.schedule in ("interleaved", "zero_bubble", "zbv") else 1
+    v = 2 if a.schedule in ("interleaved", "zero_bubble", "zbv", "dualpipev") else 1
+    v_shaped = a.schedule in ("zbv", "dualpipev")
     chunks = a.world * v
     if a.layers % chunks != 0:
         raise SystemExit(f"torch_pipe: {a.layers} layers do not split into {chunks} chunks")
@@ -96,7 +98,7 @@ def main(argv):
             return self.head(self.ln_f(x)) if self.last else x
 
     dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
-    mine = ([a.rank, 2 * a.world - 1 - a.rank] if a.schedule == "zbv" else
+    mine = ([a.rank, 2 * a.world - 1 - a.rank] if v_shaped else
             [a.rank + k * a.world for k in range(v)])
     mb = a.batch // a.microbatches
     stages, params = [], []
@@ -111,7 +113,8 @@ def main(argv):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-           "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[a.schedule]
+           "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+           "dualpipev": ScheduleDualPipeV}[a.schedule]
     schedule = cls(stages[0] if v == 1 else stages, a.microbatches, loss_fn=loss_fn)
     opt = torch.optim.AdamW(params, lr=a.lr)
     gen = torch.Generator().manual_seed(1000)
@@ -119,7 +122,7 @@ def main(argv):
     for _ in range(4):
         tok = torch.randint(0, torch_train.VOCAB, (a.batch, a.seq + 1), generator=gen)
         batches.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
-    last_rank = 0 if a.schedule == "zbv" else (chunks - 1) % a.world
+    last_rank = 0 if v_shaped else (chunks - 1) % a.world
     times = []
     for i in range(a.warmup + a.steps):
         x, y = batches[i % len(batches)]

@@ -176,9 +176,9 @@ def run(ctx):
     import tomllib
     m = tomllib.loads(cfg_gpt.read_text()).get("model", {})
     idle = {}
-    for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"):
         sets = ["parallel.pp=2", "parallel.microbatches=4", f'parallel.schedule="{schedule}"']
-        if schedule in ("interleaved", "zbv"):
+        if schedule in ("interleaved", "zbv", "dualpipev"):
             sets.append("parallel.virtual_stages=2")
         run_ = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=sets,
                                name=f"meshtrain-gpt-pp2-{schedule}")
