@@ -55,11 +55,11 @@ struct Outcome {
   ReplicaSync::Consensus consensus;
 };
 
-Outcome train(const std::string& scheme, std::vector<double> slowdown) {
-  auto data = std::make_shared<test::SyntheticData>(spec(), 256 * kSteps, 3);
+// `steps` of plain SGD on a global batch of `batch`, replicas on a ring.
+TrainerOptions options(const std::string& scheme, int64_t batch, int64_t steps) {
   TrainerOptions o;
-  o.batch_size = 256;  // 64 per rank: compute well above the exchange
-  o.max_steps = kSteps;
+  o.batch_size = batch;
+  o.max_steps = steps;
   o.epochs = 1;
   o.progress = false;
   o.eval = false;
@@ -71,6 +71,13 @@ Outcome train(const std::string& scheme, std::vector<double> slowdown) {
   o.schedule.lr = 0.1;
   o.dist.sync.scheme = scheme;
   o.dist.sync.topology = "ring";
+  return o;
+}
+
+Outcome train(const std::string& scheme, std::vector<double> slowdown) {
+  auto data = std::make_shared<test::SyntheticData>(spec(), 256 * kSteps, 3);
+  // 64 per rank: compute well above the exchange.
+  TrainerOptions o = options(scheme, 256, kSteps);
   o.dist.slowdown = std::move(slowdown);
   Trainer t(spec(), data, nullptr, o, &world());
   const TrainResult r = t.run();
@@ -146,17 +153,7 @@ struct StopHere : std::runtime_error {
 TEST(AdPsgdMpi, PassiveRanksNameAStuckActiveRank) {
   constexpr int kStopper = 0, kTimeoutS = 2;
   auto data = std::make_shared<test::SyntheticData>(spec(), 64 * 12, 3);
-  TrainerOptions o;
-  o.batch_size = 64;
-  o.max_steps = 12;
-  o.epochs = 1;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 7;
-  o.exec.backend = "reference";
-  o.optimizer = "sgd";
-  o.dist.sync.scheme = "adpsgd";
-  o.dist.sync.topology = "ring";
+  TrainerOptions o = options("adpsgd", 64, 12);
   o.dist.dp.collective.timeout = std::chrono::milliseconds(kTimeoutS * 1000);
   o.dist.after_step = [](int64_t step, int rank) {
     if (rank == kStopper && step == 3) throw StopHere("active rank stops");
