@@ -199,6 +199,17 @@ const std::vector<KeyMeaning> kMeanings = {
      "local_sgd: average after every step for the first this-many steps (post-local SGD)"},
     {"sync.outer_lr", "diloco: the outer Nesterov step's learning rate"},
     {"sync.outer_momentum", "diloco: the outer Nesterov momentum"},
+    {"sync.fragments",
+     "diloco: Streaming DiLoCo's fragments, consecutive element-balanced pieces of the "
+     "parameters, each synchronized every sync.period steps at its own evenly spread phase"},
+    {"sync.overlap_steps",
+     "diloco: inner steps a fragment's exchange overlaps before it lands (tau, < sync.period; "
+     "0 = blocking)"},
+    {"sync.merge_alpha",
+     "diloco with overlap: a landing fragment becomes alpha x local + (1 - alpha) x global"},
+    {"sync.outer_bits",
+     "diloco: bits per pseudo-gradient value on the outer exchange: 32 (f32 all-reduce) or 4 "
+     "(per-chunk-scaled stochastic 4-bit codes, all-gathered, summed in f32)"},
     {"sync.topology",
      "gossip: the graph replicas average over (uniform weights 1 / (degree + 1)); adpsgd: an "
      "active (even) rank picks its partner among its odd neighbours on it"},
