@@ -299,8 +299,17 @@ double summed_over_ranks(uint64_t bytes) {
 // This rank's bytes for one fragment exchange of `numel` elements, by the
 // communicator's cost model (the scheme's communicator is a split of the
 // world with the same ranks and collective options).
-uint64_t predicted_exchange(int64_t numel, int64_t bits) {
+uint64_t predicted_exchange(int64_t numel, int64_t bits, bool reduce_scatter = false) {
   PlannedCollective c;
+  if (reduce_scatter) {
+    // all_to_all of one slot per rank (a piece of ceil(numel / ranks)
+    // values), then all_gather of one slot
+    const auto piece = static_cast<size_t>((numel + world().size() - 1) / world().size());
+    const std::vector<PlannedCollective> plan = {
+        {Collective::all_to_all, Int4Quantizer::payload_bytes(piece), DType::u8},
+        {Collective::all_gather, Int4Quantizer::payload_bytes(piece), DType::u8}};
+    return predict_traffic(world(), plan).bytes_sent;
+  }
   if (bits == 32) {
     c.kind = Collective::all_reduce;
     c.count = static_cast<size_t>(numel);
@@ -437,6 +446,33 @@ TEST(StreamingDilocoMpi, FourBitExchangeSendsItsPayloadsAndKeepsFragmentsEqual) 
   EXPECT_GT(dense.bytes, 3 * ten.bytes);
 }
 
+// 4 bits by reduce-scatter: pieces to their owners (all_to_all), summed and
+// re-quantized there, all-gathered.
+TEST(StreamingDilocoMpi, FourBitReduceScatterSendsFewerBytesAndKeepsFragmentsEqual) {
+  SyncOptions q = diloco(4, 2, 0, 4);
+  q.outer_exchange = "reduce_scatter";
+  const Outcome ten = train(q, 10);
+  const std::vector<DilocoFragment> f = diloco_fragments(flat_numel(ten), 2, 4);
+  EXPECT_TRUE(equal_on_all_ranks(ten, f[1].offset, f[1].numel));
+  EXPECT_FALSE(equal_on_all_ranks(ten, f[0].offset, f[0].numel));
+  EXPECT_EQ(ten.bytes, 3 * predicted_exchange(f[1].numel, 4, true) +
+                           2 * predicted_exchange(f[0].numel, 4, true));
+  const Outcome gathered = train(diloco(4, 2, 0, 4), 10);
+  if (world().rank() == 0) {
+    std::printf("diloco 2 fragments, 10 steps, 4-bit: all-gather %llu bytes, reduce-scatter %llu\n",
+                static_cast<unsigned long long>(gathered.bytes),
+                static_cast<unsigned long long>(ten.bytes));
+  }
+  EXPECT_GT(gathered.bytes, ten.bytes * 3 / 2);  // 2x at 4 ranks, less the padding
+  // Overlapped: the all_to_all flies over one step, the all_gather over the next.
+  q.overlap_steps = 2;
+  const Outcome o = train(q, 16);
+  const uint64_t want =
+      4 * predicted_exchange(f[0].numel, 4, true) + 4 * predicted_exchange(f[1].numel, 4, true);
+  EXPECT_EQ(o.bytes, want);
+  EXPECT_LT(o.losses[13] + o.losses[14] + o.losses[15], o.losses[0] + o.losses[1] + o.losses[2]);
+}
+
 TEST(StreamingDilocoMpi, OverlappedExchangesLearnAndSendThePredictedBytes) {
   constexpr int64_t kRun = 16;  // one epoch of the synthetic data
   for (int64_t bits : {int64_t{32}, int64_t{4}}) {
@@ -561,6 +597,15 @@ TEST(SyncSchemesMpi, BadSettingsAreRefusedNamingTheKey) {
   s = diloco(4, 2, 1);
   s.merge_alpha = 1.5;
   EXPECT_NE(error_of(s).find("sync.merge_alpha"), std::string::npos) << error_of(s);
+  s = diloco(4, 2);
+  s.outer_exchange = "reduce_scatter";
+  EXPECT_NE(error_of(s).find("sync.outer_exchange = \"reduce_scatter\": chooses how 4-bit "
+                             "payloads travel, so it needs sync.outer_bits = 4 (got 32"),
+            std::string::npos)
+      << error_of(s);
+  s.outer_bits = 4;
+  s.outer_exchange = "ring";
+  EXPECT_NE(error_of(s).find("sync.outer_exchange: expected"), std::string::npos) << error_of(s);
   s = scheme("local_sgd");
   s.fragments = 2;
   EXPECT_NE(error_of(s).find("sync.fragments: Streaming DiLoCo's options apply to sync.scheme = "

@@ -294,6 +294,8 @@ RunConfig read_run_config(const Config& c) {
       c.get_int("sync.overlap_steps", so.overlap_steps, Bounds<int64_t>::non_negative());
   so.merge_alpha = c.get_double("sync.merge_alpha", so.merge_alpha, Bounds<double>::in(0.0, 1.0));
   so.outer_bits = c.get_int("sync.outer_bits", so.outer_bits, Bounds<int64_t>::in(4, 32));
+  so.outer_exchange =
+      c.get_string("sync.outer_exchange", so.outer_exchange, {"all_gather", "reduce_scatter"});
   so.topology =
       c.get_string("sync.topology", so.topology, {"ring", "torus", "exponential", "complete"});
   so.consensus_every =

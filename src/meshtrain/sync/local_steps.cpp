@@ -158,7 +158,8 @@ class LocalStepsSync : public ReplicaSync {
     const int64_t extra =
         4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() + stage_.numel() +
              published_.numel() + pending_sum_.numel() + outer_stage_.numel()) +
-        static_cast<int64_t>(payload_.size() + gathered_.size());
+        static_cast<int64_t>(payload_.size() + gathered_.size() + slots_out_.size() +
+                             slots_in_.size());
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;
@@ -198,10 +199,11 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<std::string> notices() const override {
     if (o_.scheme == "diloco" && group_.size() > 1) {
       return {fmt::format(
-          "sync.scheme = \"diloco\": rank {} ran {} fragment exchanges ({} fragment{}, {}-bit, "
+          "sync.scheme = \"diloco\": rank {} ran {} fragment exchanges ({} fragment{}, {}-bit{}, "
           "overlapping {} inner step{}) and waited {:.3g} s for them",
           group_.rank(), outer_syncs_, frags_.size(), frags_.size() == 1 ? "" : "s", o_.outer_bits,
-          o_.overlap_steps, o_.overlap_steps == 1 ? "" : "s", outer_wait_s_)};
+          reduce_scatter() ? " by reduce-scatter + all-gather" : "", o_.overlap_steps,
+          o_.overlap_steps == 1 ? "" : "s", outer_wait_s_)};
     }
     if (o_.scheme == "partial" && group_.size() > 1) {
       return {
@@ -238,19 +240,27 @@ class LocalStepsSync : public ReplicaSync {
   // pseudo-gradient at its offset); 4-bit: payload_ (each fragment's own
   // payload at payload_at) and gathered_ (every rank's payloads, fragment f
   // at ranks x payload_at).
+  // reduce_scatter exchange: a fragment's elements in ranks pieces of
+  // `piece` elements (the last ones shorter or empty), each sent as one slot
+  // of slot_bytes (the payload of a whole piece; shorter ones padded).
   struct Fragment {
     int64_t offset = 0, numel = 0, phase = 0;
     size_t payload_at = 0, payload_bytes = 0;
+    int64_t piece = 0;
+    size_t slot_at = 0, slot_bytes = 0;
   };
   std::vector<Fragment> frags_;
   struct Flight {
     size_t fragment = 0;
-    int64_t due = 0;  // the step after whose update it lands
+    int64_t due = 0;      // the step after whose update it lands
+    int64_t started = 0;  // the step it was sent after
+    int stage = 1;        // reduce_scatter: 1 the all_to_all, 2 the all_gather
     CommHandle handle;
   };
   std::vector<Flight> flights_;
   Tensor outer_stage_;
   std::vector<std::byte> payload_, gathered_;
+  std::vector<std::byte> slots_out_, slots_in_;  // reduce_scatter: ranks slots per fragment
   int64_t outer_syncs_ = 0;
   double outer_wait_s_ = 0;
   std::vector<int> neighbours_;
@@ -516,14 +526,25 @@ class LocalStepsSync : public ReplicaSync {
       f.offset = d.offset;
       f.numel = d.numel;
       f.phase = d.phase;
-      if (o_.outer_bits == 4) {
+      if (o_.outer_bits == 4 && !reduce_scatter()) {
         f.payload_at = payload_.size();
         f.payload_bytes = Int4Quantizer::payload_bytes(static_cast<size_t>(d.numel));
         payload_.resize(payload_.size() + f.payload_bytes);
       }
+      if (reduce_scatter()) {
+        const int64_t n = group_.size();
+        f.piece = (d.numel + n - 1) / n;
+        f.slot_bytes = Int4Quantizer::payload_bytes(static_cast<size_t>(f.piece));
+        f.slot_at = slots_out_.size();
+        slots_out_.resize(slots_out_.size() + static_cast<size_t>(n) * f.slot_bytes);
+        f.payload_at = payload_.size();  // this rank's re-quantized piece
+        f.payload_bytes = f.slot_bytes;
+        payload_.resize(payload_.size() + f.slot_bytes);
+      }
       frags_.push_back(f);
     }
     if (group_.size() == 1) return;
+    slots_in_.resize(slots_out_.size());
     MemoryScope tag(MemoryCategory::comm);
     // Without overlap the pseudo-gradient is computed, exchanged and
     // decoded in the parameters' own memory (they become start anyway).
@@ -536,6 +557,11 @@ class LocalStepsSync : public ReplicaSync {
   // pseudo-gradient share * (start - theta). Without overlap it lands at
   // once (plain DiLoCo when there is one fragment).
   void streaming_step() {
+    // reduce_scatter: pieces sent after an earlier step are reduced now and
+    // their all_gather starts.
+    for (Flight& fl : flights_) {
+      if (fl.stage == 1 && fl.started < steps_) second_stage(fl);
+    }
     for (auto it = flights_.begin(); it != flights_.end();) {
       if (it->due == steps_) {
         land(*it);
@@ -566,8 +592,28 @@ class LocalStepsSync : public ReplicaSync {
     Flight fl;
     fl.fragment = f;
     fl.due = steps_ + o_.overlap_steps;
+    fl.started = steps_;
     ++outer_syncs_;
     const bool wait = o_.overlap_steps == 0;
+    if (reduce_scatter()) {
+      // Piece r of this rank's pseudo-gradient, quantized, goes to rank r.
+      const int ranks = group_.size();
+      std::byte* out = slots_out_.data() + fr.slot_at;
+      for (int r = 0; r < ranks; ++r) {
+        const auto [lo, len] = piece_of(fr, r);
+        const uint64_t draw = static_cast<uint64_t>(steps_) * 4096 + static_cast<uint64_t>(r);
+        encode_slot({d + lo, len}, codec_seed(0xd11c0 + f, group_.rank(), draw),
+                    {out + static_cast<size_t>(r) * fr.slot_bytes, fr.slot_bytes});
+      }
+      std::byte* in = slots_in_.data() + fr.slot_at;
+      if (wait) {
+        group_.all_to_all(out, in, fr.slot_bytes, DType::u8, opts());
+        second_stage(fl);
+      } else {
+        fl.handle = group_.all_to_all_async(out, in, fr.slot_bytes, DType::u8, opts());
+      }
+      return fl;
+    }
     if (o_.outer_bits == 32) {
       if (wait) {
         group_.all_reduce(d, d, n, DType::f32, ReduceOp::sum, opts());
@@ -588,6 +634,58 @@ class LocalStepsSync : public ReplicaSync {
     return fl;
   }
 
+  bool reduce_scatter() const {
+    return o_.outer_bits == 4 && o_.outer_exchange == "reduce_scatter";
+  }
+
+  // Piece r of a fragment (reduce_scatter): [lo, lo + len) of its elements.
+  static std::pair<size_t, size_t> piece_of(const Fragment& fr, int r) {
+    const int64_t lo = std::min(fr.numel, r * fr.piece);
+    const int64_t hi = std::min(fr.numel, lo + fr.piece);
+    return {static_cast<size_t>(lo), static_cast<size_t>(hi - lo)};
+  }
+
+  // A piece's payload in a slot sized for a whole piece (the rest zeros).
+  static void encode_slot(std::span<const float> x, uint64_t seed, std::span<std::byte> slot) {
+    const size_t used = Int4Quantizer::payload_bytes(x.size());
+    Int4Quantizer::encode(x, seed, slot.first(used));
+    std::fill(slot.begin() + static_cast<std::ptrdiff_t>(used), slot.end(), std::byte{0});
+  }
+  static void decode_slot(std::span<const std::byte> slot, std::span<float> out) {
+    Int4Quantizer::decode_add(slot.first(Int4Quantizer::payload_bytes(out.size())), out);
+  }
+
+  // reduce_scatter, after the all_to_all: this rank's piece summed in f32
+  // (the ranks' pieces decoded in rank order), re-quantized and
+  // all-gathered.
+  void second_stage(Flight& fl) {
+    const Fragment& fr = frags_[fl.fragment];
+    if (fl.handle.valid()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fl.handle.wait();
+      outer_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      fl.handle = CommHandle();
+    }
+    const int ranks = group_.size(), me = group_.rank();
+    float* d = pseudo_gradient(fr);
+    const auto [lo, len] = piece_of(fr, me);
+    std::fill(d + lo, d + lo + len, 0.0F);
+    const std::byte* in = slots_in_.data() + fr.slot_at;
+    for (int r = 0; r < ranks; ++r) {
+      decode_slot({in + static_cast<size_t>(r) * fr.slot_bytes, fr.slot_bytes}, {d + lo, len});
+    }
+    std::byte* mine = payload_.data() + fr.payload_at;
+    encode_slot({d + lo, len}, codec_seed(0x5ca77e4 + fl.fragment, me, fl.started),
+                {mine, fr.slot_bytes});
+    std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(ranks);
+    fl.stage = 2;
+    if (o_.overlap_steps == 0) {
+      group_.all_gather(mine, all, fr.slot_bytes, DType::u8, opts());
+    } else {
+      fl.handle = group_.all_gather_async(mine, all, fr.slot_bytes, DType::u8, opts());
+    }
+  }
+
   // Where a fragment's pseudo-gradient lives while it is exchanged.
   float* pseudo_gradient(const Fragment& fr) {
     return (o_.overlap_steps > 0 ? outer_stage_ : flat_).data<float>() + fr.offset;
@@ -598,6 +696,7 @@ class LocalStepsSync : public ReplicaSync {
   // becomes start (no overlap) or alpha theta + (1 - alpha) start.
   void land(Flight& fl) {
     const Fragment& fr = frags_[fl.fragment];
+    if (reduce_scatter() && fl.stage == 1) second_stage(fl);
     if (fl.handle.valid()) {
       const auto t0 = std::chrono::steady_clock::now();
       fl.handle.wait();
@@ -606,7 +705,15 @@ class LocalStepsSync : public ReplicaSync {
     }
     const auto n = static_cast<size_t>(fr.numel);
     float* d = pseudo_gradient(fr);
-    if (o_.outer_bits == 4) {
+    if (reduce_scatter()) {
+      // Every rank decodes the same re-quantized pieces: the same sum.
+      std::fill(d, d + n, 0.0F);
+      const std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(group_.size());
+      for (int r = 0; r < group_.size(); ++r) {
+        const auto [lo, len] = piece_of(fr, r);
+        decode_slot({all + static_cast<size_t>(r) * fr.slot_bytes, fr.slot_bytes}, {d + lo, len});
+      }
+    } else if (o_.outer_bits == 4) {
       // Every rank decodes the same payloads in rank order: the same sum.
       std::fill(d, d + n, 0.0F);
       const std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(group_.size());

@@ -144,6 +144,17 @@ void validate_sync_options(const SyncOptions& o) {
         "got {}",
         o.outer_bits));
   }
+  if (o.outer_exchange != "all_gather" && o.outer_exchange != "reduce_scatter") {
+    throw ConfigError(
+        fmt::format("sync.outer_exchange: expected \"all_gather\" or \"reduce_scatter\", got '{}'",
+                    o.outer_exchange));
+  }
+  if (o.outer_exchange != "all_gather" && o.outer_bits != 4) {
+    throw ConfigError(
+        fmt::format("sync.outer_exchange = \"{}\": chooses how 4-bit payloads travel, so it needs "
+                    "sync.outer_bits = 4 (got {}; 32-bit exchanges are one f32 all-reduce)",
+                    o.outer_exchange, o.outer_bits));
+  }
   if (o.scheme != "diloco") {
     const char* key = o.fragments != 1       ? "sync.fragments"
                       : o.overlap_steps != 0 ? "sync.overlap_steps"

@@ -75,6 +75,12 @@ struct SyncOptions {
   int64_t overlap_steps = 0;
   double merge_alpha = 0.5;
   int64_t outer_bits = 32;
+  // outer_bits = 4: "all_gather" (each rank's payload to every rank, summed
+  // in f32 on each: one rounding) or "reduce_scatter" (piece r of every
+  // rank's payload to rank r by all_to_all, summed there in f32,
+  // re-quantized and all-gathered: 2 (N - 1) / N instead of N - 1 payloads
+  // per rank, a second rounding).
+  std::string outer_exchange = "all_gather";
   // gossip, adpsgd: ring | torus | exponential | complete (mixing weights in
   // gossip_neighbours(); adpsgd pairs only neighbours of opposite parity).
   std::string topology = "ring";
