@@ -114,6 +114,7 @@ class LocalStepsSync : public ReplicaSync {
   }
   void average_into(Tensor& flat_out) override {
     settle();
+    quiesce();
     const uint64_t before = sync_bytes_sent(group_);
     weighted_sum(flat_, flat_out);
     side_bytes_ += sync_bytes_sent(group_) - before;
@@ -122,6 +123,7 @@ class LocalStepsSync : public ReplicaSync {
   Consensus consensus() override {
     if (group_.size() == 1) return {};
     settle();
+    quiesce();
     const uint64_t before = sync_bytes_sent(group_);
     MemoryScope tag(MemoryCategory::comm);
     Tensor mean = Tensor::empty({flat_.numel()}, DType::f32);
@@ -683,6 +685,15 @@ class LocalStepsSync : public ReplicaSync {
       group_.all_gather(mine, all, fr.slot_bytes, DType::u8, opts());
     } else {
       fl.handle = group_.all_gather_async(mine, all, fr.slot_bytes, DType::u8, opts());
+    }
+  }
+
+  // diloco: lets the exchanges in flight finish (they still land when due).
+  // A measurement's blocking collective would queue behind them, and their
+  // bytes would be counted as the measurement's.
+  void quiesce() {
+    for (Flight& fl : flights_) {
+      if (fl.handle.valid()) fl.handle.wait();
     }
   }
 
