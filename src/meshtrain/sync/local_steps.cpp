@@ -609,16 +609,20 @@ class LocalStepsSync : public ReplicaSync {
       }
       std::byte* in = slots_in_.data() + fr.slot_at;
       if (wait) {
+        const auto t0 = std::chrono::steady_clock::now();
         group_.all_to_all(out, in, fr.slot_bytes, DType::u8, opts());
+        outer_wait_s_ += seconds_since(t0);
         second_stage(fl);
       } else {
         fl.handle = group_.all_to_all_async(out, in, fr.slot_bytes, DType::u8, opts());
       }
       return fl;
     }
+    const auto t0 = std::chrono::steady_clock::now();
     if (o_.outer_bits == 32) {
       if (wait) {
         group_.all_reduce(d, d, n, DType::f32, ReduceOp::sum, opts());
+        outer_wait_s_ += seconds_since(t0);
       } else {
         fl.handle = group_.all_reduce_async(d, d, n, DType::f32, ReduceOp::sum, opts());
       }
@@ -629,7 +633,9 @@ class LocalStepsSync : public ReplicaSync {
     Int4Quantizer::encode({d, n}, codec_seed(0xd11c0 + f, group_.rank(), steps_),
                           {mine, fr.payload_bytes});
     if (wait) {
+      const auto t1 = std::chrono::steady_clock::now();
       group_.all_gather(mine, all, fr.payload_bytes, DType::u8, opts());
+      outer_wait_s_ += seconds_since(t1);
     } else {
       fl.handle = group_.all_gather_async(mine, all, fr.payload_bytes, DType::u8, opts());
     }
@@ -682,10 +688,16 @@ class LocalStepsSync : public ReplicaSync {
     std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(ranks);
     fl.stage = 2;
     if (o_.overlap_steps == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
       group_.all_gather(mine, all, fr.slot_bytes, DType::u8, opts());
+      outer_wait_s_ += seconds_since(t0);
     } else {
       fl.handle = group_.all_gather_async(mine, all, fr.slot_bytes, DType::u8, opts());
     }
+  }
+
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   // diloco: lets the exchanges in flight finish (they still land when due).
