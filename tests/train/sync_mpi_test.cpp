@@ -425,6 +425,16 @@ TEST(StreamingDiloco, FourBitQuantizerIsBoundedAndUnbiased) {
   }
   EXPECT_EQ(outside, 0);
   EXPECT_GT(moved, kN);  // the rounding is random (a fixed rounding would be biased)
+  // A diverged replica is named, not sent.
+  x[5] = std::nanf("");
+  try {
+    Int4Quantizer::encode(x, 1, payload);
+    ADD_FAILURE() << "NaN encoded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("training diverged: sync.outer_bits = 4"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(StreamingDilocoMpi, FourBitExchangeSendsItsPayloadsAndKeepsFragmentsEqual) {

@@ -1,5 +1,7 @@
 #include "meshtrain/sync/outer_quant.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -45,7 +47,12 @@ void Int4Quantizer::encode(std::span<const float> x, uint64_t seed, std::span<st
     const size_t lo = k * kChunk, hi = std::min(n, lo + kChunk);
     float scale = 0;
     for (size_t i = lo; i < hi; ++i) {
-      MT_CHECK(std::isfinite(x[i]), "4-bit outer exchange: value {} at {} is not finite", x[i], i);
+      if (!std::isfinite(x[i])) {
+        throw Error(fmt::format(
+            "training diverged: sync.outer_bits = 4: a pseudo-gradient value is {} (element {} "
+            "of a fragment); lower optim.lr or enable optim.clip_grad_norm",
+            x[i], i));
+      }
       scale = std::max(scale, std::abs(x[i]));
     }
     std::memcpy(payload.data() + k * sizeof(float), &scale, sizeof(float));

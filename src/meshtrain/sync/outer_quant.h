@@ -15,8 +15,8 @@
 // floor(l)) from a generator seeded by `seed`, so E[decoded] = x_i
 // (unbiased) and |decoded - x_i| < scale_k / 7 for every element (the two
 // levels it can go to are adjacent). A chunk of zeros has scale 0 and
-// decodes to zeros; NaN or infinite input fails an MT_CHECK naming the
-// element (a diverged replica, not something to send).
+// decodes to zeros; NaN or infinite input (a diverged replica) throws
+// mt::Error "training diverged: ..." naming the element.
 //
 // Pure functions of (x, seed); callable from any thread.
 #pragma once
