@@ -3,6 +3,8 @@
 # without training.
 #   bad_config      a misspelt key: named, with the key it probably meant
 #   missing_config  a config file that does not exist: the path named
+#   bad_overlap     Streaming DiLoCo's overlap not below the period: the key
+#                   and the range named, before any step
 cmake_minimum_required(VERSION 3.25)
 include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
 
@@ -17,6 +19,13 @@ elseif(CASE STREQUAL "missing_config")
     STDERR "meshtrain: error: config /nonexistent/x\\.toml: file not found"
     NOT_OUTPUT "final loss"
     COMMAND ${MESHTRAIN} train --config /nonexistent/x.toml)
+elseif(CASE STREQUAL "bad_overlap")
+  expect_run(RC 1 TIMEOUT 60
+    STDERR "meshtrain: error: .*sync\\.overlap_steps: the inner steps a fragment's exchange "
+           "overlaps must be in \\[0, sync\\.period\\) = \\[0, 4\\) .* got 4"
+    NOT_OUTPUT "final loss" "steps [0-9]+"
+    COMMAND ${MESHTRAIN} train --config ${SRC}/configs/mlp_fashion.toml --set sync.scheme="diloco"
+            --set sync.period=4 --set sync.overlap_steps=4)
 else()
   message(FATAL_ERROR "unknown CASE '${CASE}'")
 endif()

@@ -198,6 +198,21 @@ const std::vector<KeyMeaning> kMeanings = {
      "local_sgd: average after every step for the first this-many steps (post-local SGD)"},
     {"sync.outer_lr", "diloco: the outer Nesterov step's learning rate"},
     {"sync.outer_momentum", "diloco: the outer Nesterov momentum"},
+    {"sync.fragments",
+     "diloco: Streaming DiLoCo's fragments, consecutive element-balanced pieces of the "
+     "parameters, each synchronized every sync.period steps at its own evenly spread phase"},
+    {"sync.overlap_steps",
+     "diloco: inner steps a fragment's exchange overlaps before it lands (tau, < sync.period; "
+     "0 = blocking)"},
+    {"sync.merge_alpha",
+     "diloco with overlap: a landing fragment becomes alpha x local + (1 - alpha) x global"},
+    {"sync.outer_bits",
+     "diloco: bits per pseudo-gradient value on the outer exchange: 32 (f32 all-reduce) or 4 "
+     "(per-chunk-scaled stochastic 4-bit codes, summed in f32; see sync.outer_exchange)"},
+    {"sync.outer_exchange",
+     "diloco, outer_bits = 4: all_gather (every rank's codes to every rank, one rounding) or "
+     "reduce_scatter (pieces to their owner by all_to_all, summed, re-quantized, all-gathered: "
+     "2 (N - 1) / N instead of N - 1 payloads)"},
     {"sync.topology",
      "gossip: the graph replicas average over (uniform weights 1 / (degree + 1)); adpsgd: an "
      "active (even) rank picks its partner among its odd neighbours on it"},

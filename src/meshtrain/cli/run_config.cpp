@@ -289,6 +289,13 @@ RunConfig read_run_config(const Config& c) {
   so.outer_lr = c.get_double("sync.outer_lr", so.outer_lr, Bounds<double>::positive());
   so.outer_momentum =
       c.get_double("sync.outer_momentum", so.outer_momentum, Bounds<double>::in(0.0, 0.999));
+  so.fragments = c.get_int("sync.fragments", so.fragments, Bounds<int64_t>::positive());
+  so.overlap_steps =
+      c.get_int("sync.overlap_steps", so.overlap_steps, Bounds<int64_t>::non_negative());
+  so.merge_alpha = c.get_double("sync.merge_alpha", so.merge_alpha, Bounds<double>::in(0.0, 1.0));
+  so.outer_bits = c.get_int("sync.outer_bits", so.outer_bits, Bounds<int64_t>::in(4, 32));
+  so.outer_exchange =
+      c.get_string("sync.outer_exchange", so.outer_exchange, {"all_gather", "reduce_scatter"});
   so.topology =
       c.get_string("sync.topology", so.topology, {"ring", "torus", "exponential", "complete"});
   so.consensus_every =

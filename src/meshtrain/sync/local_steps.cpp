@@ -13,6 +13,8 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
+#include "meshtrain/sync/codecs.h"
+#include "meshtrain/sync/outer_quant.h"
 #include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
@@ -35,6 +37,7 @@ class LocalStepsSync : public ReplicaSync {
     if (o_.scheme == "diloco") {
       start_ = flat_.clone();
       momentum_ = Tensor::zeros({flat_.numel()}, DType::f32);
+      plan_fragments();
     }
     if (o_.scheme == "gossip") {
       neighbours_ = gossip_neighbours(o_.topology, group_.rank(), group_.size());
@@ -49,6 +52,7 @@ class LocalStepsSync : public ReplicaSync {
   ~LocalStepsSync() override {
     try {
       if (pending_.valid()) pending_.wait();
+      for (Flight& f : flights_) f.handle.wait();  // they write into our buffers
     } catch (...) {  // the communicator reports it to whoever uses it next
     }
     stop_ = true;
@@ -97,7 +101,7 @@ class LocalStepsSync : public ReplicaSync {
     } else if (o_.scheme == "local_sgd") {
       if (steps_ <= o_.sync_until || steps_ % o_.period == 0) average_in_place();
     } else if (o_.scheme == "diloco") {
-      if (steps_ % o_.period == 0) outer_step();
+      streaming_step();
     } else {
       mix();
     }
@@ -110,6 +114,7 @@ class LocalStepsSync : public ReplicaSync {
   }
   void average_into(Tensor& flat_out) override {
     settle();
+    quiesce();
     const uint64_t before = sync_bytes_sent(group_);
     weighted_sum(flat_, flat_out);
     side_bytes_ += sync_bytes_sent(group_) - before;
@@ -118,6 +123,7 @@ class LocalStepsSync : public ReplicaSync {
   Consensus consensus() override {
     if (group_.size() == 1) return {};
     settle();
+    quiesce();
     const uint64_t before = sync_bytes_sent(group_);
     MemoryScope tag(MemoryCategory::comm);
     Tensor mean = Tensor::empty({flat_.numel()}, DType::f32);
@@ -151,8 +157,11 @@ class LocalStepsSync : public ReplicaSync {
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
-    const int64_t extra = 4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() +
-                               stage_.numel() + published_.numel() + pending_sum_.numel());
+    const int64_t extra =
+        4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() + stage_.numel() +
+             published_.numel() + pending_sum_.numel() + outer_stage_.numel()) +
+        static_cast<int64_t>(payload_.size() + gathered_.size() + slots_out_.size() +
+                             slots_in_.size());
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;
@@ -172,6 +181,9 @@ class LocalStepsSync : public ReplicaSync {
 
   void finish() override {
     settle();
+    // diloco: exchanges still in flight land now, in the order they left.
+    for (Flight& f : flights_) land(f);
+    flights_.clear();
     if (o_.scheme != "adpsgd" || group_.size() == 1) return;
     if (group_.rank() % 2 == 0) {
       // "done" to every passive neighbour: its server stops once every
@@ -190,6 +202,14 @@ class LocalStepsSync : public ReplicaSync {
   }
 
   std::vector<std::string> notices() const override {
+    if (o_.scheme == "diloco" && group_.size() > 1) {
+      return {fmt::format(
+          "sync.scheme = \"diloco\": rank {} ran {} fragment exchanges ({} fragment{}, {}-bit{}, "
+          "overlapping {} inner step{}) and waited {:.3g} s for them",
+          group_.rank(), outer_syncs_, frags_.size(), frags_.size() == 1 ? "" : "s", o_.outer_bits,
+          reduce_scatter() ? " by reduce-scatter + all-gather" : "", o_.overlap_steps,
+          o_.overlap_steps == 1 ? "" : "s", outer_wait_s_)};
+    }
     if (o_.scheme == "partial" && group_.size() > 1) {
       return {
           fmt::format("sync.scheme = \"partial\": rank {} averaged {} layer groups; their "
@@ -220,6 +240,34 @@ class LocalStepsSync : public ReplicaSync {
   double share_ = 1;
   int64_t steps_ = 0;
   Tensor start_, momentum_;  // diloco
+  // diloco: fragments (one for plain DiLoCo), the exchanges in flight, and
+  // their buffers: outer_stage_ (with overlap; flat-sized f32: each fragment's summed
+  // pseudo-gradient at its offset); 4-bit: payload_ (each fragment's own
+  // payload at payload_at) and gathered_ (every rank's payloads, fragment f
+  // at ranks x payload_at).
+  // reduce_scatter exchange: a fragment's elements in ranks pieces of
+  // `piece` elements (the last ones shorter or empty), each sent as one slot
+  // of slot_bytes (the payload of a whole piece; shorter ones padded).
+  struct Fragment {
+    int64_t offset = 0, numel = 0, phase = 0;
+    size_t payload_at = 0, payload_bytes = 0;
+    int64_t piece = 0;
+    size_t slot_at = 0, slot_bytes = 0;
+  };
+  std::vector<Fragment> frags_;
+  struct Flight {
+    size_t fragment = 0;
+    int64_t due = 0;      // the step after whose update it lands
+    int64_t started = 0;  // the step it was sent after
+    int stage = 1;        // reduce_scatter: 1 the all_to_all, 2 the all_gather
+    CommHandle handle;
+  };
+  std::vector<Flight> flights_;
+  Tensor outer_stage_;
+  std::vector<std::byte> payload_, gathered_;
+  std::vector<std::byte> slots_out_, slots_in_;  // reduce_scatter: ranks slots per fragment
+  int64_t outer_syncs_ = 0;
+  double outer_wait_s_ = 0;
   std::vector<int> neighbours_;
   Tensor send_, recv_;       // gossip
   uint64_t side_bytes_ = 0;  // sent by consensus() and average_into()
@@ -504,20 +552,241 @@ class LocalStepsSync : public ReplicaSync {
 
   void average_in_place() { weighted_sum(flat_, flat_); }
 
-  void outer_step() {
-    float* theta = flat_.data<float>();
-    float* start = start_.data<float>();
-    float* v = momentum_.data<float>();
-    // Pseudo-gradient, weighted and summed over replicas, in flat_'s memory.
-    for (size_t i = 0; i < n_; ++i) theta[i] = start[i] - theta[i];
-    weighted_sum(flat_, flat_);
+  void plan_fragments() {
+    for (const DilocoFragment& d : diloco_fragments(flat_.numel(), o_.fragments, o_.period)) {
+      Fragment f;
+      f.offset = d.offset;
+      f.numel = d.numel;
+      f.phase = d.phase;
+      if (o_.outer_bits == 4 && !reduce_scatter()) {
+        f.payload_at = payload_.size();
+        f.payload_bytes = Int4Quantizer::payload_bytes(static_cast<size_t>(d.numel));
+        payload_.resize(payload_.size() + f.payload_bytes);
+      }
+      if (reduce_scatter()) {
+        const int64_t n = group_.size();
+        f.piece = (d.numel + n - 1) / n;
+        f.slot_bytes = Int4Quantizer::payload_bytes(static_cast<size_t>(f.piece));
+        f.slot_at = slots_out_.size();
+        slots_out_.resize(slots_out_.size() + static_cast<size_t>(n) * f.slot_bytes);
+        f.payload_at = payload_.size();  // this rank's re-quantized piece
+        f.payload_bytes = f.slot_bytes;
+        payload_.resize(payload_.size() + f.slot_bytes);
+      }
+      frags_.push_back(f);
+    }
+    if (group_.size() == 1) return;
+    slots_in_.resize(slots_out_.size());
+    MemoryScope tag(MemoryCategory::comm);
+    // Without overlap the pseudo-gradient is computed, exchanged and
+    // decoded in the parameters' own memory (they become start anyway).
+    if (o_.overlap_steps > 0) outer_stage_ = Tensor::empty({flat_.numel()}, DType::f32);
+    gathered_.resize(payload_.size() * static_cast<size_t>(group_.size()));
+  }
+
+  // After step t's inner update: the exchanges due at t land, then every
+  // fragment whose turn it is (t = phase mod period) sends its weighted
+  // pseudo-gradient share * (start - theta). Without overlap it lands at
+  // once (plain DiLoCo when there is one fragment).
+  void streaming_step() {
+    // reduce_scatter: pieces sent after an earlier step are reduced now and
+    // their all_gather starts.
+    for (Flight& fl : flights_) {
+      if (fl.stage == 1 && fl.started < steps_) second_stage(fl);
+    }
+    for (auto it = flights_.begin(); it != flights_.end();) {
+      if (it->due == steps_) {
+        land(*it);
+        it = flights_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (size_t f = 0; f < frags_.size(); ++f) {
+      if ((steps_ - frags_[f].phase) % o_.period != 0) continue;
+      Flight fl = launch(f);
+      if (o_.overlap_steps == 0) {
+        land(fl);
+      } else {
+        flights_.push_back(std::move(fl));
+      }
+    }
+  }
+
+  Flight launch(size_t f) {
+    const Fragment& fr = frags_[f];
+    const auto s = static_cast<float>(share_);
+    const float* theta = flat_.data<float>() + fr.offset;  // may alias d
+    const float* start = start_.data<float>() + fr.offset;
+    float* d = pseudo_gradient(fr);
+    const auto n = static_cast<size_t>(fr.numel);
+    for (size_t i = 0; i < n; ++i) d[i] = s * (start[i] - theta[i]);
+    Flight fl;
+    fl.fragment = f;
+    fl.due = steps_ + o_.overlap_steps;
+    fl.started = steps_;
+    ++outer_syncs_;
+    const bool wait = o_.overlap_steps == 0;
+    if (reduce_scatter()) {
+      // Piece r of this rank's pseudo-gradient, quantized, goes to rank r.
+      const int ranks = group_.size();
+      std::byte* out = slots_out_.data() + fr.slot_at;
+      for (int r = 0; r < ranks; ++r) {
+        const auto [lo, len] = piece_of(fr, r);
+        const uint64_t draw = static_cast<uint64_t>(steps_) * 4096 + static_cast<uint64_t>(r);
+        encode_slot({d + lo, len}, codec_seed(0xd11c0 + f, group_.rank(), draw),
+                    {out + static_cast<size_t>(r) * fr.slot_bytes, fr.slot_bytes});
+      }
+      std::byte* in = slots_in_.data() + fr.slot_at;
+      if (wait) {
+        const auto t0 = std::chrono::steady_clock::now();
+        group_.all_to_all(out, in, fr.slot_bytes, DType::u8, opts());
+        outer_wait_s_ += seconds_since(t0);
+        second_stage(fl);
+      } else {
+        fl.handle = group_.all_to_all_async(out, in, fr.slot_bytes, DType::u8, opts());
+      }
+      return fl;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    if (o_.outer_bits == 32) {
+      if (wait) {
+        group_.all_reduce(d, d, n, DType::f32, ReduceOp::sum, opts());
+        outer_wait_s_ += seconds_since(t0);
+      } else {
+        fl.handle = group_.all_reduce_async(d, d, n, DType::f32, ReduceOp::sum, opts());
+      }
+      return fl;
+    }
+    std::byte* mine = payload_.data() + fr.payload_at;
+    std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(group_.size());
+    Int4Quantizer::encode({d, n}, codec_seed(0xd11c0 + f, group_.rank(), steps_),
+                          {mine, fr.payload_bytes});
+    if (wait) {
+      const auto t1 = std::chrono::steady_clock::now();
+      group_.all_gather(mine, all, fr.payload_bytes, DType::u8, opts());
+      outer_wait_s_ += seconds_since(t1);
+    } else {
+      fl.handle = group_.all_gather_async(mine, all, fr.payload_bytes, DType::u8, opts());
+    }
+    return fl;
+  }
+
+  bool reduce_scatter() const {
+    return o_.outer_bits == 4 && o_.outer_exchange == "reduce_scatter";
+  }
+
+  // Piece r of a fragment (reduce_scatter): [lo, lo + len) of its elements.
+  static std::pair<size_t, size_t> piece_of(const Fragment& fr, int r) {
+    const int64_t lo = std::min(fr.numel, r * fr.piece);
+    const int64_t hi = std::min(fr.numel, lo + fr.piece);
+    return {static_cast<size_t>(lo), static_cast<size_t>(hi - lo)};
+  }
+
+  // A piece's payload in a slot sized for a whole piece (the rest zeros).
+  static void encode_slot(std::span<const float> x, uint64_t seed, std::span<std::byte> slot) {
+    const size_t used = Int4Quantizer::payload_bytes(x.size());
+    Int4Quantizer::encode(x, seed, slot.first(used));
+    std::fill(slot.begin() + static_cast<std::ptrdiff_t>(used), slot.end(), std::byte{0});
+  }
+  static void decode_slot(std::span<const std::byte> slot, std::span<float> out) {
+    Int4Quantizer::decode_add(slot.first(Int4Quantizer::payload_bytes(out.size())), out);
+  }
+
+  // reduce_scatter, after the all_to_all: this rank's piece summed in f32
+  // (the ranks' pieces decoded in rank order), re-quantized and
+  // all-gathered.
+  void second_stage(Flight& fl) {
+    const Fragment& fr = frags_[fl.fragment];
+    if (fl.handle.valid()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fl.handle.wait();
+      outer_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      fl.handle = CommHandle();
+    }
+    const int ranks = group_.size(), me = group_.rank();
+    float* d = pseudo_gradient(fr);
+    const auto [lo, len] = piece_of(fr, me);
+    std::fill(d + lo, d + lo + len, 0.0F);
+    const std::byte* in = slots_in_.data() + fr.slot_at;
+    for (int r = 0; r < ranks; ++r) {
+      decode_slot({in + static_cast<size_t>(r) * fr.slot_bytes, fr.slot_bytes}, {d + lo, len});
+    }
+    std::byte* mine = payload_.data() + fr.payload_at;
+    encode_slot({d + lo, len}, codec_seed(0x5ca77e4 + fl.fragment, me, fl.started),
+                {mine, fr.slot_bytes});
+    std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(ranks);
+    fl.stage = 2;
+    if (o_.overlap_steps == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      group_.all_gather(mine, all, fr.slot_bytes, DType::u8, opts());
+      outer_wait_s_ += seconds_since(t0);
+    } else {
+      fl.handle = group_.all_gather_async(mine, all, fr.slot_bytes, DType::u8, opts());
+    }
+  }
+
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  // diloco: lets the exchanges in flight finish (they still land when due).
+  // A measurement's blocking collective would queue behind them, and their
+  // bytes would be counted as the measurement's.
+  void quiesce() {
+    for (Flight& fl : flights_) {
+      if (fl.handle.valid()) fl.handle.wait();
+    }
+  }
+
+  // Where a fragment's pseudo-gradient lives while it is exchanged.
+  float* pseudo_gradient(const Fragment& fr) {
+    return (o_.overlap_steps > 0 ? outer_stage_ : flat_).data<float>() + fr.offset;
+  }
+
+  // The fragment's summed pseudo-gradient takes the outer Nesterov step on
+  // `start` (v = mu v + d; start -= lr (d + mu v)); the replica's fragment
+  // becomes start (no overlap) or alpha theta + (1 - alpha) start.
+  void land(Flight& fl) {
+    const Fragment& fr = frags_[fl.fragment];
+    if (reduce_scatter() && fl.stage == 1) second_stage(fl);
+    if (fl.handle.valid()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fl.handle.wait();
+      outer_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      fl.handle = CommHandle();
+    }
+    const auto n = static_cast<size_t>(fr.numel);
+    float* d = pseudo_gradient(fr);
+    if (reduce_scatter()) {
+      // Every rank decodes the same re-quantized pieces: the same sum.
+      std::fill(d, d + n, 0.0F);
+      const std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(group_.size());
+      for (int r = 0; r < group_.size(); ++r) {
+        const auto [lo, len] = piece_of(fr, r);
+        decode_slot({all + static_cast<size_t>(r) * fr.slot_bytes, fr.slot_bytes}, {d + lo, len});
+      }
+    } else if (o_.outer_bits == 4) {
+      // Every rank decodes the same payloads in rank order: the same sum.
+      std::fill(d, d + n, 0.0F);
+      const std::byte* all = gathered_.data() + fr.payload_at * static_cast<size_t>(group_.size());
+      for (int r = 0; r < group_.size(); ++r) {
+        Int4Quantizer::decode_add(
+            {all + static_cast<size_t>(r) * fr.payload_bytes, fr.payload_bytes}, {d, n});
+      }
+    }
+    float* theta = flat_.data<float>() + fr.offset;
+    float* start = start_.data<float>() + fr.offset;
+    float* v = momentum_.data<float>() + fr.offset;
     const auto mu = static_cast<float>(o_.outer_momentum);
     const auto lr = static_cast<float>(o_.outer_lr);
-    for (size_t i = 0; i < n_; ++i) {
-      const float d = theta[i];
-      v[i] = mu * v[i] + d;
-      start[i] -= lr * (d + mu * v[i]);  // Nesterov
-      theta[i] = start[i];
+    const bool mix = o_.overlap_steps > 0;
+    const auto a = static_cast<float>(o_.merge_alpha);
+    for (size_t i = 0; i < n; ++i) {  // d may alias theta (no overlap)
+      const float di = d[i];
+      v[i] = mu * v[i] + di;
+      start[i] -= lr * (di + mu * v[i]);  // Nesterov
+      theta[i] = mix ? a * theta[i] + (1.0F - a) * start[i] : start[i];
     }
   }
 
@@ -558,8 +827,27 @@ std::unique_ptr<ReplicaSync> make_local_steps_sync(const SyncOptions& o, Communi
     throw ConfigError(fmt::format("sync.scheme = \"{}\": this rank's share of the batch is {}",
                                   o.scheme, local_share));
   }
+  if (o.scheme == "diloco" && o.fragments > static_cast<int64_t>(layout.size())) {
+    throw ConfigError(fmt::format(
+        "sync.fragments = {}: the model has {} parameter tensors, so at most {} fragments "
+        "(a fragment is a consecutive run of the flat parameters, about 1 / fragments of them)",
+        o.fragments, layout.size(), layout.size()));
+  }
   return std::make_unique<LocalStepsSync>(o, group, std::move(layout), std::move(flat_params),
                                           std::move(dp), local_share);
+}
+
+std::vector<DilocoFragment> diloco_fragments(int64_t numel, int64_t fragments, int64_t period) {
+  MT_CHECK(fragments >= 1 && period >= 1, "diloco_fragments({}, {}, {})", numel, fragments, period);
+  std::vector<DilocoFragment> out;
+  for (int64_t f = 0; f < fragments; ++f) {
+    DilocoFragment d;
+    d.offset = f * numel / fragments;
+    d.numel = (f + 1) * numel / fragments - d.offset;
+    d.phase = f * period / fragments;
+    out.push_back(d);
+  }
+  return out;
 }
 
 }  // namespace mt

@@ -10,6 +10,18 @@
 //              takes an outer Nesterov step (v = mu v + d; start -= lr (d +
 //              mu v)) and every replica restarts from `start`. With period 1,
 //              outer lr 1 and mu 0 it is local_sgd with period 1.
+//              Streaming DiLoCo (Douillard et al. 2025) as options: the
+//              flat parameters in `fragments` consecutive pieces
+//              (diloco_fragments()), fragment f exchanged every `period`
+//              steps at its own phase; with overlap_steps = tau > 0 the
+//              exchange is an *_async collective on the scheme's
+//              communicator (its progress thread moves it) and lands after
+//              the update of step t + tau, when the outer step runs and the
+//              replica keeps alpha theta + (1 - alpha) start (merge_alpha);
+//              outer_bits = 4 sends each rank's weighted pseudo-gradient as
+//              4-bit codes (sync/outer_quant.h) by one all_gather, decoded
+//              and summed in f32 in rank order on every rank (so every
+//              replica computes the same outer step).
 //   gossip     D-PSGD: after each step a replica replaces its parameters by
 //              the uniform mean of its own and its neighbours' on the
 //              topology (gossip_neighbours()), exchanged by one all_to_allv
@@ -58,10 +70,24 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "meshtrain/sync/replica_sync.h"
 
 namespace mt {
+
+// Streaming DiLoCo's fragments (SyncOptions::fragments): fragment f holds
+// the flat parameters' elements [offset, offset + numel), offset = f *
+// numel_total / fragments (consecutive layers in layout order, cut at
+// element boundaries, so fragment sizes differ by at most one element), and
+// synchronizes after the inner steps t >= 1 with t = phase (mod period),
+// phase = f * period / fragments: the phases are spread evenly over the
+// period, so the bytes per step are even (one fragment every period /
+// fragments steps). With one fragment it is plain DiLoCo (t = 0 mod period).
+struct DilocoFragment {
+  int64_t offset = 0, numel = 0, phase = 0;
+};
+std::vector<DilocoFragment> diloco_fragments(int64_t numel, int64_t fragments, int64_t period);
 
 // Throws ConfigError for ZeRO stages > 0 (these schemes step on whole
 // parameters) or a batch share outside (0, 1].

@@ -120,6 +120,52 @@ void validate_sync_options(const SyncOptions& o) {
     throw ConfigError(
         fmt::format("sync.outer_momentum: must be in [0, 1), got {}", o.outer_momentum));
   }
+  if (o.fragments < 1) {
+    throw ConfigError(fmt::format(
+        "sync.fragments: Streaming DiLoCo's fragments must be >= 1 (1 = the whole model at "
+        "once), got {}",
+        o.fragments));
+  }
+  if (o.overlap_steps < 0 || o.overlap_steps >= o.period) {
+    throw ConfigError(fmt::format(
+        "sync.overlap_steps: the inner steps a fragment's exchange overlaps must be in [0, "
+        "sync.period) = [0, {}) so it lands before the fragment's next synchronization, got {}",
+        o.period, o.overlap_steps));
+  }
+  if (!(o.merge_alpha >= 0 && o.merge_alpha <= 1)) {
+    throw ConfigError(
+        fmt::format("sync.merge_alpha: the local parameters' weight in the merge must be in "
+                    "[0, 1], got {}",
+                    o.merge_alpha));
+  }
+  if (o.outer_bits != 32 && o.outer_bits != 4) {
+    throw ConfigError(fmt::format(
+        "sync.outer_bits: the outer exchange sends 32-bit floats or 4-bit codes, so 32 or 4, "
+        "got {}",
+        o.outer_bits));
+  }
+  if (o.outer_exchange != "all_gather" && o.outer_exchange != "reduce_scatter") {
+    throw ConfigError(
+        fmt::format("sync.outer_exchange: expected \"all_gather\" or \"reduce_scatter\", got '{}'",
+                    o.outer_exchange));
+  }
+  if (o.outer_exchange != "all_gather" && o.outer_bits != 4) {
+    throw ConfigError(
+        fmt::format("sync.outer_exchange = \"{}\": chooses how 4-bit payloads travel, so it needs "
+                    "sync.outer_bits = 4 (got {}; 32-bit exchanges are one f32 all-reduce)",
+                    o.outer_exchange, o.outer_bits));
+  }
+  if (o.scheme != "diloco") {
+    const char* key = o.fragments != 1       ? "sync.fragments"
+                      : o.overlap_steps != 0 ? "sync.overlap_steps"
+                      : o.outer_bits != 32   ? "sync.outer_bits"
+                                             : nullptr;
+    if (key != nullptr) {
+      throw ConfigError(fmt::format(
+          "{}: Streaming DiLoCo's options apply to sync.scheme = \"diloco\" only, not \"{}\"", key,
+          o.scheme));
+    }
+  }
   static const std::set<std::string> topologies = {"ring", "torus", "exponential", "complete"};
   if (!topologies.count(o.topology)) {
     throw ConfigError(fmt::format(

@@ -63,6 +63,24 @@ struct SyncOptions {
   // diloco: the outer Nesterov step on the averaged pseudo-gradient.
   double outer_lr = 0.7;
   double outer_momentum = 0.9;
+  // diloco, Streaming DiLoCo's refinements (Douillard et al. 2025; all off
+  // by default, which is plain DiLoCo): the flat parameters cut into
+  // `fragments` consecutive, element-balanced pieces, fragment f
+  // synchronized every `period` steps at offset f * period / fragments;
+  // its exchange overlapped with the next `overlap_steps` inner steps
+  // (tau < period) and merged as merge_alpha * local + (1 - merge_alpha) *
+  // global when it lands; the pseudo-gradients sent as `outer_bits` = 32
+  // (f32 all-reduce) or 4 (sync/outer_quant.h, all-gathered, summed in f32).
+  int64_t fragments = 1;
+  int64_t overlap_steps = 0;
+  double merge_alpha = 0.5;
+  int64_t outer_bits = 32;
+  // outer_bits = 4: "all_gather" (each rank's payload to every rank, summed
+  // in f32 on each: one rounding) or "reduce_scatter" (piece r of every
+  // rank's payload to rank r by all_to_all, summed there in f32,
+  // re-quantized and all-gathered: 2 (N - 1) / N instead of N - 1 payloads
+  // per rank, a second rounding).
+  std::string outer_exchange = "all_gather";
   // gossip, adpsgd: ring | torus | exponential | complete (mixing weights in
   // gossip_neighbours(); adpsgd pairs only neighbours of opposite parity).
   std::string topology = "ring";
@@ -86,7 +104,11 @@ struct SyncOptions {
 };
 
 // ConfigError naming the sync.* key and what was expected (period < 1, an
-// unknown scheme or topology, outer_lr <= 0, momentum outside [0, 1)).
+// unknown scheme or topology, outer_lr <= 0, momentum outside [0, 1),
+// fragments < 1, overlap_steps outside [0, period), merge_alpha outside
+// [0, 1], outer_bits not 32 or 4, a Streaming DiLoCo key under another
+// scheme). fragments > the model's parameter count is refused where the
+// model is known (make_replica_sync).
 void validate_sync_options(const SyncOptions& o);
 
 // gossip: the neighbours of `rank` among `n` on the topology (ascending, not

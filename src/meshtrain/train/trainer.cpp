@@ -1336,7 +1336,8 @@ struct Trainer::Impl {
         sj["consensus_distance"] = c.distance;
         sj["consensus_relative"] = c.relative;
       }
-      if (o.dist.sync.scheme == "adpsgd" || o.dist.sync.scheme == "partial") {
+      if (o.dist.sync.scheme == "adpsgd" || o.dist.sync.scheme == "partial" ||
+          o.dist.sync.scheme == "diloco") {
         // Rank 0's own account (exchanges and their waits, or the time spent
         // waiting for layer averages in flight).
         for (const std::string& msg : dp->notices()) {
