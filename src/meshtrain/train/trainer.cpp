@@ -234,6 +234,7 @@ struct Trainer::Impl {
     // is checked against the memory this rank may use.
     decide_precision_once();
     TrainingGraph tg = build_training_graph(spec, o, micro_batch, rank);
+    if (o.bf16_storage) notice(tg.stash.describe());
     plan = plan_training(tg, spec, o, split, rank, world, test_data ? test_data->size() : -1);
     if (o.memory_limit > 0) check_memory_fits(plan, spec, o, o.memory_limit);
     model = std::move(tg.model);
@@ -749,33 +750,54 @@ struct Trainer::Impl {
   // the configured precision asks for it (train/precision.h), and makes every
   // rank follow rank 0's choice.
   void decide_precision_once() {
-    const std::string requested =
-        o.precision_auto ? std::string("auto") : std::string(dtype_name(o.precision));
+    const std::string requested = o.precision_auto ? std::string("auto")
+                                  : o.bf16_storage ? std::string("bf16_storage")
+                                                   : std::string(dtype_name(o.precision));
     const bool measure = o.precision_auto || o.precision == DType::bf16;
     std::vector<MatmulUse> uses;
+    std::vector<int64_t> stash_sizes;
     if (measure && rank == 0) {
       ModelSpec f32_spec = spec;
       f32_spec.compute = DType::f32;
       TrainerOptions f32_o = o;
       f32_o.precision = DType::f32;
-      uses = matmul_uses(build_training_graph(f32_spec, f32_o, micro_batch, rank).model.graph);
+      f32_o.bf16_storage = false;
+      const TrainingGraph tg = build_training_graph(f32_spec, f32_o, micro_batch, rank);
+      uses = matmul_uses(tg.model.graph);
+      if (o.precision_auto && !o.exec.recompute) {
+        // What the stash pass would keep in bf16 (on a copy: the graph it
+        // runs is built after the decision).
+        Graph g = tg.model.graph;
+        for (ValueId v : stash_in_bf16(g).stashed) stash_sizes.push_back(g.value(v).shape.numel());
+      }
     }
     precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
-                                 o.bf16_rate_factor_for_testing);
+                                 o.bf16_rate_factor_for_testing, stash_sizes,
+                                 o.storage_cost_factor_for_testing);
     if (measure && world > 1) {
-      Tensor t = Tensor::empty({4}, DType::f64);
-      t.data<double>()[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
-      t.data<double>()[1] = precision.f32_gflops;
-      t.data<double>()[2] = precision.bf16_gflops;
-      t.data<double>()[3] = precision.measured ? 1.0 : 0.0;
+      Tensor t = Tensor::empty({8}, DType::f64);
+      double* d = t.data<double>();
+      d[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
+      d[1] = precision.f32_gflops;
+      d[2] = precision.bf16_gflops;
+      d[3] = precision.measured ? 1.0 : 0.0;
+      d[4] = precision.bf16_storage ? 1.0 : 0.0;
+      d[5] = static_cast<double>(precision.stash_elements);
+      d[6] = precision.f32_matmul_s;
+      d[7] = precision.storage_cast_s;
       comm->broadcast(t, 0);
-      precision.measured = t.data<double>()[3] != 0.0;
-      precision.f32_gflops = t.data<double>()[1];
-      precision.bf16_gflops = t.data<double>()[2];
+      precision.measured = d[3] != 0.0;
+      precision.f32_gflops = d[1];
+      precision.bf16_gflops = d[2];
+      precision.stash_elements = static_cast<int64_t>(d[5]);
+      precision.f32_matmul_s = d[6];
+      precision.storage_cast_s = d[7];
       apply_precision_policy(precision);
-      precision.chosen = t.data<double>()[0] != 0.0 ? DType::bf16 : DType::f32;
+      precision.chosen = d[0] != 0.0 ? DType::bf16 : DType::f32;
+      precision.bf16_storage = d[4] != 0.0;
     }
     o.precision = precision.chosen;
+    o.bf16_storage = precision.bf16_storage;
     spec.compute = precision.chosen;
     if (measure) notice(precision.reason);
   }
@@ -1487,7 +1509,8 @@ struct Trainer::Impl {
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
         {"dp_expected_buffer_bytes", r.memory.expected_buffer_bytes},
-        {"precision", std::string(dtype_name(o.precision))},
+        {"precision",
+         o.bf16_storage ? std::string("bf16_storage") : std::string(dtype_name(o.precision))},
         {"precision_decision", precision_json()},
         {"cpu", cpu_info().describe()},
         {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
@@ -1526,10 +1549,18 @@ struct Trainer::Impl {
 
 nlohmann::json Trainer::Impl::precision_json() const {
   nlohmann::json j = {{"requested", precision.requested},
-                      {"chosen", std::string(dtype_name(precision.chosen))},
+                      {"chosen", precision.mode()},
                       {"reason", precision.reason},
                       {"amx", precision.amx},
                       {"cpu_amx", precision.cpu_amx}};
+  if (precision.bf16_storage || precision.stash_elements > 0) {
+    j["bf16_storage"] = precision.bf16_storage;
+  }
+  if (precision.stash_elements > 0) {
+    j["stash_elements"] = precision.stash_elements;
+    j["storage_cast_ms_1t"] = precision.storage_cast_s * 1e3;
+    j["storage_cost_of_matmul_time"] = precision.storage_cost();
+  }
   if (precision.measured) {
     j["f32_matmul_gflops_1t"] = precision.f32_gflops;
     j["bf16_matmul_gflops_1t"] = precision.bf16_gflops;

@@ -111,6 +111,20 @@ TrainingGraph build_training_graph(const ModelSpec& model_spec, const TrainerOpt
     t.objective = b.mul(t.model.loss, t.loss_scale_in);
   }
   build_backward(t.model.graph, t.objective);
+  if (o.bf16_storage) {
+    if (o.precision != DType::f32) {
+      throw ConfigError(
+          fmt::format("train.precision: bf16 activation storage runs around f32 compute, not {}",
+                      dtype_name(o.precision)));
+    }
+    if (o.exec.recompute) {
+      throw ConfigError(
+          "train.precision = \"bf16_storage\" with exec.recompute = true: both shrink the "
+          "activations the backward reads (one stores them in bf16, the other recomputes "
+          "them); pick one");
+    }
+    t.stash = stash_in_bf16(t.model.graph);
+  }
   t.exec = o.exec;
   t.exec.outputs.push_back(t.model.loss);  // the unscaled loss, for metrics
   return t;
