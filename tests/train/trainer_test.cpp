@@ -17,6 +17,7 @@
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/precision.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/train/training_plan.h"
 
 namespace mt {
 namespace {
@@ -351,6 +352,9 @@ TEST(Trainer, Bf16StorageTrainsNearItsF32Twin) {
     std::vector<std::vector<double>> losses;
     for (bool storage : {false, true}) {
       Fixture f = std::string(model) == "mlp" ? small_mlp() : small_gpt();
+      // Three hidden layers: with one, the backward widens its values
+      // again right at the boundary and the pass is not kept (below).
+      if (std::string(model) == "mlp") f.spec.hidden = {128, 128, 128};
       f.opts.bf16_storage = storage;
       f.opts.max_steps = 30;
       f.opts.metrics_path = (dir / "m.jsonl").string();
@@ -372,13 +376,27 @@ TEST(Trainer, Bf16StorageTrainsNearItsF32Twin) {
     const auto& l = losses[1];
     ASSERT_EQ(l.size(), l32.size());
     EXPECT_LT(l.back(), 0.9 * l.front()) << model;
-    // The first forward is exact; later steps drift by the bf16-rounded
-    // gradients (well under 1% of the loss in 30 steps).
-    EXPECT_EQ(l[0], l32[0]) << model;
+    // The first forward is the f32 one (up to the engine trials' rounding);
+    // later steps drift by the bf16-rounded gradients (under 2% in 30 steps).
+    EXPECT_NEAR(l[0], l32[0], 1e-5 * l32[0]) << model;
     for (size_t i = 0; i < l.size(); ++i) {
       EXPECT_NEAR(l[i], l32[i], 0.02 * l32[i]) << model << " step " << i;
     }
   }
+  // One hidden layer: the stash would not lower the planned peak, so the
+  // graph stays f32 and the log says why.
+  Fixture f = small_mlp();
+  f.opts.bf16_storage = true;
+  f.opts.max_steps = 1;
+  std::vector<std::string> notices;
+  f.opts.on_notice = [&](const std::string& m) { notices.push_back(m); };
+  Trainer t(f.spec, f.train, f.test, f.opts);
+  t.run();
+  EXPECT_FALSE(has_bf16_values(t.train_graph()));
+  bool said = false;
+  for (const auto& n : notices)
+    said |= n.find("would not lower the planned activation peak") != std::string::npos;
+  EXPECT_TRUE(said);
 }
 
 TEST(Trainer, PrecisionAutoPicksBf16StorageWhereBf16MatmulsAreSlower) {
@@ -390,7 +408,7 @@ TEST(Trainer, PrecisionAutoPicksBf16StorageWhereBf16MatmulsAreSlower) {
   const fs::path dir = temp_dir("precision_auto_storage");
   for (double cost : {0.0, 1e9}) {
     Fixture f = small_mlp();
-    f.spec.hidden = {256};
+    f.spec.hidden = {256, 256, 256};
     f.opts.precision_auto = true;
     f.opts.bf16_rate_factor_for_testing = 0.25;
     f.opts.storage_cost_factor_for_testing = cost;
@@ -417,6 +435,29 @@ TEST(Trainer, PrecisionAutoPicksBf16StorageWhereBf16MatmulsAreSlower) {
               std::string::npos)
         << notices[0];
   }
+  // Casts as measured (however costly), but a memory limit between the two
+  // runs' plans: auto stores the stash in bf16 so that the run fits.
+  Fixture f = small_mlp();
+  f.spec.hidden = {256, 256, 256};
+  f.opts.precision_auto = true;
+  f.opts.bf16_rate_factor_for_testing = 0.25;
+  f.opts.storage_cost_factor_for_testing = 1e9;
+  f.opts.max_steps = 2;
+  TrainerOptions storage_o = f.opts;
+  storage_o.precision_auto = false;
+  storage_o.bf16_storage = true;
+  const int64_t f32_plan = plan_training(f.spec, f.opts, 0, 1).total_bytes();
+  const int64_t storage_plan = plan_training(f.spec, storage_o, 0, 1).total_bytes();
+  ASSERT_LT(storage_plan, f32_plan);
+  f.opts.memory_limit = (f32_plan + storage_plan) / 2;
+  f.opts.metrics_path = (dir / "m.jsonl").string();
+  Trainer t(f.spec, f.train, f.test, f.opts);
+  t.run();
+  const nlohmann::json d = summary_of(dir / "m.jsonl").at("precision_decision");
+  EXPECT_EQ(d.at("chosen"), "bf16_storage") << d.dump();
+  EXPECT_EQ(d.at("f32_plan_bytes").get<int64_t>(), f32_plan) << d.dump();
+  EXPECT_NE(d.at("reason").get<std::string>().find("exceeds this rank's"), std::string::npos)
+      << d.dump();
 }
 
 TEST(PrecisionPolicy, AutoWeighsTheStorageCastsAgainstTheMatmuls) {
@@ -431,7 +472,7 @@ TEST(PrecisionPolicy, AutoWeighsTheStorageCastsAgainstTheMatmuls) {
   const std::vector<Case> cases = {{1000000, 0.001, true, "casts cost 1.0%"},
                                    {1000000, 0.0019, true, "chose bf16_storage"},
                                    {1000000, 0.005, false, "would cost 5.0%"},
-                                   {0, 0.0, false, "no activation is worth storing"}};
+                                   {0, 0.0, false, "would not lower the planned activation peak"}};
   for (const Case& c : cases) {
     PrecisionDecision d;
     d.requested = "auto";
@@ -448,6 +489,28 @@ TEST(PrecisionPolicy, AutoWeighsTheStorageCastsAgainstTheMatmuls) {
     EXPECT_NE(d.reason.find(c.says), std::string::npos)
         << "'" << c.says << "' not in: " << d.reason;
     EXPECT_NE(d.reason.find("sync.codec"), std::string::npos) << d.reason;
+  }
+  // Casts too costly, but the f32 plan does not fit the rank's memory and the
+  // storage plan does: storage (else the run could not start); not when
+  // neither fits.
+  for (int64_t storage_plan : {int64_t{120} << 20, int64_t{160} << 20}) {
+    PrecisionDecision d;
+    d.requested = "auto";
+    d.measured = true;
+    d.f32_gflops = 115;
+    d.bf16_gflops = 75;
+    d.f32_matmul_s = 0.1;
+    d.storage_cast_s = 0.005;
+    d.stash_elements = 1000000;
+    d.memory_limit = int64_t{150} << 20;
+    d.f32_plan_bytes = int64_t{200} << 20;
+    d.storage_plan_bytes = storage_plan;
+    apply_precision_policy(d);
+    const bool fits = storage_plan <= d.memory_limit;
+    EXPECT_EQ(d.bf16_storage, fits) << d.reason;
+    EXPECT_NE(d.reason.find(fits ? "exceeds this rank's 150.0 MiB" : "would cost 5.0%"),
+              std::string::npos)
+        << d.reason;
   }
   // Where bf16 matmuls pay, auto takes bf16 whatever the stash costs.
   PrecisionDecision fast;

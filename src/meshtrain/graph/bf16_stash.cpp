@@ -27,10 +27,21 @@ std::string mib(int64_t bytes) {
 }  // namespace
 
 std::string Bf16StashReport::describe() const {
+  if (kept_f32) {
+    return fmt::format(
+        "bf16 activation storage: nothing stashed: the bf16 copies would not lower the planned "
+        "activation peak ({} in f32; the backward widens the last layers' values again at the "
+        "boundary), so the graph stays f32",
+        mib(arena_bytes_f32));
+  }
+  std::string plan;
+  if (arena_bytes_f32 > 0) {
+    plan = fmt::format("; planned activations {} -> {}", mib(arena_bytes_f32), mib(arena_bytes));
+  }
   return fmt::format(
       "bf16 activation storage: {} stashed value(s), {} in f32 kept as {} in bf16 ({} too small, "
-      "{} live to the end of the forward anyway)",
-      stashed.size(), mib(f32_bytes), mib(f32_bytes / 2), skipped_small, skipped_live);
+      "{} live to the end of the forward anyway){}",
+      stashed.size(), mib(f32_bytes), mib(f32_bytes / 2), skipped_small, skipped_live, plan);
 }
 
 Bf16StashReport stash_in_bf16(Graph& g, const Bf16StashOptions& opts) {

@@ -41,6 +41,12 @@ struct Bf16StashReport {
   int64_t elements = 0;          // their total elements (each cast twice per step)
   int64_t f32_bytes = 0;         // their f32 size (the bf16 copies take half)
   int skipped_small = 0, skipped_live = 0;
+  // Set by the trainer (train/training_plan.cpp), which keeps the pass only
+  // where it lowers the planned activation peak: the arena of the f32 graph
+  // and of the stashed one, and whether it kept the f32 graph because the
+  // stash would not have lowered it (stashed is then empty).
+  int64_t arena_bytes_f32 = 0, arena_bytes = 0;
+  bool kept_f32 = false;
   std::string describe() const;  // one line for the log
 };
 

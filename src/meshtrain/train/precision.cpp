@@ -163,8 +163,18 @@ void apply_precision_policy(PrecisionDecision& d) {
       const std::string grads =
           "gradients are sent in f32 (sync.codec = \"bf16\" compresses them on request)";
       const double cost = d.storage_cost();
-      if (d.stash_elements > 0 && d.f32_matmul_s > 0 &&
-          cost <= PrecisionDecision::kMaxStorageCost) {
+      if (d.stash_elements > 0 && d.storage_needed_to_fit()) {
+        d.bf16_storage = true;
+        d.reason = fmt::format(
+            "train.precision = \"auto\" chose bf16_storage: {}; the f32 run's planned memory "
+            "{:.1f} MiB exceeds this rank's {:.1f} MiB and with the activations the backward "
+            "reads stored in bf16 it fits ({:.1f} MiB), though its casts cost {:.1f}% of the "
+            "step's f32 matmul time; {}",
+            why_f32, static_cast<double>(d.f32_plan_bytes) / (1 << 20),
+            static_cast<double>(d.memory_limit) / (1 << 20),
+            static_cast<double>(d.storage_plan_bytes) / (1 << 20), 100 * cost, grads);
+      } else if (d.stash_elements > 0 && d.f32_matmul_s > 0 &&
+                 cost <= PrecisionDecision::kMaxStorageCost) {
         d.bf16_storage = true;
         d.reason = fmt::format(
             "train.precision = \"auto\" chose bf16_storage: {}; the {:.2f} M activation values "
@@ -175,7 +185,10 @@ void apply_precision_policy(PrecisionDecision& d) {
       } else {
         const std::string storage =
             d.stash_elements == 0
-                ? std::string("no activation is worth storing in bf16")
+                ? std::string(
+                      "bf16 activation storage would not lower the planned activation "
+                      "peak (no stashed value large enough, or the backward widens them "
+                      "again at the peak)")
                 : fmt::format(
                       "bf16 activation storage would cost {:.1f}% of the step's f32 matmul time "
                       "in casts (more than the {:.0f}% that pays), so activations stay f32",

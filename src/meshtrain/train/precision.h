@@ -9,8 +9,11 @@
 //                     storage's casts, timed on the stash's own sizes, cost
 //                     at most kMaxStorageCost of the step's f32 matmul time
 //                     (so they cannot slow the step by more than that
-//                     fraction: the step is longer than its matmuls); else
-//                     f32 throughout;
+//                     fraction: the step is longer than its matmuls), or
+//                     when the f32 run's planned memory exceeds the
+//                     rank's memory limit and the storage plan fits (then
+//                     the alternative is not running at all); else f32
+//                     throughout;
 //                     "bf16_storage": f32 compute, bf16 stash, as configured;
 //                     "bf16": bf16 as configured, with a warning when its
 //                     matmuls are slower here (Intel without AMX: the bf16
@@ -58,6 +61,14 @@ struct PrecisionDecision {
   int64_t stash_elements = 0;
   double f32_matmul_s = 0, storage_cast_s = 0;
   double storage_cost() const { return f32_matmul_s > 0 ? storage_cast_s / f32_matmul_s : 0.0; }
+  // The rank's memory limit (TrainerOptions::memory_limit; 0: none) and the
+  // planned memory per rank (training_plan.h total) of the f32 run and of
+  // the bf16 storage run; set by the trainer for auto.
+  int64_t memory_limit = 0, f32_plan_bytes = 0, storage_plan_bytes = 0;
+  bool storage_needed_to_fit() const {
+    return memory_limit > 0 && f32_plan_bytes > memory_limit && storage_plan_bytes > 0 &&
+           storage_plan_bytes <= memory_limit;
+  }
   std::string mode() const;  // "f32", "bf16", "f16" or "bf16_storage"
   double seconds = 0;        // the measurement's own time
   std::string isa;           // oneDNN's ISA ("avx512_core_amx" where AMX runs bf16)

@@ -756,6 +756,7 @@ struct Trainer::Impl {
     const bool measure = o.precision_auto || o.precision == DType::bf16;
     std::vector<MatmulUse> uses;
     std::vector<int64_t> stash_sizes;
+    int64_t f32_plan = 0, storage_plan = 0;
     if (measure && rank == 0) {
       ModelSpec f32_spec = spec;
       f32_spec.compute = DType::f32;
@@ -765,17 +766,33 @@ struct Trainer::Impl {
       const TrainingGraph tg = build_training_graph(f32_spec, f32_o, micro_batch, rank);
       uses = matmul_uses(tg.model.graph);
       if (o.precision_auto && !o.exec.recompute) {
-        // What the stash pass would keep in bf16 (on a copy: the graph it
-        // runs is built after the decision).
-        Graph g = tg.model.graph;
-        for (ValueId v : stash_in_bf16(g).stashed) stash_sizes.push_back(g.value(v).shape.numel());
+        // What the stash pass would keep in bf16, and both runs' planned
+        // memory against this rank's limit.
+        TrainerOptions storage_o = f32_o;
+        storage_o.bf16_storage = true;
+        const TrainingGraph st = build_training_graph(f32_spec, storage_o, micro_batch, rank);
+        for (ValueId v : st.stash.stashed)
+          stash_sizes.push_back(st.model.graph.value(v).shape.numel());
+        if (o.memory_limit > 0) {
+          const BatchSplit split{local_batch, micro_batch};
+          const int64_t ev = test_data ? test_data->size() : -1;
+          f32_plan = plan_training(tg, f32_spec, f32_o, split, rank, world, ev).total_bytes();
+          storage_plan =
+              plan_training(st, f32_spec, storage_o, split, rank, world, ev).total_bytes();
+        }
       }
     }
     precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
                                  o.bf16_rate_factor_for_testing, stash_sizes,
                                  o.storage_cost_factor_for_testing);
+    if (o.precision_auto && o.memory_limit > 0 && rank == 0) {
+      precision.memory_limit = o.memory_limit;
+      precision.f32_plan_bytes = f32_plan;
+      precision.storage_plan_bytes = storage_plan;
+      apply_precision_policy(precision);
+    }
     if (measure && world > 1) {
-      Tensor t = Tensor::empty({8}, DType::f64);
+      Tensor t = Tensor::empty({11}, DType::f64);
       double* d = t.data<double>();
       d[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
       d[1] = precision.f32_gflops;
@@ -785,7 +802,13 @@ struct Trainer::Impl {
       d[5] = static_cast<double>(precision.stash_elements);
       d[6] = precision.f32_matmul_s;
       d[7] = precision.storage_cast_s;
+      d[8] = static_cast<double>(precision.memory_limit);
+      d[9] = static_cast<double>(precision.f32_plan_bytes);
+      d[10] = static_cast<double>(precision.storage_plan_bytes);
       comm->broadcast(t, 0);
+      precision.memory_limit = static_cast<int64_t>(d[8]);
+      precision.f32_plan_bytes = static_cast<int64_t>(d[9]);
+      precision.storage_plan_bytes = static_cast<int64_t>(d[10]);
       precision.measured = d[3] != 0.0;
       precision.f32_gflops = d[1];
       precision.bf16_gflops = d[2];
@@ -1560,6 +1583,11 @@ nlohmann::json Trainer::Impl::precision_json() const {
     j["stash_elements"] = precision.stash_elements;
     j["storage_cast_ms_1t"] = precision.storage_cast_s * 1e3;
     j["storage_cost_of_matmul_time"] = precision.storage_cost();
+  }
+  if (precision.memory_limit > 0 && precision.f32_plan_bytes > 0) {
+    j["memory_limit_bytes"] = precision.memory_limit;
+    j["f32_plan_bytes"] = precision.f32_plan_bytes;
+    j["bf16_storage_plan_bytes"] = precision.storage_plan_bytes;
   }
   if (precision.measured) {
     j["f32_matmul_gflops_1t"] = precision.f32_gflops;

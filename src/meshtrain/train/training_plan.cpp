@@ -123,10 +123,29 @@ TrainingGraph build_training_graph(const ModelSpec& model_spec, const TrainerOpt
           "activations the backward reads (one stores them in bf16, the other recomputes "
           "them); pick one");
     }
-    t.stash = stash_in_bf16(t.model.graph);
   }
   t.exec = o.exec;
   t.exec.outputs.push_back(t.model.loss);  // the unscaled loss, for metrics
+  if (o.bf16_storage) {
+    // Kept only where it lowers the planned peak: in a shallow model the
+    // backward widens the last layers' values again right at the boundary,
+    // and the bf16 copies beside them can make the peak larger.
+    Graph g = t.model.graph;
+    Bf16StashReport r = stash_in_bf16(g);
+    const GradMemory gm = DataParallel::grad_memory(o.dist.dp);
+    const int64_t before = plan_memory(t.model.graph, t.exec, gm).arena_bytes;
+    const int64_t after = r.stashed.empty() ? before : plan_memory(g, t.exec, gm).arena_bytes;
+    r.arena_bytes_f32 = before;
+    r.arena_bytes = after;
+    if (after < before) {
+      t.model.graph = std::move(g);
+    } else {
+      r.kept_f32 = !r.stashed.empty();
+      r.stashed.clear();
+      r.elements = r.f32_bytes = 0;
+    }
+    t.stash = std::move(r);
+  }
   return t;
 }
 
