@@ -393,6 +393,15 @@ TEST(Trainer, Bf16StorageTrainsNearItsF32Twin) {
   Trainer t(f.spec, f.train, f.test, f.opts);
   t.run();
   EXPECT_FALSE(has_bf16_values(t.train_graph()));
+  // With recomputation (the other way to shrink the stash) it is refused.
+  TrainerOptions both = f.opts;
+  both.exec.recompute = true;
+  try {
+    Trainer bad(f.spec, f.train, f.test, both);
+    ADD_FAILURE() << "bf16_storage with exec.recompute";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("exec.recompute = true: "), std::string::npos) << e.what();
+  }
   bool said = false;
   for (const auto& n : notices)
     said |= n.find("would not lower the planned activation peak") != std::string::npos;
