@@ -58,14 +58,17 @@ double time_matmul(KernelBackend& k, const MatmulUse& u, DType t, int threads) {
 // One step's bf16 stash casts: every value f32 -> bf16, then every one back
 // (as the step runs them: the stash leaves the cache between the two when it
 // is larger than the cache). Best of three rounds after a warm one, in
-// seconds. Past kMaxTimed elements a prefix is timed and scaled.
+// seconds. Past kMaxTimed elements (80 MiB of buffers: far past any cache,
+// yet small beside a model whose memory is the question) a prefix is timed
+// and scaled.
 double time_stash_casts(KernelBackend& k, const std::vector<int64_t>& sizes, int threads) {
-  constexpr int64_t kMaxTimed = int64_t{64} << 20;
+  constexpr int64_t kMaxTimed = int64_t{8} << 20;
   std::vector<Tensor> x, low, back;
   int64_t total = 0, timed = 0;
   for (int64_t n : sizes) {
     total += n;
     if (timed + n > kMaxTimed && timed > 0) continue;
+    n = std::min(n, kMaxTimed);
     timed += n;
     x.push_back(Tensor::full({n}, DType::f32, 0.3f));
     low.push_back(Tensor::empty({n}, DType::bf16));
