@@ -1,9 +1,9 @@
 # `meshtrain inspect` and training report one planned activation memory (the
-# MLP in f32 and bf16), and a configuration too big for this machine
+# MLP in f32, bf16 and bf16_storage, which plans less than f32), and a configuration too big for this machine
 # (model.seq_len=100000) exits 1 at once with a message naming the values.
 cmake_minimum_required(VERSION 3.25)
 
-foreach(precision f32 bf16)
+foreach(precision f32 bf16 bf16_storage)
   set(common --config ${SRC}/configs/mlp_fashion.toml --set train.precision=${precision}
     --set train.threads=1)
   execute_process(COMMAND ${MESHTRAIN} inspect ${common}
@@ -35,7 +35,11 @@ foreach(precision f32 bf16)
       "${precision}: inspect plans ${inspected} activation bytes, training ${trained}")
   endif()
   message(STATUS "${precision}: ${inspected} bytes in both")
+  set(planned_${precision} ${inspected})
 endforeach()
+if(NOT planned_bf16_storage LESS planned_f32)
+  message(FATAL_ERROR "bf16_storage plans ${planned_bf16_storage} bytes, f32 ${planned_f32}")
+endif()
 
 execute_process(COMMAND ${MESHTRAIN} train --config ${SRC}/configs/gpt_text.toml
   --set model.seq_len=100000 --set train.threads=1 --quiet "--set" "train.checkpoint=\"\""

@@ -75,6 +75,10 @@ TEST(RunConfig, PrecisionAutoAndOpenBlasCoretypeAreReadAndChecked) {
   EXPECT_FALSE(rc.train.precision_auto);
   EXPECT_EQ(rc.train.precision, DType::bf16);
   EXPECT_EQ(rc.openblas_coretype, "keep");
+  rc = read_run_config(Config::parse("[train]\nprecision = \"bf16_storage\"\n", "t.toml"));
+  EXPECT_TRUE(rc.train.bf16_storage);
+  EXPECT_FALSE(rc.train.precision_auto);
+  EXPECT_EQ(rc.train.precision, DType::f32);  // f32 compute
   std::string e = error_of("[exec]\nopenblas_coretype = \"SkylakeX\"\n");
   EXPECT_NE(e.find("exec.openblas_coretype"), std::string::npos) << e;
   EXPECT_NE(e.find("best"), std::string::npos) << e;

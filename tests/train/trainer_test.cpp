@@ -17,6 +17,7 @@
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/precision.h"
 #include "meshtrain/train/trainer.h"
+#include "meshtrain/train/training_plan.h"
 
 namespace mt {
 namespace {
@@ -200,6 +201,8 @@ TEST(Trainer, PrecisionAutoKeepsF32WhenBf16MatmulsMeasureSlower) {
     Fixture f = small_mlp();
     f.opts.precision_auto = true;
     f.opts.bf16_rate_factor_for_testing = factor;
+    // bf16 activation storage made too costly here (its test is below).
+    f.opts.storage_cost_factor_for_testing = 1e9;
     f.opts.max_steps = 2;
     f.opts.metrics_path = (dir / "m.jsonl").string();
     std::vector<std::string> notices;
@@ -338,6 +341,232 @@ Fixture small_gpt() {
   f.opts.eval = false;
   f.opts.optimizer = "adamw";
   return f;
+}
+
+TEST(Trainer, Bf16StorageTrainsNearItsF32Twin) {
+  // f32 compute with the stash in bf16: the MLP and a GPT train, step by
+  // step near the all-f32 run (only the backward reads rounded values), and
+  // the log and summary name the mode.
+  const fs::path dir = temp_dir("bf16_storage");
+  for (const char* model : {"mlp", "gpt"}) {
+    std::vector<std::vector<double>> losses;
+    for (bool storage : {false, true}) {
+      Fixture f = std::string(model) == "mlp" ? small_mlp() : small_gpt();
+      // Three hidden layers: with one, the backward widens its values
+      // again right at the boundary and the pass is not kept (below).
+      if (std::string(model) == "mlp") f.spec.hidden = {128, 128, 128};
+      f.opts.bf16_storage = storage;
+      f.opts.max_steps = 30;
+      f.opts.metrics_path = (dir / "m.jsonl").string();
+      std::vector<std::string> notices;
+      f.opts.on_notice = [&](const std::string& m) { notices.push_back(m); };
+      Trainer t(f.spec, f.train, f.test, f.opts);
+      losses.push_back(t.run().losses);
+      EXPECT_EQ(has_bf16_values(t.train_graph()), storage) << model;
+      const nlohmann::json s = summary_of(dir / "m.jsonl");
+      EXPECT_EQ(s.at("precision"), storage ? "bf16_storage" : "f32") << model;
+      if (storage) {
+        EXPECT_EQ(s.at("precision_decision").at("chosen"), "bf16_storage");
+        bool said = false;
+        for (const auto& n : notices) said |= n.find("bf16 activation storage: ") == 0;
+        EXPECT_TRUE(said) << model;
+      }
+    }
+    const auto& l32 = losses[0];
+    const auto& l = losses[1];
+    ASSERT_EQ(l.size(), l32.size());
+    EXPECT_LT(l.back(), 0.9 * l.front()) << model;
+    // The first forward is the f32 one (up to the engine trials' rounding);
+    // later steps drift by the bf16-rounded gradients (under 2% in 30 steps).
+    EXPECT_NEAR(l[0], l32[0], 1e-5 * l32[0]) << model;
+    for (size_t i = 0; i < l.size(); ++i) {
+      EXPECT_NEAR(l[i], l32[i], 0.02 * l32[i]) << model << " step " << i;
+    }
+  }
+  // One hidden layer: the stash would not lower the planned peak, so the
+  // graph stays f32 and the log says why.
+  Fixture f = small_mlp();
+  f.opts.bf16_storage = true;
+  f.opts.max_steps = 1;
+  std::vector<std::string> notices;
+  f.opts.on_notice = [&](const std::string& m) { notices.push_back(m); };
+  Trainer t(f.spec, f.train, f.test, f.opts);
+  t.run();
+  EXPECT_FALSE(has_bf16_values(t.train_graph()));
+  // With recomputation (the other way to shrink the stash) it is refused.
+  TrainerOptions both = f.opts;
+  both.exec.recompute = true;
+  try {
+    Trainer bad(f.spec, f.train, f.test, both);
+    ADD_FAILURE() << "bf16_storage with exec.recompute";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("exec.recompute = true: "), std::string::npos) << e.what();
+  }
+  bool said = false;
+  for (const auto& n : notices)
+    said |= n.find("would not lower the planned activation peak") != std::string::npos;
+  EXPECT_TRUE(said);
+}
+
+TEST(Trainer, Bf16StorageDataParallelMatchesOneProcess) {
+  // The stash pass runs on every rank's graph alike: 2 local ranks with half
+  // the batch each follow the one-process run step by step (the reference
+  // backend, so a sample's activations -- and their bf16 roundings -- do not
+  // depend on the split; only the gradient sums' order differs).
+  auto setup = [] {
+    Fixture f = small_mlp("reference");
+    f.spec.hidden = {128, 128, 128};
+    f.opts.bf16_storage = true;
+    f.opts.max_steps = 8;
+    return f;
+  };
+  Fixture one = setup();
+  Trainer t(one.spec, one.train, one.test, one.opts);
+  const std::vector<double> ref = t.run().losses;
+  ASSERT_TRUE(has_bf16_values(t.train_graph()));
+  std::vector<std::vector<double>> got(2);
+  LocalWorld::run(2, [&](Communicator& c) {
+    Fixture f = setup();
+    Trainer r(f.spec, f.train, f.test, f.opts, &c);
+    got[static_cast<size_t>(c.rank())] = r.run().losses;
+  });
+  for (const auto& l : got) {
+    ASSERT_EQ(l.size(), ref.size());
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_NEAR(l[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i;
+    }
+  }
+}
+
+TEST(Trainer, PrecisionAutoPicksBf16StorageWhereBf16MatmulsAreSlower) {
+  // Intel-like rates (the hook quarters the measured bf16 rate: about 0.5x
+  // f32 on this machine, where bf16 runs near 2x; Intel without AMX: 0.65x): auto keeps
+  // matmuls in f32 and stores the stash in bf16 when the casts measure
+  // cheap (their cost scaled to 0 here), and keeps f32 throughout when they
+  // would cost more than the step can hide (scaled up).
+  const fs::path dir = temp_dir("precision_auto_storage");
+  for (double cost : {0.0, 1e9}) {
+    Fixture f = small_mlp();
+    f.spec.hidden = {256, 256, 256};
+    f.opts.precision_auto = true;
+    f.opts.bf16_rate_factor_for_testing = 0.25;
+    f.opts.storage_cost_factor_for_testing = cost;
+    f.opts.max_steps = 2;
+    f.opts.metrics_path = (dir / "m.jsonl").string();
+    std::vector<std::string> notices;
+    f.opts.on_notice = [&](const std::string& m) { notices.push_back(m); };
+    Trainer t(f.spec, f.train, f.test, f.opts);
+    t.run();
+    const bool storage = cost == 0.0;
+    const nlohmann::json s = summary_of(dir / "m.jsonl");
+    const nlohmann::json& d = s.at("precision_decision");
+    EXPECT_EQ(s.at("precision"), storage ? "bf16_storage" : "f32") << d.dump();
+    EXPECT_EQ(d.at("chosen"), storage ? "bf16_storage" : "f32") << d.dump();
+    EXPECT_EQ(d.at("bf16_storage"), storage) << d.dump();
+    EXPECT_GT(d.at("stash_elements").get<int64_t>(), 0) << d.dump();
+    EXPECT_EQ(has_bf16_values(t.train_graph()), storage);
+    ASSERT_FALSE(notices.empty());
+    const std::string want = storage ? "train.precision = \"auto\" chose bf16_storage: bf16 matmuls"
+                                     : "train.precision = \"auto\" chose f32: bf16 matmuls";
+    EXPECT_EQ(notices[0].find(want), 0u) << notices[0];
+    EXPECT_NE(notices[0].find("matmuls stay f32"), std::string::npos) << notices[0];
+    EXPECT_NE(notices[0].find(storage ? "stored in bf16" : "activations stay f32"),
+              std::string::npos)
+        << notices[0];
+  }
+  // Casts as measured (however costly), but a memory limit between the two
+  // runs' plans: auto stores the stash in bf16 so that the run fits.
+  Fixture f = small_mlp();
+  f.spec.hidden = {256, 256, 256};
+  f.opts.precision_auto = true;
+  f.opts.bf16_rate_factor_for_testing = 0.25;
+  f.opts.storage_cost_factor_for_testing = 1e9;
+  f.opts.max_steps = 2;
+  TrainerOptions storage_o = f.opts;
+  storage_o.precision_auto = false;
+  storage_o.bf16_storage = true;
+  const int64_t f32_plan = plan_training(f.spec, f.opts, 0, 1).total_bytes();
+  const int64_t storage_plan = plan_training(f.spec, storage_o, 0, 1).total_bytes();
+  ASSERT_LT(storage_plan, f32_plan);
+  f.opts.memory_limit = (f32_plan + storage_plan) / 2;
+  f.opts.metrics_path = (dir / "m.jsonl").string();
+  Trainer t(f.spec, f.train, f.test, f.opts);
+  t.run();
+  const nlohmann::json d = summary_of(dir / "m.jsonl").at("precision_decision");
+  EXPECT_EQ(d.at("chosen"), "bf16_storage") << d.dump();
+  EXPECT_EQ(d.at("f32_plan_bytes").get<int64_t>(), f32_plan) << d.dump();
+  EXPECT_NE(d.at("reason").get<std::string>().find("exceeds this rank's"), std::string::npos)
+      << d.dump();
+}
+
+TEST(PrecisionPolicy, AutoWeighsTheStorageCastsAgainstTheMatmuls) {
+  // Intel without AMX (bf16 at 0.65x f32): bf16 storage when its casts take
+  // at most 2% of the step's f32 matmul time, f32 when more or nothing to stash.
+  struct Case {
+    int64_t stash;
+    double cast_s;
+    bool want_storage;
+    std::string says;
+  };
+  const std::vector<Case> cases = {{1000000, 0.001, true, "casts cost 1.0%"},
+                                   {1000000, 0.0019, true, "chose bf16_storage"},
+                                   {1000000, 0.005, false, "would cost 5.0%"},
+                                   {0, 0.0, false, "would not lower the planned activation peak"}};
+  for (const Case& c : cases) {
+    PrecisionDecision d;
+    d.requested = "auto";
+    d.measured = true;
+    d.f32_gflops = 115;
+    d.bf16_gflops = 75;
+    d.f32_matmul_s = 0.1;
+    d.storage_cast_s = c.cast_s;
+    d.stash_elements = c.stash;
+    apply_precision_policy(d);
+    EXPECT_EQ(d.chosen, DType::f32) << d.reason;
+    EXPECT_EQ(d.bf16_storage, c.want_storage) << d.reason;
+    EXPECT_EQ(d.mode(), c.want_storage ? "bf16_storage" : "f32");
+    EXPECT_NE(d.reason.find(c.says), std::string::npos)
+        << "'" << c.says << "' not in: " << d.reason;
+    EXPECT_NE(d.reason.find("sync.codec"), std::string::npos) << d.reason;
+  }
+  // Casts too costly, but the f32 plan does not fit the rank's memory and the
+  // storage plan does: storage (else the run could not start); not when
+  // neither fits.
+  for (int64_t storage_plan : {int64_t{120} << 20, int64_t{160} << 20}) {
+    PrecisionDecision d;
+    d.requested = "auto";
+    d.measured = true;
+    d.f32_gflops = 115;
+    d.bf16_gflops = 75;
+    d.f32_matmul_s = 0.1;
+    d.storage_cast_s = 0.005;
+    d.stash_elements = 1000000;
+    d.memory_limit = int64_t{150} << 20;
+    d.f32_plan_bytes = int64_t{200} << 20;
+    d.storage_plan_bytes = storage_plan;
+    apply_precision_policy(d);
+    const bool fits = storage_plan <= d.memory_limit;
+    EXPECT_EQ(d.bf16_storage, fits) << d.reason;
+    EXPECT_NE(d.reason.find(fits ? "exceeds this rank's 150.0 MiB" : "would cost 5.0%"),
+              std::string::npos)
+        << d.reason;
+  }
+  // Where bf16 matmuls pay, auto takes bf16 whatever the stash costs.
+  PrecisionDecision fast;
+  fast.requested = "auto";
+  fast.measured = true;
+  fast.f32_gflops = 100;
+  fast.bf16_gflops = 200;
+  fast.f32_matmul_s = 0.1;
+  fast.stash_elements = 1000;
+  apply_precision_policy(fast);
+  EXPECT_EQ(fast.mode(), "bf16");
+  // As configured, nothing measured.
+  PrecisionDecision asked;
+  asked.requested = "bf16_storage";
+  apply_precision_policy(asked);
+  EXPECT_EQ(asked.mode(), "bf16_storage");
+  EXPECT_EQ(asked.chosen, DType::f32);
 }
 
 TEST(Trainer, RunsPinnedToEachMatmulEngineGiveTheSameLosses) {

@@ -731,7 +731,9 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     fmt::print(stderr, "meshtrain: training {} on {} ({}, ZeRO stage {}, {}, {})\n", rc.model.kind,
                train_data->describe(), plural(comm ? comm->size() : 1, "rank"),
                rc.train.dist.dp.stage, plural(rc.train.threads, "thread"),
-               rc.train.precision_auto ? "precision auto" : dtype_name(rc.train.precision));
+               rc.train.precision_auto ? "precision auto"
+               : rc.train.bf16_storage ? "f32 compute, bf16 activation storage"
+                                       : dtype_name(rc.train.precision));
   }
   rc.train.on_notice = [](const std::string& msg) { fmt::print(stderr, "meshtrain: {}\n", msg); };
   rc.train.stop_signal = &g_stop_signal;

@@ -92,8 +92,10 @@ const std::vector<KeyMeaning> kMeanings = {
     {"train.seed", "seed of parameter initialisation and data order"},
     {"train.threads", "threads per rank for the kernels"},
     {"train.precision",
-     "f32, or mixed precision with bf16 / f16 matmuls and f32 master weights; auto: bf16 where "
-     "its matmuls measure >= 1.1x f32 on the model's shapes at start-up, else f32 throughout "
+     "f32, or mixed precision with bf16 / f16 matmuls and f32 master weights; bf16_storage: f32 "
+     "compute with the activations the backward reads stored in bf16; auto: bf16 where its "
+     "matmuls measure >= 1.1x f32 on the model's shapes at start-up, else bf16_storage where its "
+     "casts measure <= 2% of the matmul time or the f32 run would not fit in memory, else f32 "
      "(docs/engines.md)"},
     {"train.eval", "evaluate on the test split after every epoch and at the end"},
     {"train.log_every", "steps between metrics lines"},

@@ -133,11 +133,13 @@ TrainerOptions read_train(const Config& c) {
   t.seed = static_cast<uint64_t>(c.get_int("train.seed", 1, Bounds<int64_t>::non_negative()));
   t.threads = static_cast<int>(c.get_int("train.threads", 1, Bounds<int64_t>::in(1, 256)));
   const std::string precision =
-      c.get_string("train.precision", "f32", {"f32", "bf16", "f16", "auto"});
+      c.get_string("train.precision", "f32", {"f32", "bf16", "f16", "auto", "bf16_storage"});
   // "auto" is decided by the trainer at start-up (train/precision.h); f32
-  // until then (the larger memory plan of the two it may pick).
+  // until then (the larger memory plan of those it may pick).
+  // "bf16_storage": f32 compute, bf16 activation stash (graph/bf16_stash.h).
   t.precision_auto = precision == "auto";
-  t.precision = t.precision_auto ? DType::f32 : parse_dtype(precision);
+  t.bf16_storage = precision == "bf16_storage";
+  t.precision = t.precision_auto || t.bf16_storage ? DType::f32 : parse_dtype(precision);
   t.eval = c.get_bool("train.eval", true);
   t.eval_batches = c.get_int("train.eval_batches", 0, Bounds<int64_t>::non_negative());
   t.log_every = c.get_int("train.log_every", 50, Bounds<int64_t>::positive());

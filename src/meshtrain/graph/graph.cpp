@@ -203,6 +203,49 @@ std::string Graph::unique_name(const std::string& base) const {
   }
 }
 
+void Graph::replace_input(NodeId id, int slot, ValueId v) {
+  Node& n = nodes_.at(static_cast<size_t>(id));
+  MT_CHECK(slot >= 0 && slot < static_cast<int>(n.inputs.size()), "node '{}': no input {}", n.name,
+           slot);
+  MT_CHECK(v >= 0 && v < num_values(), "node '{}': input id {} is not a value", n.name, v);
+  const Value& old = value(n.inputs[static_cast<size_t>(slot)]);
+  const Value& now = value(v);
+  if (old.shape != now.shape || old.dtype != now.dtype) {
+    throw ShapeError(fmt::format("node '{}': input {} is {}{}, cannot become '{}' {}{}", n.name,
+                                 slot, dtype_name(old.dtype), old.shape.str(), now.name,
+                                 dtype_name(now.dtype), now.shape.str()));
+  }
+  n.inputs[static_cast<size_t>(slot)] = v;
+}
+
+void Graph::reorder_nodes(const std::vector<NodeId>& order) {
+  MT_CHECK(order.size() == nodes_.size(), "reorder_nodes: {} ids for {} nodes", order.size(),
+           nodes_.size());
+  std::vector<bool> placed(nodes_.size(), false);
+  std::vector<bool> ready(values_.size(), false);
+  for (ValueId v = 0; v < num_values(); ++v) {
+    ready[static_cast<size_t>(v)] = values_[static_cast<size_t>(v)].producer == kNoNode;
+  }
+  for (NodeId id : order) {
+    MT_CHECK(id >= 0 && id < num_nodes() && !placed[static_cast<size_t>(id)],
+             "reorder_nodes: node id {} missing, repeated or out of range", id);
+    placed[static_cast<size_t>(id)] = true;
+    const Node& n = nodes_[static_cast<size_t>(id)];
+    for (ValueId in : n.inputs) {
+      MT_CHECK(ready[static_cast<size_t>(in)], "reorder_nodes: node '{}' would run before '{}'",
+               n.name, value(in).name);
+    }
+    for (ValueId out : n.outputs) ready[static_cast<size_t>(out)] = true;
+  }
+  std::vector<Node> nodes;
+  nodes.reserve(nodes_.size());
+  for (NodeId id : order) nodes.push_back(std::move(nodes_[static_cast<size_t>(id)]));
+  nodes_ = std::move(nodes);
+  for (NodeId id = 0; id < num_nodes(); ++id) {
+    for (ValueId out : nodes_[static_cast<size_t>(id)].outputs) value(out).producer = id;
+  }
+}
+
 int Graph::num_forward_nodes() const {
   int n = 0;
   for (const Node& node : nodes_) n += node.backward ? 0 : 1;

@@ -165,6 +165,14 @@ class Graph {
   std::string unique_name(const std::string& base) const;
   int num_forward_nodes() const;  // nodes with backward == false
 
+  // Rewrites for passes that run after autodiff (graph/bf16_stash.h):
+  // node n's input `slot` becomes v (same shape and dtype as the old one, or
+  // ShapeError naming the node), and a new node order (a permutation of the
+  // node ids, which are renumbered to it; value ids stay). The order must be
+  // valid -- every input produced earlier -- or it throws, leaving g unchanged.
+  void replace_input(NodeId n, int slot, ValueId v);
+  void reorder_nodes(const std::vector<NodeId>& order);
+
   // Set by autodiff: the scalar loss and each parameter's gradient value.
   ValueId loss() const { return loss_; }
   void set_loss(ValueId v) { loss_ = v; }

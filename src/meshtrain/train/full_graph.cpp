@@ -71,7 +71,8 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
                                  const TrainerOptions& opts,
                                  const std::function<void(const std::string&)>& log,
                                  const GraphParallelOptions& par, Communicator* comm) {
-  refuse(opts.precision != DType::f32, "train.precision", "sparse kernels are f32");
+  refuse(opts.precision != DType::f32 || opts.bf16_storage, "train.precision",
+         "sparse kernels are f32");
   refuse(opts.max_steps > 0, "train.steps", "one step per epoch: use train.epochs");
   refuse(!opts.checkpoint_path.empty(), "train.checkpoint", "no checkpoints yet");
   refuse(!opts.resume_path.empty(), "train.resume", "no checkpoints yet");

@@ -51,7 +51,8 @@ void check_pipeline_options(const TrainerOptions& o) {
         "without it (docs/plan.md, \"Pipeline runtime\")",
         what));
   };
-  refuse(o.precision == DType::f16 || o.precision_auto, "train.precision f16 / auto");
+  refuse(o.precision == DType::f16 || o.precision_auto || o.bf16_storage,
+         "train.precision f16 / auto / bf16_storage");
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");

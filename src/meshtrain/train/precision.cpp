@@ -55,6 +55,36 @@ double time_matmul(KernelBackend& k, const MatmulUse& u, DType t, int threads) {
   return std::max(best, 1e-9);
 }
 
+// One step's bf16 stash casts: every value f32 -> bf16, then every one back
+// (as the step runs them: the stash leaves the cache between the two when it
+// is larger than the cache). Best of three rounds after a warm one, in
+// seconds. Past kMaxTimed elements (80 MiB of buffers: far past any cache,
+// yet small beside a model whose memory is the question) a prefix is timed
+// and scaled.
+double time_stash_casts(KernelBackend& k, const std::vector<int64_t>& sizes, int threads) {
+  constexpr int64_t kMaxTimed = int64_t{8} << 20;
+  std::vector<Tensor> x, low, back;
+  int64_t total = 0, timed = 0;
+  for (int64_t n : sizes) {
+    total += n;
+    if (timed + n > kMaxTimed && timed > 0) continue;
+    n = std::min(n, kMaxTimed);
+    timed += n;
+    x.push_back(Tensor::full({n}, DType::f32, 0.3f));
+    low.push_back(Tensor::empty({n}, DType::bf16));
+    back.push_back(Tensor::empty({n}, DType::f32));
+  }
+  if (timed == 0) return 0.0;
+  double best = 1e300;
+  for (int round = 0; round < 4; ++round) {
+    const double t0 = clock_s(threads);
+    for (size_t i = 0; i < x.size(); ++i) k.cast(x[i], low[i]);
+    for (size_t i = 0; i < x.size(); ++i) k.cast(low[i], back[i]);
+    if (round > 0) best = std::min(best, clock_s(threads) - t0);
+  }
+  return best * static_cast<double>(total) / static_cast<double>(timed);
+}
+
 // Whether AMX did the bf16 work, for the rates line.
 std::string amx_note(const PrecisionDecision& d) {
   if (d.amx) return ", AMX";
@@ -89,7 +119,12 @@ std::vector<MatmulUse> matmul_uses(const Graph& g) {
   return out;
 }
 
+std::string PrecisionDecision::mode() const {
+  return bf16_storage ? std::string("bf16_storage") : std::string(dtype_name(chosen));
+}
+
 void apply_precision_policy(PrecisionDecision& d) {
+  d.bf16_storage = false;
   const double r = d.bf16_over_f32();
   const std::string rates =
       d.measured ? fmt::format(
@@ -102,6 +137,12 @@ void apply_precision_policy(PrecisionDecision& d) {
     d.reason =
         "train.precision = \"auto\" chose f32: nothing measured (no matmuls, or not the "
         "fast backend)";
+  } else if (d.requested == "bf16_storage") {
+    d.chosen = DType::f32;
+    d.bf16_storage = true;
+    d.reason =
+        "bf16_storage as configured: f32 compute, the activations the backward reads "
+        "stored in bf16";
   } else if (d.requested == "f32" || d.requested == "f16") {
     d.chosen = d.requested == "f32" ? DType::f32 : DType::f16;
     d.reason = fmt::format("{} as configured", d.requested);
@@ -119,22 +160,57 @@ void apply_precision_policy(PrecisionDecision& d) {
       d.reason = fmt::format("train.precision = \"auto\" chose bf16: {}", rates);
     } else {
       d.chosen = DType::f32;
-      d.reason = fmt::format(
-          "train.precision = \"auto\" chose f32: {}, below the {:.2f}x that pays for the casts; "
-          "matmuls stay f32, and so do activations and gradients (no bf16 storage or "
-          "communication around f32 matmuls; sync.codec = \"bf16\" compresses gradients on "
-          "request)",
-          rates, PrecisionDecision::kMinGain);
+      const std::string why_f32 =
+          fmt::format("{}, below the {:.2f}x that pays for the casts, so matmuls stay f32", rates,
+                      PrecisionDecision::kMinGain);
+      const std::string grads =
+          "gradients are sent in f32 (sync.codec = \"bf16\" compresses them on request)";
+      const double cost = d.storage_cost();
+      if (d.stash_elements > 0 && d.storage_needed_to_fit()) {
+        d.bf16_storage = true;
+        d.reason = fmt::format(
+            "train.precision = \"auto\" chose bf16_storage: {}; the f32 run's planned memory "
+            "{:.1f} MiB exceeds this rank's {:.1f} MiB and with the activations the backward "
+            "reads stored in bf16 it fits ({:.1f} MiB), though its casts cost {:.1f}% of the "
+            "step's f32 matmul time; {}",
+            why_f32, static_cast<double>(d.f32_plan_bytes) / (1 << 20),
+            static_cast<double>(d.memory_limit) / (1 << 20),
+            static_cast<double>(d.storage_plan_bytes) / (1 << 20), 100 * cost, grads);
+      } else if (d.stash_elements > 0 && d.f32_matmul_s > 0 &&
+                 cost <= PrecisionDecision::kMaxStorageCost) {
+        d.bf16_storage = true;
+        d.reason = fmt::format(
+            "train.precision = \"auto\" chose bf16_storage: {}; the {:.2f} M activation values "
+            "the backward reads are stored in bf16, whose casts cost {:.1f}% of the step's f32 "
+            "matmul time (at most {:.0f}% pays); {}",
+            why_f32, static_cast<double>(d.stash_elements) * 1e-6, 100 * cost,
+            100 * PrecisionDecision::kMaxStorageCost, grads);
+      } else {
+        const std::string storage =
+            d.stash_elements == 0
+                ? std::string(
+                      "bf16 activation storage would not lower the planned activation "
+                      "peak (no stashed value large enough, or the backward widens them "
+                      "again at the peak)")
+                : fmt::format(
+                      "bf16 activation storage would cost {:.1f}% of the step's f32 matmul time "
+                      "in casts (more than the {:.0f}% that pays), so activations stay f32",
+                      100 * cost, 100 * PrecisionDecision::kMaxStorageCost);
+        d.reason = fmt::format("train.precision = \"auto\" chose f32: {}; {}; {}", why_f32, storage,
+                               grads);
+      }
     }
   } else {
-    throw ConfigError(
-        fmt::format("train.precision: expected f32, bf16, f16 or auto, got {}", d.requested));
+    throw ConfigError(fmt::format(
+        "train.precision: expected f32, bf16, f16, bf16_storage or auto, got {}", d.requested));
   }
 }
 
 PrecisionDecision decide_precision(const std::string& requested, const std::vector<MatmulUse>& uses,
                                    const std::string& backend, const FastBackendOptions& fast,
-                                   double bf16_rate_factor_for_testing) {
+                                   double bf16_rate_factor_for_testing,
+                                   const std::vector<int64_t>& stash_sizes,
+                                   double storage_cost_factor_for_testing) {
   PrecisionDecision d;
   d.requested = requested;
   d.isa = onednn_isa();
@@ -160,6 +236,14 @@ PrecisionDecision decide_precision(const std::string& requested, const std::vect
       d.measured = true;
       d.f32_gflops = flops / f32_s * 1e-9;
       d.bf16_gflops = flops / bf16_s * 1e-9 * bf16_rate_factor_for_testing;
+      d.f32_matmul_s = f32_s;
+    }
+    // The bf16 stash's casts, as the step runs them: f32 -> bf16 after the
+    // forward, bf16 -> f32 before the backward, each value once.
+    if (requested == "auto" && d.measured && d.bf16_over_f32() < PrecisionDecision::kMinGain) {
+      for (int64_t n : stash_sizes) d.stash_elements += n;
+      d.storage_cast_s =
+          time_stash_casts(k, stash_sizes, threads) * storage_cost_factor_for_testing;
     }
     d.seconds = clock_s(0) - t0;
   }

@@ -4,7 +4,17 @@
 //
 //   train.precision = "auto": bf16 when its matmuls run at least kMinGain
 //                     times the f32 rate (the gain must pay for the casts
-//                     mixed precision adds), else f32;
+//                     mixed precision adds); else f32 compute with bf16
+//                     activation storage (graph/bf16_stash.h) when the
+//                     storage's casts, timed on the stash's own sizes, cost
+//                     at most kMaxStorageCost of the step's f32 matmul time
+//                     (so they cannot slow the step by more than that
+//                     fraction: the step is longer than its matmuls), or
+//                     when the f32 run's planned memory exceeds the
+//                     rank's memory limit and the storage plan fits (then
+//                     the alternative is not running at all); else f32
+//                     throughout;
+//                     "bf16_storage": f32 compute, bf16 stash, as configured;
 //                     "bf16": bf16 as configured, with a warning when its
 //                     matmuls are slower here (Intel without AMX: the bf16
 //                     dot-product instruction has half the FMA ports);
@@ -38,34 +48,55 @@ std::vector<MatmulUse> matmul_uses(const Graph& g);
 
 struct PrecisionDecision {
   static constexpr double kMinGain = 1.1;
-  std::string requested;  // "f32", "bf16", "f16" or "auto"
+  static constexpr double kMaxStorageCost = 0.02;
+  std::string requested;  // "f32", "bf16", "f16", "bf16_storage" or "auto"
   DType chosen = DType::f32;
+  bool bf16_storage = false;  // chosen f32 compute with the bf16 stash
   bool measured = false;
   // Over the step's matmuls, flop-weighted, at one thread.
   double f32_gflops = 0, bf16_gflops = 0;
-  double seconds = 0;    // the measurement's own time
-  std::string isa;       // oneDNN's ISA ("avx512_core_amx" where AMX runs bf16)
-  bool amx = false;      // oneDNN runs bf16 on AMX tiles
-  bool cpu_amx = false;  // the CPU (and the OS) offer AMX, whether oneDNN uses it or not
-  std::string reason;    // one line for the log
+  // The bf16 stash of the f32 training graph: its elements, the f32 matmul
+  // seconds of one step and the seconds of the stash's two casts per step
+  // (one thread; 0 when not measured).
+  int64_t stash_elements = 0;
+  double f32_matmul_s = 0, storage_cast_s = 0;
+  double storage_cost() const { return f32_matmul_s > 0 ? storage_cast_s / f32_matmul_s : 0.0; }
+  // The rank's memory limit (TrainerOptions::memory_limit; 0: none) and the
+  // planned memory per rank (training_plan.h total) of the f32 run and of
+  // the bf16 storage run; set by the trainer for auto.
+  int64_t memory_limit = 0, f32_plan_bytes = 0, storage_plan_bytes = 0;
+  bool storage_needed_to_fit() const {
+    return memory_limit > 0 && f32_plan_bytes > memory_limit && storage_plan_bytes > 0 &&
+           storage_plan_bytes <= memory_limit;
+  }
+  std::string mode() const;  // "f32", "bf16", "f16" or "bf16_storage"
+  double seconds = 0;        // the measurement's own time
+  std::string isa;           // oneDNN's ISA ("avx512_core_amx" where AMX runs bf16)
+  bool amx = false;          // oneDNN runs bf16 on AMX tiles
+  bool cpu_amx = false;      // the CPU (and the OS) offer AMX, whether oneDNN uses it or not
+  std::string reason;        // one line for the log
   double bf16_over_f32() const { return f32_gflops > 0 ? bf16_gflops / f32_gflops : 0.0; }
 };
 
 // bf16_rate_factor_for_testing scales the measured bf16 rate (a test makes
-// bf16 look slower with 0.5); 1 outside tests.
+// bf16 look slower with 0.5), storage_cost_factor_for_testing the measured
+// cast time; 1 outside tests. stash_sizes: the elements of each value the
+// bf16 stash pass would keep in bf16 (Bf16StashReport::stashed); timed
+// only for "auto".
 // `backend` and `fast`: the training's kernel backend and options; only the
 // fast backend is measured (on a private instance, at one thread: the ratio
 // is the core's).
 PrecisionDecision decide_precision(const std::string& requested, const std::vector<MatmulUse>& uses,
                                    const std::string& backend, const FastBackendOptions& fast,
-                                   double bf16_rate_factor_for_testing = 1.0);
+                                   double bf16_rate_factor_for_testing = 1.0,
+                                   const std::vector<int64_t>& stash_sizes = {},
+                                   double storage_cost_factor_for_testing = 1.0);
 
-// The decision for "f32" / "bf16" / "f16" / "auto" once the rates are known
-// (pure: the policy above). When auto keeps f32 it keeps all of it: meshtrain
-// has no mode that stores activations or sends gradients in bf16 around f32
-// matmuls (sync.codec = "bf16" compresses gradients, but only on request: it
-// is lossy and breaks step-by-step equality with the single-process run), and
-// the reason says so.
+// The decision for "f32" / "bf16" / "f16" / "bf16_storage" / "auto" once the
+// rates are known (pure: the policy above). Gradients are never sent in bf16
+// by auto: sync.codec = "bf16" compresses them, but only on request (it is
+// lossy and breaks step-by-step equality with the single-process run), and
+// the reason says so when auto keeps matmuls in f32.
 void apply_precision_policy(PrecisionDecision& d);
 
 }  // namespace mt

@@ -218,6 +218,7 @@ struct Trainer::Impl {
     // is checked against the memory this rank may use.
     decide_precision_once();
     TrainingGraph tg = build_training_graph(spec, o, micro_batch, rank);
+    if (o.bf16_storage) notice(tg.stash.describe());
     plan = plan_training(tg, spec, o, split, rank, world, test_data ? test_data->size() : -1);
     if (o.memory_limit > 0) check_memory_fits(plan, spec, o, o.memory_limit);
     model = std::move(tg.model);
@@ -736,33 +737,77 @@ struct Trainer::Impl {
   // the configured precision asks for it (train/precision.h), and makes every
   // rank follow rank 0's choice.
   void decide_precision_once() {
-    const std::string requested =
-        o.precision_auto ? std::string("auto") : std::string(dtype_name(o.precision));
+    const std::string requested = o.precision_auto ? std::string("auto")
+                                  : o.bf16_storage ? std::string("bf16_storage")
+                                                   : std::string(dtype_name(o.precision));
     const bool measure = o.precision_auto || o.precision == DType::bf16;
     std::vector<MatmulUse> uses;
+    std::vector<int64_t> stash_sizes;
+    int64_t f32_plan = 0, storage_plan = 0;
     if (measure && rank == 0) {
       ModelSpec f32_spec = spec;
       f32_spec.compute = DType::f32;
       TrainerOptions f32_o = o;
       f32_o.precision = DType::f32;
-      uses = matmul_uses(build_training_graph(f32_spec, f32_o, micro_batch, rank).model.graph);
+      f32_o.bf16_storage = false;
+      const TrainingGraph tg = build_training_graph(f32_spec, f32_o, micro_batch, rank);
+      uses = matmul_uses(tg.model.graph);
+      if (o.precision_auto && !o.exec.recompute) {
+        // What the stash pass would keep in bf16, and both runs' planned
+        // memory against this rank's limit.
+        TrainerOptions storage_o = f32_o;
+        storage_o.bf16_storage = true;
+        const TrainingGraph st = build_training_graph(f32_spec, storage_o, micro_batch, rank);
+        for (ValueId v : st.stash.stashed)
+          stash_sizes.push_back(st.model.graph.value(v).shape.numel());
+        if (o.memory_limit > 0) {
+          const BatchSplit split{local_batch, micro_batch};
+          const int64_t ev = test_data ? test_data->size() : -1;
+          f32_plan = plan_training(tg, f32_spec, f32_o, split, rank, world, ev).total_bytes();
+          storage_plan =
+              plan_training(st, f32_spec, storage_o, split, rank, world, ev).total_bytes();
+        }
+      }
     }
     precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
-                                 o.bf16_rate_factor_for_testing);
-    if (measure && world > 1) {
-      Tensor t = Tensor::empty({4}, DType::f64);
-      t.data<double>()[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
-      t.data<double>()[1] = precision.f32_gflops;
-      t.data<double>()[2] = precision.bf16_gflops;
-      t.data<double>()[3] = precision.measured ? 1.0 : 0.0;
-      comm->broadcast(t, 0);
-      precision.measured = t.data<double>()[3] != 0.0;
-      precision.f32_gflops = t.data<double>()[1];
-      precision.bf16_gflops = t.data<double>()[2];
+                                 o.bf16_rate_factor_for_testing, stash_sizes,
+                                 o.storage_cost_factor_for_testing);
+    if (o.precision_auto && o.memory_limit > 0 && rank == 0) {
+      precision.memory_limit = o.memory_limit;
+      precision.f32_plan_bytes = f32_plan;
+      precision.storage_plan_bytes = storage_plan;
       apply_precision_policy(precision);
-      precision.chosen = t.data<double>()[0] != 0.0 ? DType::bf16 : DType::f32;
+    }
+    if (measure && world > 1) {
+      Tensor t = Tensor::empty({11}, DType::f64);
+      double* d = t.data<double>();
+      d[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
+      d[1] = precision.f32_gflops;
+      d[2] = precision.bf16_gflops;
+      d[3] = precision.measured ? 1.0 : 0.0;
+      d[4] = precision.bf16_storage ? 1.0 : 0.0;
+      d[5] = static_cast<double>(precision.stash_elements);
+      d[6] = precision.f32_matmul_s;
+      d[7] = precision.storage_cast_s;
+      d[8] = static_cast<double>(precision.memory_limit);
+      d[9] = static_cast<double>(precision.f32_plan_bytes);
+      d[10] = static_cast<double>(precision.storage_plan_bytes);
+      comm->broadcast(t, 0);
+      precision.memory_limit = static_cast<int64_t>(d[8]);
+      precision.f32_plan_bytes = static_cast<int64_t>(d[9]);
+      precision.storage_plan_bytes = static_cast<int64_t>(d[10]);
+      precision.measured = d[3] != 0.0;
+      precision.f32_gflops = d[1];
+      precision.bf16_gflops = d[2];
+      precision.stash_elements = static_cast<int64_t>(d[5]);
+      precision.f32_matmul_s = d[6];
+      precision.storage_cast_s = d[7];
+      apply_precision_policy(precision);
+      precision.chosen = d[0] != 0.0 ? DType::bf16 : DType::f32;
+      precision.bf16_storage = d[4] != 0.0;
     }
     o.precision = precision.chosen;
+    o.bf16_storage = precision.bf16_storage;
     spec.compute = precision.chosen;
     if (measure) notice(precision.reason);
   }
@@ -1418,7 +1463,8 @@ struct Trainer::Impl {
         {"dp_optimizer_bytes", r.memory.optimizer_bytes},
         {"dp_buffer_bytes", r.memory.buffer_bytes()},
         {"dp_expected_buffer_bytes", r.memory.expected_buffer_bytes},
-        {"precision", std::string(dtype_name(o.precision))},
+        {"precision",
+         o.bf16_storage ? std::string("bf16_storage") : std::string(dtype_name(o.precision))},
         {"precision_decision", precision_json()},
         {"cpu", cpu_info().describe()},
         {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
@@ -1457,10 +1503,23 @@ struct Trainer::Impl {
 
 nlohmann::json Trainer::Impl::precision_json() const {
   nlohmann::json j = {{"requested", precision.requested},
-                      {"chosen", std::string(dtype_name(precision.chosen))},
+                      {"chosen", precision.mode()},
                       {"reason", precision.reason},
                       {"amx", precision.amx},
                       {"cpu_amx", precision.cpu_amx}};
+  if (precision.bf16_storage || precision.stash_elements > 0) {
+    j["bf16_storage"] = precision.bf16_storage;
+  }
+  if (precision.stash_elements > 0) {
+    j["stash_elements"] = precision.stash_elements;
+    j["storage_cast_ms_1t"] = precision.storage_cast_s * 1e3;
+    j["storage_cost_of_matmul_time"] = precision.storage_cost();
+  }
+  if (precision.memory_limit > 0 && precision.f32_plan_bytes > 0) {
+    j["memory_limit_bytes"] = precision.memory_limit;
+    j["f32_plan_bytes"] = precision.f32_plan_bytes;
+    j["bf16_storage_plan_bytes"] = precision.storage_plan_bytes;
+  }
   if (precision.measured) {
     j["f32_matmul_gflops_1t"] = precision.f32_gflops;
     j["bf16_matmul_gflops_1t"] = precision.bf16_gflops;

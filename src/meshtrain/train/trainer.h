@@ -87,8 +87,14 @@ struct TrainerOptions {
   // shapes at start-up and pick the faster (train/precision.h); `precision`
   // is then ignored. bf16 is measured too, to warn when it is slower here.
   bool precision_auto = false;
-  // Test hook: scales the measured bf16 matmul rate (1 outside tests).
+  // train.precision = "bf16_storage" (precision f32): f32 compute, the
+  // activations the backward reads kept in bf16 between forward and
+  // backward (graph/bf16_stash.h). "auto" may set it.
+  bool bf16_storage = false;
+  // Test hooks: scale the measured bf16 matmul rate and the measured cost of
+  // the bf16 storage casts (1 outside tests).
   double bf16_rate_factor_for_testing = 1.0;
+  double storage_cost_factor_for_testing = 1.0;
   bool eval = true;  // evaluate on the test split after each epoch
   // > 0: evaluate on only the first this-many test batches of
   // eval_batch_size (the split in file order, so the same examples every

@@ -111,8 +111,41 @@ TrainingGraph build_training_graph(const ModelSpec& model_spec, const TrainerOpt
     t.objective = b.mul(t.model.loss, t.loss_scale_in);
   }
   build_backward(t.model.graph, t.objective);
+  if (o.bf16_storage) {
+    if (o.precision != DType::f32) {
+      throw ConfigError(
+          fmt::format("train.precision: bf16 activation storage runs around f32 compute, not {}",
+                      dtype_name(o.precision)));
+    }
+    if (o.exec.recompute) {
+      throw ConfigError(
+          "train.precision = \"bf16_storage\" with exec.recompute = true: both shrink the "
+          "activations the backward reads (one stores them in bf16, the other recomputes "
+          "them); pick one");
+    }
+  }
   t.exec = o.exec;
   t.exec.outputs.push_back(t.model.loss);  // the unscaled loss, for metrics
+  if (o.bf16_storage) {
+    // Kept only where it lowers the planned peak: in a shallow model the
+    // backward widens the last layers' values again right at the boundary,
+    // and the bf16 copies beside them can make the peak larger.
+    Graph g = t.model.graph;
+    Bf16StashReport r = stash_in_bf16(g);
+    const GradMemory gm = DataParallel::grad_memory(o.dist.dp);
+    const int64_t before = plan_memory(t.model.graph, t.exec, gm).arena_bytes;
+    const int64_t after = r.stashed.empty() ? before : plan_memory(g, t.exec, gm).arena_bytes;
+    r.arena_bytes_f32 = before;
+    r.arena_bytes = after;
+    if (after < before) {
+      t.model.graph = std::move(g);
+    } else {
+      r.kept_f32 = !r.stashed.empty();
+      r.stashed.clear();
+      r.elements = r.f32_bytes = 0;
+    }
+    t.stash = std::move(r);
+  }
   return t;
 }
 

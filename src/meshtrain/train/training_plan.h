@@ -12,6 +12,7 @@
 #include <string>
 
 #include "meshtrain/exec/executor.h"
+#include "meshtrain/graph/bf16_stash.h"
 #include "meshtrain/models/model.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/sync/data_parallel.h"
@@ -52,8 +53,11 @@ struct TrainingGraph {
   ValueId objective = kNoValue;      // what backward differentiates
   ValueId loss_scale_in = kNoValue;  // f16 only: the scalar the loss is multiplied by
   ExecOptions exec;                  // the training executor's options
+  Bf16StashReport stash;             // o.bf16_storage: what the bf16 stash pass did
 };
-// `spec.compute` is taken from o.precision.
+// `spec.compute` is taken from o.precision. With o.bf16_storage (f32 only) the
+// graph's stash is kept in bf16 (graph/bf16_stash.h); ConfigError with
+// exec.recompute (a recomputed value is not stashed: pick one).
 TrainingGraph build_training_graph(const ModelSpec& spec, const TrainerOptions& o,
                                    int64_t micro_batch, int rank = 0);
 
