@@ -262,6 +262,37 @@ TEST(PlanSearch, LpHeadsBalanceUnequalTensorRanks) {
   EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
 }
 
+// Pipelines whose step is above the `top` runnable plans already priced by
+// a lower bound (each rank's compute tasks in a row) are not simulated:
+// the best plans are those of a search that simulates everything, on any
+// number of threads, and the cut does take effect.
+TEST(PlanSearch, PipelineBoundCutKeepsTheBest) {
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 4, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  const ClusterModel c = cluster(4, 1e12, 4);
+  SearchOptions all;
+  all.top = 1000;  // nothing is ever cut: 1000 plans are never priced here
+  const SearchResult full = search_plans(gpt, options(16), c, all);
+  EXPECT_EQ(full.not_simulated, 0);
+  for (int threads : {1, 4}) {
+    SearchOptions o;
+    o.top = 2;
+    o.threads = threads;
+    const SearchResult r = search_plans(gpt, options(16), c, o);
+    EXPECT_EQ(r.fitting, full.fitting);
+    EXPECT_EQ(r.candidates, full.candidates);
+    ASSERT_EQ(r.best.size(), 2u);
+    for (size_t i = 0; i < r.best.size(); ++i) {
+      EXPECT_EQ(r.best[i].describe(), full.best[i].describe()) << threads << " threads";
+      EXPECT_EQ(r.best[i].estimate.step_s, full.best[i].estimate.step_s);
+    }
+    if (threads == 1) {
+      EXPECT_GT(r.not_simulated, 0);
+    }
+  }
+}
+
 TEST(PlanSearch, DeterministicAndRankedByStepTime) {
   ClusterModel c = cluster(4, 1e12);
   c.slowdown = {1, 1, 1, 3};

@@ -86,8 +86,12 @@ int cmd_plan(const CommandOptions& opts) {
              cluster.world(), opts.cluster_path, cluster.layout.nodes(), kinds_line(cluster));
   fmt::print(
       "{} plans: {} fit in memory, {} over memory ({} of them by their parameters alone, "
-      "not priced), {} refused{}\n",
+      "not priced), {} refused{}{}\n",
       r.candidates, r.fitting, r.over_memory, r.pruned, r.refused,
+      r.not_simulated > 0
+          ? fmt::format(", {} of the fitting slower than the best {} by a bound (not simulated)",
+                        r.not_simulated, so.top)
+          : std::string(),
       r.dominated > 0 ? fmt::format(", {} not priced (a twin without recomputation or ZeRO-1 fits)",
                                     r.dominated)
                       : std::string());

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -169,6 +170,9 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   // on the threads.
   struct Priced {
     enum Kind { fits, over, refused, unpriced } kind = refused;
+    // fits, not simulated: a lower bound of its step is above `top`
+    // runnable plans already priced (SearchResult::not_simulated).
+    bool bounded = false;
     PlanCandidate c;
     std::string why;
     int worst = 0;  // over: the rank furthest over its memory
@@ -176,6 +180,12 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   // Stage passes shared by candidates that differ only in the schedule or
   // the micro-batch count (planner/cost_model.h).
   BuildCache cache;
+  // The `top` fastest runnable (not projection) steps priced so far, for
+  // the pipelines' lower-bound cut: a plan whose bound is above the
+  // top-th of them can be neither among the best nor the best runnable,
+  // whatever is priced later, so the result does not depend on the order.
+  std::mutex top_mutex;
+  std::multiset<double> top_runnable;
   // One shape's entries (one per tensor coordinate, up to a node's ranks)
   // until its twin with the other schedule, on each thread.
   const int pricing_threads =
@@ -224,7 +234,38 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         }
         c.estimate.distinct_programs = static_cast<int>(progs.programs.size());
       } else {
-        c.estimate = simulate(progs, cluster);
+        if (c.shape.pp > 1 && !unequal && opt.top > 0) {
+          // Each program's compute-lane tasks run one after another: their
+          // sum bounds the step from below.
+          double bound = 0;
+          for (const Program& pr : progs.programs) {
+            double sum = 0;
+            for (const Task& t : pr.tasks) {
+              if (t.kind == Task::Kind::compute && t.lane == 0) sum += t.seconds;
+            }
+            bound = std::max(bound, sum);
+          }
+          std::lock_guard<std::mutex> hold(top_mutex);
+          out.bounded =
+              static_cast<int>(top_runnable.size()) >= opt.top && bound > *top_runnable.rbegin();
+        }
+        if (out.bounded) {
+          c.estimate.ranks.resize(static_cast<size_t>(world));
+          for (int r = 0; r < world; ++r) {
+            c.estimate.ranks[static_cast<size_t>(r)].peak_memory_bytes =
+                progs.programs[static_cast<size_t>(progs.ranks[static_cast<size_t>(r)].program)]
+                    .peak_memory_bytes;
+          }
+        } else {
+          c.estimate = simulate(progs, cluster);
+          if (!c.projection) {
+            std::lock_guard<std::mutex> hold(top_mutex);
+            top_runnable.insert(c.estimate.step_s);
+            while (static_cast<int>(top_runnable.size()) > std::max(1, opt.top)) {
+              top_runnable.erase(std::prev(top_runnable.end()));
+            }
+          }
+        }
       }
     } catch (const ConfigError& e) {
       out.why = e.what();
@@ -443,6 +484,10 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       }
       case Priced::fits:
         ++res.fitting;
+        if (q.bounded) {
+          ++res.not_simulated;
+          return;
+        }
         fits.push_back(std::move(q.c));
         return;
     }

@@ -102,6 +102,11 @@ struct SearchResult {
   // (projection) whose twin without it fits (recomputation is never
   // faster; a projection is not proposed where a runnable twin fits).
   int dominated = 0;
+  // Of fitting: under pipelines (even devices), plans whose step is above
+  // `top` runnable plans already priced by a lower bound (the sum of each
+  // rank's compute-lane tasks), so never among the best nor the best
+  // runnable: their memory is exact, their time not simulated.
+  int not_simulated = 0;
   std::optional<Miss> closest;
   std::vector<std::string> refusals;  // the distinct reasons, first few
 };
