@@ -24,6 +24,7 @@
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/spmd/shorthand.h"
+#include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/training_plan.h"
 
 namespace mt::planner {
@@ -546,6 +547,142 @@ TEST(CostModel, PipelineBytesAreTheRuntimesPrediction) {
           << schedule_name(kind) << " rank " << world.rank();
     });
   }
+}
+
+// The pipeline memory terms on hand-computed values: f32 parameters and
+// gradients, AdamW's two moments (1/dp of them under ZeRO-1), the kept
+// bytes per micro-batch in flight, one whole stash while a recomputed
+// forward is live, the arena.
+TEST(CostModel, PipelineStageMemoryHandValues) {
+  PipelineStageMemory m;
+  m.param_bytes = 1000;
+  m.state_kinds = 2;
+  m.kept_bytes = 100;
+  m.stash_bytes = 100;
+  m.in_flight = 3;
+  m.arena_bytes = 50;
+  EXPECT_EQ(pipeline_stage_memory(m), 2000 + 2000 + 300 + 50);
+  m.zero_dp = 4;  // ZeRO-1: the moments over 4 ranks
+  EXPECT_EQ(pipeline_stage_memory(m), 2000 + 500 + 300 + 50);
+  m.zero_dp = 1;
+  m.recompute = true;  // keeps 10 bytes of inputs per micro-batch, one whole stash
+  m.kept_bytes = 10;
+  EXPECT_EQ(pipeline_stage_memory(m), 2000 + 2000 + 30 + 100 + 50);
+  EXPECT_EQ(even_counts(10, 4), (std::vector<size_t>{3, 3, 2, 2}));
+  EXPECT_EQ(zero1_shard_elements(10, 4), 3);
+  EXPECT_EQ(zero1_shard_elements(8, 4), 2);
+}
+
+namespace {
+
+ModelSpec tiny_gpt() {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  spec.vocab = 64;
+  return spec;
+}
+
+// A pp=2 (x dp) plan of tiny_gpt with 4 micro-batches of 2 examples per replica.
+TrainerOptions pipeline_options(const ModelSpec& spec, int dp, bool recompute) {
+  TrainerOptions o = mlp_options(2 * dp);
+  o.batch_size = 8 * dp;
+  o.optimizer = "adamw";
+  ParallelShorthand sh;
+  sh.pp = 2;
+  sh.dp = dp;
+  sh.microbatches = 4;
+  sh.recompute = recompute;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  o.dist.plan = std::make_shared<Plan>(
+      expand_shorthand(sh, ShorthandModel{"gpt", spec.d_model / spec.heads}, m.graph, 2 * dp));
+  return o;
+}
+
+}  // namespace
+
+// Recomputation on every stage (parallel.recompute): each backward first runs
+// the stage's forward again -- forward time exactly doubles (4 forwards +
+// 4 recomputed ones), backward, communication and bytes stay -- and a
+// micro-batch in flight keeps only its received inputs: the stash term is
+// the pipeline runtime's own planned_stash_bytes.
+TEST(CostModel, PipelineRecomputationAddsAForwardAndKeepsOnlyInputs) {
+  const ModelSpec spec = tiny_gpt();
+  const ClusterModel c = cluster(2, 1e-5, 1e9);
+  const StepEstimate plain = estimate_step(spec, pipeline_options(spec, 1, false), c);
+  const TrainerOptions ro = pipeline_options(spec, 1, true);
+  const StepEstimate rc = estimate_step(spec, ro, c);
+  const ModelGraph mb = build_model(spec, 2);
+  const PipelineCut cut = cut_pipeline(mb.graph, mb.loss, ro.dist.plan->stages);
+  const PipelineSchedule sched = make_schedule(ScheduleKind::one_f_one_b, 2, 4);
+  const ScheduleSimulation unit = simulate(sched);
+  for (int r = 0; r < 2; ++r) {
+    const RankEstimate& a = plain.ranks[static_cast<size_t>(r)];
+    const RankEstimate& b = rc.ranks[static_cast<size_t>(r)];
+    EXPECT_GT(a.forward_s, 0);
+    EXPECT_NEAR(b.forward_s, 2 * a.forward_s, 1e-12 * a.forward_s) << "rank " << r;
+    EXPECT_NEAR(b.backward_s, a.backward_s, 1e-12 * a.backward_s) << "rank " << r;
+    EXPECT_EQ(b.bytes_sent, a.bytes_sent);
+    const PipelineStage& st = cut.stages[static_cast<size_t>(r)];
+    ASSERT_TRUE(st.recompute);
+    ASSERT_LT(st.recompute_stash_bytes, st.stash_bytes);
+    const int64_t held = unit.peak_in_flight[static_cast<size_t>(r)];
+    // What recomputation saves: (whole - inputs) per chunk in flight, less the one
+    // whole stash the recomputed forward holds.
+    EXPECT_EQ(a.peak_memory_bytes - b.peak_memory_bytes,
+              (st.stash_bytes - st.recompute_stash_bytes) * held - st.stash_bytes)
+        << "rank " << r;
+    EXPECT_EQ(planned_stash_bytes(cut, sched, r), st.recompute_stash_bytes * held + st.stash_bytes);
+  }
+  EXPECT_GT(rc.step_s, plain.step_s);
+}
+
+// ZeRO-1 under a pipeline is priced as a projection (the pipeline runtime
+// refuses it): AdamW's moments take 1/dp per rank, each parameter's updated
+// shards are all-gathered (one block per rank on a ring of 2), the estimate
+// says it is a projection; stages 2-3 stay refused.
+TEST(CostModel, ZeroOneUnderAPipelineIsAProjection) {
+  const ModelSpec spec = tiny_gpt();
+  const int dp = 2;
+  const ClusterModel c = cluster(4, 1e-5, 1e9);
+  TrainerOptions o = pipeline_options(spec, dp, false);
+  EXPECT_THROW(check_pipeline_options([&] {
+                 TrainerOptions z = o;
+                 z.dist.dp.stage = 1;
+                 return z;
+               }()),
+               ConfigError);  // the runtime's refusal this prices around
+  const StepEstimate z0 = estimate_step(spec, o, c);
+  o.dist.dp.stage = 1;
+  const StepEstimate z1 = estimate_step(spec, o, c);
+  EXPECT_TRUE(std::any_of(z1.notes.begin(), z1.notes.end(),
+                          [](const std::string& n) { return n.rfind("projection:", 0) == 0; }));
+  const ModelGraph mb = build_model(spec, 2);
+  const PipelineCut cut = cut_pipeline(mb.graph, mb.loss, o.dist.plan->stages);
+  for (int r = 0; r < 4; ++r) {
+    const int stage = o.dist.plan->mesh.coord(r, "pp");
+    const Graph& fg = cut.stages[static_cast<size_t>(stage)].forward.graph;
+    int64_t param_bytes = 0, half_bytes = 0;
+    for (ValueId v : fg.params()) {
+      const int64_t n = fg.value(v).shape.numel();
+      param_bytes += n * 4;
+      half_bytes += static_cast<int64_t>(even_counts(n, dp)[0]) * 4;
+    }
+    const RankEstimate& a = z0.ranks[static_cast<size_t>(r)];
+    const RankEstimate& b = z1.ranks[static_cast<size_t>(r)];
+    // 2 moments x (P - P/2).
+    EXPECT_EQ(a.peak_memory_bytes - b.peak_memory_bytes, 2 * param_bytes - 2 * param_bytes / dp)
+        << "rank " << r;
+    // The ring all-gather over 2 ranks: each sends its own shard of every parameter.
+    const int coord = o.dist.plan->mesh.coord(r, "dp");
+    const int64_t own = coord == 0 ? half_bytes : param_bytes - half_bytes;
+    EXPECT_EQ(static_cast<int64_t>(b.bytes_sent - a.bytes_sent), own) << "rank " << r;
+  }
+  o.dist.dp.stage = 2;
+  EXPECT_THROW(build_programs(spec, o, c), ConfigError);
 }
 
 TEST(Simulator, Deterministic) {

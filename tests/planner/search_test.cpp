@@ -64,6 +64,11 @@ TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
   EXPECT_EQ(all.unpriced, 0) << all.unpriced_reasons.front();
   SearchOptions every;
   every.top = 1000;
+  // Under pipelines recomputation and ZeRO-1 are priced only where their
+  // twin without them is over memory, so the roomy run would not hold the
+  // plans the tight one prices: off here (PipelinesRecomputeOnlyWhereTheyWouldNotFit).
+  every.recompute = false;
+  every.zero1_pipeline_projection = false;
   const SearchResult wide = search_plans(spec, options(32), cluster(4, 1e12), every);
   int64_t lo = INT64_MAX, hi = 0;
   for (const PlanCandidate& p : wide.best) {
@@ -80,7 +85,7 @@ TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
       EXPECT_LE(static_cast<double>(e.peak_memory_bytes), middle) << p.describe();
     }
   }
-  EXPECT_EQ(r.fitting + r.over_memory + r.refused + r.unpriced, r.candidates);
+  EXPECT_EQ(r.fitting + r.over_memory + r.refused + r.unpriced + r.dominated, r.candidates);
   // Over-memory plans are not simulated, only their memory taken: the
   // closest miss needs what the least-over plan needs when fully priced.
   int64_t least_over = INT64_MAX;
@@ -183,6 +188,56 @@ TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
   EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
 }
 
+// Under pipelines the search adds recomputation (every stage) and ZeRO-1
+// (a projection) only where the plan without them is over memory: with
+// memory between a 2-stage GPT pipeline's peak with and without
+// recomputation, the pipeline is proposed recomputing, its plan file says
+// so (not exec.recompute), and where everything fits neither is priced.
+TEST(PlanSearch, PipelinesRecomputeOnlyWhereTheyWouldNotFit) {
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 4, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  SearchOptions o;
+  o.top = 1000;
+  o.schedules = {ScheduleKind::one_f_one_b};
+  o.microbatch_factors = {2};
+  o.tp_within_node = true;
+  auto pipelines = [](const SearchResult& r) {
+    std::vector<const PlanCandidate*> v;
+    for (const PlanCandidate& p : r.best) {
+      if (p.shape.pp == 2 && p.shape.tp == 1) v.push_back(&p);
+    }
+    return v;
+  };
+  const SearchResult roomy = search_plans(gpt, options(16), cluster(2, 1e12, 1), o);
+  ASSERT_EQ(pipelines(roomy).size(), 1u);
+  const PlanCandidate plain = *pipelines(roomy).front();
+  EXPECT_FALSE(plain.recompute);
+  EXPECT_GT(roomy.dominated, 0);  // its recomputing twin was not priced
+
+  // The same plan recomputing, priced directly: less memory.
+  TrainerOptions ro = options(16);
+  Plan rp = plain.plan;
+  for (StagePlan& st : rp.stages) st.recompute = true;
+  ro.dist.plan = std::make_shared<const Plan>(rp);
+  const ClusterModel big = cluster(2, 1e12, 1);
+  const int64_t with = estimate_step(gpt, ro, big).max_peak_memory_bytes();
+  const int64_t without = plain.estimate.max_peak_memory_bytes();
+  ASSERT_LT(with, without);
+  const double middle = 0.5 * static_cast<double>(with + without);
+  const SearchResult tight = search_plans(gpt, options(16), cluster(2, middle, 1), o);
+  const std::vector<const PlanCandidate*> found = pipelines(tight);
+  ASSERT_EQ(found.size(), 1u) << nothing_fits_message(tight, cluster(2, middle, 1));
+  const PlanCandidate& p = *found.front();
+  EXPECT_TRUE(p.recompute);
+  EXPECT_FALSE(p.projection);
+  EXPECT_LE(static_cast<double>(p.estimate.max_peak_memory_bytes()), middle);
+  for (const StagePlan& st : p.plan.stages) EXPECT_TRUE(st.recompute);
+  for (const std::string& set : p.settings(2))
+    EXPECT_THAT(set, ::testing::Not(HasSubstr("exec.recompute")));
+  EXPECT_GT(p.estimate.step_s, plain.estimate.step_s);  // the extra forwards
+}
+
 TEST(PlanSearch, LpHeadsBalanceUnequalTensorRanks) {
   // The same GPT over tp = 2 with the second rank 3x slower: 3 heads and 1.
   ModelSpec gpt;
@@ -205,6 +260,37 @@ TEST(PlanSearch, LpHeadsBalanceUnequalTensorRanks) {
   ASSERT_NE(uneven, nullptr);
   EXPECT_EQ(uneven->shape.tp_ratios, (std::vector<int64_t>{3, 1}));
   EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
+}
+
+// Pipelines whose step is above the `top` runnable plans already priced by
+// a lower bound (each rank's compute tasks in a row) are not simulated:
+// the best plans are those of a search that simulates everything, on any
+// number of threads, and the cut does take effect.
+TEST(PlanSearch, PipelineBoundCutKeepsTheBest) {
+  ModelSpec gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 4, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
+  const ClusterModel c = cluster(4, 1e12, 4);
+  SearchOptions all;
+  all.top = 1000;  // nothing is ever cut: 1000 plans are never priced here
+  const SearchResult full = search_plans(gpt, options(16), c, all);
+  EXPECT_EQ(full.not_simulated, 0);
+  for (int threads : {1, 4}) {
+    SearchOptions o;
+    o.top = 2;
+    o.threads = threads;
+    const SearchResult r = search_plans(gpt, options(16), c, o);
+    EXPECT_EQ(r.fitting, full.fitting);
+    EXPECT_EQ(r.candidates, full.candidates);
+    ASSERT_EQ(r.best.size(), 2u);
+    for (size_t i = 0; i < r.best.size(); ++i) {
+      EXPECT_EQ(r.best[i].describe(), full.best[i].describe()) << threads << " threads";
+      EXPECT_EQ(r.best[i].estimate.step_s, full.best[i].estimate.step_s);
+    }
+    if (threads == 1) {
+      EXPECT_GT(r.not_simulated, 0);
+    }
+  }
 }
 
 TEST(PlanSearch, DeterministicAndRankedByStepTime) {

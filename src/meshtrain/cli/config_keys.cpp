@@ -26,6 +26,9 @@ const std::vector<KeyMeaning> kMeanings = {
     {"model.heads", "gpt: attention heads (must divide model.d_model)"},
     {"model.seq_len",
      "gpt: context length in tokens (bytes); activation memory grows with its square"},
+    {"model.vocab",
+     "gpt: vocabulary size (embedding rows and logits); the data is bytes, so at least 256; "
+     "larger sizes (GPT-3's 51200) shape plans and simulations of published models"},
     {"model.gnn_hidden", "gcn, sage, gat, resgcn: width of the hidden vertex embeddings"},
     {"model.gnn_layers",
      "gcn, sage, gat: graph convolutions; resgcn: residual blocks (e.g. 32) between an input "

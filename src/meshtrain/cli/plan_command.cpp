@@ -86,8 +86,15 @@ int cmd_plan(const CommandOptions& opts) {
              cluster.world(), opts.cluster_path, cluster.layout.nodes(), kinds_line(cluster));
   fmt::print(
       "{} plans: {} fit in memory, {} over memory ({} of them by their parameters alone, "
-      "not priced), {} refused\n",
-      r.candidates, r.fitting, r.over_memory, r.pruned, r.refused);
+      "not priced), {} refused{}{}\n",
+      r.candidates, r.fitting, r.over_memory, r.pruned, r.refused,
+      r.not_simulated > 0
+          ? fmt::format(", {} of the fitting slower than the best {} by a bound (not simulated)",
+                        r.not_simulated, so.top)
+          : std::string(),
+      r.dominated > 0 ? fmt::format(", {} not priced (a twin without recomputation or ZeRO-1 fits)",
+                                    r.dominated)
+                      : std::string());
   for (const std::string& why : r.refusals) fmt::print("  refused, e.g.: {}\n", why);
   if (r.unpriced > 0) {
     fmt::print("{} plans the cost model could not price (not proposed):\n", r.unpriced);
@@ -113,9 +120,24 @@ int cmd_plan(const CommandOptions& opts) {
                            format_bytes(static_cast<int64_t>(cluster.device(worst).memory_bytes))),
                format_bytes(static_cast<int64_t>(p.estimate.max_bytes_sent())), p.describe());
   }
-  const planner::PlanCandidate& best = r.best.front();
-  std::set<std::string> notes(best.estimate.notes.begin(), best.estimate.notes.end());
+  const planner::PlanCandidate& fastest = r.best.front();
+  std::set<std::string> notes(fastest.estimate.notes.begin(), fastest.estimate.notes.end());
   for (const std::string& n : notes) fmt::print("note: {}\n", n);
+  // A projection (ZeRO-1 under a pipeline) is not what the runtime runs:
+  // the plan written is the fastest one it does run, where one fits.
+  const planner::PlanCandidate& best = r.best_runnable ? *r.best_runnable : fastest;
+  if (fastest.projection && r.best_runnable) {
+    fmt::print(
+        "\nplans marked (projection) are priced but not run by the runtime yet; the fastest it "
+        "runs: {}, {} per step, {:.1f} samples/s, MFU {:.1f}%\n",
+        best.describe(), seconds(best.estimate.step_s), best.estimate.samples_per_s,
+        best.estimate.mfu * 100);
+  } else if (fastest.projection) {
+    fmt::print(
+        "\nonly projections fit (plans the runtime does not run yet); the plan written is one, "
+        "and `meshtrain train --plan` refuses it until the pipeline runtime takes "
+        "dist.zero_stage = 1\n");
+  }
   const std::string out = opts.plan_out.empty() ? std::string("plan.json") : opts.plan_out;
   write_plan(best.plan, out);
   std::string sets;

@@ -24,6 +24,7 @@ ModelSpec read_model(const Config& c) {
   m.d_model = c.get_int("model.d_model", m.d_model, Bounds<int64_t>::positive());
   m.heads = c.get_int("model.heads", m.heads, Bounds<int64_t>::positive());
   m.seq_len = c.get_int("model.seq_len", m.seq_len, Bounds<int64_t>::positive());
+  m.vocab = c.get_int("model.vocab", m.vocab, Bounds<int64_t>::at_least(256));
   m.gnn_hidden = c.get_int("model.gnn_hidden", m.gnn_hidden, Bounds<int64_t>::positive());
   m.gnn_layers = c.get_int("model.gnn_layers", m.gnn_layers, Bounds<int64_t>::positive());
   m.sage_aggregation = c.get_string("model.sage_aggregation", "mean", {"mean", "max"});

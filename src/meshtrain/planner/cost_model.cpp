@@ -47,6 +47,25 @@ double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double 
   return std::max(t_flops, t_bytes) * slowdown;
 }
 
+int64_t zero1_shard_elements(int64_t numel, int dp) {
+  const std::vector<size_t> c = even_counts(numel, dp);
+  return c.empty() ? 0 : static_cast<int64_t>(c.front());
+}
+
+std::vector<size_t> even_counts(int64_t numel, int n) {
+  std::vector<size_t> c;
+  if (n < 1 || numel < 0) return c;
+  const auto base = static_cast<size_t>(numel / n);
+  const auto extra = static_cast<size_t>(numel % n);
+  for (size_t i = 0; i < static_cast<size_t>(n); ++i) c.push_back(base + (i < extra ? 1 : 0));
+  return c;
+}
+
+int64_t pipeline_stage_memory(const PipelineStageMemory& m) {
+  const int64_t state = m.param_bytes * 2 + m.param_bytes * m.state_kinds / std::max(1, m.zero_dp);
+  return state + m.kept_bytes * m.in_flight + (m.recompute ? m.stash_bytes : 0) + m.arena_bytes;
+}
+
 comm::CommCostModel comm_model(const ClusterModel& cluster) {
   comm::CommCostModel m;
   m.layout = cluster.layout;
@@ -480,7 +499,16 @@ PassTime pass_time(const DeviceKind& dev, double slow, const StagePass& pass,
 void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
                     const ClusterModel& cluster, const comm::CommCostModel& cm, Programs& out,
                     GroupTable& groups, BuildCache* cache) {
-  check_pipeline_options(o);
+  // ZeRO-1 on the data-parallel axis of a pipeline is a projection: the
+  // pipeline runtime refuses dist.zero_stage > 0 (check_pipeline_options),
+  // so it is priced here (optimizer state sharded over dp) but no measured
+  // run backs it; stages 2-3 stay refused.
+  const bool zero1 = o.dist.dp.stage == 1;
+  {
+    TrainerOptions checked = o;
+    if (zero1) checked.dist.dp.stage = 0;
+    check_pipeline_options(checked);
+  }
   const int world = cluster.world();
   const Plan& plan = *o.dist.plan;
   plan.mesh.check_world(world, "the plan's mesh");
@@ -513,6 +541,9 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
     keyed.schedule = ScheduleKind::one_f_one_b;
     keyed.microbatches = 1;
     keyed.warmup_extra = 0;
+    // Which stages recompute does not change the cut's passes (only what a
+    // micro-batch keeps, read from the plan below).
+    for (StagePlan& st : keyed.stages) st.recompute = false;
     plan_key = fmt::format("{}|micro {}|{}|recompute {}", plan_to_json(keyed), micro,
                            dtype_name(o.precision), o.exec.recompute);
   }
@@ -530,6 +561,9 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
     }
     return std::shared_ptr<const PipelineBuilt>(std::move(b));
   };
+  if (zero1) {
+    out.notes.push_back(std::string(kZero1PipelineProjection));
+  }
   std::map<std::vector<int>, std::shared_ptr<const PipelineBuilt>> cuts;
   std::map<PpKey, int> programs;
   out.notes.push_back(
@@ -600,6 +634,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       struct StageTimes {
         PassTime f, b, bi, bw;
         uint64_t act_bytes = 0, grad_bytes = 0;
+        bool recompute = false;  // the forward runs again before the backward
       };
       std::vector<StageTimes> st(cut.stages.size());
       for (size_t s = 0; s < cut.stages.size(); ++s) {
@@ -611,6 +646,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         t.b = pass_time(dev, slow, ps.backward, cm, lg);
         t.bi = pass_time(dev, slow, ps.backward_input, cm, lg);
         t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg);
+        t.recompute = plan.stages.at(s).recompute;
         for (const StageBoundary& sb : ps.outputs) t.act_bytes += static_cast<uint64_t>(sb.bytes());
         for (const StageBoundary& sb : ps.inputs) {
           if (sb.has_grad) t.grad_bytes += static_cast<uint64_t>(sb.bytes());
@@ -637,9 +673,11 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
             done[{a.microbatch, a.stage}] = pass(where, "forward", t.f);
             break;
           case ActionKind::backward:
+            if (t.recompute) pass("recompute " + where, "forward", t.f);
             done[{a.microbatch, a.stage}] = pass(where, "backward", t.b);
             break;
           case ActionKind::backward_input:
+            if (t.recompute) pass("recompute " + where, "forward", t.f);
             done[{a.microbatch, a.stage}] = pass(where, "backward", t.bi);
             break;
           case ActionKind::backward_weight:
@@ -703,6 +741,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       // pipeline's last pass), then the optimizer.
       int64_t param_numel = 0, param_bytes = 0;
       std::set<std::string> held;
+      std::vector<std::pair<std::string, int64_t>> stage_params;  // name, elements
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         const Graph& fg = cut.stages[s].forward.graph;
@@ -711,6 +750,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
           if (!held.insert(val.name).second) continue;
           param_numel += val.shape.numel();
           param_bytes += val.shape.numel() * 4;
+          stage_params.emplace_back(val.name, val.shape.numel());
           if (dp_world > 1) {
             comm::CollectiveShape cs{
                 Collective::all_reduce, static_cast<size_t>(val.shape.numel()), {}, 4, 0};
@@ -718,24 +758,45 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
           }
         }
       }
-      b.compute("optimizer", "optimizer", optimizer_seconds(dev, param_numel, kinds, slow), 0);
+      // ZeRO-1 (projection): each dp rank updates its 1/dp of every
+      // parameter, then the updated parameters are all-gathered.
+      const int64_t opt_numel =
+          zero1 && dp_world > 1 ? zero1_shard_elements(param_numel, dp_world) : param_numel;
+      b.compute("optimizer", "optimizer", optimizer_seconds(dev, opt_numel, kinds, slow), 0);
+      if (zero1 && dp_world > 1) {
+        for (const auto& [name, numel] : stage_params) {
+          comm::CollectiveShape cs{Collective::all_gatherv, 0, even_counts(numel, dp_world), 4, 0};
+          b.collective(fmt::format("all_gatherv param {}", name), "dp", cs, 0);
+        }
+      }
 
-      // Memory: parameters, gradients, optimizer state of the stage's
-      // parameters; one stash per micro-batch chunk in flight (the
-      // schedule's peak); the largest pass's arena.
-      int64_t stash = 0, arena = 0;
+      // Memory (pipeline_stage_memory): parameters, gradients, optimizer
+      // state of the stage's parameters; what each micro-batch chunk in
+      // flight keeps at the schedule's peak; the largest pass's arena.
+      PipelineStageMemory pm;
+      pm.param_bytes = param_bytes;
+      pm.state_kinds = kinds;
+      pm.zero_dp = zero1 ? dp_world : 1;
+      pm.in_flight = unit.peak_in_flight.at(static_cast<size_t>(stage));
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
-        stash = std::max(stash, cut.stages[s].stash_bytes);
-        arena = std::max(arena, built->arena[s]);
+        const bool rc = plan.stages.at(s).recompute;
+        pm.stash_bytes = std::max(pm.stash_bytes, cut.stages[s].stash_bytes);
+        pm.kept_bytes = std::max(
+            pm.kept_bytes, rc ? cut.stages[s].recompute_stash_bytes : cut.stages[s].stash_bytes);
+        pm.recompute = pm.recompute || rc;
+        pm.arena_bytes = std::max(pm.arena_bytes, built->arena[s]);
       }
-      const int64_t in_flight = unit.peak_in_flight.at(static_cast<size_t>(stage));
-      const int64_t state = param_bytes * (2 + kinds);
-      b.p.peak_memory_bytes = state + stash * in_flight + arena;
+      b.p.peak_memory_bytes = pipeline_stage_memory(pm);
       b.p.memory_detail = fmt::format(
-          "parameters + gradients + optimizer state {} B, activation stash {} B x {} in flight, "
-          "largest pass arena {} B",
-          state, stash, in_flight, arena);
+          "parameters + gradients {} B, optimizer state {} B{}, activations kept {} B x {} in "
+          "flight{}, largest pass arena {} B",
+          param_bytes * 2, param_bytes * kinds / pm.zero_dp,
+          pm.zero_dp > 1 ? fmt::format(" (1/{}: ZeRO-1)", pm.zero_dp) : std::string(),
+          pm.kept_bytes, pm.in_flight,
+          pm.recompute ? fmt::format(" + one recomputed stash {} B", pm.stash_bytes)
+                       : std::string(),
+          pm.arena_bytes);
       out.programs.push_back(std::move(b.p));
     }
     const Program& prog = out.programs[static_cast<size_t>(bind.program)];

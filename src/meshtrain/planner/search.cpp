@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -71,6 +72,7 @@ std::string PlanCandidate::describe() const {
   }
   s += fmt::format(" zero={}", zero_stage);
   if (recompute) s += " recompute";
+  if (projection) s += " (projection)";
   if (!shape.batch_shares.empty()) s += " shares=" + list(shape.batch_shares);
   if (!shape.tp_ratios.empty()) s += " tp_ratios=" + list(shape.tp_ratios);
   if (!shape.stage_layers.empty()) s += " stage_layers=" + list(shape.stage_layers);
@@ -81,7 +83,8 @@ std::vector<std::string> PlanCandidate::settings(int world) const {
   std::vector<std::string> s = {fmt::format("dist.nproc={}", world),
                                 fmt::format("dist.zero_stage={}", zero_stage)};
   if (!shape.batch_shares.empty()) s.push_back("dist.batch_shares=" + list(shape.batch_shares));
-  if (recompute) s.push_back("exec.recompute=true");
+  // Under a pipeline the plan file carries the stages' recomputation.
+  if (recompute && shape.pp <= 1) s.push_back("exec.recompute=true");
   return s;
 }
 
@@ -102,8 +105,16 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     ParallelShorthand sh;
     int zero = 0;
     bool recompute = false;
+    // Under a pipeline, the twins it adds a memory saving to (without
+    // recomputation; with ZeRO 0): where one of them fits, this one is not
+    // priced (SearchResult::dominated). -1: none.
+    int base_a = -1, base_b = -1;
   };
   std::vector<Shape> shapes;
+  // Runs of shapes that differ only in ZeRO stage and recomputation, in
+  // order: one unit of work, since a twin's price decides whether the next
+  // is priced.
+  std::vector<std::pair<size_t, size_t>> runs;
   for (int tp : divisors(world)) {
     if (opt.tp_within_node && tp > node_ranks) continue;
     for (int pp : divisors(world / tp)) {
@@ -118,17 +129,37 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         }
       }
       for (const auto& [mb, kind] : pipe) {
+        const size_t run_begin = shapes.size();
+        std::map<std::pair<int, bool>, int> twin;  // (zero, recompute) -> shape index
         for (int zero : opt.zero_stages) {
           if (dp == 1 && zero > 0) continue;
-          // The pipeline runtime does not recompute yet (docs/plan.md).
-          for (int rc = 0; rc < (opt.recompute && pp == 1 ? 2 : 1); ++rc) {
+          // ZeRO under a pipeline: stage 1 only, and only as a projection
+          // (the pipeline runtime refuses it; PlanCandidate::projection).
+          if (pp > 1 && zero > 0 && !(zero == 1 && opt.zero1_pipeline_projection)) continue;
+          // Recomputation: exec.recompute without a pipeline; with one,
+          // every stage's (parallel.recompute, StagePlan::recompute).
+          for (int rc = 0; rc < (opt.recompute ? 2 : 1); ++rc) {
             Shape s;
             s.sh.dp = dp, s.sh.tp = tp, s.sh.pp = pp;
             s.sh.microbatches = mb, s.sh.schedule = kind;
+            s.sh.recompute = pp > 1 && rc == 1;
             s.zero = zero, s.recompute = rc == 1;
+            if (pp > 1) {
+              // Recomputation only adds a forward per micro-batch (never
+              // faster); ZeRO-1 under a pipeline is a projection: each is
+              // priced only where its twin without it does not fit.
+              auto at = [&](int z, bool r) {
+                auto it = twin.find({z, r});
+                return it == twin.end() ? -1 : it->second;
+              };
+              if (s.recompute) s.base_a = at(zero, false);
+              if (zero == 1) s.base_b = at(0, s.recompute);
+            }
+            twin[{zero, s.recompute}] = static_cast<int>(shapes.size());
             shapes.push_back(s);
           }
         }
+        if (shapes.size() > run_begin) runs.emplace_back(run_begin, shapes.size());
       }
     }
   }
@@ -139,6 +170,9 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   // on the threads.
   struct Priced {
     enum Kind { fits, over, refused, unpriced } kind = refused;
+    // fits, not simulated: a lower bound of its step is above `top`
+    // runnable plans already priced (SearchResult::not_simulated).
+    bool bounded = false;
     PlanCandidate c;
     std::string why;
     int worst = 0;  // over: the rank furthest over its memory
@@ -146,6 +180,12 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   // Stage passes shared by candidates that differ only in the schedule or
   // the micro-batch count (planner/cost_model.h).
   BuildCache cache;
+  // The `top` fastest runnable (not projection) steps priced so far, for
+  // the pipelines' lower-bound cut: a plan whose bound is above the
+  // top-th of them can be neither among the best nor the best runnable,
+  // whatever is priced later, so the result does not depend on the order.
+  std::mutex top_mutex;
+  std::multiset<double> top_runnable;
   // One shape's entries (one per tensor coordinate, up to a node's ranks)
   // until its twin with the other schedule, on each thread.
   const int pricing_threads =
@@ -155,7 +195,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     Priced out;
     TrainerOptions o = base;
     o.dist.dp.stage = c.zero_stage;
-    o.exec.recompute = c.recompute;
+    o.exec.recompute = c.recompute && c.shape.pp <= 1;
+    c.projection = c.shape.pp > 1 && c.zero_stage == 1;
     o.dist.batch_shares = c.shape.batch_shares;
     o.dist.slowdown.clear();  // the cluster model carries the slowdown
     try {
@@ -168,7 +209,11 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         o.dist.plan = nullptr;
       }
       // What the pipeline runtime refuses, refused before pricing (cheap).
-      if (c.plan.pipeline_stages() > 1) check_pipeline_options(o);
+      if (c.plan.pipeline_stages() > 1) {
+        TrainerOptions checked = o;
+        if (c.projection) checked.dist.dp.stage = 0;  // priced as a projection
+        check_pipeline_options(checked);
+      }
       // Memory before time: a plan over some rank's memory is never
       // proposed and needs no step time (only its memory, for the closest
       // miss), so it is not simulated -- exact, and most of a large
@@ -189,7 +234,38 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         }
         c.estimate.distinct_programs = static_cast<int>(progs.programs.size());
       } else {
-        c.estimate = simulate(progs, cluster);
+        if (c.shape.pp > 1 && !unequal && opt.top > 0) {
+          // Each program's compute-lane tasks run one after another: their
+          // sum bounds the step from below.
+          double bound = 0;
+          for (const Program& pr : progs.programs) {
+            double sum = 0;
+            for (const Task& t : pr.tasks) {
+              if (t.kind == Task::Kind::compute && t.lane == 0) sum += t.seconds;
+            }
+            bound = std::max(bound, sum);
+          }
+          std::lock_guard<std::mutex> hold(top_mutex);
+          out.bounded =
+              static_cast<int>(top_runnable.size()) >= opt.top && bound > *top_runnable.rbegin();
+        }
+        if (out.bounded) {
+          c.estimate.ranks.resize(static_cast<size_t>(world));
+          for (int r = 0; r < world; ++r) {
+            c.estimate.ranks[static_cast<size_t>(r)].peak_memory_bytes =
+                progs.programs[static_cast<size_t>(progs.ranks[static_cast<size_t>(r)].program)]
+                    .peak_memory_bytes;
+          }
+        } else {
+          c.estimate = simulate(progs, cluster);
+          if (!c.projection) {
+            std::lock_guard<std::mutex> hold(top_mutex);
+            top_runnable.insert(c.estimate.step_s);
+            while (static_cast<int>(top_runnable.size()) > std::max(1, opt.top)) {
+              top_runnable.erase(std::prev(top_runnable.end()));
+            }
+          }
+        }
       }
     } catch (const ConfigError& e) {
       out.why = e.what();
@@ -231,7 +307,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   const double state_bytes = base.optimizer == "adamw" || base.optimizer == "lamb" ? 8.0 : 0.0;
 
   struct ShapeResult {
-    double bound = 0;  // > max_memory: not priced
+    double bound = 0;        // > max_memory: not priced
+    bool dominated = false;  // a twin without its memory saving fits: not priced
     std::optional<Priced> even, uneven;
     std::string lp_error;
   };
@@ -240,110 +317,120 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   std::mutex progress_mutex;
   int done = 0;
   double best_s = 0;
+  auto fits_at = [&](int i) {
+    if (i < 0) return false;
+    const ShapeResult& t = results[static_cast<size_t>(i)];
+    return t.even && t.even->kind == Priced::fits;
+  };
   auto work = [&] {
-    for (size_t i = next++; i < shapes.size(); i = next++) {
-      const Shape& s = shapes[i];
-      ShapeResult& sr = results[i];
-      const double dp = s.sh.dp, split = static_cast<double>(s.sh.tp) * s.sh.pp;
-      sr.bound = params / split *
-                 (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0) +
-                  state_bytes / (s.zero >= 1 ? dp : 1.0));
-      if (sr.bound <= max_memory) {
-        PlanCandidate c;
-        c.shape = s.sh;
-        c.zero_stage = s.zero;
-        c.recompute = s.recompute;
-        sr.even = price(c);
-        if (unequal && sr.even->kind == Priced::fits) {
-          // Uneven shares from the LP, priced from the even plan's per-rank compute.
-          const StepEstimate& est = sr.even->c.estimate;
-          const Plan& p = sr.even->c.plan;
-          PlanCandidate u = c;
-          u.uneven = true;
-          bool have = false;
-          try {
-            if (s.sh.pp == 1 && s.sh.dp > 1) {
-              // Examples over the dp replicas: a replica is as slow as its slowest rank.
-              const int64_t batch = base.batch_size;
-              const double per = static_cast<double>(batch) / s.sh.dp;
-              BalanceProblem bp;
-              bp.total = static_cast<double>(batch);
-              bp.what = "examples";
-              bp.min_units.assign(static_cast<size_t>(s.sh.dp), 1);
-              bp.time_per_unit.assign(static_cast<size_t>(s.sh.dp), 0);
-              bp.max_units.assign(static_cast<size_t>(s.sh.dp), 1e300);
-              for (int r = 0; r < world; ++r) {
-                const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
-                const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
-                bp.time_per_unit[d] = std::max(bp.time_per_unit[d], re.compute_s / per);
-                // Memory grows at most in proportion to the examples (a
-                // conservative bound above the even share).
-                bp.max_units[d] =
-                    std::min(bp.max_units[d],
-                             per * cluster.device(r).memory_bytes /
-                                 std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
+    for (size_t ri = next++; ri < runs.size(); ri = next++) {
+      for (size_t i = runs[ri].first; i < runs[ri].second; ++i) {
+        const Shape& s = shapes[i];
+        ShapeResult& sr = results[i];
+        sr.dominated = fits_at(s.base_a) || fits_at(s.base_b);
+        const double dp = s.sh.dp, split = static_cast<double>(s.sh.tp) * s.sh.pp;
+        sr.bound = params / split *
+                   (4.0 / (s.zero >= 3 ? dp : 1.0) + 4.0 / (s.zero >= 2 ? dp : 1.0) +
+                    state_bytes / (s.zero >= 1 ? dp : 1.0));
+        if (sr.bound <= max_memory && !sr.dominated) {
+          PlanCandidate c;
+          c.shape = s.sh;
+          c.zero_stage = s.zero;
+          c.recompute = s.recompute;
+          sr.even = price(c);
+          if (unequal && sr.even->kind == Priced::fits) {
+            // Uneven shares from the LP, priced from the even plan's per-rank compute.
+            const StepEstimate& est = sr.even->c.estimate;
+            const Plan& p = sr.even->c.plan;
+            PlanCandidate u = c;
+            u.uneven = true;
+            bool have = false;
+            try {
+              if (s.sh.pp == 1 && s.sh.dp > 1) {
+                // Examples over the dp replicas: a replica is as slow as its slowest rank.
+                const int64_t batch = base.batch_size;
+                const double per = static_cast<double>(batch) / s.sh.dp;
+                BalanceProblem bp;
+                bp.total = static_cast<double>(batch);
+                bp.what = "examples";
+                bp.min_units.assign(static_cast<size_t>(s.sh.dp), 1);
+                bp.time_per_unit.assign(static_cast<size_t>(s.sh.dp), 0);
+                bp.max_units.assign(static_cast<size_t>(s.sh.dp), 1e300);
+                for (int r = 0; r < world; ++r) {
+                  const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
+                  const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
+                  bp.time_per_unit[d] = std::max(bp.time_per_unit[d], re.compute_s / per);
+                  // Memory grows at most in proportion to the examples (a
+                  // conservative bound above the even share).
+                  bp.max_units[d] = std::min(
+                      bp.max_units[d],
+                      per * cluster.device(r).memory_bytes /
+                          std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
+                }
+                u.shape.batch_shares = round_shares(bp, lp(bp));
+                have = true;
+              } else if (s.sh.pp > 1) {
+                // Layers over the stages: a stage is as slow as its slowest rank.
+                const std::vector<int64_t> even_layers = [&] {
+                  std::vector<int64_t> v;
+                  for (const StagePlan& st : p.stages)
+                    v.push_back(static_cast<int64_t>(st.layers.size()));
+                  return v;
+                }();
+                BalanceProblem bp;
+                bp.total = units;
+                bp.what = "layers";
+                bp.min_units.assign(static_cast<size_t>(s.sh.pp), 1);
+                bp.time_per_unit.assign(static_cast<size_t>(s.sh.pp), 0);
+                for (int r = 0; r < world; ++r) {
+                  const auto st = static_cast<size_t>(p.mesh.coord(r, "pp"));
+                  const double per_layer =
+                      est.ranks[static_cast<size_t>(r)].compute_s /
+                      std::max<double>(1, static_cast<double>(even_layers[st]));
+                  bp.time_per_unit[st] = std::max(bp.time_per_unit[st], per_layer);
+                }
+                u.shape.stage_layers = round_shares(bp, lp(bp));
+                have = true;
+              } else if (s.sh.tp > 1 && spec.kind == "gpt") {
+                // Heads over the tensor ranks.
+                BalanceProblem bp;
+                bp.total = static_cast<double>(spec.heads);
+                bp.what = "heads";
+                bp.min_units.assign(static_cast<size_t>(s.sh.tp), 1);
+                bp.time_per_unit.assign(static_cast<size_t>(s.sh.tp), 0);
+                const double per = static_cast<double>(spec.heads) / s.sh.tp;
+                for (int r = 0; r < world; ++r) {
+                  const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
+                  bp.time_per_unit[t] = std::max(bp.time_per_unit[t],
+                                                 est.ranks[static_cast<size_t>(r)].compute_s / per);
+                }
+                u.shape.tp_ratios = round_shares(bp, lp(bp));
+                have = true;
               }
-              u.shape.batch_shares = round_shares(bp, lp(bp));
-              have = true;
-            } else if (s.sh.pp > 1) {
-              // Layers over the stages: a stage is as slow as its slowest rank.
-              const std::vector<int64_t> even_layers = [&] {
-                std::vector<int64_t> v;
-                for (const StagePlan& st : p.stages)
-                  v.push_back(static_cast<int64_t>(st.layers.size()));
-                return v;
-              }();
-              BalanceProblem bp;
-              bp.total = units;
-              bp.what = "layers";
-              bp.min_units.assign(static_cast<size_t>(s.sh.pp), 1);
-              bp.time_per_unit.assign(static_cast<size_t>(s.sh.pp), 0);
-              for (int r = 0; r < world; ++r) {
-                const auto st = static_cast<size_t>(p.mesh.coord(r, "pp"));
-                const double per_layer = est.ranks[static_cast<size_t>(r)].compute_s /
-                                         std::max<double>(1, static_cast<double>(even_layers[st]));
-                bp.time_per_unit[st] = std::max(bp.time_per_unit[st], per_layer);
-              }
-              u.shape.stage_layers = round_shares(bp, lp(bp));
-              have = true;
-            } else if (s.sh.tp > 1 && spec.kind == "gpt") {
-              // Heads over the tensor ranks.
-              BalanceProblem bp;
-              bp.total = static_cast<double>(spec.heads);
-              bp.what = "heads";
-              bp.min_units.assign(static_cast<size_t>(s.sh.tp), 1);
-              bp.time_per_unit.assign(static_cast<size_t>(s.sh.tp), 0);
-              const double per = static_cast<double>(spec.heads) / s.sh.tp;
-              for (int r = 0; r < world; ++r) {
-                const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
-                bp.time_per_unit[t] = std::max(bp.time_per_unit[t],
-                                               est.ranks[static_cast<size_t>(r)].compute_s / per);
-              }
-              u.shape.tp_ratios = round_shares(bp, lp(bp));
-              have = true;
+            } catch (const ConfigError& e) {
+              sr.lp_error = std::string("uneven shares: ") + e.what();
             }
-          } catch (const ConfigError& e) {
-            sr.lp_error = std::string("uneven shares: ") + e.what();
+            const bool same = u.shape.batch_shares.empty() && u.shape.stage_layers.empty() &&
+                              u.shape.tp_ratios.empty();
+            if (have && !same) sr.uneven = price(u);
           }
-          const bool same = u.shape.batch_shares.empty() && u.shape.stage_layers.empty() &&
-                            u.shape.tp_ratios.empty();
-          if (have && !same) sr.uneven = price(u);
         }
-      }
-      std::lock_guard<std::mutex> hold(progress_mutex);
-      for (const std::optional<Priced>* q : {&sr.even, &sr.uneven}) {
-        if (*q && (*q)->kind == Priced::fits && (best_s == 0 || (*q)->c.estimate.step_s < best_s)) {
-          best_s = (*q)->c.estimate.step_s;
+        std::lock_guard<std::mutex> hold(progress_mutex);
+        for (const std::optional<Priced>* q : {&sr.even, &sr.uneven}) {
+          if (*q && (*q)->kind == Priced::fits &&
+              (best_s == 0 || (*q)->c.estimate.step_s < best_s)) {
+            best_s = (*q)->c.estimate.step_s;
+          }
         }
+        ++done;
+        if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
       }
-      ++done;
-      if (opt.progress) opt.progress(done, static_cast<int>(shapes.size()), best_s);
     }
   };
   const int threads = std::max(
       1, std::min<int>(
              opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency()),
-             static_cast<int>(shapes.size())));
+             static_cast<int>(runs.size())));
   {
     std::vector<std::thread> pool;
     std::exception_ptr failed;
@@ -355,7 +442,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         } catch (...) {
           std::lock_guard<std::mutex> hold(failed_mutex);
           if (!failed) failed = std::current_exception();
-          next = shapes.size();
+          next = runs.size();
         }
       });
     }
@@ -364,7 +451,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     } catch (...) {
       std::lock_guard<std::mutex> hold(failed_mutex);
       if (!failed) failed = std::current_exception();
-      next = shapes.size();
+      next = runs.size();
     }
     for (std::thread& t : pool) t.join();
     if (failed) std::rethrow_exception(failed);
@@ -397,12 +484,20 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       }
       case Priced::fits:
         ++res.fitting;
+        if (q.bounded) {
+          ++res.not_simulated;
+          return;
+        }
         fits.push_back(std::move(q.c));
         return;
     }
   };
   for (size_t i = 0; i < shapes.size(); ++i) {
     ShapeResult& sr = results[i];
+    if (sr.dominated && sr.bound <= max_memory) {
+      ++res.candidates, ++res.dominated;
+      continue;
+    }
     if (sr.bound > max_memory) {
       const Shape& s = shapes[i];
       ++res.candidates, ++res.over_memory, ++res.pruned;
@@ -452,6 +547,12 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     if (a.estimate.step_s != b.estimate.step_s) return a.estimate.step_s < b.estimate.step_s;
     return a.describe() < b.describe();
   });
+  for (const PlanCandidate& c : fits) {
+    if (!c.projection) {
+      res.best_runnable = c;
+      break;
+    }
+  }
   if (static_cast<int>(fits.size()) > opt.top) fits.resize(static_cast<size_t>(opt.top));
   res.best = std::move(fits);
   res.refusals.assign(reasons.begin(), reasons.end());

@@ -40,7 +40,14 @@ struct SearchOptions {
   std::vector<int> microbatch_factors = {1, 2, 4};
   std::vector<ScheduleKind> schedules = {ScheduleKind::one_f_one_b, ScheduleKind::gpipe};
   std::vector<int> zero_stages = {0, 1, 2, 3};  // tried where dp > 1
-  bool recompute = true;  // try exec.recompute both ways (pp = 1: pipelines do not recompute yet)
+  // Try recomputation both ways: exec.recompute without a pipeline, every
+  // stage's recomputation (parallel.recompute) with one.
+  bool recompute = true;
+  // Also price ZeRO-1 on a pipeline's data-parallel axis, which the
+  // pipeline runtime refuses yet: such plans are marked projections
+  // (PlanCandidate::projection), never written as the plan to run while a
+  // plan the runtime runs fits.
+  bool zero1_pipeline_projection = true;
   // Tensor parallelism at most over one node's ranks (its collectives run
   // every layer; across nodes they are rarely worth it); false: any degree.
   bool tp_within_node = true;
@@ -57,7 +64,10 @@ struct PlanCandidate {
   int zero_stage = 0;
   bool recompute = false;
   bool uneven = false;  // shares from the balance LP
-  Plan plan;            // what `meshtrain train --plan` runs
+  // Priced but not runnable yet (ZeRO-1 under a pipeline): what the cost
+  // model projects, not what `meshtrain train --plan` runs.
+  bool projection = false;
+  Plan plan;  // what `meshtrain train --plan` runs
   StepEstimate estimate;
 
   // "dp=4 tp=2 pp=1 zero=1" (+ micro-batches, schedule, shares when they apply).
@@ -70,8 +80,11 @@ struct PlanCandidate {
 
 struct SearchResult {
   std::vector<PlanCandidate> best;  // at most `top`, fastest first
-  int candidates = 0;               // enumerated
-  int fitting = 0;                  // within memory on every rank
+  // The fastest fitting plan the runtime runs (not a projection), wherever
+  // it ranks; empty when only projections fit.
+  std::optional<PlanCandidate> best_runnable;
+  int candidates = 0;  // enumerated
+  int fitting = 0;     // within memory on every rank
   int over_memory = 0;
   int refused = 0;   // the runtime would refuse it (degree not dividing, ...)
   int unpriced = 0;  // the cost model failed on it (InternalError): reported, not proposed
@@ -85,6 +98,15 @@ struct SearchResult {
   };
   int no_effect = 0;  // of fitting: recomputation that changed neither time nor memory, dropped
   int pruned = 0;     // of over_memory: over by the parameter + gradient bound alone, not priced
+  // Not priced: under a pipeline, a plan with recomputation or ZeRO-1
+  // (projection) whose twin without it fits (recomputation is never
+  // faster; a projection is not proposed where a runnable twin fits).
+  int dominated = 0;
+  // Of fitting: under pipelines (even devices), plans whose step is above
+  // `top` runnable plans already priced by a lower bound (the sum of each
+  // rank's compute-lane tasks), so never among the best nor the best
+  // runnable: their memory is exact, their time not simulated.
+  int not_simulated = 0;
   std::optional<Miss> closest;
   std::vector<std::string> refusals;  // the distinct reasons, first few
 };

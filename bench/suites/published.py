@@ -1,0 +1,155 @@
+"""Published large-run throughput against `meshtrain simulate` on the same plans.
+
+Source: D. Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", SC21 (arXiv:2104.04473), on Selene
+(DGX A100 80GB nodes of 8, NVLink/NVSwitch inside a node, 8x 200 Gbit/s HDR
+InfiniBand per node) -- the shipped configs/cluster/a100_ib200.toml with its
+node count set to the run's GPUs / 8. All models: vocabulary 51,200,
+sequence 2048, mixed precision (bf16 here; the same 312 TFLOP/s peak),
+activation recomputation on every stage (parallel.recompute = true), 1F1B
+without interleaving.
+
+  t2_*  Table 2, the PTD-P rows: GPT-3 175B (96 layers, h 12288, 96 heads)
+        and 530B (105 layers, h 20480, 128 heads), batch 1536 / 2240,
+        micro-batch 1 as the table states; the table gives the model-
+        parallel size M = t x p (96, 280), split as t = 8 (Table 1's t for
+        these models) and p = M / 8; d = GPUs / M.
+  t1_*  Table 1, the rows with pipelines (39.1B .. 1008B): t, p, GPUs and
+        batch as the table states; the micro-batch size is not in the
+        table: 1 is assumed (line field "assumed").
+Table 1's rows without a pipeline (1.7B .. 18.4B) are left out: their
+published FLOP/s count a recomputed forward, and without a pipeline the
+trainer's recomputation (exec.recompute) recomputes only cheap
+activations, not the forward, so the plans would not be the same work.
+
+Lines (unit "TFLOP/s per GPU"): peer = the published achieved TFLOP/s per
+GPU; meshtrain = the same FLOP count (the paper's Eq. 3,
+96 B s l h^2 (1 + s/6h + V/16lh), which counts the recomputed forward) over
+the predicted step time and the GPUs; ratio = meshtrain / peer (so it is
+the published step time over the predicted one). Besides: the predicted
+and published step times, rank 0's compute / communication / idle split,
+and the simulator's own wall time. Nothing here is measured on this
+machine; no constant is tuned per configuration: the cluster file's device
+numbers are the A100 datasheet's, its matmul efficiency (0.859) the public
+maximum-achievable-matmul measurement the file cites, every other operator
+at the cost model's default; --matmul-efficiency E overrides the matmuls'
+(e.g. 0.5, the default before, or 1.0, the datasheet peak, as bounds).
+"""
+
+import re
+
+from common import REPO
+
+S, V = 2048, 51200
+
+# name, layers, hidden, heads, t, p, gpus, batch, micro-batch, published TFLOP/s per GPU, source
+CASES = [
+    ("t2_gpt175b_384gpus", 96, 12288, 96, 8, 12, 384, 1536, 1, 153.0, "Table 2 (PTD-P)"),
+    ("t2_gpt175b_768gpus", 96, 12288, 96, 8, 12, 768, 1536, 1, 149.0, "Table 2 (PTD-P)"),
+    ("t2_gpt175b_1536gpus", 96, 12288, 96, 8, 12, 1536, 1536, 1, 141.0, "Table 2 (PTD-P)"),
+    ("t2_gpt530b_560gpus", 105, 20480, 128, 8, 35, 560, 2240, 1, 171.0, "Table 2 (PTD-P)"),
+    ("t2_gpt530b_1120gpus", 105, 20480, 128, 8, 35, 1120, 2240, 1, 167.0, "Table 2 (PTD-P)"),
+    ("t2_gpt530b_2240gpus", 105, 20480, 128, 8, 35, 2240, 2240, 1, 159.0, "Table 2 (PTD-P)"),
+    ("t1_gpt39b_512gpus", 48, 8192, 64, 8, 2, 512, 1536, 1, 138.0, "Table 1"),
+    ("t1_gpt76b_1024gpus", 60, 10240, 80, 8, 4, 1024, 1792, 1, 140.0, "Table 1"),
+    ("t1_gpt146b_1536gpus", 80, 12288, 96, 8, 8, 1536, 2304, 1, 148.0, "Table 1"),
+    ("t1_gpt310b_1920gpus", 96, 16384, 128, 8, 16, 1920, 2160, 1, 155.0, "Table 1"),
+    ("t1_gpt530b_2520gpus", 105, 20480, 128, 8, 35, 2520, 2520, 1, 163.0, "Table 1"),
+    ("t1_gpt1008b_3072gpus", 128, 25600, 160, 8, 64, 3072, 3072, 1, 163.0, "Table 1"),
+]
+QUICK = {"t2_gpt175b_384gpus", "t2_gpt530b_560gpus"}
+PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters "
+         "Using Megatron-LM, SC21")
+
+
+def add_args(parser):
+    parser.add_argument("--only", default="", help="comma-separated case names")
+    parser.add_argument("--matmul-efficiency", type=float, default=None, metavar="E",
+                        help="fraction of the bf16 peak every matmul reaches (default: the "
+                             "cluster file's, 0.859 from its [MAMF] source)")
+
+
+def megatron_flops(batch, layers, hidden):
+    """Eq. 3 of the paper: FLOPs per iteration, recomputation included."""
+    return 96.0 * batch * S * layers * hidden * hidden * (
+        1.0 + S / (6.0 * hidden) + V / (16.0 * layers * hidden))
+
+
+def run(ctx):
+    exe = ctx.ensure_built("meshtrain")
+    base = (REPO / "configs" / "cluster" / "a100_ib200.toml").read_text()
+    only = {s for s in ctx.args.only.split(",") if s}
+    eff = ctx.args.matmul_efficiency
+    for (name, layers, hidden, heads, t, p, gpus, batch, mb, published, table) in CASES:
+        if only and name not in only:
+            continue
+        if ctx.quick and not only and name not in QUICK:
+            continue
+        d = gpus // (t * p)
+        line = {"name": name, "unit": "TFLOP/s per GPU", "peer": published,
+                "peer_name": f"{PAPER}, {table}",
+                "plan": {"tp": t, "pp": p, "dp": d, "gpus": gpus, "batch": batch,
+                         "micro_batch": mb, "microbatches": batch // d // mb,
+                         "schedule": "1f1b", "recompute": True, "layers": layers,
+                         "hidden": hidden, "heads": heads, "vocab": V, "seq": S},
+                "matmul_efficiency": eff if eff is not None else "a100_ib200.toml's (0.859)"}
+        if table == "Table 1":
+            line["assumed"] = "micro-batch size 1 (Table 1 does not state it)"
+        if t * p * d != gpus or batch % (d * mb) != 0:
+            line["error"] = "the published plan does not divide"
+            ctx.emit(line)
+            continue
+        text, n = re.subn(r"(?m)^count = \d+", f"count = {gpus // 8}", base)
+        if n != 1:
+            line["error"] = "a100_ib200.toml has no `count =` line"
+            ctx.emit(line)
+            continue
+        if eff is not None:
+            text, n = re.subn(r"(?m)^matmul = [0-9.]+", f"matmul = {eff}", text)
+            if n != 1:
+                line["error"] = "a100_ib200.toml has no `matmul =` efficiency line"
+                ctx.emit(line)
+                continue
+        cluster = ctx.workdir / f"{name}-cluster.toml"
+        cluster.write_text(text)
+        config = ctx.workdir / f"{name}.toml"
+        config.write_text(
+            f"[model]\nkind = \"gpt\"\nlayers = {layers}\nd_model = {hidden}\nheads = {heads}\n"
+            f"seq_len = {S}\nvocab = {V}\n"
+            f"[train]\nbatch_size = {batch}\nprecision = \"bf16\"\neval = false\n"
+            "[optim]\nname = \"adamw\"\n"
+            f"[parallel]\ntp = {t}\npp = {p}\ndp = {d}\nmicrobatches = {batch // d // mb}\n"
+            "recompute = true\n")
+        cmd = [exe, "simulate", "--config", config, "--cluster", cluster]
+        ctx.log(f"{name}: {' '.join(str(c) for c in cmd[1:])}")
+        r = ctx.run(cmd, name=name, timeout_s=900)
+        if not r.ok:
+            line["error"] = r.failure()
+            ctx.emit(line)
+            continue
+        out = r.stdout
+        m = re.search(r"predicted step time: ([0-9.]+) s\b", out)
+        t = r"([0-9.]+) (s|ms|us)\s+"
+        row = re.search(r"^\s*rank 0 \+\d+\s+" + t + t + t + r"([0-9.]+)%\s+([0-9.]+) GiB", out,
+                        re.M)
+        if not m or float(m.group(1)) <= 0:
+            line["error"] = "no positive predicted step time"
+            ctx.emit(line)
+            continue
+        step = float(m.group(1))
+        flops = megatron_flops(batch, layers, hidden)
+        predicted = flops / (step * gpus) / 1e12
+        line.update({
+            "meshtrain": round(predicted, 1),
+            "ratio": round(predicted / published, 3),
+            "predicted_step_s": step,
+            "published_step_s": round(flops / (published * 1e12 * gpus), 3),
+            "simulate_wall_s": round(r.wall_s, 2),
+        })
+        if row:
+            scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+            sec = [float(row.group(i)) * scale[row.group(i + 1)] for i in (1, 3, 5)]
+            line.update({"rank0_compute_s": sec[0], "rank0_comm_s": sec[1],
+                         "rank0_idle_s": sec[2],
+                         "rank0_peak_memory_gib": float(row.group(8))})
+        ctx.emit(line)
