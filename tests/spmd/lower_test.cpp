@@ -256,9 +256,12 @@ TEST(Lower, GptSequenceParallelMatchesSingleProcess) {
   run_case(c, 2);
   // Megatron-SP's collectives: reduce-scatter into the row-split residual
   // stream, all-gather before the column-parallel layers (once for q, k, v),
-  // no all-reduce. The stream is split at the first residual add, so block 0's
-  // attention reads the replicated embedding (one all-gather fewer) and the
-  // tied head reads the split stream (one more).
+  // no all-reduce inside the blocks. The stream is split at the first
+  // residual add, so block 0's attention reads the replicated embedding (one
+  // all-gather fewer) and the tied head reads the split stream (one more).
+  // Two g remain outside the blocks: the vocabulary-parallel embedding's sum
+  // (Megatron-SP reduce-scatters it; here the [B, T, C] lookup is reduced
+  // whole) and the vocabulary-parallel loss's [N, 2] statistics.
   ModelGraph m = build_model(c.spec, c.batch);
   const LoweredProgram p = lower(m.graph, plan_for(c, m, 2), 0, {m.loss});
   std::map<OpKind, int> ops;
@@ -270,7 +273,9 @@ TEST(Lower, GptSequenceParallelMatchesSingleProcess) {
   SCOPED_TRACE(listing);
   EXPECT_EQ(ops[OpKind::reduce_scatter], 2 * c.spec.layers);
   EXPECT_EQ(ops[OpKind::all_gather], 2 * c.spec.layers);
-  EXPECT_EQ(ops[OpKind::reduce_from_group], 0);
+  EXPECT_EQ(ops[OpKind::reduce_from_group], 2);
+  EXPECT_EQ(ops[OpKind::all_reduce_max], 1);
+  EXPECT_EQ(ops[OpKind::gather_from_group], 0);
 }
 
 // What the pass inserts for Megatron's transformer block: f before q/k/v and
@@ -289,13 +294,14 @@ TEST(Lower, GptBlockGetsMegatronCollectives) {
     got.push_back(fmt::format("{} {}", op_name(ic.op), ic.value.substr(0, ic.value.rfind('_'))));
   }
   const std::vector<std::string> want = {
-      "gather_from_group wte",                      // the vocabulary-split table, for the lookup
+      "reduce_from_group embedding",                // g: the vocabulary-parallel lookup's sum
       "copy_to_group block0.layer_norm",            // f before q, k, v (once for the three)
       "reduce_from_group block0.attn.proj.matmul",  // g after the row-parallel projection
       "copy_to_group block0.layer_norm",            // f before fc
       "reduce_from_group block0.proj.matmul",       // g after the MLP's row-parallel proj
       "copy_to_group layer_norm",                   // f before the tied (vocabulary-split) head
-      "gather_from_group matmul",                   // the vocabulary-split logits, for the loss
+      "all_reduce_max matmul",     // vocabulary-parallel loss: the logits' row maxima
+      "reduce_from_group matmul",  // and the [N, 2] sums of exponentials / labels' logits
   };
   EXPECT_EQ(got, want) << fmt::format("{}", fmt::join(got, "\n"));
   // Local shapes: rank 1 of tp=2 holds 3 of the 6 heads.
@@ -303,6 +309,58 @@ TEST(Lower, GptBlockGetsMegatronCollectives) {
   EXPECT_EQ(p.graph.value(*p.graph.find("block0.attn.proj.w")).shape, (Shape{12, 24}));
   EXPECT_EQ(p.graph.value(*p.graph.find("wte")).shape, (Shape{16, 24}));
   EXPECT_EQ(p.param("block0.attn.q.w")->box.begin, (std::vector<int64_t>{0, 12}));
+  // Rank 1 looks up rows [16, 32) of the vocabulary and holds those columns
+  // of the logits; no value of the program has the whole vocabulary.
+  const int64_t n = 2 * s.seq_len;
+  int lookups = 0;
+  for (const Node& node : p.graph.nodes()) {
+    for (ValueId v : node.outputs) {
+      const Shape& vs = p.graph.value(v).shape;
+      EXPECT_FALSE(vs.rank() == 2 && vs[1] == s.vocab && vs[0] >= n) << p.graph.value(v).name;
+      EXPECT_FALSE(vs.rank() == 2 && vs[0] == s.vocab) << p.graph.value(v).name;
+    }
+    if (node.op == OpKind::embedding && node.attrs.has("offset")) {
+      ++lookups;
+      EXPECT_EQ(node.attrs.i("offset"), 16);
+      EXPECT_EQ(node.attrs.i("vocab"), 32);
+    }
+    if (node.op == OpKind::vocab_ce_stats) {
+      EXPECT_EQ(node.attrs.i("offset"), 16);
+      EXPECT_EQ(p.graph.value(node.inputs[0]).shape, (Shape{n, 16}));
+    }
+  }
+  EXPECT_EQ(lookups, 1);
+}
+
+// Uneven ratios: each rank's rows of the tied table and columns of the
+// logits are its own range (2:1 over 32 rows: [0, 21) and [21, 32)); the
+// training run of GptTensorParallelMatchesSingleProcess checks the numbers.
+TEST(Lower, GptVocabularyRangesFollowTheRatios) {
+  ModelSpec s = gpt_spec();
+  s.layers = 1;
+  ModelGraph m = build_model(s, 2);
+  Case c{"gpt", s, 2, {}};
+  c.sh.tp = 2;
+  c.sh.tp_ratios = {2, 1};
+  const Plan plan = plan_for(c, m, 2);
+  for (int rank = 0; rank < 2; ++rank) {
+    const LoweredProgram p = lower(m.graph, plan, rank, {m.loss});
+    const int64_t begin = p.param("wte")->box.begin[0], end = p.param("wte")->box.end[0];
+    EXPECT_EQ(begin, rank == 0 ? 0 : 21);
+    EXPECT_EQ(end, rank == 0 ? 21 : 32);
+    int seen = 0;
+    for (const Node& node : p.graph.nodes()) {
+      if (node.op == OpKind::embedding || node.op == OpKind::vocab_ce_stats) {
+        if (!node.attrs.has("offset")) continue;
+        ++seen;
+        EXPECT_EQ(node.attrs.i("offset"), begin) << node.name;
+        const int64_t rows =
+            p.graph.value(node.inputs[0]).shape[node.op == OpKind::embedding ? 0 : 1];
+        EXPECT_EQ(rows, end - begin) << node.name;
+      }
+    }
+    EXPECT_EQ(seen, 2) << "rank " << rank;
+  }
 }
 
 TEST(Lower, RejectsWhatItCannotLower) {

@@ -399,6 +399,10 @@ class Lowerer {
         return lower_permute(n);
       case OpKind::layer_norm:
         return lower_layer_norm(n);
+      case OpKind::embedding:
+        return lower_embedding(n);
+      case OpKind::cross_entropy:
+        return lower_cross_entropy(n);
       default:
         return lower_replicated(n);
     }
@@ -620,6 +624,69 @@ class Lowerer {
     Layout y = l;
     y.stride = f.inner * tail(g_.value(n.outputs[0]).shape, to);
     emit_like(n, {loc(x)}, {y}, n.attrs);
+  }
+
+  // The first element along dimension `dim` of this rank's piece of split
+  // value v, when the piece is one contiguous range there (else -1).
+  int64_t range_start(ValueId v, int dim) const {
+    const Layout& l = lay(v);
+    const FactorPos f = find_factor(gshape(v), l);
+    if (f.dim != dim || f.outer != 1) return -1;
+    int64_t off = 0;
+    for (int q = 0; q < coord(l.axis); ++q) off += l.sizes[static_cast<size_t>(q)];
+    return off * f.inner;
+  }
+
+  // Megatron's vocabulary-parallel embedding: each rank looks its ids up in
+  // its own rows of the table (zeros for the others' ids), which makes the
+  // sum over the ranks the lookup; the partial result is reduced by g where
+  // a consumer needs it whole. Backward: each rank scatter-adds into its
+  // own rows (g's backward is the identity).
+  void lower_embedding(const Node& n) {
+    ValueId table = n.inputs[0], ids = n.inputs[1];
+    if (!lay(table).split() || !lay(ids).replicated()) return lower_replicated(n);
+    const int64_t off = range_start(table, 0);
+    if (off < 0) return lower_replicated(n);
+    Attrs a = n.attrs;
+    a.set("offset", off).set("vocab", gshape(table)[0]);
+    Layout p;
+    p.kind = Layout::Kind::partial;
+    p.axis = lay(table).axis;
+    emit_like(n, {loc(table), loc(ids)}, {p}, std::move(a));
+  }
+
+  // Megatron's vocabulary-parallel cross-entropy over logits split by
+  // columns (the tied head's vocabulary): the row maxima all-reduced with
+  // max (a stop-gradient), each rank's sum of exp(logit - max) and the
+  // label's logit from the rank that holds it summed by g, then
+  // loss = mean(log(sum) + max - label's logit), the same on every rank.
+  // Only [N, 2] + [N] values cross the wire instead of the gathered [N, V]
+  // logits, and each rank's gradient is its own columns' softmax - onehot.
+  void lower_cross_entropy(const Node& n) {
+    ValueId logits = n.inputs[0], labels = n.inputs[1];
+    const DType dt = g_.value(logits).dtype;
+    if (!lay(logits).split() || !lay(labels).replicated() ||
+        (dt != DType::f32 && dt != DType::f64)) {
+      return lower_replicated(n);
+    }
+    const int64_t off = range_start(logits, 1);
+    if (off < 0) return lower_replicated(n);
+    const std::string axis = lay(logits).axis;
+    const std::string why = "vocabulary-parallel " + at(n);
+    const CollectiveAttrs ga{group(axis), 0, {}, 0, 0};
+    ValueId x = loc(logits);
+    ValueId mloc = emit(OpKind::row_max, n.name + ".max", {x});
+    ValueId m = emit(OpKind::all_reduce_max, n.name + ".max@" + axis, {mloc},
+                     ga.to_attrs(OpKind::all_reduce_max));
+    note(out().value(m).name, OpKind::all_reduce_max, axis, logits, why + ": row maxima");
+    ValueId st = emit(OpKind::vocab_ce_stats, n.name + ".stats", {x, loc(labels), m},
+                      Attrs().set("offset", off).set("vocab", gshape(logits)[1]));
+    ValueId tot = emit(OpKind::reduce_from_group, n.name + ".stats.g@" + axis, {st},
+                       ga.to_attrs(OpKind::reduce_from_group));
+    note(out().value(tot).name, OpKind::reduce_from_group, axis, logits,
+         why + ": sums of exponentials and the labels' logits");
+    ValueId y = out().add_node(OpKind::vocab_ce_loss, n.name, {tot, m})[0];
+    set(n.outputs[0], y, Layout{});
   }
 
   void lower_layer_norm(const Node& n) {

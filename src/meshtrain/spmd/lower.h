@@ -36,12 +36,18 @@
 //   partial values become replicated through g (reduce_from_group) where a
 //     non-linear consumer needs them, or, with sequence parallelism, split
 //     by rows through reduce_scatter where they meet the residual stream;
-//   every other operator (convolutions, pooling, embedding, cross-entropy,
-//     sparse ops) runs on replicated inputs: split ones are gathered into one
-//     replicated value (gather_from_group) first.
-// So the vocabulary-parallel embedding gathers its table for the lookup and
-// the vocabulary-split logits are gathered before the cross-entropy: correct
-// and exact, but not yet the fused vocabulary-parallel kernels.
+//   embedding with its table split by rows (one contiguous range of the
+//     vocabulary per rank, even or by ratios) looks up its own rows only
+//     (ids of other ranks' rows give zeros) -> partial (Megatron's
+//     vocabulary-parallel embedding);
+//   cross_entropy over logits split by columns (the tied head's vocabulary)
+//     runs Megatron's vocabulary-parallel cross-entropy: row maxima through
+//     all_reduce_max, each rank's sum of exponentials and the label's logit
+//     through g, the loss from those (replicated); no [N, V] value is
+//     gathered;
+//   every other operator (convolutions, pooling, sparse ops, and the two
+//     above with other layouts) runs on replicated inputs: split ones are
+//     gathered into one replicated value (gather_from_group) first.
 //
 // Pure: no communication. Throws ConfigError naming the value, the axis and
 // what was expected for a plan it cannot lower.
