@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -360,6 +361,59 @@ TEST(Lower, GptVocabularyRangesFollowTheRatios) {
       }
     }
     EXPECT_EQ(seen, 2) << "rank " << rank;
+  }
+}
+
+// Planned activation memory of rank 0's training program (forward and
+// backward, the loss the only output, as the Trainer lowers it) at tp=2,
+// with the vocabulary-parallel embedding and loss and with the split table
+// and logits gathered instead (LowerOptions), for the core GPT
+// (configs/gpt_text.toml) and gpt_medium shapes, at this project's
+// byte-level vocabulary (256) and at GPT-2's (50257). Gathering keeps the
+// whole [N, V] logits and their gradient alive around the loss; the
+// vocabulary-parallel loss only this rank's columns.
+TEST(Lower, VocabularyParallelPlansLessActivationMemory) {
+  struct Shape_ {
+    const char* name;
+    int64_t layers, d_model, heads, seq_len, batch;
+  };
+  for (const Shape_& sh :
+       {Shape_{"gpt_text", 4, 256, 4, 128, 16}, Shape_{"gpt_medium", 12, 768, 12, 256, 8}}) {
+    for (int64_t vocab : {int64_t{256}, int64_t{50257}}) {
+      ModelSpec s;
+      s.kind = "gpt";
+      s.layers = sh.layers;
+      s.d_model = sh.d_model;
+      s.heads = sh.heads;
+      s.seq_len = sh.seq_len;
+      s.vocab = vocab;
+      ModelGraph m = build_model(s, sh.batch);
+      Case c{sh.name, s, sh.batch, {}};
+      c.sh.tp = 2;
+      if (vocab % 2 != 0) c.sh.tp_ratios = {1, 1};  // 50257 rows: 25128 and 25129
+      const Plan plan = plan_for(c, m, 2);
+      int64_t arena[2] = {0, 0};
+      for (int fused = 0; fused < 2; ++fused) {
+        LowerOptions lo;
+        lo.vocab_parallel = fused == 1;
+        LoweredProgram p = lower(m.graph, plan, 0, {m.loss}, lo);
+        build_backward(p.graph, p[m.loss]);
+        arena[fused] = plan_memory(p.graph, ExecOptions{}, GradMemory::kept).arena_bytes;
+      }
+      const int64_t logits = sh.batch * sh.seq_len * vocab * 4;  // one whole [N, V] in f32
+      std::printf(
+          "%s vocab %lld tp=2: planned activations %.2f MiB gathered, %.2f MiB "
+          "vocabulary-parallel (whole logits %.2f MiB)\n",
+          sh.name, static_cast<long long>(vocab), arena[0] / 1048576.0, arena[1] / 1048576.0,
+          logits / 1048576.0);
+      EXPECT_LE(arena[1], arena[0]) << sh.name << " vocab " << vocab;
+      if (vocab > 256) {
+        // One whole [N, V] less (two were alive around the loss), but for
+        // the loss's [N, 2] statistics and [N] maxima.
+        const int64_t stats = 4 * sh.batch * sh.seq_len * 4;
+        EXPECT_LE(arena[1], arena[0] - logits + stats) << sh.name << " vocab " << vocab;
+      }
+    }
   }
 }
 

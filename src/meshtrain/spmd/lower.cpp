@@ -103,7 +103,8 @@ namespace {
 
 class Lowerer {
  public:
-  Lowerer(const Graph& g, const Plan& plan, int rank) : g_(g), plan_(plan) {
+  Lowerer(const Graph& g, const Plan& plan, int rank, const LowerOptions& options)
+      : g_(g), plan_(plan), options_(options) {
     p_.rank = rank;
     p_.axes = lowered_axes(plan.mesh);
     for (const std::string& a : p_.axes) {
@@ -141,6 +142,7 @@ class Lowerer {
  private:
   const Graph& g_;
   const Plan& plan_;
+  const LowerOptions options_;
   LoweredProgram p_;
   std::map<std::pair<ValueId, std::string>, ValueId> f_cache_;
   std::map<ValueId, ValueId> replicated_cache_;
@@ -644,7 +646,9 @@ class Lowerer {
   // own rows (g's backward is the identity).
   void lower_embedding(const Node& n) {
     ValueId table = n.inputs[0], ids = n.inputs[1];
-    if (!lay(table).split() || !lay(ids).replicated()) return lower_replicated(n);
+    if (!options_.vocab_parallel || !lay(table).split() || !lay(ids).replicated()) {
+      return lower_replicated(n);
+    }
     const int64_t off = range_start(table, 0);
     if (off < 0) return lower_replicated(n);
     Attrs a = n.attrs;
@@ -665,7 +669,7 @@ class Lowerer {
   void lower_cross_entropy(const Node& n) {
     ValueId logits = n.inputs[0], labels = n.inputs[1];
     const DType dt = g_.value(logits).dtype;
-    if (!lay(logits).split() || !lay(labels).replicated() ||
+    if (!options_.vocab_parallel || !lay(logits).split() || !lay(labels).replicated() ||
         (dt != DType::f32 && dt != DType::f64)) {
       return lower_replicated(n);
     }
@@ -709,12 +713,12 @@ class Lowerer {
 }  // namespace
 
 LoweredProgram lower(const Graph& forward, const Plan& plan, int rank,
-                     const std::vector<ValueId>& outputs) {
+                     const std::vector<ValueId>& outputs, const LowerOptions& options) {
   if (rank < 0 || rank >= plan.mesh.size()) {
     throw ConfigError(fmt::format("lowering: rank {} is outside the mesh {} ({} ranks)", rank,
                                   plan.mesh.describe(), plan.mesh.size()));
   }
-  return Lowerer(forward, plan, rank).run(outputs);
+  return Lowerer(forward, plan, rank, options).run(outputs);
 }
 
 std::string describe_lowered(const LoweredProgram& p, const Graph& g) {

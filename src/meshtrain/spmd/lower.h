@@ -124,12 +124,19 @@ std::vector<std::string> lowered_axes(const Mesh& mesh);
 // lowered axis).
 bool needs_lowering(const Plan& plan);
 
+struct LowerOptions {
+  // Megatron's vocabulary-parallel embedding and cross-entropy (the rules
+  // above); false gathers the split table and logits first instead (exact
+  // too; what the pass did before them, kept to measure them against).
+  bool vocab_parallel = true;
+};
+
 // Lowers `forward` (no backward nodes yet) for `rank` of plan.mesh.
 // `outputs` are global values that must be replicated in the result (the
 // loss; the logits, for evaluation): where they would be split or partial, a
 // gather / reduction is appended and local[] points at its result.
 LoweredProgram lower(const Graph& forward, const Plan& plan, int rank,
-                     const std::vector<ValueId>& outputs);
+                     const std::vector<ValueId>& outputs, const LowerOptions& options = {});
 
 // What `meshtrain inspect --plan` prints per rank: parameters with their
 // boxes, the inserted collectives and the local graph's communicating nodes
