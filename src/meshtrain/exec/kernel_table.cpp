@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -167,30 +168,60 @@ void row_max(KernelBackend&, const Node& n, In in, Out out) {
   });
 }
 
+// Rows [r0, r0 + rows) of a row-major [N, c] tensor, as a tensor of its own.
+Tensor rows_of(const Tensor& t, int64_t r0, int64_t rows) {
+  const int64_t c = t.shape()[1];
+  auto* base = static_cast<char*>(const_cast<void*>(t.raw()));
+  return Tensor::wrap(base + static_cast<size_t>(r0 * c) * dtype_size(t.dtype()), Shape{rows, c},
+                      t.dtype());
+}
+
+// Rows per pass of the backend's (vectorised, threaded) row kernels: about
+// 256 K elements of scratch, whatever the vocabulary.
+int64_t chunk_rows(int64_t c) {
+  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(c, 1));
+}
+
 // [N, 2]: sum_j exp(logit_j - m), the label's logit where this rank holds it.
-void vocab_ce_stats(KernelBackend&, const Node& n, In in, Out out) {
+// The sum is exp(lse - m) with lse the log-sum-exp of the row's own columns,
+// read off the backend's log_softmax (lse = logit_0 - log_softmax_0).
+void vocab_ce_stats(KernelBackend& k, const Node& n, In in, Out out) {
   const int64_t rows = in[0].shape()[0], c = in[0].shape()[1];
   const int32_t* labels = in[1].data<int32_t>();
+  const int64_t chunk = std::min(rows, chunk_rows(c));
+  Tensor scratch = c > 0 && rows > 0 ? Tensor::empty(Shape{chunk, c}, in[0].dtype()) : Tensor();
   f32_or_f64(n, in[0].dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* x = in[0].data<T>();
     const T* m = in[2].data<T>();
     T* y = out[0].data<T>();
-    for (int64_t i = 0; i < rows; ++i) {
-      const T* row = x + i * c;
-      double s = 0;
-      for (int64_t j = 0; j < c; ++j) s += std::exp(static_cast<double>(row[j] - m[i]));
-      const int64_t k = local_index(n, "label", labels[i], i, c);
-      y[2 * i] = static_cast<T>(s);
-      y[2 * i + 1] = k < 0 ? T{0} : row[k];
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t nr = std::min(chunk, rows - r0);
+      if (c > 0) {
+        Tensor ls = rows_of(scratch, 0, nr);
+        k.log_softmax(rows_of(in[0], r0, nr), ls);
+      }
+      const T* ls = c > 0 ? scratch.data<T>() : nullptr;
+      for (int64_t i = r0; i < r0 + nr; ++i) {
+        const T* row = x + i * c;
+        const double lse =
+            c > 0 ? static_cast<double>(row[0]) - static_cast<double>(ls[(i - r0) * c]) : 0.0;
+        const int64_t at = local_index(n, "label", labels[i], i, c);
+        y[2 * i] = static_cast<T>(c > 0 ? std::exp(lse - static_cast<double>(m[i])) : 0.0);
+        y[2 * i + 1] = at < 0 ? T{0} : row[at];
+      }
     }
   });
 }
 
-// dlogits_j = dy0 exp(logit_j - m) + dy1 [j is the label]; dm = -dy0 sum_j exp(logit_j - m).
-void vocab_ce_stats_grad(KernelBackend&, const Node& n, In in, Out out) {
+// dlogits_j = dy0 exp(logit_j - m) + dy1 [j is the label] = dy0 s softmax_j
+// (+ dy1), s = exp(lse - m) the row's own sum; dm = -dy0 s. Written in place:
+// log_softmax into dlogits gives lse, softmax over it the row's shape.
+void vocab_ce_stats_grad(KernelBackend& k, const Node& n, In in, Out out) {
   const int64_t rows = in[0].shape()[0], c = in[0].shape()[1];
   const int32_t* labels = in[1].data<int32_t>();
+  const int64_t chunk = std::min(rows, chunk_rows(c));
+  std::vector<double> lse(static_cast<size_t>(std::max<int64_t>(chunk, 0)));
   f32_or_f64(n, in[0].dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* x = in[0].data<T>();
@@ -198,18 +229,29 @@ void vocab_ce_stats_grad(KernelBackend&, const Node& n, In in, Out out) {
     const T* dy = in[3].data<T>();
     T* dx = out[0].data<T>();
     T* dm = out[1].data<T>();
-    for (int64_t i = 0; i < rows; ++i) {
-      const double d0 = dy[2 * i];
-      double s = 0;
-      for (int64_t j = 0; j < c; ++j) {
-        const double e = std::exp(static_cast<double>(x[i * c + j] - m[i]));
-        s += e;
-        dx[i * c + j] = static_cast<T>(d0 * e);
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t nr = std::min(chunk, rows - r0);
+      if (c > 0) {
+        const Tensor xs = rows_of(in[0], r0, nr);
+        Tensor ds = rows_of(out[0], r0, nr);
+        k.log_softmax(xs, ds);
+        for (int64_t i = 0; i < nr; ++i) {
+          lse[static_cast<size_t>(i)] =
+              static_cast<double>(x[(r0 + i) * c]) - static_cast<double>(dx[(r0 + i) * c]);
+        }
+        k.softmax(xs, ds, false);
       }
-      const int64_t k = local_index(n, "label", labels[i], i, c);
-      if (k >= 0)
-        dx[i * c + k] = static_cast<T>(static_cast<double>(dx[i * c + k]) + dy[2 * i + 1]);
-      dm[i] = static_cast<T>(-d0 * s);
+      for (int64_t i = r0; i < r0 + nr; ++i) {
+        const double d0 = dy[2 * i];
+        const double s =
+            c > 0 ? std::exp(lse[static_cast<size_t>(i - r0)] - static_cast<double>(m[i])) : 0.0;
+        const auto f = static_cast<T>(d0 * s);
+        T* row = dx + i * c;
+        for (int64_t j = 0; j < c; ++j) row[j] *= f;
+        const int64_t at = local_index(n, "label", labels[i], i, c);
+        if (at >= 0) row[at] = static_cast<T>(static_cast<double>(row[at]) + dy[2 * i + 1]);
+        dm[i] = static_cast<T>(-d0 * s);
+      }
     }
   });
 }
