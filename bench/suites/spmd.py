@@ -163,7 +163,7 @@ def run(ctx):
         if peer:
             line["peer_engines"] = peer.get("peer_engines")
             line["peer_max_rank_rss_mib"] = round(peer["max_rank_rss_kib"] / 1024.0, 1)
-        line["note"] = ("meshtrain: vocabulary-split wte (gathered for the lookup and the loss); "
+        line["note"] = ("meshtrain: vocabulary-split wte (vocabulary-parallel lookup and loss); "
                         "peer: embeddings and tied head replicated; both: every rank trains the "
                         "whole global batch; rank 0's median step after warm-up")
         err = "; ".join(e for e in (run_.error, f"peer: {perr}" if perr else None) if e)

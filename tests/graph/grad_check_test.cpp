@@ -31,6 +31,8 @@ struct In {
   int high = 0;  // i32 inputs: values in [0, high)
   // i32 inputs with fixed contents (a CSR structure) instead of random ones.
   std::vector<int32_t> values = {};
+  // Float inputs drawn from [0.5, 1.5) instead of [-1, 1) (a logarithm's argument).
+  bool positive = false;
 };
 
 struct GradCase {
@@ -44,6 +46,12 @@ struct GradCase {
 
 In ids(Shape s, int high) {
   return In{std::move(s), DType::i32, high};
+}
+In positive(Shape s) {
+  return In{std::move(s), DType::f64, 0, {}, true};
+}
+Attrs vocab_range(int64_t offset, int64_t vocab) {
+  return Attrs().set("offset", offset).set("vocab", vocab);
 }
 In fixed(std::vector<int32_t> v) {
   const auto n = static_cast<int64_t>(v.size());
@@ -119,6 +127,19 @@ std::vector<GradCase> cases() {
       {"cross_entropy_one_row", O::cross_entropy, {{{1, 3}}, ids({1}, 3)}, {}},
       {"embedding", O::embedding, {{{7, 3}}, ids({5}, 7)}, {}},
       {"embedding_repeated_ids", O::embedding, {{{3, 2}}, ids({2, 4}, 3)}, {}},
+      // Vocabulary-parallel: this table is rows [3, 7) of 9; ids of other
+      // rows look up zeros and add nothing to the table's gradient.
+      {"embedding_vocab_range", O::embedding, {{{4, 3}}, ids({3, 4}, 9)}, vocab_range(3, 9)},
+      {"embedding_vocab_first_rows", O::embedding, {{{2, 2}}, ids({6}, 5)}, vocab_range(0, 5)},
+      // Columns [3, 7) of a vocabulary of 9 (labels of other columns pick
+      // nothing here); m is an input like any other in this check.
+      {"vocab_ce_stats", O::vocab_ce_stats, {{{5, 4}}, ids({5}, 9), {{5}}}, vocab_range(3, 9)},
+      {"vocab_ce_stats_whole",
+       O::vocab_ce_stats,
+       {{{3, 4}}, ids({3}, 4), {{3}}},
+       vocab_range(0, 4)},
+      {"vocab_ce_loss", O::vocab_ce_loss, {positive({5, 2}), {{5}}}, {}},
+      {"vocab_ce_loss_one_row", O::vocab_ce_loss, {positive({1, 2}), {{1}}}, {}},
       {"conv2d_bias_stride_pad",
        O::conv2d,
        {{{2, 3, 6, 5}}, {{4, 3, 3, 3}}, {{4}}},
@@ -159,6 +180,9 @@ Tensor random_tensor(const In& in, std::mt19937_64& rng) {
   } else if (in.dtype == DType::i32) {
     std::uniform_int_distribution<int> d(0, in.high - 1);
     for (int64_t i = 0; i < t.numel(); ++i) t.data<int32_t>()[i] = d(rng);
+  } else if (in.positive) {
+    std::uniform_real_distribution<double> d(0.5, 1.5);
+    for (int64_t i = 0; i < t.numel(); ++i) t.set_item(i, d(rng));
   } else {
     std::uniform_real_distribution<double> d(-1.0, 1.0);
     for (int64_t i = 0; i < t.numel(); ++i) t.set_item(i, d(rng));

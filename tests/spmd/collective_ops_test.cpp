@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -433,17 +434,93 @@ TEST_P(CollectiveGrad, MatchesCentralDifferencesOfTheGlobalObjective) {
 INSTANTIATE_TEST_SUITE_P(Ops, CollectiveGrad, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<OpCase>& p) { return p.param.label; });
 
-// Every collective operator has forward and gradient cases above.
+// ---- all_reduce_max (no gradient: a stop-gradient) ----
+
+// Rank r's element i: which rank holds the maximum varies with i, negative
+// values and ties included; the result is bitwise the maximum on every rank,
+// with shared memory and without, and the counters equal the cost facts.
+TEST(CollectiveMax, BitwiseMaximumAndCountedBytes) {
+  for (int n : {2, 3, 4}) {
+    for (size_t shm : {size_t{1} << 20, size_t{0}}) {
+      LocalWorldOptions wo = world(n);
+      wo.shm_bytes_per_rank = shm;
+      LocalWorld::run(wo, [&](Communicator& comm) {
+        const int r = comm.rank();
+        auto value = [](int q, int64_t i) {
+          return static_cast<float>((i + 3 * q) % 5) - 2.5f * static_cast<float>(i % 2);
+        };
+        Graph g;
+        Builder b(g);
+        ValueId x = b.input("x", {2, 7});
+        ValueId y = g.add_node(OpKind::all_reduce_max, "max", {x},
+                               CollectiveAttrs{0, 0, {}, 0, 0}.to_attrs(OpKind::all_reduce_max))
+                        .front();
+        ExecOptions o;
+        o.backend = "reference";
+        o.outputs = {y};
+        auto runner = std::make_shared<CommCollectiveRunner>(
+            comm, std::vector<std::vector<int>>{all_ranks(n)});
+        o.collectives = runner;
+        Executor ex(g, o);
+        Tensor xt = Tensor::empty({2, 7}, DType::f32);
+        for (int64_t i = 0; i < xt.numel(); ++i) xt.set_item(i, value(r, i));
+        ex.bind(x, xt);
+        ex.run();
+        const Tensor yt = ex.get(y);
+        for (int64_t i = 0; i < yt.numel(); ++i) {
+          float want = value(0, i);
+          for (int q = 1; q < n; ++q) want = std::max(want, value(q, i));
+          EXPECT_EQ(yt.data<float>()[i], want) << "np" << n << " rank " << r << " element " << i;
+        }
+        const Node& node = g.node(g.value(y).producer);
+        const CollectiveCounter& k = runner->comm_of(0)->counters().by_collective.at("all_reduce");
+        const CollectiveCost cost = runner->cost_of(g, node);
+        EXPECT_EQ(k.calls, 1u);
+        EXPECT_EQ(k.payload_bytes, static_cast<uint64_t>(op_cost(g, node).comm_bytes));
+        EXPECT_EQ(k.payload_bytes, 2u * 7u * 4u);
+        EXPECT_EQ(k.bytes_sent, cost.bytes_sent) << "rank " << r;
+        EXPECT_EQ(k.bytes_received, cost.bytes_received) << "rank " << r;
+      });
+    }
+  }
+}
+
+// Autodiff treats the maximum as a constant: a loss reached only through it
+// gives x no gradient, and one reached also directly gives x only the
+// direct path's.
+TEST(CollectiveMax, IsAStopGradient) {
+  Graph g;
+  Builder b(g);
+  ValueId x = b.param("x", {3}, ParamInit{}, DType::f64);
+  ValueId m = g.add_node(OpKind::all_reduce_max, "max", {x},
+                         CollectiveAttrs{0, 0, {}, 0, 0}.to_attrs(OpKind::all_reduce_max))
+                  .front();
+  ValueId loss = b.sum_to(b.mul(x, m), {});
+  build_backward(g, loss);
+  const ValueId gx = g.grad_of(x);
+  ASSERT_NE(gx, kNoValue);
+  // d/dx sum(x * m) with m constant is m: the gradient is m itself (or a copy).
+  const Node& prod = g.node(g.value(gx).producer);
+  EXPECT_NE(prod.op, OpKind::all_reduce_max);
+  for (const Node& n : g.nodes()) {
+    if (n.backward) {
+      EXPECT_FALSE(is_group_op(n.op)) << n.name << " communicates in backward";
+    }
+  }
+}
+
+// Every collective operator has forward and gradient cases above
+// (all_reduce_max, which has no gradient, its own tests).
 TEST(CollectiveCases, CoverEveryCollectiveOperator) {
   int found = 0;
   for (OpKind op : all_ops()) {
     if (!is_group_op(op)) continue;
     ++found;
-    bool covered = false;
+    bool covered = op == OpKind::all_reduce_max;
     for (const OpCase& c : cases()) covered = covered || c.op == op;
     EXPECT_TRUE(covered) << op_name(op) << " has no case";
   }
-  EXPECT_EQ(found, 8);
+  EXPECT_EQ(found, 9);
 }
 
 // ---- groups ----

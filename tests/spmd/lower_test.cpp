@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -256,9 +257,12 @@ TEST(Lower, GptSequenceParallelMatchesSingleProcess) {
   run_case(c, 2);
   // Megatron-SP's collectives: reduce-scatter into the row-split residual
   // stream, all-gather before the column-parallel layers (once for q, k, v),
-  // no all-reduce. The stream is split at the first residual add, so block 0's
-  // attention reads the replicated embedding (one all-gather fewer) and the
-  // tied head reads the split stream (one more).
+  // no all-reduce inside the blocks. The stream is split at the first
+  // residual add, so block 0's attention reads the replicated embedding (one
+  // all-gather fewer) and the tied head reads the split stream (one more).
+  // Two g remain outside the blocks: the vocabulary-parallel embedding's sum
+  // (Megatron-SP reduce-scatters it; here the [B, T, C] lookup is reduced
+  // whole) and the vocabulary-parallel loss's [N, 2] statistics.
   ModelGraph m = build_model(c.spec, c.batch);
   const LoweredProgram p = lower(m.graph, plan_for(c, m, 2), 0, {m.loss});
   std::map<OpKind, int> ops;
@@ -270,7 +274,9 @@ TEST(Lower, GptSequenceParallelMatchesSingleProcess) {
   SCOPED_TRACE(listing);
   EXPECT_EQ(ops[OpKind::reduce_scatter], 2 * c.spec.layers);
   EXPECT_EQ(ops[OpKind::all_gather], 2 * c.spec.layers);
-  EXPECT_EQ(ops[OpKind::reduce_from_group], 0);
+  EXPECT_EQ(ops[OpKind::reduce_from_group], 2);
+  EXPECT_EQ(ops[OpKind::all_reduce_max], 1);
+  EXPECT_EQ(ops[OpKind::gather_from_group], 0);
 }
 
 // What the pass inserts for Megatron's transformer block: f before q/k/v and
@@ -289,13 +295,14 @@ TEST(Lower, GptBlockGetsMegatronCollectives) {
     got.push_back(fmt::format("{} {}", op_name(ic.op), ic.value.substr(0, ic.value.rfind('_'))));
   }
   const std::vector<std::string> want = {
-      "gather_from_group wte",                      // the vocabulary-split table, for the lookup
+      "reduce_from_group embedding",                // g: the vocabulary-parallel lookup's sum
       "copy_to_group block0.layer_norm",            // f before q, k, v (once for the three)
       "reduce_from_group block0.attn.proj.matmul",  // g after the row-parallel projection
       "copy_to_group block0.layer_norm",            // f before fc
       "reduce_from_group block0.proj.matmul",       // g after the MLP's row-parallel proj
       "copy_to_group layer_norm",                   // f before the tied (vocabulary-split) head
-      "gather_from_group matmul",                   // the vocabulary-split logits, for the loss
+      "all_reduce_max matmul",     // vocabulary-parallel loss: the logits' row maxima
+      "reduce_from_group matmul",  // and the [N, 2] sums of exponentials / labels' logits
   };
   EXPECT_EQ(got, want) << fmt::format("{}", fmt::join(got, "\n"));
   // Local shapes: rank 1 of tp=2 holds 3 of the 6 heads.
@@ -303,6 +310,111 @@ TEST(Lower, GptBlockGetsMegatronCollectives) {
   EXPECT_EQ(p.graph.value(*p.graph.find("block0.attn.proj.w")).shape, (Shape{12, 24}));
   EXPECT_EQ(p.graph.value(*p.graph.find("wte")).shape, (Shape{16, 24}));
   EXPECT_EQ(p.param("block0.attn.q.w")->box.begin, (std::vector<int64_t>{0, 12}));
+  // Rank 1 looks up rows [16, 32) of the vocabulary and holds those columns
+  // of the logits; no value of the program has the whole vocabulary.
+  const int64_t n = 2 * s.seq_len;
+  int lookups = 0;
+  for (const Node& node : p.graph.nodes()) {
+    for (ValueId v : node.outputs) {
+      const Shape& vs = p.graph.value(v).shape;
+      EXPECT_FALSE(vs.rank() == 2 && vs[1] == s.vocab && vs[0] >= n) << p.graph.value(v).name;
+      EXPECT_FALSE(vs.rank() == 2 && vs[0] == s.vocab) << p.graph.value(v).name;
+    }
+    if (node.op == OpKind::embedding && node.attrs.has("offset")) {
+      ++lookups;
+      EXPECT_EQ(node.attrs.i("offset"), 16);
+      EXPECT_EQ(node.attrs.i("vocab"), 32);
+    }
+    if (node.op == OpKind::vocab_ce_stats) {
+      EXPECT_EQ(node.attrs.i("offset"), 16);
+      EXPECT_EQ(p.graph.value(node.inputs[0]).shape, (Shape{n, 16}));
+    }
+  }
+  EXPECT_EQ(lookups, 1);
+}
+
+// Uneven ratios: each rank's rows of the tied table and columns of the
+// logits are its own range (2:1 over 32 rows: [0, 21) and [21, 32)); the
+// training run of GptTensorParallelMatchesSingleProcess checks the numbers.
+TEST(Lower, GptVocabularyRangesFollowTheRatios) {
+  ModelSpec s = gpt_spec();
+  s.layers = 1;
+  ModelGraph m = build_model(s, 2);
+  Case c{"gpt", s, 2, {}};
+  c.sh.tp = 2;
+  c.sh.tp_ratios = {2, 1};
+  const Plan plan = plan_for(c, m, 2);
+  for (int rank = 0; rank < 2; ++rank) {
+    const LoweredProgram p = lower(m.graph, plan, rank, {m.loss});
+    const int64_t begin = p.param("wte")->box.begin[0], end = p.param("wte")->box.end[0];
+    EXPECT_EQ(begin, rank == 0 ? 0 : 21);
+    EXPECT_EQ(end, rank == 0 ? 21 : 32);
+    int seen = 0;
+    for (const Node& node : p.graph.nodes()) {
+      if (node.op == OpKind::embedding || node.op == OpKind::vocab_ce_stats) {
+        if (!node.attrs.has("offset")) continue;
+        ++seen;
+        EXPECT_EQ(node.attrs.i("offset"), begin) << node.name;
+        const int64_t rows =
+            p.graph.value(node.inputs[0]).shape[node.op == OpKind::embedding ? 0 : 1];
+        EXPECT_EQ(rows, end - begin) << node.name;
+      }
+    }
+    EXPECT_EQ(seen, 2) << "rank " << rank;
+  }
+}
+
+// Planned activation memory of rank 0's training program (forward and
+// backward, the loss the only output, as the Trainer lowers it) at tp=2,
+// with the vocabulary-parallel embedding and loss and with the split table
+// and logits gathered instead (LowerOptions), for the core GPT
+// (configs/gpt_text.toml) and gpt_medium shapes, at this project's
+// byte-level vocabulary (256) and at GPT-2's (50257). Gathering keeps the
+// whole [N, V] logits and their gradient alive around the loss; the
+// vocabulary-parallel loss only this rank's columns.
+TEST(Lower, VocabularyParallelPlansLessActivationMemory) {
+  struct Shape_ {
+    const char* name;
+    int64_t layers, d_model, heads, seq_len, batch;
+  };
+  for (const Shape_& sh :
+       {Shape_{"gpt_text", 4, 256, 4, 128, 16}, Shape_{"gpt_medium", 12, 768, 12, 256, 8}}) {
+    for (int64_t vocab : {int64_t{256}, int64_t{50257}}) {
+      ModelSpec s;
+      s.kind = "gpt";
+      s.layers = sh.layers;
+      s.d_model = sh.d_model;
+      s.heads = sh.heads;
+      s.seq_len = sh.seq_len;
+      s.vocab = vocab;
+      ModelGraph m = build_model(s, sh.batch);
+      Case c{sh.name, s, sh.batch, {}};
+      c.sh.tp = 2;
+      if (vocab % 2 != 0) c.sh.tp_ratios = {1, 1};  // 50257 rows: 25128 and 25129
+      const Plan plan = plan_for(c, m, 2);
+      int64_t arena[2] = {0, 0};
+      for (int fused = 0; fused < 2; ++fused) {
+        LowerOptions lo;
+        lo.vocab_parallel = fused == 1;
+        LoweredProgram p = lower(m.graph, plan, 0, {m.loss}, lo);
+        build_backward(p.graph, p[m.loss]);
+        arena[fused] = plan_memory(p.graph, ExecOptions{}, GradMemory::kept).arena_bytes;
+      }
+      const int64_t logits = sh.batch * sh.seq_len * vocab * 4;  // one whole [N, V] in f32
+      std::printf(
+          "%s vocab %lld tp=2: planned activations %.2f MiB gathered, %.2f MiB "
+          "vocabulary-parallel (whole logits %.2f MiB)\n",
+          sh.name, static_cast<long long>(vocab), arena[0] / 1048576.0, arena[1] / 1048576.0,
+          logits / 1048576.0);
+      EXPECT_LE(arena[1], arena[0]) << sh.name << " vocab " << vocab;
+      if (vocab > 256) {
+        // One whole [N, V] less (two were alive around the loss), but for
+        // the loss's [N, 2] statistics and [N] maxima.
+        const int64_t stats = 4 * sh.batch * sh.seq_len * 4;
+        EXPECT_LE(arena[1], arena[0] - logits + stats) << sh.name << " vocab " << vocab;
+      }
+    }
+  }
 }
 
 TEST(Lower, RejectsWhatItCannotLower) {

@@ -239,6 +239,7 @@ std::vector<TpCase> cases() {
   add("cnn_tp2_adamw", "cnn", "adamw", 2, 2);
   add("gpt_tp2_adamw", "gpt", "adamw", 2, 2);
   add("gpt_tp2_sp_sgd", "gpt", "sgd", 2, 2, {}, true);
+  add("gpt_tp2_ratios_2to1_adamw", "gpt", "adamw", 2, 2, {2, 1});  // uneven vocabulary ranges
   add("mlp_dp2_tp2_lamb", "mlp", "lamb", 2, 4);
   for (int zero = 1; zero <= 3; ++zero) {
     add("gpt_dp2_tp2_zero" + std::to_string(zero), "gpt", "adamw", 2, 4, {}, false, zero);

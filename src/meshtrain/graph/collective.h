@@ -23,6 +23,10 @@
 //                   dx_q = piece q of dy  (split_to_group, no communication)
 //   split_to_group  x replicated, y_r = piece r of x (no communication):
 //                   dx = concat_r dy_r  (gather_from_group)
+//   all_reduce_max  y_r = max_q x_q (elementwise), replicated; no gradient:
+//                   a stop-gradient, for the row maxima a softmax subtracts
+//                   (the vocabulary-parallel cross-entropy), which its
+//                   result does not depend on
 // So all_reduce and g have the same forward and different gradients: use
 // all_reduce when each rank's result feeds its own term of the loss, g when
 // the result is one replicated value (Megatron's row-parallel output), and f

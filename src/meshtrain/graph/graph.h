@@ -41,7 +41,8 @@ enum class OpKind : uint16_t {
   log_softmax,
   layer_norm,     // inputs x, gamma, beta; outputs y, mean, rstd; attrs: eps
   cross_entropy,  // inputs logits [N,C], labels i32 [N]; output scalar f32
-  embedding,      // inputs table [V,C], ids i32
+  embedding,      // inputs table [V,C], ids i32; optional attrs offset, vocab: the table is
+                  // rows [offset, offset+V) of a vocabulary of `vocab` rows, ids outside give 0
   conv2d,         // inputs x, w[, b]; attrs: stride_h/w, pad_h/w
   max_pool2d,     // outputs y, argmax; attrs: kernel_h/w, stride_h/w, pad_h/w
   reshape,        // attrs: shape (a view: no copy)
@@ -54,7 +55,7 @@ enum class OpKind : uint16_t {
   log_softmax_grad,    // inputs y, dy
   layer_norm_grad,     // inputs dy, x, gamma, mean, rstd; outputs dx, dgamma, dbeta
   cross_entropy_grad,  // inputs logits, labels, dloss
-  embedding_grad,      // inputs dy, ids; attrs: shape (of the table)
+  embedding_grad,      // inputs dy, ids; attrs: shape (of the table)[, offset, vocab as embedding]
   conv2d_grad_data,    // inputs dy, w; attrs as conv2d + shape (of x)
   conv2d_grad_weight,  // inputs dy, x; outputs dw[, db]; attrs as conv2d + has_bias
   max_pool2d_grad,     // inputs dy, argmax; attrs: shape (of x)
@@ -85,6 +86,17 @@ enum class OpKind : uint16_t {
   // for all_reduce. attrs as all_gather.
   gather_from_group,  // y = x of every group rank joined along dim, replicated; backward: own piece
   split_to_group,     // x replicated, y = this rank's piece along dim (local); backward: gather
+  // Megatron's vocabulary-parallel cross-entropy (the spmd lowering emits
+  // them for logits split by vocabulary; ops_norm.cpp). N rows, this rank's
+  // V_local columns of the vocabulary starting at attr `offset`.
+  all_reduce_max,       // y = elementwise max of x over the group; no gradient (a stop-gradient)
+  row_max,              // x [N, V] -> y [N] = max over each row; no gradient (a stop-gradient)
+  vocab_ce_stats,       // inputs logits [N,Vl], labels i32 [N], m [N]; attrs: offset, vocab
+                        // -> [N, 2]: sum_j exp(logit_j - m), the label's logit where owned else 0
+  vocab_ce_loss,        // inputs tot [N, 2] (the stats summed over the group), m [N]
+                        // -> scalar mean_n log tot[n,0] + m[n] - tot[n,1]
+  vocab_ce_stats_grad,  // inputs logits, labels, m, dy [N,2]; attrs as stats -> dlogits, dm
+  vocab_ce_loss_grad,   // inputs tot, dloss -> dtot [N, 2]
 };
 
 // activation: produced by a forward node; grad: produced by a backward node.

@@ -219,6 +219,7 @@ bool is_group_op(OpKind op) {
     case OpKind::all_to_all:
     case OpKind::gather_from_group:
     case OpKind::split_to_group:
+    case OpKind::all_reduce_max:
       return true;
     default:
       return false;
@@ -235,6 +236,7 @@ double collective_payload_bytes(const Graph& g, const Node& n) {
   };
   switch (n.op) {
     case OpKind::all_reduce:
+    case OpKind::all_reduce_max:
     case OpKind::reduce_from_group:
     case OpKind::reduce_scatter:
     case OpKind::all_to_all:
@@ -264,6 +266,12 @@ void register_collective_ops(std::vector<OpDef>& t) {
   // A local copy of this rank's piece (exec/kernel_table.cpp).
   t.push_back(
       def(OpKind::split_to_group, "split_to_group", infer_reduce_scatter, grad_split_to_group));
+  // The max a softmax subtracts for range: the result does not depend on it,
+  // so no gradient flows through (no differentiable output: autodiff treats
+  // y as a constant).
+  OpDef mx = def(OpKind::all_reduce_max, "all_reduce_max", infer_same, nullptr);
+  mx.diff_outputs = 0;
+  t.push_back(mx);
 }
 
 }  // namespace mt

@@ -152,23 +152,46 @@ void grad_matmul(GradContext& c) {
 
 // ---- embedding ----
 
+// A vocabulary-parallel table (attrs offset, vocab): rows [offset, offset +
+// rows) of a vocabulary of `vocab`; ids of other rows look up zeros.
+void check_vocab_range(const InferContext& c, int64_t rows) {
+  const bool off = c.attrs().has("offset"), voc = c.attrs().has("vocab");
+  if (!off && !voc) return;
+  if (!off || !voc) c.fail("offset and vocab come together (a vocabulary-parallel table)");
+  const int64_t o = c.attrs().i("offset"), v = c.attrs().i("vocab");
+  if (o < 0 || o + rows > v) {
+    c.fail(fmt::format("rows [{}, {}) of the table are not inside the vocabulary of {}", o,
+                       o + rows, v));
+  }
+}
+
+Attrs vocab_range(const Attrs& a) {
+  Attrs r;
+  if (a.has("offset")) r.set("offset", a.i("offset"));
+  if (a.has("vocab")) r.set("vocab", a.i("vocab"));
+  return r;
+}
+
 std::vector<ValueType> infer_embedding(const InferContext& c) {
   c.expect_rank(0, 2, "table");
   c.expect_float(0, "table");
   c.expect_dtype(1, DType::i32, "ids");
+  check_vocab_range(c, c.shape(0)[0]);
   std::vector<int64_t> dims = c.shape(1).dims();
   dims.push_back(c.shape(0)[1]);
   return {{Shape(dims), c.dtype(0)}};
 }
 
 void grad_embedding(GradContext& c) {
-  c.give(0, c.emit(OpKind::embedding_grad, c.name(0), {c.dy(), c.x(1)},
-                   shape_attrs(c.value(c.x(0)).shape)));
+  Attrs a = vocab_range(c.attrs());
+  a.set("shape", dims_of(c.value(c.x(0)).shape));
+  c.give(0, c.emit(OpKind::embedding_grad, c.name(0), {c.dy(), c.x(1)}, std::move(a)));
 }
 
 std::vector<ValueType> infer_embedding_grad(const InferContext& c) {
   Shape table = c.shape_attr("shape");
   if (table.rank() != 2) c.fail(fmt::format("table shape {} must have rank 2", table.str()));
+  check_vocab_range(c, table[0]);
   c.expect_float(0, "dy");
   c.expect_dtype(1, DType::i32, "ids");
   std::vector<int64_t> want = c.shape(1).dims();

@@ -549,7 +549,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
   }
   auto make_built = [&](int r) {
     auto b = std::make_shared<PipelineBuilt>();
-    const ModelGraph m = build_rank_model(spec, micro, o, r, &b->lowered);
+    const ModelGraph m = build_rank_model(spec, micro, o, r, &b->lowered, /*whole_logits=*/false);
     b->cut = cut_pipeline(m.graph, m.loss, plan.stages);
     for (const PipelineStage& ps : b->cut.stages) {
       int64_t arena = 0;

@@ -147,6 +147,10 @@ CollectiveHandle CommCollectiveRunner::start(const CollectiveCall& call) {
       p->handle = comm.all_reduce_async(in.raw(), out.raw(), static_cast<size_t>(in.numel()),
                                         in.dtype(), ReduceOp::sum, opts_);
       break;
+    case OpKind::all_reduce_max:
+      p->handle = comm.all_reduce_async(in.raw(), out.raw(), static_cast<size_t>(in.numel()),
+                                        in.dtype(), ReduceOp::max, opts_);
+      break;
     case OpKind::all_gather:
     case OpKind::gather_from_group:
     case OpKind::reduce_scatter:
@@ -269,6 +273,7 @@ CollectiveCost CommCollectiveRunner::cost_of(const Graph& g, const Node& n) cons
   };
   switch (n.op) {
     case OpKind::all_reduce:
+    case OpKind::all_reduce_max:
     case OpKind::reduce_from_group: {
       const auto count = static_cast<size_t>(x.shape.numel());
       return comm.cost(Collective::all_reduce, algorithm(Collective::all_reduce, count * elem),

@@ -103,7 +103,8 @@ namespace {
 
 class Lowerer {
  public:
-  Lowerer(const Graph& g, const Plan& plan, int rank) : g_(g), plan_(plan) {
+  Lowerer(const Graph& g, const Plan& plan, int rank, const LowerOptions& options)
+      : g_(g), plan_(plan), options_(options) {
     p_.rank = rank;
     p_.axes = lowered_axes(plan.mesh);
     for (const std::string& a : p_.axes) {
@@ -141,6 +142,7 @@ class Lowerer {
  private:
   const Graph& g_;
   const Plan& plan_;
+  const LowerOptions options_;
   LoweredProgram p_;
   std::map<std::pair<ValueId, std::string>, ValueId> f_cache_;
   std::map<ValueId, ValueId> replicated_cache_;
@@ -399,6 +401,10 @@ class Lowerer {
         return lower_permute(n);
       case OpKind::layer_norm:
         return lower_layer_norm(n);
+      case OpKind::embedding:
+        return lower_embedding(n);
+      case OpKind::cross_entropy:
+        return lower_cross_entropy(n);
       default:
         return lower_replicated(n);
     }
@@ -622,6 +628,71 @@ class Lowerer {
     emit_like(n, {loc(x)}, {y}, n.attrs);
   }
 
+  // The first element along dimension `dim` of this rank's piece of split
+  // value v, when the piece is one contiguous range there (else -1).
+  int64_t range_start(ValueId v, int dim) const {
+    const Layout& l = lay(v);
+    const FactorPos f = find_factor(gshape(v), l);
+    if (f.dim != dim || f.outer != 1) return -1;
+    int64_t off = 0;
+    for (int q = 0; q < coord(l.axis); ++q) off += l.sizes[static_cast<size_t>(q)];
+    return off * f.inner;
+  }
+
+  // Megatron's vocabulary-parallel embedding: each rank looks its ids up in
+  // its own rows of the table (zeros for the others' ids), which makes the
+  // sum over the ranks the lookup; the partial result is reduced by g where
+  // a consumer needs it whole. Backward: each rank scatter-adds into its
+  // own rows (g's backward is the identity).
+  void lower_embedding(const Node& n) {
+    ValueId table = n.inputs[0], ids = n.inputs[1];
+    if (!options_.vocab_parallel || !lay(table).split() || !lay(ids).replicated()) {
+      return lower_replicated(n);
+    }
+    const int64_t off = range_start(table, 0);
+    if (off < 0) return lower_replicated(n);
+    Attrs a = n.attrs;
+    a.set("offset", off).set("vocab", gshape(table)[0]);
+    Layout p;
+    p.kind = Layout::Kind::partial;
+    p.axis = lay(table).axis;
+    emit_like(n, {loc(table), loc(ids)}, {p}, std::move(a));
+  }
+
+  // Megatron's vocabulary-parallel cross-entropy over logits split by
+  // columns (the tied head's vocabulary): the row maxima all-reduced with
+  // max (a stop-gradient), each rank's sum of exp(logit - max) and the
+  // label's logit from the rank that holds it summed by g, then
+  // loss = mean(log(sum) + max - label's logit), the same on every rank.
+  // Only [N, 2] + [N] values cross the wire instead of the gathered [N, V]
+  // logits, and each rank's gradient is its own columns' softmax - onehot.
+  void lower_cross_entropy(const Node& n) {
+    ValueId logits = n.inputs[0], labels = n.inputs[1];
+    const DType dt = g_.value(logits).dtype;
+    if (!options_.vocab_parallel || !lay(logits).split() || !lay(labels).replicated() ||
+        (dt != DType::f32 && dt != DType::f64)) {
+      return lower_replicated(n);
+    }
+    const int64_t off = range_start(logits, 1);
+    if (off < 0) return lower_replicated(n);
+    const std::string axis = lay(logits).axis;
+    const std::string why = "vocabulary-parallel " + at(n);
+    const CollectiveAttrs ga{group(axis), 0, {}, 0, 0};
+    ValueId x = loc(logits);
+    ValueId mloc = emit(OpKind::row_max, n.name + ".max", {x});
+    ValueId m = emit(OpKind::all_reduce_max, n.name + ".max@" + axis, {mloc},
+                     ga.to_attrs(OpKind::all_reduce_max));
+    note(out().value(m).name, OpKind::all_reduce_max, axis, logits, why + ": row maxima");
+    ValueId st = emit(OpKind::vocab_ce_stats, n.name + ".stats", {x, loc(labels), m},
+                      Attrs().set("offset", off).set("vocab", gshape(logits)[1]));
+    ValueId tot = emit(OpKind::reduce_from_group, n.name + ".stats.g@" + axis, {st},
+                       ga.to_attrs(OpKind::reduce_from_group));
+    note(out().value(tot).name, OpKind::reduce_from_group, axis, logits,
+         why + ": sums of exponentials and the labels' logits");
+    ValueId y = out().add_node(OpKind::vocab_ce_loss, n.name, {tot, m})[0];
+    set(n.outputs[0], y, Layout{});
+  }
+
   void lower_layer_norm(const Node& n) {
     ValueId x = n.inputs[0];
     const Layout& l = lay(x);
@@ -642,12 +713,12 @@ class Lowerer {
 }  // namespace
 
 LoweredProgram lower(const Graph& forward, const Plan& plan, int rank,
-                     const std::vector<ValueId>& outputs) {
+                     const std::vector<ValueId>& outputs, const LowerOptions& options) {
   if (rank < 0 || rank >= plan.mesh.size()) {
     throw ConfigError(fmt::format("lowering: rank {} is outside the mesh {} ({} ranks)", rank,
                                   plan.mesh.describe(), plan.mesh.size()));
   }
-  return Lowerer(forward, plan, rank).run(outputs);
+  return Lowerer(forward, plan, rank, options).run(outputs);
 }
 
 std::string describe_lowered(const LoweredProgram& p, const Graph& g) {

@@ -36,12 +36,18 @@
 //   partial values become replicated through g (reduce_from_group) where a
 //     non-linear consumer needs them, or, with sequence parallelism, split
 //     by rows through reduce_scatter where they meet the residual stream;
-//   every other operator (convolutions, pooling, embedding, cross-entropy,
-//     sparse ops) runs on replicated inputs: split ones are gathered into one
-//     replicated value (gather_from_group) first.
-// So the vocabulary-parallel embedding gathers its table for the lookup and
-// the vocabulary-split logits are gathered before the cross-entropy: correct
-// and exact, but not yet the fused vocabulary-parallel kernels.
+//   embedding with its table split by rows (one contiguous range of the
+//     vocabulary per rank, even or by ratios) looks up its own rows only
+//     (ids of other ranks' rows give zeros) -> partial (Megatron's
+//     vocabulary-parallel embedding);
+//   cross_entropy over logits split by columns (the tied head's vocabulary)
+//     runs Megatron's vocabulary-parallel cross-entropy: row maxima through
+//     all_reduce_max, each rank's sum of exponentials and the label's logit
+//     through g, the loss from those (replicated); no [N, V] value is
+//     gathered;
+//   every other operator (convolutions, pooling, sparse ops, and the two
+//     above with other layouts) runs on replicated inputs: split ones are
+//     gathered into one replicated value (gather_from_group) first.
 //
 // Pure: no communication. Throws ConfigError naming the value, the axis and
 // what was expected for a plan it cannot lower.
@@ -118,12 +124,19 @@ std::vector<std::string> lowered_axes(const Mesh& mesh);
 // lowered axis).
 bool needs_lowering(const Plan& plan);
 
+struct LowerOptions {
+  // Megatron's vocabulary-parallel embedding and cross-entropy (the rules
+  // above); false gathers the split table and logits first instead (exact
+  // too; what the pass did before them, kept to measure them against).
+  bool vocab_parallel = true;
+};
+
 // Lowers `forward` (no backward nodes yet) for `rank` of plan.mesh.
 // `outputs` are global values that must be replicated in the result (the
 // loss; the logits, for evaluation): where they would be split or partial, a
 // gather / reduction is appended and local[] points at its result.
 LoweredProgram lower(const Graph& forward, const Plan& plan, int rank,
-                     const std::vector<ValueId>& outputs);
+                     const std::vector<ValueId>& outputs, const LowerOptions& options = {});
 
 // What `meshtrain inspect --plan` prints per rank: parameters with their
 // boxes, the inserted collectives and the local graph's communicating nodes

@@ -159,7 +159,7 @@ struct PipelineTraining::Impl {
     // this rank first (spmd/lower.h), then cut; the stages' executors run
     // its collectives over the tensor groups.
     const ModelGraph whole = build_model(spec, micro_batch);
-    model = build_rank_model(spec, micro_batch, o, rank, &lowered);
+    model = build_rank_model(spec, micro_batch, o, rank, &lowered, /*whole_logits=*/false);
     tensor_parallel = needs_lowering(plan);
     for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
     cut = cut_pipeline(model.graph, model.loss, plan.stages);

@@ -81,14 +81,16 @@ DataParallelPlace data_parallel_place(const TrainerOptions& o, int rank, int wor
 }
 
 ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o, int rank,
-                            LoweredProgram* lowered) {
+                            LoweredProgram* lowered, bool whole_logits) {
   ModelGraph m = build_model(spec, batch);
   if (!o.dist.plan || !needs_lowering(*o.dist.plan)) return m;
-  LoweredProgram lp = lower(m.graph, *o.dist.plan, rank, {m.loss, m.logits});
+  std::vector<ValueId> outputs = {m.loss};
+  if (whole_logits) outputs.push_back(m.logits);
+  LoweredProgram lp = lower(m.graph, *o.dist.plan, rank, outputs);
   ModelGraph r;
   r.x = lp[m.x];
   r.y = lp[m.y];
-  r.logits = lp[m.logits];
+  r.logits = whole_logits ? lp[m.logits] : kNoValue;
   r.loss = lp[m.loss];
   for (auto& [id, t] : m.constants) r.constants.emplace_back(lp[id], t);
   r.batch = m.batch;
@@ -103,7 +105,7 @@ TrainingGraph build_training_graph(const ModelSpec& model_spec, const TrainerOpt
   ModelSpec spec = model_spec;
   spec.compute = o.precision;
   TrainingGraph t;
-  t.model = build_rank_model(spec, micro_batch, o, rank, &t.lowered);
+  t.model = build_rank_model(spec, micro_batch, o, rank, &t.lowered, /*whole_logits=*/false);
   t.objective = t.model.loss;
   if (o.precision == DType::f16) {
     Builder b(t.model.graph);

@@ -42,9 +42,13 @@ DataParallelPlace data_parallel_place(const TrainerOptions& o, int rank, int wor
 // The model at `batch` as world rank `rank` runs it: the model itself, or,
 // under a plan with tensor axes, its lowering for this rank (the program's
 // groups and parameter boxes in *lowered; its graph moved into the result,
-// whose x, y, logits (replicated), loss and constants are the local ones).
+// whose x, y, logits, loss and constants are the local ones). Under a
+// lowering the logits are gathered whole (replicated) only with
+// `whole_logits` (evaluation reads them); training programs leave them
+// split (the vocabulary-parallel loss needs no whole logits) and their
+// `logits` is kNoValue then.
 ModelGraph build_rank_model(const ModelSpec& spec, int64_t batch, const TrainerOptions& o, int rank,
-                            LoweredProgram* lowered = nullptr);
+                            LoweredProgram* lowered = nullptr, bool whole_logits = true);
 
 // The forward + backward graph at the micro-batch, as the Trainer runs it.
 struct TrainingGraph {
