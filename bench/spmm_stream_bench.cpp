@@ -19,10 +19,13 @@
 // of the gathers): the gathers that hit in cache are the gap between them.
 //
 // Both are timed --reps times after one untimed pass; the medians (and the
-// best) are printed as one JSON line. The SpMM result is checked against a
+// best) are printed as one JSON line, from wall time and (the *_cpu fields)
+// from the process's CPU time per thread, which leaves out the time slices
+// other processes took on a shared machine. The SpMM result is checked against a
 // plain double-precision loop on a sample of rows, the STREAM arrays against
 // their closed form: a wrong result is an error (exit 1), not a figure.
 #include <omp.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -45,6 +48,24 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
+
+double process_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// One timed region: wall seconds, and the process's CPU seconds divided by
+// the thread count -- the time the region would take had its threads had
+// the cores to themselves (on a shared machine the wall time also counts
+// the slices other processes took; cache and memory contention stay in both).
+struct Interval {
+  Clock::time_point w0 = Clock::now();
+  double c0 = process_cpu_seconds();
+  std::pair<double, double> stop(int threads) const {
+    return {seconds_since(w0), (process_cpu_seconds() - c0) / threads};
+  }
+};
 
 struct Stats {
   double median = 0, best = 0;
@@ -97,8 +118,17 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// STREAM-like copy and triad; returns {copy, triad} in bytes/s (median, best).
-std::pair<Stats, Stats> stream(const Args& a) {
+struct StreamRates {
+  Stats copy, triad;           // bytes/s from wall time: median, best
+  double copy_cpu, triad_cpu;  // bytes/s from CPU time per thread, median
+};
+
+double median_of(std::vector<double> v) {
+  return stats(std::move(v)).median;
+}
+
+// STREAM-like copy and triad.
+StreamRates stream(const Args& a) {
   const int64_t n = a.stream_mb * (int64_t{1} << 20) / 4;
   // Untouched allocations: the first parallel sweep places the pages.
   std::unique_ptr<float[]> pa(new float[n]), pb(new float[n]), pc(new float[n]);
@@ -111,19 +141,21 @@ std::pair<Stats, Stats> stream(const Args& a) {
     z[i] = 0.0f;
   }
   const float s = 3.0f;
-  std::vector<double> copy, triad;
+  std::vector<double> copy, triad, copy_cpu, triad_cpu;
   for (int r = 0; r <= a.reps; ++r) {
-    auto t0 = Clock::now();
+    const Interval ic;
 #pragma omp parallel for num_threads(t) schedule(static)
     for (int64_t i = 0; i < n; ++i) z[i] = x[i];
-    const double tc = seconds_since(t0);
-    t0 = Clock::now();
+    const auto [tc, tc_cpu] = ic.stop(t);
+    const Interval it;
 #pragma omp parallel for num_threads(t) schedule(static)
     for (int64_t i = 0; i < n; ++i) x[i] = y[i] + s * z[i];
-    const double tt = seconds_since(t0);
+    const auto [tt, tt_cpu] = it.stop(t);
     if (r > 0) {
       copy.push_back(2.0 * 4 * static_cast<double>(n) / tc);
       triad.push_back(3.0 * 4 * static_cast<double>(n) / tt);
+      copy_cpu.push_back(2.0 * 4 * static_cast<double>(n) / tc_cpu);
+      triad_cpu.push_back(3.0 * 4 * static_cast<double>(n) / tt_cpu);
     }
     // After this pass z = 1 (the copy of x) and x = y + s z: check a strided sample.
     for (int64_t i = 0; i < n; i += 4099) {
@@ -143,7 +175,7 @@ std::pair<Stats, Stats> stream(const Args& a) {
   std::sort(triad.begin(), triad.end());
   c.best = copy.back();
   tr.best = triad.back();
-  return {c, tr};
+  return {c, tr, median_of(copy_cpu), median_of(triad_cpu)};
 }
 
 }  // namespace
@@ -170,11 +202,15 @@ int main(int argc, char** argv) {
     float* px = x.data<float>();
     for (int64_t i = 0; i < n * f; ++i) px[i] = u(rng);
   }
-  std::vector<double> times;
+  std::vector<double> times, cpu_times;
   for (int r = 0; r <= a.reps; ++r) {
-    const auto t0 = Clock::now();
+    const Interval iv;
     mt::fast::spmm(rp, ci, wt, x, y, a.threads);
-    if (r > 0) times.push_back(seconds_since(t0));
+    const auto [wall, cpu] = iv.stop(a.threads);
+    if (r > 0) {
+      times.push_back(wall);
+      cpu_times.push_back(cpu);
+    }
   }
   // Check a sample of rows (every row of a small graph) in double precision.
   {
@@ -200,7 +236,10 @@ int main(int argc, char** argv) {
   const Stats st = stats(times);
   const double must = 4.0 * static_cast<double>((n + 1) + 2 * nnz + nnz * f + n * f);
   const double compulsory = 4.0 * static_cast<double>((n + 1) + 2 * nnz + 2 * n * f);
-  const auto [copy, triad] = stream(a);
+  const double spmm_cpu_s = median_of(cpu_times);
+  const StreamRates sr = stream(a);
+  const Stats& copy = sr.copy;
+  const Stats& triad = sr.triad;
   const double spmm_bw = must / st.median;
   std::printf(
       "{\"graph_name\": \"%s\", \"vertices\": %lld, \"entries\": %lld, \"width\": %lld, "
@@ -210,11 +249,15 @@ int main(int argc, char** argv) {
       "\"stream_copy_gbs\": %.3f, \"stream_triad_gbs\": %.3f, "
       "\"stream_copy_best_gbs\": %.3f, \"stream_triad_best_gbs\": %.3f, "
       "\"stream_array_mib\": %lld, \"fraction_of_triad\": %.4f, "
-      "\"compulsory_fraction_of_triad\": %.4f, \"reps\": %d}\n",
+      "\"compulsory_fraction_of_triad\": %.4f, \"spmm_cpu_ms\": %.4f, \"spmm_cpu_gbs\": %.3f, "
+      "\"stream_triad_cpu_gbs\": %.3f, \"stream_copy_cpu_gbs\": %.3f, "
+      "\"fraction_of_triad_cpu\": %.4f, \"reps\": %d}\n",
       g.name.c_str(), static_cast<long long>(n), static_cast<long long>(nnz),
       static_cast<long long>(f), a.threads, 1e3 * st.median, 1e3 * st.best, must, compulsory,
       1e-9 * spmm_bw, 1e-9 * compulsory / st.median, 1e-9 * must / st.best, 1e-9 * copy.median,
       1e-9 * triad.median, 1e-9 * copy.best, 1e-9 * triad.best, static_cast<long long>(a.stream_mb),
-      spmm_bw / triad.median, compulsory / st.median / triad.median, a.reps);
+      spmm_bw / triad.median, compulsory / st.median / triad.median, 1e3 * spmm_cpu_s,
+      1e-9 * must / spmm_cpu_s, 1e-9 * sr.triad_cpu, 1e-9 * sr.copy_cpu,
+      must / spmm_cpu_s / sr.triad_cpu, a.reps);
   return 0;
 }

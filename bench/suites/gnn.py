@@ -19,8 +19,11 @@ For each graph and thread count (--threads):
                        counting the bytes it must move (row pointers, column
                        indices, values, one gathered dense row per entry,
                        the output), peer = STREAM triad, ratio = the
-                       fraction of the ceiling; the compulsory-traffic
-                       count (each dense row read once) beside it.
+                       fraction of the ceiling, all three from CPU time per
+                       thread (on a shared machine the wall time counts the
+                       slices others took; the wall-time figures, *_gbs and
+                       fraction_of_triad, are beside); the compulsory-traffic
+                       count (each dense row read once) too.
 For each model (csbm: --models; knn and rmat: --big-models; gat4 = GAT
 with 4 heads, hidden layers concatenating them, the last averaging, as
 PyG's GATConv with concat=True / False) and thread count:
@@ -57,7 +60,9 @@ def add_args(p):
     p.add_argument("--knn-k", type=int, default=10, help="kNN neighbours (default 10)")
     p.add_argument("--rmat-scale", type=int, default=20, help="R-MAT 2^scale vertices (default 20)")
     p.add_argument("--epochs", type=int, default=50, help="timed epochs on csbm and knn (default 50)")
-    p.add_argument("--rmat-epochs", type=int, default=5, help="timed epochs on rmat (default 5)")
+    p.add_argument("--rmat-epochs", type=int, default=3,
+                   help="timed epochs on rmat, after 1 untimed (default 3; PyG takes over a "
+                        "minute per epoch there)")
     p.add_argument("--models", default="gcn,sage,gat,gat4", help="models on csbm")
     p.add_argument("--big-models", default="gcn", help="models on knn and rmat (default gcn)")
     p.add_argument("--threads", default="1,2")
@@ -108,14 +113,15 @@ def run(ctx):
             bandwidth(ctx, bw_exe, graph, gname, threads, cpu)
         epochs = ctx.args.rmat_epochs if gname == "rmat" else ctx.args.epochs
         epochs = min(epochs, 10) if ctx.quick else epochs
+        warmup = 1 if gname == "rmat" else 3
         models = ctx.args.models if gname == "csbm" else ctx.args.big_models
         for model in models.split(","):
             for threads in threads_list:
-                line = compare(ctx, exe, py, graph, gname, model, threads, epochs, cpu)
+                line = compare(ctx, exe, py, graph, gname, model, threads, epochs, warmup, cpu)
                 if (model == "gcn" and threads == threads_list[0] and gname in LEARNS
                         and "meshtrain_test_acc" in line):
                     ctx.emit({"name": "gnn_gcn_accuracy", "unit": "test accuracy",
-                              "graph": gname, "model": "gcn", "epochs": epochs + 3,
+                              "graph": gname, "model": "gcn", "epochs": epochs + warmup,
                               "threads": threads, "vertices": line["vertices"],
                               "meshtrain": line["meshtrain_test_acc"],
                               "peer": line["peer_test_acc"],
@@ -134,28 +140,31 @@ def bandwidth(ctx, bw_exe, graph, gname, threads, cpu):
     if got is None:
         ctx.emit({**line, "error": r.failure()})
         return
-    line.update({"meshtrain": got["spmm_gbs"], "peer": got["stream_triad_gbs"],
-                 "ratio": got["fraction_of_triad"], **got, "others_cpu": r.others_cpu})
+    line.update({"meshtrain": got["spmm_cpu_gbs"], "peer": got["stream_triad_cpu_gbs"],
+                 "ratio": got["fraction_of_triad_cpu"], **got, "others_cpu": r.others_cpu})
     ctx.emit(line)
 
 
-def compare(ctx, exe, py, graph, gname, model, threads, epochs, cpu):
+def compare(ctx, exe, py, graph, gname, model, threads, epochs, warmup, cpu):
     kind, heads = ("gat", 4) if model == "gat4" else (model, 1)
     metrics = ctx.workdir / f"{gname}_{model}_{threads}.jsonl"
     m = ctx.run([exe, "train", "--config", CONFIG, "--quiet", "--metrics", metrics,
                  "--set", f"model.kind={kind}", "--set", f"model.gat_heads={heads}",
                  "--set", "data.graph=file",
                  "--set", f'data.graph_file="{graph}"', "--set", f"train.threads={threads}",
-                 "--set", f"train.epochs={epochs + 3}", "--set", f"train.log_every={epochs + 3}"],
+                 "--set", f"train.epochs={epochs + warmup}",
+                 "--set", f"train.log_every={epochs + warmup}"],
                 thread_env(threads), f"meshtrain_{gname}_{model}_{threads}")
     line = {"name": f"gnn_{model}_epoch", "unit": "ms", "graph": gname, "model": model,
-            "threads": threads, "peer_threads": threads, "epochs": epochs, **cpu}
+            "threads": threads, "peer_threads": threads, "epochs": epochs, "warmup": warmup,
+            **cpu}
     mine = None
     if m.ok:
         mine = json.loads(metrics.read_text().splitlines()[-1])
     peer_r = ctx.run([py, REPO / "bench" / "peers" / "pyg_train.py", "--graph", graph,
                       "--model", kind, "--heads", str(heads), "--epochs", str(epochs),
-                      "--threads", str(threads), "--adj", ctx.args.peer_adj],
+                      "--threads", str(threads), "--adj", ctx.args.peer_adj,
+                      "--warmup", str(warmup)],
                      thread_env(threads), f"pyg_{gname}_{model}_{threads}")
     peer = peer_r.json_lines()[-1] if peer_r.ok and peer_r.json_lines() else None
     line["vertices"] = peer.get("vertices") if peer else None
