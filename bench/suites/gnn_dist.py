@@ -27,6 +27,29 @@ ranks, graph parallel (locality partition) against layer pipelining
                             fewer bytes); both epoch times and test
                             accuracies beside (accuracy is reported, not
                             required equal: historical embeddings are stale).
+
+Then the same comparison from the exact byte counts, for every graph,
+partitioner and rank count in --ratio-ranks (no training: `inspect` gives
+each rank's halo rows of the --deep-layers residual GCN):
+  gnn_layer_pipeline_bytes_analytic
+                            bytes per rank per epoch (largest rank);
+                            meshtrain = layer pipeline c n h 4 (c = 1 at 2
+                            ranks, 2 beyond: a middle stage sends its output
+                            forward and its input gradient backward), peer =
+                            graph parallel L (in_r + out_r) h 4 + the ring
+                            all-reduce of the gradients 2 (P-1)/P params 4,
+                            ratio = peer / meshtrain ~ L max_r(in_r + out_r)
+                            / (c n): the layer count times the halo fraction,
+                            independent of the width.
+  gnn_bytes_analytic_check  the formulas against the communicator's counters
+                            after one epoch of each scheme on a 3,000-vertex
+                            CSBM graph at each rank count (halo and
+                            between-stage bytes exactly, the all-reduce
+                            within 64 bytes of ring's chunk rounding): an
+                            error line if they differ.
+--parts chooses among epoch (the 2-layer lines), deep (the measured 32-layer
+line) and ratios (the two above); `bench/run gnn_dist --parts ratios` takes
+about a minute plus the kNN search.
 """
 
 import json
@@ -40,6 +63,10 @@ SUMMARY = re.compile(r"loss [0-9.]+, accuracy train [0-9.]+ val [0-9.]+ test [0-
 BYTES = re.compile(r"halo exchange \[([0-9, ]+)\], gradient all-reduce \[([0-9, ]+)\]")
 STAGE_BYTES = re.compile(r"between stages \[([0-9, ]+)\]")
 CUT = re.compile(r"edge cut: ([0-9]+) of ([0-9]+) entries")
+HALO_PRED = re.compile(r"halo bytes each rank sends per epoch \(gnn.parallel = graph, [a-z]+\): "
+                       r"\[([0-9, ]+)\]")
+PARAMS = re.compile(r"model: .*?([0-9]+) parameters;")
+VERTICES = re.compile(r"([0-9]+) vertices")
 
 
 def add_args(p):
@@ -51,6 +78,8 @@ def add_args(p):
     p.add_argument("--deep-layers", type=int, default=32, help="resgcn blocks (default 32)")
     p.add_argument("--deep-epochs", type=int, default=30, help="deep model epochs (default 30)")
     p.add_argument("--chunks", type=int, default=4, help="layer pipeline chunks (default 4)")
+    p.add_argument("--ratio-ranks", default="2,4", help="ranks for the analytic byte ratios")
+    p.add_argument("--parts", default="epoch,deep,ratios", help="subset of epoch,deep,ratios")
 
 
 def graph_sets(ctx, name):
@@ -70,6 +99,7 @@ def run(ctx):
     exe = ctx.ensure_built("meshtrain")
     epochs = 5 if ctx.quick else ctx.args.epochs
     cpu = cpu_context()
+    parts = ctx.args.parts.split(",")
     for gname in ctx.args.graphs.split(","):
         graph = ctx.workdir / f"{gname}.safetensors"
         r = ctx.run([exe, "graph-gen", "--config", CONFIG, *graph_sets(ctx, gname), "--out", graph],
@@ -80,6 +110,8 @@ def run(ctx):
             ctx.emit({**base, "error": r.failure()})
             continue
         ctx.log(r.stdout.strip())
+        if "epoch" not in parts:
+            continue
         common = ["--config", CONFIG, "--set", 'data.graph="file"', "--set",
                   f'data.graph_file="{graph}"', "--set", "train.threads=1"]
         train = [exe, "train", *common, "--quiet", "--set", f"train.epochs={epochs + 2}",
@@ -120,7 +152,11 @@ def run(ctx):
                 line["error"] = "no bytes line printed"
             ctx.emit(line)
 
-    deep_graph(ctx, exe, cpu)
+    if "deep" in parts:
+        deep_graph(ctx, exe, cpu)
+    if "ratios" in parts:
+        byte_ratios(ctx, exe, cpu)
+        check_bytes(ctx, exe, cpu)
 
 
 def deep_graph(ctx, exe, cpu):
@@ -167,3 +203,100 @@ def deep_graph(ctx, exe, cpu):
                  "graph_epoch_ms": 1e3 * g["median_epoch_s"],
                  "layer_test_acc": lp["test_acc"], "graph_test_acc": g["test_acc"]})
     ctx.emit(line)
+
+
+def layers_of(ctx):
+    return 4 if ctx.quick else ctx.args.deep_layers
+
+
+def resgcn_sets(layers):
+    return ["--set", 'model.kind="resgcn"', "--set", f"model.gnn_layers={layers}"]
+
+
+def analytic(ctx, exe, graph_args, ranks, part, layers):
+    """(per-rank halo bytes, parameters, vertices) from `inspect`, or an error string."""
+    r = ctx.run([exe, "inspect", "--config", CONFIG, *graph_args, *resgcn_sets(layers),
+                 "--set", f"dist.nproc={ranks}", "--set", f'gnn.partition="{part}"'],
+                name=f"inspect-{ranks}-{part}")
+    halo, params, verts = (HALO_PRED.search(r.stdout), PARAMS.search(r.stdout),
+                           VERTICES.search(r.stdout)) if r.ok else (None, None, None)
+    if not (halo and params and verts):
+        return r.failure() if not r.ok else "inspect printed no halo bytes / parameters / vertices"
+    return ([int(x) for x in halo.group(1).split(",")], int(params.group(1)), int(verts.group(1)))
+
+
+def ring_allreduce_bytes(ranks, params):
+    return round(2 * (ranks - 1) / ranks * params * 4)
+
+
+def pipeline_bytes(ranks, vertices, hidden):
+    return (1 if ranks == 2 else 2) * vertices * hidden * 4
+
+
+def byte_ratios(ctx, exe, cpu):
+    layers = layers_of(ctx)
+    hidden = 64  # configs/gcn_csbm.toml's model.gnn_hidden
+    for gname in ctx.args.graphs.split(","):
+        graph = ctx.workdir / f"{gname}.safetensors"
+        if not graph.exists():
+            continue
+        graph_args = ["--set", 'data.graph="file"', "--set", f'data.graph_file="{graph}"']
+        for ranks in [int(x) for x in ctx.args.ratio_ranks.split(",")]:
+            for part in PARTITIONS:
+                line = {"name": "gnn_layer_pipeline_bytes_analytic", "unit": "bytes/epoch",
+                        "graph": gname, "model": f"resgcn x{layers}", "hidden": hidden,
+                        "ranks": ranks, "partition": part,
+                        "peer_name": f"graph parallel ({part})", **cpu}
+                got = analytic(ctx, exe, graph_args, ranks, part, layers)
+                if isinstance(got, str):
+                    ctx.emit({**line, "error": got})
+                    continue
+                halo, params, n = got
+                gp = max(halo) + ring_allreduce_bytes(ranks, params)
+                lp = pipeline_bytes(ranks, n, hidden)
+                halo_rows = max(halo) // (layers * hidden * 4)  # in_r + out_r, largest rank
+                line.update({"meshtrain": lp, "peer": gp, "ratio": ratio(gp, lp), "vertices": n,
+                             "halo_rows_in_out_max": halo_rows,
+                             "halo_fraction": round(halo_rows / n, 4),
+                             "goal_8x_met": gp >= 8 * lp})
+                ctx.emit(line)
+
+
+def check_bytes(ctx, exe, cpu):
+    """The analytic byte counts against the communicator's, one epoch of each scheme."""
+    layers = layers_of(ctx)
+    graph_args = ["--set", "data.vertices=3000"]
+    for ranks in [int(x) for x in ctx.args.ratio_ranks.split(",")]:
+        line = {"name": "gnn_bytes_analytic_check", "graph": "csbm", "vertices": 3000,
+                "model": f"resgcn x{layers}", "ranks": ranks, "partition": "locality", **cpu}
+        got = analytic(ctx, exe, graph_args, ranks, "locality", layers)
+        if isinstance(got, str):
+            ctx.emit({**line, "error": got})
+            continue
+        halo, params, n = got
+        train = [exe, "train", "--config", CONFIG, "--quiet", "--nproc", str(ranks), *graph_args,
+                 *resgcn_sets(layers), "--set", "train.epochs=1", "--set", "train.threads=1",
+                 "--set", 'gnn.partition="locality"']
+        g = ctx.run([*train, "--set", 'gnn.parallel="graph"'], thread_env(1), f"check-graph-{ranks}")
+        lp = ctx.run([*train, "--set", 'gnn.parallel="layer"', "--set", "gnn.startup_epochs=0"],
+                     thread_env(1), f"check-layer-{ranks}")
+        b = BYTES.search(g.stdout) if g.ok else None
+        sb = STAGE_BYTES.search(lp.stdout) if lp.ok else None
+        if not b or not sb:
+            ctx.emit({**line, "error": g.failure() if not b else lp.failure()})
+            continue
+        m_halo = [int(x) for x in b.group(1).split(",")]
+        m_grad = [int(x) for x in b.group(2).split(",")]
+        m_stage = [int(x) for x in sb.group(1).split(",")]
+        want_stage = max(pipeline_bytes(ranks, n, 64), 0)
+        ring = ring_allreduce_bytes(ranks, params)
+        line.update({"halo_measured": m_halo, "halo_analytic": halo,
+                     "allreduce_measured": m_grad, "allreduce_analytic": ring,
+                     "stage_measured": m_stage, "stage_analytic_max": want_stage})
+        if m_halo != halo:
+            line["error"] = "halo bytes differ from inspect's prediction"
+        elif max(abs(x - ring) for x in m_grad) > 64:
+            line["error"] = "all-reduce bytes differ from the ring formula"
+        elif max(m_stage) != want_stage:
+            line["error"] = "between-stage bytes differ from c n h 4"
+        ctx.emit(line)
