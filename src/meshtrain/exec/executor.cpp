@@ -78,6 +78,7 @@ struct Executor::Impl {
   ExecOptions opts;
   KernelBackend* backend = nullptr;
   int64_t slowdown_debt_ns = 0;  // ExecOptions::slowdown: sleep owed, not yet slept
+  int64_t compute_ns = 0;        // kernels' wall time, sleeps included (compute_ns())
 
   // Stretches a kernel of `ns` by the slowdown factor: the extra time is
   // owed and slept once it reaches 0.2 ms (the sleep's own overshoot is
@@ -402,6 +403,7 @@ struct Executor::Impl {
       if (timed) {
         const int64_t t1 = now_ns();
         if (slowed) stretch(t1 - t0);
+        if (!st.start && !st.wait && !st.view) compute_ns += (slowed ? now_ns() : t1) - t0;
         if (opts.profile) {
           prof[s].total_ns += t1 - t0;
           ++prof[s].calls;
@@ -584,6 +586,11 @@ void Executor::reset_profile() {
     p.total_ns = 0;
     p.calls = 0;
   }
+  impl_->compute_ns = 0;
+}
+
+int64_t Executor::compute_ns() const {
+  return impl_->compute_ns;
 }
 
 }  // namespace mt

@@ -673,6 +673,10 @@ struct PipelineTraining::Impl {
     const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
     uint64_t sent = 0;
     int64_t peak_stash = 0;
+    // This rank's passes' wall time (its compute, the slowdown's sleeps
+    // included) over the steps after the warm-up.
+    double compute_s = 0;
+    int64_t compute_steps = 0;
     const int64_t first = step;
     const int64_t stop =
         o.halt_after > 0 ? std::min(total_steps, first + o.halt_after) : total_steps;
@@ -691,6 +695,9 @@ struct PipelineTraining::Impl {
         idle.push_back(idle_now);
         cpu_ratio.push_back(si.cpu_ratio);
         overhead.push_back(si.overhead);
+        for (const PipelineSpan& sp : runtime->spans())
+          compute_s += static_cast<double>(sp.end_ns - sp.start_ns) * 1e-9;
+        ++compute_steps;
       }
       sent += runtime->bytes_sent();
       peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
@@ -736,6 +743,15 @@ struct PipelineTraining::Impl {
     rusage ru{};
     getrusage(RUSAGE_SELF, &ru);
     r.peak_rss_bytes = static_cast<int64_t>(ru.ru_maxrss) * 1024;
+    // Every rank's compute per step, for rank 0's summary.
+    std::vector<double> per_rank(static_cast<size_t>(world.size()), 0.0);
+    per_rank[static_cast<size_t>(rank)] =
+        compute_s / static_cast<double>(std::max<int64_t>(1, compute_steps));
+    world.all_reduce(per_rank.data(), per_rank.data(), per_rank.size(), DType::f64, ReduceOp::sum,
+                     o.dist.dp.collective);
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int q = 0; q < world.size(); ++q)
+      ranks.push_back({{"rank", q}, {"compute_s_per_step", per_rank[static_cast<size_t>(q)]}});
     nlohmann::json summary = {
         {"summary", true},
         {"steps", r.steps},
@@ -745,6 +761,7 @@ struct PipelineTraining::Impl {
         {"peak_rss_bytes", r.peak_rss_bytes},
         {"threads", o.threads},
         {"world_size", world.size()},
+        {"ranks", ranks},
         {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},
         {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
         {"plan",

@@ -175,6 +175,9 @@ struct Trainer::Impl {
   // Time in the optimizer step (gradient sync included) since the profile
   // was last reset, for the summary's op_profile.
   double optimizer_seconds = 0;
+  // The optimizer's update alone (its slowdown's sleep included), for the
+  // summary's per-rank compute_s_per_step.
+  double update_seconds = 0;
   int64_t optimizer_steps = 0;
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
@@ -1169,6 +1172,7 @@ struct Trainer::Impl {
         std::this_thread::sleep_for(
             std::chrono::duration<double>(update_sw.seconds() * (slowdown() - 1.0)));
       }
+      update_seconds += update_sw.seconds();
     });
     optimizer_seconds += optimizer_sw.seconds();
     ++optimizer_steps;
@@ -1297,6 +1301,7 @@ struct Trainer::Impl {
         exec->reset_profile();
         dp->reset_stats();
         optimizer_seconds = 0;
+        update_seconds = 0;
         optimizer_steps = 0;
       }
       r.losses.push_back(loss);
@@ -1426,9 +1431,16 @@ struct Trainer::Impl {
         dp->memory(static_cast<int>(optimizer->state_kinds().size()), optimizer->state_bytes());
     r.allocated = memory_counters();
     r.peak_rss_bytes = peak_rss_bytes();
+    // This rank's compute per step after the warm-up: its kernels' wall
+    // time (the executor's, the slowdown's sleeps included) and the
+    // optimizer's update, not waiting for collectives.
+    const double compute_s_per_step =
+        optimizer_steps > 0 ? (static_cast<double>(exec->compute_ns()) * 1e-9 + update_seconds) /
+                                  static_cast<double>(optimizer_steps)
+                            : 0.0;
     // Every rank's figures, for rank 0's summary: peak RSS, then live and
-    // peak allocator bytes per category.
-    constexpr int kPer = 1 + 2 * kMemoryCategories;
+    // peak allocator bytes per category, then compute seconds per step.
+    constexpr int kPer = 2 + 2 * kMemoryCategories;
     std::vector<double> per_rank(static_cast<size_t>(kPer * world), 0.0);
     {
       double* mine = per_rank.data() + static_cast<ptrdiff_t>(kPer) * rank;
@@ -1438,6 +1450,7 @@ struct Trainer::Impl {
         mine[1 + kMemoryCategories + c] =
             static_cast<double>(r.allocated.peak[static_cast<size_t>(c)]);
       }
+      mine[kPer - 1] = compute_s_per_step;
     }
     // (Not under a parameter server: a worker that stopped, which ASP goes
     // on without, would hold every rank here; the table has this rank only.)
@@ -1456,7 +1469,8 @@ struct Trainer::Impl {
       ranks.push_back({{"rank", q},
                        {"peak_rss_bytes", static_cast<int64_t>(v[0])},
                        {"mem_live_bytes", by_category(live)},
-                       {"mem_peak_bytes", by_category(peak)}});
+                       {"mem_peak_bytes", by_category(peak)},
+                       {"compute_s_per_step", v[kPer - 1]}});
     }
     const DataParallelStats st = dp->stats();
     nlohmann::json summary = {
@@ -1580,6 +1594,26 @@ nlohmann::json Trainer::Impl::engines_json() const {
 Trainer::Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
                  std::shared_ptr<const Dataset> test_data, TrainerOptions options,
                  Communicator* comm) {
+  // Plan::devices: mesh rank m on comm's rank devices[m] (validate_plan has
+  // checked it is a permutation of the world). The split keeps each
+  // process's links (emulated per world rank); the slowdown is per device.
+  if (comm != nullptr && options.dist.plan && !options.dist.plan->devices_in_order()) {
+    const Plan& plan = *options.dist.plan;
+    if (static_cast<int>(plan.devices.size()) != comm->size()) {
+      throw ConfigError(
+          fmt::format("plan: devices: {} entries for {} ranks", plan.devices.size(), comm->size()));
+    }
+    mesh_comm_ = comm->subgroup(plan.devices, "mesh");
+    comm = mesh_comm_.get();
+    if (!options.dist.slowdown.empty()) {
+      std::vector<double> by_mesh(plan.devices.size(), 1.0);
+      for (size_t m = 0; m < plan.devices.size(); ++m) {
+        const auto d = static_cast<size_t>(plan.devices[m]);
+        if (d < options.dist.slowdown.size()) by_mesh[m] = options.dist.slowdown[d];
+      }
+      options.dist.slowdown = std::move(by_mesh);
+    }
+  }
   if (pipeline_plan(options)) {
     if (comm == nullptr) {
       throw ConfigError("a plan with pipeline stages needs a communicator (one rank per stage)");
