@@ -46,6 +46,35 @@ bool unequal_devices(const ClusterModel& c) {
   return speed.size() > 1;
 }
 
+// Which devices form which tensor group and stage (Plan::devices): besides
+// the cluster's own order, its ranks sorted by speed (f32 peak over
+// slowdown; stable, so like devices keep their order), fastest first and
+// slowest first. Mesh ranks are numbered pp, dp, tp (tensor innermost), so
+// sorted ranks put like devices in one tensor group (none held back by a
+// slower member) and the fast ones on the first or on the last pipeline
+// stage (whose extra work -- embeddings, head, loss -- or activation stash
+// decides which is better; the cost model prices both). Orders equal to the
+// cluster's are left out.
+std::vector<std::pair<std::string, std::vector<int>>> device_orders(const ClusterModel& c) {
+  const int world = c.world();
+  std::vector<double> speed(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r)
+    speed[static_cast<size_t>(r)] = c.device(r).peak_flops_f32 / c.slowdown_of(r);
+  std::vector<int> ident(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) ident[static_cast<size_t>(r)] = r;
+  std::vector<int> fast = ident, slow = ident;
+  std::stable_sort(fast.begin(), fast.end(), [&](int a, int b) {
+    return speed[static_cast<size_t>(a)] > speed[static_cast<size_t>(b)];
+  });
+  std::stable_sort(slow.begin(), slow.end(), [&](int a, int b) {
+    return speed[static_cast<size_t>(a)] < speed[static_cast<size_t>(b)];
+  });
+  std::vector<std::pair<std::string, std::vector<int>>> out;
+  if (fast != ident) out.push_back({"fast-first", fast});
+  if (slow != ident && slow != fast) out.push_back({"slow-first", slow});
+  return out;
+}
+
 // The largest number of ranks on one node.
 int max_node_ranks(const ClusterModel& c) {
   std::map<int, int> per;
@@ -74,6 +103,7 @@ std::string PlanCandidate::describe() const {
   if (!shape.batch_shares.empty()) s += " shares=" + list(shape.batch_shares);
   if (!shape.tp_ratios.empty()) s += " tp_ratios=" + list(shape.tp_ratios);
   if (!shape.stage_layers.empty()) s += " stage_layers=" + list(shape.stage_layers);
+  if (!devices.empty()) s += " devices=" + device_order;
   return s;
 }
 
@@ -102,7 +132,15 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     ParallelShorthand sh;
     int zero = 0;
     bool recompute = false;
+    std::string device_order;  // with `devices`: which order (device_orders)
+    std::vector<int> devices;  // empty: the cluster's order
   };
+  // On unequal devices, where the order decides something (which devices
+  // share a stage, or a tensor group of several replicas), each shape also
+  // in the other device orders.
+  const auto orders = unequal && opt.device_orders
+                          ? device_orders(cluster)
+                          : std::vector<std::pair<std::string, std::vector<int>>>{};
   std::vector<Shape> shapes;
   for (int tp : divisors(world)) {
     if (opt.tp_within_node && tp > node_ranks) continue;
@@ -127,6 +165,12 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
             s.sh.microbatches = mb, s.sh.schedule = kind;
             s.zero = zero, s.recompute = rc == 1;
             shapes.push_back(s);
+            if (pp > 1 || (tp > 1 && dp > 1)) {
+              for (const auto& [name, devices] : orders) {
+                s.device_order = name, s.devices = devices;
+                shapes.push_back(s);
+              }
+            }
           }
         }
       }
@@ -159,8 +203,13 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     o.dist.batch_shares = c.shape.batch_shares;
     o.dist.slowdown.clear();  // the cluster model carries the slowdown
     try {
+      // Mesh rank m on world rank devices[m]: the cost model numbers ranks by the mesh.
+      const ClusterModel arranged =
+          c.devices.empty() ? ClusterModel{} : arrange_cluster(cluster, c.devices);
+      const ClusterModel& mesh_cluster = c.devices.empty() ? cluster : arranged;
       c.plan = expand_shorthand(c.shape, sm, m.graph, world);
       c.plan.model = spec.kind;
+      c.plan.devices = c.devices;
       validate_plan(c.plan, m.graph, world, base.batch_size, "plan");
       if (needs_lowering(c.plan) || c.plan.pipeline_stages() > 1) {
         o.dist.plan = std::make_shared<const Plan>(c.plan);
@@ -173,12 +222,12 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       // proposed and needs no step time (only its memory, for the closest
       // miss), so it is not simulated -- exact, and most of a large
       // model's shapes are over.
-      const Programs progs = build_programs(spec, o, cluster, &cache);
+      const Programs progs = build_programs(spec, o, mesh_cluster, &cache);
       bool over = false;
       for (int r = 0; r < world && !over; ++r) {
         const Program& pr =
             progs.programs[static_cast<size_t>(progs.ranks[static_cast<size_t>(r)].program)];
-        over = pr.peak_memory_bytes > static_cast<int64_t>(cluster.device(r).memory_bytes);
+        over = pr.peak_memory_bytes > static_cast<int64_t>(mesh_cluster.device(r).memory_bytes);
       }
       if (over) {
         c.estimate.ranks.resize(static_cast<size_t>(world));
@@ -189,7 +238,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         }
         c.estimate.distinct_programs = static_cast<int>(progs.programs.size());
       } else {
-        c.estimate = simulate(progs, cluster);
+        c.estimate = simulate(progs, mesh_cluster);
       }
     } catch (const ConfigError& e) {
       out.why = e.what();
@@ -207,7 +256,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     int64_t worst_over = 0;
     for (int r = 0; r < world; ++r) {
       const int64_t need = c.estimate.ranks[static_cast<size_t>(r)].peak_memory_bytes;
-      const auto have = static_cast<int64_t>(cluster.device(r).memory_bytes);
+      const auto have = static_cast<int64_t>(cluster.device(c.plan.device_of(r)).memory_bytes);
       if (need > have && (out.kind == Priced::fits || need - have > worst_over)) {
         out.kind = Priced::over;
         worst_over = need - have;
@@ -253,6 +302,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         c.shape = s.sh;
         c.zero_stage = s.zero;
         c.recompute = s.recompute;
+        c.devices = s.devices, c.device_order = s.device_order;
         sr.even = price(c);
         if (unequal && sr.even->kind == Priced::fits) {
           // Uneven shares from the LP, priced from the even plan's per-rank compute.
@@ -280,7 +330,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                 // conservative bound above the even share).
                 bp.max_units[d] =
                     std::min(bp.max_units[d],
-                             per * cluster.device(r).memory_bytes /
+                             per * cluster.device(p.device_of(r)).memory_bytes /
                                  std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
               }
               u.shape.batch_shares = round_shares(bp, lp(bp));
@@ -388,10 +438,11 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       case Priced::over: {
         ++res.over_memory;
         const int64_t need = q.c.estimate.ranks[static_cast<size_t>(q.worst)].peak_memory_bytes;
-        const auto have = static_cast<int64_t>(cluster.device(q.worst).memory_bytes);
+        const int device = q.c.plan.device_of(q.worst);  // the world rank (mesh rank q.worst)
+        const auto have = static_cast<int64_t>(cluster.device(device).memory_bytes);
         if (!res.closest || res.closest->lower_bound ||
             need - have < res.closest->need_bytes - res.closest->have_bytes) {
-          res.closest = SearchResult::Miss{q.c.describe(), q.worst, need, have, false};
+          res.closest = SearchResult::Miss{q.c.describe(), device, need, have, false};
         }
         return;
       }

@@ -45,6 +45,10 @@ struct SearchOptions {
   // every layer; across nodes they are rarely worth it); false: any degree.
   bool tp_within_node = true;
   bool uneven = true;  // LP shares on unequal devices
+  // On unequal devices, also which devices form which stage / tensor group:
+  // each pipeline or dp x tp shape in the ranks sorted by speed, fastest
+  // first and slowest first (Plan::devices), besides the cluster's order.
+  bool device_orders = true;
   // Threads pricing shapes at once (0: the machine's); the result is the
   // same for any number.
   int threads = 0;
@@ -57,7 +61,11 @@ struct PlanCandidate {
   int zero_stage = 0;
   bool recompute = false;
   bool uneven = false;  // shares from the balance LP
-  Plan plan;            // what `meshtrain train --plan` runs
+  // Which world rank runs each mesh rank (Plan::devices; empty: the
+  // cluster's order) and the order's name ("fast-first", "slow-first").
+  std::vector<int> devices;
+  std::string device_order;
+  Plan plan;  // what `meshtrain train --plan` runs
   StepEstimate estimate;
 
   // "dp=4 tp=2 pp=1 zero=1" (+ micro-batches, schedule, shares when they apply).
