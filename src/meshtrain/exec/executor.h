@@ -184,6 +184,11 @@ class Executor {
   // (ExecOptions::slowdown): the emulated device's compute time. Counted
   // while the profile is on or a slowdown applies.
   int64_t compute_ns() const;
+  // The same kernels' CPU time on the calling thread, times the slowdown:
+  // what the emulated device would take with a core of its own (on a
+  // machine whose cores are shared, compute_ns() also holds the waits for
+  // a core).
+  int64_t compute_cpu_ns() const;
 
  private:
   struct Impl;

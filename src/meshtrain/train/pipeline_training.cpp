@@ -676,6 +676,9 @@ struct PipelineTraining::Impl {
     // This rank's passes' wall time (its compute, the slowdown's sleeps
     // included) over the steps after the warm-up.
     double compute_s = 0;
+    double compute_cpu_s = 0;  // the passes' thread CPU time x slowdown
+    const double slowdown =
+        rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
     int64_t compute_steps = 0;
     const int64_t first = step;
     const int64_t stop =
@@ -695,8 +698,10 @@ struct PipelineTraining::Impl {
         idle.push_back(idle_now);
         cpu_ratio.push_back(si.cpu_ratio);
         overhead.push_back(si.overhead);
-        for (const PipelineSpan& sp : runtime->spans())
+        for (const PipelineSpan& sp : runtime->spans()) {
           compute_s += static_cast<double>(sp.end_ns - sp.start_ns) * 1e-9;
+          compute_cpu_s += static_cast<double>(sp.cpu_ns) * 1e-9 * std::max(1.0, slowdown);
+        }
         ++compute_steps;
       }
       sent += runtime->bytes_sent();
@@ -744,14 +749,19 @@ struct PipelineTraining::Impl {
     getrusage(RUSAGE_SELF, &ru);
     r.peak_rss_bytes = static_cast<int64_t>(ru.ru_maxrss) * 1024;
     // Every rank's compute per step, for rank 0's summary.
-    std::vector<double> per_rank(static_cast<size_t>(world.size()), 0.0);
-    per_rank[static_cast<size_t>(rank)] =
-        compute_s / static_cast<double>(std::max<int64_t>(1, compute_steps));
+    const auto n = static_cast<size_t>(world.size());
+    std::vector<double> per_rank(2 * n, 0.0);  // wall, then CPU
+    const double steps_done = static_cast<double>(std::max<int64_t>(1, compute_steps));
+    per_rank[static_cast<size_t>(rank)] = compute_s / steps_done;
+    per_rank[n + static_cast<size_t>(rank)] = compute_cpu_s / steps_done;
     world.all_reduce(per_rank.data(), per_rank.data(), per_rank.size(), DType::f64, ReduceOp::sum,
                      o.dist.dp.collective);
     nlohmann::json ranks = nlohmann::json::array();
-    for (int q = 0; q < world.size(); ++q)
-      ranks.push_back({{"rank", q}, {"compute_s_per_step", per_rank[static_cast<size_t>(q)]}});
+    for (size_t q = 0; q < n; ++q) {
+      ranks.push_back({{"rank", q},
+                       {"compute_s_per_step", per_rank[q]},
+                       {"compute_cpu_s_per_step", per_rank[n + q]}});
+    }
     nlohmann::json summary = {
         {"summary", true},
         {"steps", r.steps},

@@ -57,6 +57,13 @@ nlohmann::json or_null(const std::optional<double>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
 }
 
+// CPU time of the calling thread.
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
 int64_t peak_rss_bytes() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
@@ -178,6 +185,7 @@ struct Trainer::Impl {
   // The optimizer's update alone (its slowdown's sleep included), for the
   // summary's per-rank compute_s_per_step.
   double update_seconds = 0;
+  double update_cpu_seconds = 0;  // its thread CPU time x slowdown
   int64_t optimizer_steps = 0;
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
@@ -1167,7 +1175,10 @@ struct Trainer::Impl {
       if (!apply) return;
       if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, norm_reducer());
       Stopwatch update_sw;
+      const int64_t cpu0 = thread_cpu_ns();
       optimizer->step(refs, lr);
+      update_cpu_seconds +=
+          static_cast<double>(thread_cpu_ns() - cpu0) * 1e-9 * std::max(1.0, slowdown());
       if (slowdown() > 1.0) {
         std::this_thread::sleep_for(
             std::chrono::duration<double>(update_sw.seconds() * (slowdown() - 1.0)));
@@ -1302,6 +1313,7 @@ struct Trainer::Impl {
         dp->reset_stats();
         optimizer_seconds = 0;
         update_seconds = 0;
+        update_cpu_seconds = 0;
         optimizer_steps = 0;
       }
       r.losses.push_back(loss);
@@ -1438,9 +1450,17 @@ struct Trainer::Impl {
         optimizer_steps > 0 ? (static_cast<double>(exec->compute_ns()) * 1e-9 + update_seconds) /
                                   static_cast<double>(optimizer_steps)
                             : 0.0;
+    // The same from the CPU time the kernels and the update took on their
+    // thread, times the slowdown: the rank's compute with a core of its own.
+    const double compute_cpu_s_per_step =
+        optimizer_steps > 0
+            ? (static_cast<double>(exec->compute_cpu_ns()) * 1e-9 + update_cpu_seconds) /
+                  static_cast<double>(optimizer_steps)
+            : 0.0;
     // Every rank's figures, for rank 0's summary: peak RSS, then live and
-    // peak allocator bytes per category, then compute seconds per step.
-    constexpr int kPer = 2 + 2 * kMemoryCategories;
+    // peak allocator bytes per category, then compute seconds per step
+    // (wall, CPU).
+    constexpr int kPer = 3 + 2 * kMemoryCategories;
     std::vector<double> per_rank(static_cast<size_t>(kPer * world), 0.0);
     {
       double* mine = per_rank.data() + static_cast<ptrdiff_t>(kPer) * rank;
@@ -1450,7 +1470,8 @@ struct Trainer::Impl {
         mine[1 + kMemoryCategories + c] =
             static_cast<double>(r.allocated.peak[static_cast<size_t>(c)]);
       }
-      mine[kPer - 1] = compute_s_per_step;
+      mine[kPer - 2] = compute_s_per_step;
+      mine[kPer - 1] = compute_cpu_s_per_step;
     }
     // (Not under a parameter server: a worker that stopped, which ASP goes
     // on without, would hold every rank here; the table has this rank only.)
@@ -1470,7 +1491,8 @@ struct Trainer::Impl {
                        {"peak_rss_bytes", static_cast<int64_t>(v[0])},
                        {"mem_live_bytes", by_category(live)},
                        {"mem_peak_bytes", by_category(peak)},
-                       {"compute_s_per_step", v[kPer - 1]}});
+                       {"compute_s_per_step", v[kPer - 2]},
+                       {"compute_cpu_s_per_step", v[kPer - 1]}});
     }
     const DataParallelStats st = dp->stats();
     nlohmann::json summary = {
