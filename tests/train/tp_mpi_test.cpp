@@ -339,7 +339,8 @@ struct PpCase {
   int ranks = 2;
   int dp = 1;
   int tp = 1;
-  bool recompute = false;  // parallel.recompute = true
+  bool recompute = false;         // parallel.recompute = true
+  std::vector<int> devices = {};  // Plan::devices (empty: in order)
 };
 
 void PrintTo(const PpCase& c, std::ostream* os) {
@@ -380,7 +381,14 @@ TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
   const ModelGraph m = build_model(spec, o.batch_size);
   const ShorthandModel sm{spec.kind, spec.kind == "gpt" ? spec.d_model / spec.heads : 1};
   Plan plan = expand_shorthand(sh, sm, m.graph, c.ranks);
+  plan.devices = c.devices;
   validate_plan(plan, m.graph, c.ranks, o.batch_size, "parallel");
+  // The pipeline stage this process runs: its mesh rank's (Plan::devices).
+  const int mesh_rank =
+      c.devices.empty()
+          ? world().rank()
+          : static_cast<int>(std::ranges::find(c.devices, world().rank()) - c.devices.begin());
+  const int want_stage = plan.mesh.coord(mesh_rank, "pp");
   o.dist.plan = std::make_shared<const Plan>(std::move(plan));
   auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
   auto test_data = std::make_shared<test::SyntheticData>(spec, 30, 6);
@@ -399,6 +407,10 @@ TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
   }
   const std::vector<std::string> held = t.pipeline()->param_names();
   ASSERT_FALSE(held.empty());
+  if (c.model == "gpt") {  // wpe joins the first stage only
+    EXPECT_EQ(std::ranges::find(held, "wpe") != held.end(), want_stage == 0)
+        << c.label << ": world rank " << world().rank() << " should run stage " << want_stage;
+  }
   for (const std::string& name : held) {
     const auto w = std::ranges::find_if(ref.params, [&](const auto& p) { return p.first == name; });
     ASSERT_NE(w, ref.params.end()) << name;
@@ -438,7 +450,18 @@ INSTANTIATE_TEST_SUITE_P(
                true},
         PpCase{"gpt_dp2_pp2_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1, 4, 2},
         PpCase{"gpt_tp2_pp2_gpipe_sgd", "gpt", "sgd", ScheduleKind::gpipe, 1, 4, 1, 2},
-        PpCase{"mlp_tp2_pp2_1f1b_lamb", "mlp", "lamb", ScheduleKind::one_f_one_b, 1, 4, 1, 2}),
+        PpCase{"mlp_tp2_pp2_1f1b_lamb", "mlp", "lamb", ScheduleKind::one_f_one_b, 1, 4, 1, 2},
+        // World rank 3 runs mesh rank 0 (stage 0), world rank 0 mesh rank 3.
+        PpCase{"gpt_dp2_pp2_1f1b_devices_permuted_sgd",
+               "gpt",
+               "sgd",
+               ScheduleKind::one_f_one_b,
+               1,
+               4,
+               2,
+               1,
+               false,
+               {3, 1, 2, 0}}),
     [](const ::testing::TestParamInfo<PpCase>& p) { return p.param.label; });
 
 // Test of the test: the same comparison catches a run whose learning rate
