@@ -41,6 +41,27 @@ measured first / fastest measured; goal <= 1.05).
 Lines plan_uneven_speedup_<plan>: with dist.slowdown = [1, 2], the uneven
 plan's speedup over its even twin, predicted and measured (goal >= 1.3).
 
+Lines plan_hetero_<model>_slow<factors> (`--only hetero` runs these
+alone): with dist.slowdown = [1, 2] (2 ranks) and [1, 1, 2, 3] (4 ranks),
+`meshtrain plan` on the calibrated file; its first plan (the planner's
+pick: LP shares, ratios or layers, and which devices form which stage or
+tensor group) is trained as written (`train --plan`), and so is the best
+even plan it lists (no shares, ratios, stage layers or device order:
+`--set parallel.*`). value = measured step of the even plan / of the pick
+(goal >= 1.3); compute_spread = max / min over the ranks of the summary's
+measured compute_s_per_step (the rank's kernels' wall time, the
+slowdown's sleeps included, plus its optimizer update; pipelines: its
+passes' wall time), for the pick (goal <= 1.10: the LP's ratios equalise
+the measured compute) and the even plan; compute_cpu_spread the same from
+compute_cpu_s_per_step (the kernels' and update's thread CPU time times
+the slowdown: the rank's compute had it a core of its own, without the
+waits for a core that the wall time holds on a shared machine);
+pick_predicted_compute_spread the model's (`meshtrain simulate` of the
+pick: its compute per rank program), which whole examples / layers / heads
+keep above 1; load = the 1-minute load average
+before and after, others_cpu = the other processes' CPU share during the
+runs.
+
 Last line plan_summary: median |rel_err| of time and of memory over the
 plans that ran (goals 0.10 and 0.05), with how many met each.
 No peer: nothing else here predicts these plans.
@@ -142,7 +163,8 @@ def measured(run, batch):
     s = run.summary
     fast = run.fast_samples_per_s(2)
     ranks = s.get("ranks") or []
-    per = [round(sum((r.get("mem_peak_bytes") or {}).values()) / 2**20, 3) for r in ranks]
+    per = [round(sum((r.get("mem_peak_bytes") or {}).values()) / 2**20, 3) for r in ranks
+           if "mem_peak_bytes" in r]
     out = {
         "measured_step_ms": 1e3 * batch / s["samples_per_s"],
         # The 90th percentile of per-step rates after 2 steps: the steps
@@ -162,7 +184,7 @@ def measured(run, batch):
         "others_cpu": run.others_cpu,
     }
     plan = s.get("plan") if isinstance(s.get("plan"), dict) else {}
-    if not ranks:
+    if not any("mem_peak_bytes" in r for r in ranks):
         # The pipeline trainer's summary has no per-rank allocator counters:
         # rank 0's peak RSS and the measured activation stash only.
         out["peak_rss_mib_rank0"] = round(s.get("peak_rss_bytes", 0) / 2**20, 1)
@@ -173,6 +195,155 @@ def measured(run, batch):
         out["planned_peak_stash_mib"] = round(plan.get("planned_peak_stash_bytes", 0) / 2**20, 3)
         out["pipeline_idle_fraction"] = plan.get("pipeline_idle_fraction")
     return out
+
+
+ROW = re.compile(r"^\s*(\d+)\s+([0-9.]+) (ms|s|us)\s.*?\s(dp=\d+ tp=\d+ pp=\d+.*)$")
+
+
+def plan_sets(desc):
+    """`meshtrain plan`'s plan description ("dp=2 tp=1 pp=2 mb=4 1f1b zero=0
+    recompute stage_layers=[3,1]") as --set overrides; None for a device
+    order (only the plan file carries it)."""
+    sets = []
+    toks = desc.split()
+    for i, t in enumerate(toks):
+        k, _, v = t.partition("=")
+        if k in ("dp", "tp", "pp"):
+            sets.append(f"parallel.{k}={v}")
+        elif k == "mb":
+            sets += [f"parallel.microbatches={v}", f"parallel.schedule={toks[i + 1]}"]
+        elif k == "zero":
+            sets.append(f"dist.zero_stage={v}")
+        elif t == "recompute":
+            sets.append("exec.recompute=true")
+        elif k == "shares":
+            sets.append(f"dist.batch_shares={v}")
+        elif k in ("tp_ratios", "stage_layers"):
+            sets.append(f"parallel.{k}={v}")
+        elif k == "devices":
+            return None
+    return sets
+
+
+def compute_spread(run, key="compute_s_per_step"):
+    per = [r.get(key) for r in (run.summary or {}).get("ranks") or []]
+    per = [c for c in per if c]
+    if not per:
+        return None, []
+    return max(per) / min(per), [round(c * 1e3, 2) for c in per]
+
+
+def load1():
+    try:
+        return float(open("/proc/loadavg").read().split()[0])
+    except OSError:
+        return None
+
+
+# Global batch of the heterogeneous lines: 3x / 4x the configs' own, so
+# that whole examples can come near the LP's shares (at GPT's 16, [1,1,2,3]
+# rounds to [6,6,2,2], compute 6:6:4:6 before anything is measured) and
+# the MLP's kernels are not all per-call overhead.
+HETERO_BATCH = {"gpt": 48, "mlp": 512}
+SIM_RANK = re.compile(r"(?m)^\s+rank (\d+)(?: \+\d+)?\s+([0-9.]+) (ms|s|us)\s")
+
+
+def hetero(ctx, exe, model, factors, cluster, base, batch):
+    """The planner's pick and the best even plan it lists under
+    dist.slowdown = factors, both trained; their measured step times and
+    per-rank compute. Where the pick is an even plan, the best uneven plan
+    listed is trained too (line field uneven_*)."""
+    n = len(factors)
+    slow = "dist.slowdown=[" + ",".join(str(f) for f in factors) + "]"
+    bset = f"train.batch_size={batch}"
+    base = base + [bset]
+    name = f"plan_hetero_{model}_slow{''.join(str(f) for f in factors)}"
+    line = {"name": name, "unit": "ratio", "model": model, "nproc": n, "slowdown": factors,
+            "batch": batch,
+            "peer": None, "goal": 1.3, "goal_compute_spread": 1.10, "load_before": load1()}
+    steps = ctx.args.steps or ((12 if ctx.quick else 30) if model == "mlp"
+                               else (6 if ctx.quick else 12))
+    cfg = meshtrain.config_path(model)
+    plan_file = ctx.workdir / f"{name}.json"
+    cmd = [exe, "plan", "--config", cfg, "--cluster", cluster, "--nproc", str(n), "--top", "400",
+           "--out", plan_file, "--quiet"]
+    for kv in base + [slow]:
+        cmd += ["--set", kv]
+    r = ctx.run(cmd, name=f"plan-{name}", timeout_s=600)
+    if not r.ok:
+        line["error"] = f"plan: {r.failure()}"
+        ctx.emit(line)
+        return
+    rows = []
+    for ln in r.stdout.splitlines():
+        m = ROW.match(ln)
+        if m:
+            ms = float(m.group(2)) * {"s": 1e3, "ms": 1.0, "us": 1e-3}[m.group(3)]
+            rows.append((ms, m.group(4).strip()))
+    uneven_keys = ("shares=", "tp_ratios=", "stage_layers=", "devices=")
+    even = next((x for x in rows if not any(k in x[1] for k in uneven_keys)), None)
+    if not rows or even is None:
+        line["error"] = "plan: no plan rows, or no even plan among them"
+        ctx.emit(line)
+        return
+    line.update({"pick": rows[0][1], "pick_predicted_ms": rows[0][0],
+                 "even": even[1], "even_predicted_ms": even[0],
+                 "predicted": even[0] / rows[0][0],
+                 "pick_is_even": rows[0] is even})
+    m = re.search(r"--plan \S+((?: --set \S+)*)", r.stdout)
+    extra = [kv for kv in (re.findall(r"--set (\S+)", m.group(1)) if m else [])
+             if not kv.startswith("dist.nproc=")]
+    # The model's compute per rank program for the pick (spread: max / min).
+    sim = ctx.run([exe, "simulate", "--config", cfg, "--cluster", cluster, "--plan", plan_file]
+                  + [a for kv in base + extra + [slow] for a in ("--set", kv)],
+                  name=f"sim-{name}", timeout_s=300)
+    pred = [float(v) * {"s": 1e3, "ms": 1.0, "us": 1e-3}[u]
+            for _, v, u in SIM_RANK.findall(sim.stdout)] if sim.ok else []
+    if pred:
+        line["pick_predicted_compute_ms_per_program"] = pred
+        line["pick_predicted_compute_spread"] = max(pred) / min(pred)
+    pick = meshtrain.train(ctx, model, steps, 1, nproc=n, sets=[bset] + extra + [slow],
+                           name=f"train-{name}-pick", extra_args=["--plan", plan_file])
+    ev = meshtrain.train(ctx, model, steps, 1, nproc=n,
+                         sets=[bset] + plan_sets(even[1]) + [slow], name=f"train-{name}-even")
+    runs = [pick, ev]
+    uneven = None
+    if rows[0] is even:
+        # The planner prefers an even plan: measure its best uneven one too.
+        uneven = next((x for x in rows if any(k in x[1] for k in uneven_keys[:3])
+                       and plan_sets(x[1]) is not None), None)
+        if uneven:
+            un = meshtrain.train(ctx, model, steps, 1, nproc=n,
+                                 sets=[bset] + plan_sets(uneven[1]) + [slow],
+                                 name=f"train-{name}-uneven")
+            runs.append(un)
+    line["load_after"] = load1()
+    line["others_cpu"] = [x.others_cpu for x in runs]
+    errs = [x.error for x in runs if x.error]
+    if errs:
+        line["error"] = "; ".join(errs)
+        ctx.emit(line)
+        return
+    pm = 1e3 * batch / pick.summary["samples_per_s"]
+    em = 1e3 * batch / ev.summary["samples_per_s"]
+    ps, pc = compute_spread(pick)
+    es, ec = compute_spread(ev)
+    psc, pcc = compute_spread(pick, "compute_cpu_s_per_step")
+    esc, ecc = compute_spread(ev, "compute_cpu_s_per_step")
+    line.update({"pick_measured_ms": pm, "even_measured_ms": em, "value": em / pm,
+                 "measured": em / pm,
+                 "compute_spread": ps, "pick_compute_ms_per_rank": pc,
+                 "even_compute_spread": es, "even_compute_ms_per_rank": ec,
+                 "compute_cpu_spread": psc, "pick_compute_cpu_ms_per_rank": pcc,
+                 "even_compute_cpu_spread": esc, "even_compute_cpu_ms_per_rank": ecc})
+    if uneven:
+        um = 1e3 * batch / runs[2].summary["samples_per_s"]
+        us, uc = compute_spread(runs[2])
+        line.update({"uneven": uneven[1], "uneven_predicted_ms": uneven[0],
+                     "uneven_measured_ms": um, "uneven_speedup_measured": em / um,
+                     "uneven_speedup_predicted": even[0] / uneven[0],
+                     "uneven_compute_spread": us, "uneven_compute_ms_per_rank": uc})
+    ctx.emit(line)
 
 
 def run(ctx):
@@ -288,6 +459,13 @@ def run(ctx):
                              "value": first / fastest["measured_step_ms"],
                              "goal": 1.05})
         ctx.emit(line)
+
+    # --- Heterogeneous ranks: the planner's pick against the best even plan.
+    if not only or "hetero" in only:
+        for model, batch in HETERO_BATCH.items():
+            for factors in ([1, 2], [1, 1, 2, 3]):
+                hetero(ctx, exe, model, factors, cluster2 if len(factors) == 2 else cluster4,
+                       base, batch)
 
     # --- Uneven against even under dist.slowdown = [1, 2]: speedups.
     by = {x["name"]: x for x in results}

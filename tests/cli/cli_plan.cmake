@@ -160,6 +160,17 @@ run(0 "wrote the plan" "" inspect ${mlp} --set dist.nproc=2 --write-plan ${dir}/
 run(1 "" "error: plan ${dir}/dp2.json: values.x: rank 0 would read rows \\[0, 64\\) of 128, but data parallelism gives it \\[0, 85\\) \\(dist.batch_shares \\[2, 1\\]\\)"
   train ${mlp} ${quick} --nproc 2 --plan ${dir}/dp2.json "--set" "dist.batch_shares=[2,1]")
 
+# "devices": which world rank runs each mesh rank; a permutation trains, a
+# list that is none is refused before any rank starts, naming the entry.
+file(READ ${dir}/dp2.json dp2)
+string(REGEX REPLACE "}[ \n]*$" ",\"devices\": [1, 0]}\n" swapped "${dp2}")
+file(WRITE ${dir}/dp2_swapped.json "${swapped}")
+run(0 "steps 2  final loss" "" train ${mlp} ${quick} --nproc 2 --plan ${dir}/dp2_swapped.json)
+string(REGEX REPLACE "}[ \n]*$" ",\"devices\": [0, 0]}\n" twice "${dp2}")
+file(WRITE ${dir}/dp2_twice.json "${twice}")
+run(1 "" "error: plan ${dir}/dp2_twice.json: devices\\[1\\]: world rank 0 already runs mesh rank 0 \\(a permutation of the job's ranks: each once\\)"
+  train ${mlp} ${quick} --nproc 2 --plan ${dir}/dp2_twice.json)
+
 # Bad plans, each before any step, naming the key and what was expected.
 run(1 "" "error: parallel: mesh: mesh dp=2 has 2 devices but the job has 1 rank .*--nproc 2"
   train ${mlp} ${quick} --set parallel.dp=2)

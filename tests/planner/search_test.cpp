@@ -179,7 +179,7 @@ TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
   const PlanCandidate* even = nullptr;
   const PlanCandidate* uneven = nullptr;
   for (const PlanCandidate& p : r.best) {
-    if (p.shape.pp != 2) continue;
+    if (p.shape.pp != 2 || !p.devices.empty()) continue;  // the cluster's order: fast stage first
     (p.uneven ? uneven : even) = &p;
   }
   ASSERT_NE(even, nullptr) << (r.refusals.empty() ? "" : r.refusals.front());
@@ -291,6 +291,63 @@ TEST(PlanSearch, PipelineBoundCutKeepsTheBest) {
       EXPECT_GT(r.not_simulated, 0);
     }
   }
+}
+
+TEST(PlanSearch, DeviceOrdersGroupLikeDevices) {
+  // Four ranks on one node, fast and slow devices interleaved (ranks 0 and
+  // 2 four times faster). In the cluster's order a dp=2 x tp=2 plan pairs a
+  // fast and a slow device in each tensor group, so both groups run at the
+  // slow one's pace; sorted fastest first, the fast devices form one tensor
+  // group (mesh ranks 0, 1 = world ranks 0, 2) and the slow ones the other,
+  // whose replica the LP then gives fewer examples: faster than any plan in
+  // the cluster's order. A pipeline puts the fast pair on stage 0.
+  ClusterModel c = cluster(4, 1e12, 4);
+  c.kinds = {kind("fast", 4e11, 1e12), kind("slow", 1e11, 1e12)};
+  c.kind_of = {0, 1, 0, 1};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  o.schedules = {ScheduleKind::one_f_one_b};
+  o.microbatch_factors = {2};
+  const SearchResult r = search_plans(mlp(), options(48), c, o);
+  const PlanCandidate* grouped = nullptr;  // dp=2 tp=2, fastest first, LP shares
+  double in_order_best = 0;                // dp=2 tp=2 in the cluster's order
+  const PlanCandidate* stages = nullptr;   // pp=2 dp=2, fastest first
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.dp == 2 && p.shape.tp == 2) {
+      if (p.devices.empty()) {
+        if (in_order_best == 0 || p.estimate.step_s < in_order_best)
+          in_order_best = p.estimate.step_s;
+      } else if (p.device_order == "fast-first" && p.uneven) {
+        grouped = &p;
+      }
+    }
+    if (p.shape.pp == 2 && p.shape.dp == 2 && p.device_order == "fast-first" && !p.uneven)
+      stages = &p;
+  }
+  ASSERT_NE(grouped, nullptr);
+  ASSERT_GT(in_order_best, 0);
+  EXPECT_EQ(grouped->devices, (std::vector<int>{0, 2, 1, 3}));
+  EXPECT_EQ(grouped->plan.devices, grouped->devices);  // in the plan file the runtime reads
+  EXPECT_THAT(plan_to_json(grouped->plan), HasSubstr("\"devices\""));
+  // Every tensor group holds one kind of device.
+  for (const std::vector<int>& g : grouped->plan.mesh.groups("tp")) {
+    for (int m : g) {
+      EXPECT_EQ(c.kind_of[static_cast<size_t>(grouped->plan.device_of(m))],
+                c.kind_of[static_cast<size_t>(grouped->plan.device_of(g[0]))])
+          << "mesh rank " << m;
+    }
+  }
+  // The fast replica (dp 0) gets more of the batch.
+  ASSERT_EQ(grouped->shape.batch_shares.size(), 2u);
+  EXPECT_GT(grouped->shape.batch_shares[0], grouped->shape.batch_shares[1]);
+  EXPECT_LT(grouped->estimate.step_s, in_order_best);
+  EXPECT_THAT(grouped->describe(), HasSubstr("devices=fast-first"));
+  // The pipeline's first stage (mesh ranks 0, 1) on the fast devices.
+  ASSERT_NE(stages, nullptr);
+  for (int m : stages->plan.stages.front().ranks)
+    EXPECT_EQ(c.kind_of[static_cast<size_t>(stages->plan.device_of(m))], 0) << "mesh rank " << m;
 }
 
 TEST(PlanSearch, DeterministicAndRankedByStepTime) {

@@ -195,12 +195,36 @@ TEST(Plan, BadPlansAreRejectedNamingKeyAndExpectation) {
             "plan p.json: stages[1]: rank 1 already runs physical stage 0 (a rank runs one stage)");
 }
 
+// Plan::devices: which world rank runs each mesh rank. Round trip, and a
+// list that is no permutation of the job's ranks named with its entry.
+TEST(Plan, DevicesArePermutationsOfTheRanks) {
+  const Graph& g = small_gpt().graph;
+  const std::string mesh22 = R"("mesh": [{"name": "dp", "size": 2}, {"name": "tp", "size": 2}])";
+  const Plan p = plan_from_json("{" + mesh22 + R"(, "devices": [0, 2, 1, 3]})", "p.json");
+  EXPECT_EQ(p.devices, (std::vector<int>{0, 2, 1, 3}));
+  EXPECT_EQ(p.device_of(1), 2);
+  EXPECT_FALSE(p.devices_in_order());
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "mem"), p);
+  EXPECT_EQ(error_of("{" + mesh22 + R"(, "devices": [0, 2, 1, 3]})", g, 4), "no error");
+  EXPECT_EQ(error_of("{" + mesh22 + R"(, "devices": [0, 2, 2, 3]})", g, 4),
+            "plan p.json: devices[2]: world rank 2 already runs mesh rank 1 (a permutation of "
+            "the job's ranks: each once)");
+  EXPECT_EQ(error_of("{" + mesh22 + R"(, "devices": [0, 4, 1, 3]})", g, 4),
+            "plan p.json: devices[1]: world rank 4 is not in [0, 4) (a permutation of the job's "
+            "ranks)");
+  EXPECT_EQ(error_of("{" + mesh22 + R"(, "devices": [0, 1, 2]})", g, 4),
+            "plan p.json: devices: 3 entries for 4 ranks (one world rank per mesh position, a "
+            "permutation of 0..3)");
+  EXPECT_EQ(error_of("{" + mesh22 + R"(, "devices": [0, -1, 2, 3]})", g, 4),
+            "plan p.json: devices[1]: expected an integer >= 0, got -1");
+}
+
 TEST(Plan, MalformedFilesNameTheKeyPath) {
   const Graph& g = small_gpt().graph;
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "stagse": []})", g, 2),
             "plan p.json: stagse: unknown key (did you mean 'stages'?) (known: format, model, "
             "mesh, values, stages, microbatches, schedule, virtual_stages, warmup_extra, "
-            "sequence_parallel)");
+            "sequence_parallel, devices)");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": "2"}]})", g, 2),
             "plan p.json: mesh[0].size: expected an integer, got string \"2\"");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "values": {"wte":

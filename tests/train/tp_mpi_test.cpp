@@ -53,6 +53,8 @@ struct TpCase {
   ParallelShorthand sh;
   int zero = 0;
   int ranks = 2;  // the world size the case needs
+  // Plan::devices: mesh rank m on world rank devices[m] (empty: in order).
+  std::vector<int> devices;
 };
 
 void PrintTo(const TpCase& c, std::ostream* os) {
@@ -131,6 +133,7 @@ std::shared_ptr<const Plan> plan_for(const TpCase& c, int ranks) {
   const ModelGraph m = build_model(spec, options_of(c).batch_size);
   const ShorthandModel sm{spec.kind, spec.kind == "gpt" ? spec.d_model / spec.heads : 1};
   Plan p = expand_shorthand(c.sh, sm, m.graph, ranks);
+  p.devices = c.devices;
   validate_plan(p, m.graph, ranks, options_of(c).batch_size, "parallel");
   return std::make_shared<const Plan>(std::move(p));
 }
@@ -211,6 +214,16 @@ TEST_P(TensorParallelMpi, MatchesTheSingleProcessRunEveryStep) {
                 world().size(), kSteps, worst, where.c_str());
   }
   EXPECT_LE(worst, kRel) << c.label << " rank " << world().rank() << ": " << where;
+  if (!c.devices.empty()) {
+    // This process ran the mesh rank the plan gave it: its first linear
+    // layer's columns are those of its mesh rank's tensor coordinate.
+    const int mesh_rank =
+        static_cast<int>(std::ranges::find(c.devices, world().rank()) - c.devices.begin());
+    const auto b = std::ranges::find_if(got.boxes, [](const auto& p) { return p.name == "fc1.w"; });
+    ASSERT_NE(b, got.boxes.end());
+    EXPECT_EQ(b->box.begin[1] == 0, o.dist.plan->mesh.coord(mesh_rank, "tp") == 0)
+        << "world rank " << world().rank() << " should run mesh rank " << mesh_rank;
+  }
   // The tensor groups sent exactly what the lowering's collectives predict.
   ASSERT_TRUE(got.bytes_sent.has_value());
   EXPECT_GT(got.bytes_predicted, 0u);
@@ -245,6 +258,11 @@ std::vector<TpCase> cases() {
     add("gpt_dp2_tp2_zero" + std::to_string(zero), "gpt", "adamw", 2, 4, {}, false, zero);
   }
   add("gpt_tp4_ratios_sgd", "gpt", "sgd", 4, 4, {1, 2, 2, 1});
+  // Which process runs which mesh rank (Plan::devices, as `meshtrain plan`
+  // writes it for unequal devices): world rank 0 runs mesh rank 3 (dp 1,
+  // tp 1), world rank 1 mesh rank 0, ...
+  add("mlp_dp2_tp2_devices_permuted_sgd", "mlp", "sgd", 2, 4);
+  v.back().devices = {1, 2, 3, 0};
   return v;
 }
 
@@ -322,7 +340,8 @@ struct PpCase {
   int ranks = 2;
   int dp = 1;
   int tp = 1;
-  bool recompute = false;  // parallel.recompute = true
+  bool recompute = false;         // parallel.recompute = true
+  std::vector<int> devices = {};  // Plan::devices (empty: in order)
 };
 
 void PrintTo(const PpCase& c, std::ostream* os) {
@@ -363,7 +382,14 @@ TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
   const ModelGraph m = build_model(spec, o.batch_size);
   const ShorthandModel sm{spec.kind, spec.kind == "gpt" ? spec.d_model / spec.heads : 1};
   Plan plan = expand_shorthand(sh, sm, m.graph, c.ranks);
+  plan.devices = c.devices;
   validate_plan(plan, m.graph, c.ranks, o.batch_size, "parallel");
+  // The pipeline stage this process runs: its mesh rank's (Plan::devices).
+  const int mesh_rank =
+      c.devices.empty()
+          ? world().rank()
+          : static_cast<int>(std::ranges::find(c.devices, world().rank()) - c.devices.begin());
+  const int want_stage = plan.mesh.coord(mesh_rank, "pp");
   o.dist.plan = std::make_shared<const Plan>(std::move(plan));
   auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
   auto test_data = std::make_shared<test::SyntheticData>(spec, 30, 6);
@@ -382,6 +408,10 @@ TEST_P(PipelineMpi, MatchesTheSingleProcessRunEveryStep) {
   }
   const std::vector<std::string> held = t.pipeline()->param_names();
   ASSERT_FALSE(held.empty());
+  if (c.model == "gpt") {  // wpe joins the first stage only
+    EXPECT_EQ(std::ranges::find(held, "wpe") != held.end(), want_stage == 0)
+        << c.label << ": world rank " << world().rank() << " should run stage " << want_stage;
+  }
   for (const std::string& name : held) {
     const auto w = std::ranges::find_if(ref.params, [&](const auto& p) { return p.first == name; });
     ASSERT_NE(w, ref.params.end()) << name;
@@ -422,7 +452,18 @@ INSTANTIATE_TEST_SUITE_P(
                true},
         PpCase{"gpt_dp2_pp2_1f1b_adamw", "gpt", "adamw", ScheduleKind::one_f_one_b, 1, 4, 2},
         PpCase{"gpt_tp2_pp2_gpipe_sgd", "gpt", "sgd", ScheduleKind::gpipe, 1, 4, 1, 2},
-        PpCase{"mlp_tp2_pp2_1f1b_lamb", "mlp", "lamb", ScheduleKind::one_f_one_b, 1, 4, 1, 2}),
+        PpCase{"mlp_tp2_pp2_1f1b_lamb", "mlp", "lamb", ScheduleKind::one_f_one_b, 1, 4, 1, 2},
+        // World rank 3 runs mesh rank 0 (stage 0), world rank 0 mesh rank 3.
+        PpCase{"gpt_dp2_pp2_1f1b_devices_permuted_sgd",
+               "gpt",
+               "sgd",
+               ScheduleKind::one_f_one_b,
+               1,
+               4,
+               2,
+               1,
+               false,
+               {3, 1, 2, 0}}),
     [](const ::testing::TestParamInfo<PpCase>& p) { return p.param.label; });
 
 // Test of the test: the same comparison catches a run whose learning rate

@@ -708,13 +708,16 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     }
   }
   const int world = comm ? comm->size() : 1;
-  const bool leader = comm == nullptr || comm->rank() == 0;
+  bool leader = comm == nullptr || comm->rank() == 0;
   // Under the --nproc launcher the plan was written before the ranks started
   // (it does not pass --write-plan on).
   const std::optional<Plan> tplan =
       check_train_plan(opts, rc, world, /*write=*/leader, /*announce=*/leader && !opts.quiet);
   check_world(rc, world, plan_dp_world(tplan, world));
   if (tplan) rc.train.dist.plan = std::make_shared<const Plan>(*tplan);
+  // The plan's devices (docs/plan.md): the Trainer numbers the ranks by the
+  // mesh, so the process running mesh rank 0 leads (prints the summary).
+  if (tplan && comm) leader = tplan->device_of(0) == comm->rank();
   if (!rc.fault.empty()) rc.train.dist.after_step = fault_drill(rc.fault);
   if (!leader) rc.train.progress = false;
   if (empty && leader) empty_notice(opts);

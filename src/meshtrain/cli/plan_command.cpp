@@ -105,11 +105,11 @@ int cmd_plan(const CommandOptions& opts) {
              "peak memory / device", "sent / device", "plan");
   for (size_t i = 0; i < r.best.size(); ++i) {
     const planner::PlanCandidate& p = r.best[i];
-    int worst = 0;  // the rank with the least headroom
+    int worst = 0;  // the (mesh) rank with the least headroom, on its device
     double headroom = 1e300;
     for (int k = 0; k < cluster.world(); ++k) {
       const double h =
-          cluster.device(k).memory_bytes -
+          cluster.device(p.plan.device_of(k)).memory_bytes -
           static_cast<double>(p.estimate.ranks[static_cast<size_t>(k)].peak_memory_bytes);
       if (h < headroom) headroom = h, worst = k;
     }
@@ -117,7 +117,8 @@ int cmd_plan(const CommandOptions& opts) {
     fmt::print("{:>2}  {:>10}  {:>10.1f}  {:>4.1f}%  {:>22}  {:>14}  {}\n", i + 1,
                seconds(p.estimate.step_s), p.estimate.samples_per_s, p.estimate.mfu * 100,
                fmt::format("{} of {}", format_bytes(peak),
-                           format_bytes(static_cast<int64_t>(cluster.device(worst).memory_bytes))),
+                           format_bytes(static_cast<int64_t>(
+                               cluster.device(p.plan.device_of(worst)).memory_bytes))),
                format_bytes(static_cast<int64_t>(p.estimate.max_bytes_sent())), p.describe());
   }
   const planner::PlanCandidate& fastest = r.best.front();
@@ -137,6 +138,11 @@ int cmd_plan(const CommandOptions& opts) {
         "\nonly projections fit (plans the runtime does not run yet); the plan written is one, "
         "and `meshtrain train --plan` refuses it until the pipeline runtime takes "
         "dist.zero_stage = 1\n");
+  }
+  if (!best.devices.empty()) {
+    fmt::print(
+        "devices ({}): mesh rank m runs on world rank [{}][m] (the plan file's \"devices\")\n",
+        best.device_order, fmt::join(best.devices, ","));
   }
   const std::string out = opts.plan_out.empty() ? std::string("plan.json") : opts.plan_out;
   write_plan(best.plan, out);

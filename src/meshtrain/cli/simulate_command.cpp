@@ -50,6 +50,9 @@ int cmd_simulate(const CommandOptions& opts) {
     }
     cluster.slowdown = rc.train.dist.slowdown;
   }
+  // Ranks numbered by the plan's mesh: the plan's devices pick which world
+  // rank (device) runs each mesh rank.
+  if (plan && !plan->devices_in_order()) cluster = planner::arrange_cluster(cluster, plan->devices);
   planner::SimulationOptions so;
   so.trace_path = opts.trace_path;
   const planner::Programs programs = planner::build_programs(rc.model, rc.train, cluster);

@@ -1,6 +1,8 @@
 #include "meshtrain/exec/executor.h"
 
+#include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <thread>
 
 #include <cstring>
@@ -71,6 +73,13 @@ const char* role_name(ValueRole r) {
   }
   return "value";
 }
+
+// CPU time of the calling thread.
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
 }  // namespace
 
 struct Executor::Impl {
@@ -78,6 +87,8 @@ struct Executor::Impl {
   ExecOptions opts;
   KernelBackend* backend = nullptr;
   int64_t slowdown_debt_ns = 0;  // ExecOptions::slowdown: sleep owed, not yet slept
+  int64_t compute_ns = 0;        // kernels' wall time, sleeps included (compute_ns())
+  double compute_cpu_ns = 0;     // kernels' thread CPU time x slowdown (compute_cpu_ns())
 
   // Stretches a kernel of `ns` by the slowdown factor: the extra time is
   // owed and slept once it reaches 0.2 ms (the sleep's own overshoot is
@@ -385,6 +396,8 @@ struct Executor::Impl {
       const bool slowed = opts.slowdown > 1.0 && !st.start && !st.wait && !st.view;
       const bool timed = opts.profile || static_cast<bool>(node_cb) || slowed;
       const int64_t t0 = timed ? now_ns() : 0;
+      const bool kernel_step = !st.start && !st.wait && !st.view;
+      const int64_t c0 = timed && kernel_step ? thread_cpu_ns() : 0;
       if (st.start) {
         in_flight.calls.emplace_back(static_cast<int>(s),
                                      opts.collectives->start(collective_call(s)));
@@ -401,7 +414,12 @@ struct Executor::Impl {
       }
       if (timed) {
         const int64_t t1 = now_ns();
+        const int64_t c1 = kernel_step ? thread_cpu_ns() : 0;
         if (slowed) stretch(t1 - t0);
+        if (kernel_step) {
+          compute_ns += (slowed ? now_ns() : t1) - t0;
+          compute_cpu_ns += static_cast<double>(c1 - c0) * std::max(1.0, opts.slowdown);
+        }
         if (opts.profile) {
           prof[s].total_ns += t1 - t0;
           ++prof[s].calls;
@@ -584,6 +602,16 @@ void Executor::reset_profile() {
     p.total_ns = 0;
     p.calls = 0;
   }
+  impl_->compute_ns = 0;
+  impl_->compute_cpu_ns = 0;
+}
+
+int64_t Executor::compute_ns() const {
+  return impl_->compute_ns;
+}
+
+int64_t Executor::compute_cpu_ns() const {
+  return static_cast<int64_t>(impl_->compute_cpu_ns);
 }
 
 }  // namespace mt

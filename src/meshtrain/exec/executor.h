@@ -179,6 +179,16 @@ class Executor {
   // run. Times accumulate over runs until reset_profile().
   const std::vector<OpProfile>& profile() const;
   void reset_profile();
+  // Wall time spent in kernels (not collective starts / waits, not views)
+  // since construction or reset_profile(), with the slowdown's sleeps
+  // (ExecOptions::slowdown): the emulated device's compute time. Counted
+  // while the profile is on or a slowdown applies.
+  int64_t compute_ns() const;
+  // The same kernels' CPU time on the calling thread, times the slowdown:
+  // what the emulated device would take with a core of its own (on a
+  // machine whose cores are shared, compute_ns() also holds the waits for
+  // a core).
+  int64_t compute_cpu_ns() const;
 
  private:
   struct Impl;

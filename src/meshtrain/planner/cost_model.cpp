@@ -544,6 +544,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
     // Which stages recompute does not change the cut's passes (only what a
     // micro-batch keeps, read from the plan below).
     for (StagePlan& st : keyed.stages) st.recompute = false;
+    keyed.devices.clear();  // mesh coordinates, whichever device runs them
     plan_key = fmt::format("{}|micro {}|{}|recompute {}", plan_to_json(keyed), micro,
                            dtype_name(o.precision), o.exec.recompute);
   }
@@ -837,8 +838,37 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options
   return out;
 }
 
+ClusterModel arrange_cluster(const ClusterModel& cluster, const std::vector<int>& devices) {
+  if (devices.empty()) return cluster;
+  const int world = cluster.world();
+  if (static_cast<int>(devices.size()) != world) {
+    throw ConfigError(
+        fmt::format("plan: devices: {} entries for the cluster's {} ranks", devices.size(), world));
+  }
+  ClusterModel out = cluster;
+  std::vector<bool> seen(static_cast<size_t>(world), false);
+  for (int m = 0; m < world; ++m) {
+    const int d = devices[static_cast<size_t>(m)];
+    if (d < 0 || d >= world || seen[static_cast<size_t>(d)]) {
+      throw ConfigError(fmt::format(
+          "plan: devices[{}]: world rank {} is {} (a permutation of the cluster's {} ranks)", m, d,
+          d < 0 || d >= world ? "out of range" : "given twice", world));
+    }
+    seen[static_cast<size_t>(d)] = true;
+    out.kind_of[static_cast<size_t>(m)] = cluster.kind_of[static_cast<size_t>(d)];
+    if (!cluster.slowdown.empty())
+      out.slowdown[static_cast<size_t>(m)] = cluster.slowdown[static_cast<size_t>(d)];
+    out.layout.node_of[static_cast<size_t>(m)] = cluster.layout.node_of[static_cast<size_t>(d)];
+  }
+  return out;
+}
+
 StepEstimate estimate_step(const ModelSpec& spec, const TrainerOptions& options,
                            const ClusterModel& cluster) {
+  if (options.dist.plan && !options.dist.plan->devices_in_order()) {
+    const ClusterModel arranged = arrange_cluster(cluster, options.dist.plan->devices);
+    return simulate(build_programs(spec, options, arranged), arranged);
+  }
   return simulate(build_programs(spec, options, cluster), cluster);
 }
 

@@ -197,7 +197,17 @@ struct StepEstimate {
   uint64_t max_bytes_sent() const;
 };
 
-// build_programs + the simulator (planner/simulator.h), no trace.
+// The cluster as a plan's mesh sees it: its rank m is world rank
+// devices[m] (Plan::devices) -- that rank's device kind, slowdown and node
+// -- so the cost model and the simulator, which number ranks by the mesh,
+// price the devices the runtime will run each mesh rank on. Empty
+// `devices`: the cluster as it is. Throws ConfigError unless `devices` is a
+// permutation of the cluster's ranks.
+ClusterModel arrange_cluster(const ClusterModel& cluster, const std::vector<int>& devices);
+
+// build_programs + the simulator (planner/simulator.h), no trace; on the
+// cluster arranged by the plan's devices (arrange_cluster), so the
+// estimate's ranks are mesh ranks.
 StepEstimate estimate_step(const ModelSpec& spec, const TrainerOptions& options,
                            const ClusterModel& cluster);
 

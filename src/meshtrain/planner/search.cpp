@@ -47,6 +47,35 @@ bool unequal_devices(const ClusterModel& c) {
   return speed.size() > 1;
 }
 
+// Which devices form which tensor group and stage (Plan::devices): besides
+// the cluster's own order, its ranks sorted by speed (f32 peak over
+// slowdown; stable, so like devices keep their order), fastest first and
+// slowest first. Mesh ranks are numbered pp, dp, tp (tensor innermost), so
+// sorted ranks put like devices in one tensor group (none held back by a
+// slower member) and the fast ones on the first or on the last pipeline
+// stage (whose extra work -- embeddings, head, loss -- or activation stash
+// decides which is better; the cost model prices both). Orders equal to the
+// cluster's are left out.
+std::vector<std::pair<std::string, std::vector<int>>> device_orders(const ClusterModel& c) {
+  const int world = c.world();
+  std::vector<double> speed(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r)
+    speed[static_cast<size_t>(r)] = c.device(r).peak_flops_f32 / c.slowdown_of(r);
+  std::vector<int> ident(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) ident[static_cast<size_t>(r)] = r;
+  std::vector<int> fast = ident, slow = ident;
+  std::stable_sort(fast.begin(), fast.end(), [&](int a, int b) {
+    return speed[static_cast<size_t>(a)] > speed[static_cast<size_t>(b)];
+  });
+  std::stable_sort(slow.begin(), slow.end(), [&](int a, int b) {
+    return speed[static_cast<size_t>(a)] < speed[static_cast<size_t>(b)];
+  });
+  std::vector<std::pair<std::string, std::vector<int>>> out;
+  if (fast != ident) out.push_back({"fast-first", fast});
+  if (slow != ident && slow != fast) out.push_back({"slow-first", slow});
+  return out;
+}
+
 // The largest number of ranks on one node.
 int max_node_ranks(const ClusterModel& c) {
   std::map<int, int> per;
@@ -76,6 +105,7 @@ std::string PlanCandidate::describe() const {
   if (!shape.batch_shares.empty()) s += " shares=" + list(shape.batch_shares);
   if (!shape.tp_ratios.empty()) s += " tp_ratios=" + list(shape.tp_ratios);
   if (!shape.stage_layers.empty()) s += " stage_layers=" + list(shape.stage_layers);
+  if (!devices.empty()) s += " devices=" + device_order;
   return s;
 }
 
@@ -109,7 +139,16 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     // recomputation; with ZeRO 0): where one of them fits, this one is not
     // priced (SearchResult::dominated). -1: none.
     int base_a = -1, base_b = -1;
+    std::string device_order;  // with `devices`: which order (device_orders)
+    std::vector<int> devices;  // empty: the cluster's order
   };
+  // On unequal devices, where the order decides something (which devices
+  // share a stage, or a tensor group of several replicas), each shape also
+  // in the other device orders (each order its own run of twins).
+  std::vector<std::pair<std::string, std::vector<int>>> orders{{"", {}}};
+  if (unequal && opt.device_orders) {
+    for (auto& o : device_orders(cluster)) orders.push_back(std::move(o));
+  }
   std::vector<Shape> shapes;
   // Runs of shapes that differ only in ZeRO stage and recomputation, in
   // order: one unit of work, since a twin's price decides whether the next
@@ -129,37 +168,41 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         }
       }
       for (const auto& [mb, kind] : pipe) {
-        const size_t run_begin = shapes.size();
-        std::map<std::pair<int, bool>, int> twin;  // (zero, recompute) -> shape index
-        for (int zero : opt.zero_stages) {
-          if (dp == 1 && zero > 0) continue;
-          // ZeRO under a pipeline: stage 1 only, and only as a projection
-          // (the pipeline runtime refuses it; PlanCandidate::projection).
-          if (pp > 1 && zero > 0 && !(zero == 1 && opt.zero1_pipeline_projection)) continue;
-          // Recomputation: exec.recompute without a pipeline; with one,
-          // every stage's (parallel.recompute, StagePlan::recompute).
-          for (int rc = 0; rc < (opt.recompute ? 2 : 1); ++rc) {
-            Shape s;
-            s.sh.dp = dp, s.sh.tp = tp, s.sh.pp = pp;
-            s.sh.microbatches = mb, s.sh.schedule = kind;
-            s.sh.recompute = pp > 1 && rc == 1;
-            s.zero = zero, s.recompute = rc == 1;
-            if (pp > 1) {
-              // Recomputation only adds a forward per micro-batch (never
-              // faster); ZeRO-1 under a pipeline is a projection: each is
-              // priced only where its twin without it does not fit.
-              auto at = [&](int z, bool r) {
-                auto it = twin.find({z, r});
-                return it == twin.end() ? -1 : it->second;
-              };
-              if (s.recompute) s.base_a = at(zero, false);
-              if (zero == 1) s.base_b = at(0, s.recompute);
+        for (const auto& [order_name, order] : orders) {
+          if (!order.empty() && !(pp > 1 || (tp > 1 && dp > 1))) continue;
+          const size_t run_begin = shapes.size();
+          std::map<std::pair<int, bool>, int> twin;  // (zero, recompute) -> shape index
+          for (int zero : opt.zero_stages) {
+            if (dp == 1 && zero > 0) continue;
+            // ZeRO under a pipeline: stage 1 only, and only as a projection
+            // (the pipeline runtime refuses it; PlanCandidate::projection).
+            if (pp > 1 && zero > 0 && !(zero == 1 && opt.zero1_pipeline_projection)) continue;
+            // Recomputation: exec.recompute without a pipeline; with one,
+            // every stage's (parallel.recompute, StagePlan::recompute).
+            for (int rc = 0; rc < (opt.recompute ? 2 : 1); ++rc) {
+              Shape s;
+              s.sh.dp = dp, s.sh.tp = tp, s.sh.pp = pp;
+              s.sh.microbatches = mb, s.sh.schedule = kind;
+              s.sh.recompute = pp > 1 && rc == 1;
+              s.zero = zero, s.recompute = rc == 1;
+              s.device_order = order_name, s.devices = order;
+              if (pp > 1) {
+                // Recomputation only adds a forward per micro-batch (never
+                // faster); ZeRO-1 under a pipeline is a projection: each is
+                // priced only where its twin without it does not fit.
+                auto at = [&](int z, bool r) {
+                  auto it = twin.find({z, r});
+                  return it == twin.end() ? -1 : it->second;
+                };
+                if (s.recompute) s.base_a = at(zero, false);
+                if (zero == 1) s.base_b = at(0, s.recompute);
+              }
+              twin[{zero, s.recompute}] = static_cast<int>(shapes.size());
+              shapes.push_back(s);
             }
-            twin[{zero, s.recompute}] = static_cast<int>(shapes.size());
-            shapes.push_back(s);
           }
+          if (shapes.size() > run_begin) runs.emplace_back(run_begin, shapes.size());
         }
-        if (shapes.size() > run_begin) runs.emplace_back(run_begin, shapes.size());
       }
     }
   }
@@ -200,8 +243,13 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     o.dist.batch_shares = c.shape.batch_shares;
     o.dist.slowdown.clear();  // the cluster model carries the slowdown
     try {
+      // Mesh rank m on world rank devices[m]: the cost model numbers ranks by the mesh.
+      const ClusterModel arranged =
+          c.devices.empty() ? ClusterModel{} : arrange_cluster(cluster, c.devices);
+      const ClusterModel& mesh_cluster = c.devices.empty() ? cluster : arranged;
       c.plan = expand_shorthand(c.shape, sm, m.graph, world);
       c.plan.model = spec.kind;
+      c.plan.devices = c.devices;
       validate_plan(c.plan, m.graph, world, base.batch_size, "plan");
       if (needs_lowering(c.plan) || c.plan.pipeline_stages() > 1) {
         o.dist.plan = std::make_shared<const Plan>(c.plan);
@@ -218,12 +266,12 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       // proposed and needs no step time (only its memory, for the closest
       // miss), so it is not simulated -- exact, and most of a large
       // model's shapes are over.
-      const Programs progs = build_programs(spec, o, cluster, &cache);
+      const Programs progs = build_programs(spec, o, mesh_cluster, &cache);
       bool over = false;
       for (int r = 0; r < world && !over; ++r) {
         const Program& pr =
             progs.programs[static_cast<size_t>(progs.ranks[static_cast<size_t>(r)].program)];
-        over = pr.peak_memory_bytes > static_cast<int64_t>(cluster.device(r).memory_bytes);
+        over = pr.peak_memory_bytes > static_cast<int64_t>(mesh_cluster.device(r).memory_bytes);
       }
       if (over) {
         c.estimate.ranks.resize(static_cast<size_t>(world));
@@ -257,7 +305,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                     .peak_memory_bytes;
           }
         } else {
-          c.estimate = simulate(progs, cluster);
+          c.estimate = simulate(progs, mesh_cluster);
           if (!c.projection) {
             std::lock_guard<std::mutex> hold(top_mutex);
             top_runnable.insert(c.estimate.step_s);
@@ -283,7 +331,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     int64_t worst_over = 0;
     for (int r = 0; r < world; ++r) {
       const int64_t need = c.estimate.ranks[static_cast<size_t>(r)].peak_memory_bytes;
-      const auto have = static_cast<int64_t>(cluster.device(r).memory_bytes);
+      const auto have = static_cast<int64_t>(cluster.device(c.plan.device_of(r)).memory_bytes);
       if (need > have && (out.kind == Priced::fits || need - have > worst_over)) {
         out.kind = Priced::over;
         worst_over = need - have;
@@ -337,6 +385,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
           c.shape = s.sh;
           c.zero_stage = s.zero;
           c.recompute = s.recompute;
+          c.devices = s.devices, c.device_order = s.device_order;
           sr.even = price(c);
           if (unequal && sr.even->kind == Priced::fits) {
             // Uneven shares from the LP, priced from the even plan's per-rank compute.
@@ -364,7 +413,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                   // conservative bound above the even share).
                   bp.max_units[d] = std::min(
                       bp.max_units[d],
-                      per * cluster.device(r).memory_bytes /
+                      per * cluster.device(p.device_of(r)).memory_bytes /
                           std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
                 }
                 u.shape.batch_shares = round_shares(bp, lp(bp));
@@ -475,10 +524,11 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
       case Priced::over: {
         ++res.over_memory;
         const int64_t need = q.c.estimate.ranks[static_cast<size_t>(q.worst)].peak_memory_bytes;
-        const auto have = static_cast<int64_t>(cluster.device(q.worst).memory_bytes);
+        const int device = q.c.plan.device_of(q.worst);  // the world rank (mesh rank q.worst)
+        const auto have = static_cast<int64_t>(cluster.device(device).memory_bytes);
         if (!res.closest || res.closest->lower_bound ||
             need - have < res.closest->need_bytes - res.closest->have_bytes) {
-          res.closest = SearchResult::Miss{q.c.describe(), q.worst, need, have, false};
+          res.closest = SearchResult::Miss{q.c.describe(), device, need, have, false};
         }
         return;
       }

@@ -52,6 +52,10 @@ struct SearchOptions {
   // every layer; across nodes they are rarely worth it); false: any degree.
   bool tp_within_node = true;
   bool uneven = true;  // LP shares on unequal devices
+  // On unequal devices, also which devices form which stage / tensor group:
+  // each pipeline or dp x tp shape in the ranks sorted by speed, fastest
+  // first and slowest first (Plan::devices), besides the cluster's order.
+  bool device_orders = true;
   // Threads pricing shapes at once (0: the machine's); the result is the
   // same for any number.
   int threads = 0;
@@ -64,6 +68,10 @@ struct PlanCandidate {
   int zero_stage = 0;
   bool recompute = false;
   bool uneven = false;  // shares from the balance LP
+  // Which world rank runs each mesh rank (Plan::devices; empty: the
+  // cluster's order) and the order's name ("fast-first", "slow-first").
+  std::vector<int> devices;
+  std::string device_order;
   // Priced but not runnable yet (ZeRO-1 under a pipeline): what the cost
   // model projects, not what `meshtrain train --plan` runs.
   bool projection = false;

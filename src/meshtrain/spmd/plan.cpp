@@ -73,6 +73,17 @@ int Plan::pipeline_stages() const {
   return std::max(1, static_cast<int>(stages.size()) / std::max(1, virtual_stages));
 }
 
+int Plan::device_of(int m) const {
+  return devices.empty() ? m : devices.at(static_cast<size_t>(m));
+}
+
+bool Plan::devices_in_order() const {
+  for (size_t m = 0; m < devices.size(); ++m) {
+    if (devices[m] != static_cast<int>(m)) return false;
+  }
+  return true;
+}
+
 bool Plan::data_parallel_only(const Graph& g) const {
   if (pipeline_stages() > 1 || stages.size() > 1 || microbatches != 1 || sequence_parallel)
     return false;
@@ -116,6 +127,30 @@ std::vector<std::string> model_layers(const Graph& g) {
 void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_batch,
                    std::string_view where) {
   plan.mesh.check_world(world, fmt::format("{}: mesh", where));
+  if (!plan.devices.empty()) {
+    if (static_cast<int>(plan.devices.size()) != world) {
+      throw ConfigError(
+          fmt::format("{}: devices: {} entries for {} ranks (one world rank per mesh position, a "
+                      "permutation of 0..{})",
+                      where, plan.devices.size(), world, world - 1));
+    }
+    std::vector<int> at(static_cast<size_t>(world), -1);
+    for (int m = 0; m < world; ++m) {
+      const int d = plan.devices[static_cast<size_t>(m)];
+      if (d < 0 || d >= world) {
+        throw ConfigError(fmt::format(
+            "{}: devices[{}]: world rank {} is not in [0, {}) (a permutation of the job's ranks)",
+            where, m, d, world));
+      }
+      if (at[static_cast<size_t>(d)] >= 0) {
+        throw ConfigError(fmt::format(
+            "{}: devices[{}]: world rank {} already runs mesh rank {} (a permutation of the "
+            "job's ranks: each once)",
+            where, m, d, at[static_cast<size_t>(d)]));
+      }
+      at[static_cast<size_t>(d)] = m;
+    }
+  }
   std::vector<std::string> names;
   for (int v = 0; v < g.num_values(); ++v) {
     if (g.value(v).role != ValueRole::grad) names.push_back(g.value(v).name);
@@ -346,7 +381,7 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
   Reader rd{source};
   rd.keys(j, "",
           {"format", "model", "mesh", "values", "stages", "microbatches", "schedule",
-           "virtual_stages", "warmup_extra", "sequence_parallel"});
+           "virtual_stages", "warmup_extra", "sequence_parallel", "devices"});
   Plan plan;
   if (j.contains("format")) {
     const std::string f = rd.string(j["format"], "format");
@@ -390,6 +425,11 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
       rd.fail("sequence_parallel",
               fmt::format("expected true or false, got {}", type_of(j["sequence_parallel"])));
     plan.sequence_parallel = j["sequence_parallel"].get<bool>();
+  }
+  if (j.contains("devices")) {
+    const Json& d = rd.list(j["devices"], "devices");
+    for (size_t i = 0; i < d.size(); ++i)
+      plan.devices.push_back(static_cast<int>(rd.integer(d[i], fmt::format("devices[{}]", i), 0)));
   }
   if (j.contains("stages")) {
     const Json& st = rd.list(j["stages"], "stages");
@@ -483,6 +523,7 @@ std::string plan_to_json(const Plan& plan) {
   j["virtual_stages"] = plan.virtual_stages;
   if (plan.warmup_extra != 0) j["warmup_extra"] = plan.warmup_extra;
   j["sequence_parallel"] = plan.sequence_parallel;
+  if (!plan.devices.empty()) j["devices"] = plan.devices;
   // One line per mesh axis, value and stage, so the file reads (and diffs)
   // like a table; the same JSON as j.dump().
   std::string out = "{\n";
@@ -613,6 +654,10 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
     }
   }
   if (plan.sequence_parallel) out += "sequence parallelism: on (layer-norm regions over tp)\n";
+  if (!plan.devices_in_order()) {
+    out += fmt::format("devices (world rank of each mesh rank 0..{}): {}\n", mesh.size() - 1,
+                       fmt::join(plan.devices, ","));
+  }
   out += fmt::format("schedule: {}, {} micro-batch{}\n", schedule_name(plan.schedule),
                      plan.microbatches, plan.microbatches == 1 ? "" : "es");
   if (p > 1 || plan.microbatches > 1) {

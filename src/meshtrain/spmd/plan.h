@@ -54,6 +54,12 @@ struct Plan {
   // the lowering pass.
   bool sequence_parallel = false;
   std::string model;  // the model kind it was written for; "" = not recorded
+  // Which device (world rank: the process mpirun started, its cluster-file
+  // place and dist.slowdown entry) takes each mesh position: mesh rank m
+  // runs on world rank devices[m]. Empty: mesh rank = world rank. Lets a
+  // plan group like devices into a tensor group or put the fast ones on a
+  // chosen pipeline stage without renumbering the cluster.
+  std::vector<int> devices;
 
   // The spec of `value` (replicated when the plan does not name it).
   const ShardingSpec& spec(std::string_view value) const;
@@ -63,6 +69,10 @@ struct Plan {
   // Whether the plan is plain data parallelism: no split parameter, no
   // partial sum, one stage, one micro-batch; only inputs split (on dim 0).
   bool data_parallel_only(const Graph& g) const;
+  // The world rank running mesh rank `m` (devices[m], or m without devices).
+  int device_of(int m) const;
+  // Whether `devices` is empty or the identity.
+  bool devices_in_order() const;
   bool operator==(const Plan&) const = default;
 };
 
@@ -76,7 +86,8 @@ std::vector<std::string> model_layers(const Graph& g);
 // graph and its spec fits its shape on the mesh; every stage has layers and
 // ranks, every layer is in exactly one stage, in model order; the schedule
 // can run this many stages, micro-batches and virtual stages; the global
-// batch divides into the micro-batches.
+// batch divides into the micro-batches; `devices`, when given, is a
+// permutation of the world's ranks.
 void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_batch,
                    std::string_view where);
 

@@ -25,16 +25,21 @@ nlohmann::json memory_by_category(const std::array<int64_t, kMemoryCategories>& 
 }
 
 nlohmann::json memory_by_rank(Communicator& comm, int64_t peak_rss, const MemoryCounters& counters,
-                              const CollectiveOptions& collective, bool gather) {
+                              const CollectiveOptions& collective, bool gather,
+                              const RankFigures& figures) {
   const int world = comm.size(), rank = comm.rank();
-  // Per rank: peak RSS, then live and peak allocator bytes per category.
-  constexpr int kPer = 1 + 2 * kMemoryCategories;
+  // Per rank: peak RSS, live and peak allocator bytes per category, then
+  // the figures.
+  const int kPer = 1 + 2 * kMemoryCategories + static_cast<int>(figures.size());
   std::vector<double> per_rank(static_cast<size_t>(kPer * world), 0.0);
   double* mine = per_rank.data() + static_cast<ptrdiff_t>(kPer) * rank;
   mine[0] = static_cast<double>(peak_rss);
   for (int c = 0; c < kMemoryCategories; ++c) {
     mine[1 + c] = static_cast<double>(counters.live[static_cast<size_t>(c)]);
     mine[1 + kMemoryCategories + c] = static_cast<double>(counters.peak[static_cast<size_t>(c)]);
+  }
+  for (size_t f = 0; f < figures.size(); ++f) {
+    mine[1 + 2 * kMemoryCategories + static_cast<int>(f)] = figures[f].second;
   }
   if (world > 1 && gather) {
     comm.all_reduce(per_rank.data(), per_rank.data(), per_rank.size(), DType::f64, ReduceOp::sum,
@@ -48,10 +53,14 @@ nlohmann::json memory_by_rank(Communicator& comm, int64_t peak_rss, const Memory
       live[static_cast<size_t>(c)] = static_cast<int64_t>(v[1 + c]);
       peak[static_cast<size_t>(c)] = static_cast<int64_t>(v[1 + kMemoryCategories + c]);
     }
-    ranks.push_back({{"rank", q},
-                     {"peak_rss_bytes", static_cast<int64_t>(v[0])},
-                     {"mem_live_bytes", memory_by_category(live)},
-                     {"mem_peak_bytes", memory_by_category(peak)}});
+    nlohmann::json entry = {{"rank", q},
+                            {"peak_rss_bytes", static_cast<int64_t>(v[0])},
+                            {"mem_live_bytes", memory_by_category(live)},
+                            {"mem_peak_bytes", memory_by_category(peak)}};
+    for (size_t f = 0; f < figures.size(); ++f) {
+      entry[figures[f].first] = v[1 + 2 * kMemoryCategories + static_cast<int>(f)];
+    }
+    ranks.push_back(std::move(entry));
   }
   return ranks;
 }

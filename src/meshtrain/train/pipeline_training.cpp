@@ -648,6 +648,13 @@ struct PipelineTraining::Impl {
     const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
     uint64_t sent = 0;
     int64_t peak_stash = 0;
+    // This rank's passes' wall time (its compute, the slowdown's sleeps
+    // included) over the steps after the warm-up.
+    double compute_s = 0;
+    double compute_cpu_s = 0;  // the passes' thread CPU time x slowdown
+    const double slowdown =
+        rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
+    int64_t compute_steps = 0;
     const int64_t first = step;
     const int64_t stop =
         o.halt_after > 0 ? std::min(total_steps, first + o.halt_after) : total_steps;
@@ -666,6 +673,11 @@ struct PipelineTraining::Impl {
         idle.push_back(idle_now);
         cpu_ratio.push_back(si.cpu_ratio);
         overhead.push_back(si.overhead);
+        for (const PipelineSpan& sp : runtime->spans()) {
+          compute_s += static_cast<double>(sp.end_ns - sp.start_ns) * 1e-9;
+          compute_cpu_s += static_cast<double>(sp.cpu_ns) * 1e-9 * std::max(1.0, slowdown);
+        }
+        ++compute_steps;
       }
       sent += runtime->bytes_sent();
       peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
@@ -710,8 +722,12 @@ struct PipelineTraining::Impl {
     if (tokens_per_sample > 0) r.tokens_per_s = *r.samples_per_s * tokens_per_sample;
     r.allocated = memory_counters();
     r.peak_rss_bytes = peak_rss_bytes();
+    // Every rank's memory and compute per step, for rank 0's summary.
+    const double steps_done = static_cast<double>(std::max<int64_t>(1, compute_steps));
     const nlohmann::json ranks =
-        memory_by_rank(world, r.peak_rss_bytes, r.allocated, o.dist.dp.collective);
+        memory_by_rank(world, r.peak_rss_bytes, r.allocated, o.dist.dp.collective, true,
+                       {{"compute_s_per_step", compute_s / steps_done},
+                        {"compute_cpu_s_per_step", compute_cpu_s / steps_done}});
     nlohmann::json summary = {
         {"summary", true},
         {"steps", r.steps},
@@ -725,6 +741,7 @@ struct PipelineTraining::Impl {
         {"ranks", ranks},
         {"threads", o.threads},
         {"world_size", world.size()},
+        {"ranks", ranks},
         {"cpu", fmt::format("{} {}", cpu_info().vendor, cpu_info().model)},
         {"isa", fmt::format("{}; onednn {}", cpu_info().isa_flags(), onednn_isa())},
         {"plan",

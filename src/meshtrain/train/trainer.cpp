@@ -1,5 +1,7 @@
 #include "meshtrain/train/trainer.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -54,6 +56,13 @@ constexpr int64_t kWarmupSteps = 5;
 // A measured value, or JSON null where nothing was measured (never 0).
 nlohmann::json or_null(const std::optional<double>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+}
+
+// CPU time of the calling thread.
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
 ParamLayout layout_of(const ParamStore& store) {
@@ -159,6 +168,10 @@ struct Trainer::Impl {
   // Time in the optimizer step (gradient sync included) since the profile
   // was last reset, for the summary's op_profile.
   double optimizer_seconds = 0;
+  // The optimizer's update alone (its slowdown's sleep included), for the
+  // summary's per-rank compute_s_per_step.
+  double update_seconds = 0;
+  double update_cpu_seconds = 0;  // its thread CPU time x slowdown
   int64_t optimizer_steps = 0;
 
   Impl(const ModelSpec& s, std::shared_ptr<const Dataset> tr, std::shared_ptr<const Dataset> te,
@@ -1166,11 +1179,15 @@ struct Trainer::Impl {
       if (!apply) return;
       if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, norm_reducer());
       Stopwatch update_sw;
+      const int64_t cpu0 = thread_cpu_ns();
       optimizer->step(refs, lr);
+      update_cpu_seconds +=
+          static_cast<double>(thread_cpu_ns() - cpu0) * 1e-9 * std::max(1.0, slowdown());
       if (slowdown() > 1.0) {
         std::this_thread::sleep_for(
             std::chrono::duration<double>(update_sw.seconds() * (slowdown() - 1.0)));
       }
+      update_seconds += update_sw.seconds();
     });
     optimizer_seconds += optimizer_sw.seconds();
     ++optimizer_steps;
@@ -1299,6 +1316,8 @@ struct Trainer::Impl {
         exec->reset_profile();
         dp->reset_stats();
         optimizer_seconds = 0;
+        update_seconds = 0;
+        update_cpu_seconds = 0;
         optimizer_steps = 0;
       }
       r.losses.push_back(loss);
@@ -1429,11 +1448,27 @@ struct Trainer::Impl {
         dp->memory(static_cast<int>(optimizer->state_kinds().size()), optimizer->state_bytes());
     r.allocated = memory_counters();
     r.peak_rss_bytes = peak_rss_bytes();
+    // This rank's compute per step after the warm-up: its kernels' wall
+    // time (the executor's, the slowdown's sleeps included) and the
+    // optimizer's update, not waiting for collectives.
+    const double compute_s_per_step =
+        optimizer_steps > 0 ? (static_cast<double>(exec->compute_ns()) * 1e-9 + update_seconds) /
+                                  static_cast<double>(optimizer_steps)
+                            : 0.0;
+    // The same from the CPU time the kernels and the update took on their
+    // thread, times the slowdown: the rank's compute with a core of its own.
+    const double compute_cpu_s_per_step =
+        optimizer_steps > 0
+            ? (static_cast<double>(exec->compute_cpu_ns()) * 1e-9 + update_cpu_seconds) /
+                  static_cast<double>(optimizer_steps)
+            : 0.0;
     // Every rank's figures, for rank 0's summary. (Not gathered under a
     // parameter server: a worker that stopped, which ASP goes on without,
     // would hold every rank here; the table has this rank only.)
-    const nlohmann::json ranks = memory_by_rank(*comm, r.peak_rss_bytes, r.allocated,
-                                                o.dist.dp.collective, o.dist.sync.scheme != "ps");
+    const nlohmann::json ranks = memory_by_rank(
+        *comm, r.peak_rss_bytes, r.allocated, o.dist.dp.collective, o.dist.sync.scheme != "ps",
+        {{"compute_s_per_step", compute_s_per_step},
+         {"compute_cpu_s_per_step", compute_cpu_s_per_step}});
     const DataParallelStats st = dp->stats();
     nlohmann::json summary = {
         {"summary", true},
@@ -1570,6 +1605,26 @@ nlohmann::json Trainer::Impl::engines_json() const {
 Trainer::Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
                  std::shared_ptr<const Dataset> test_data, TrainerOptions options,
                  Communicator* comm) {
+  // Plan::devices: mesh rank m on comm's rank devices[m] (validate_plan has
+  // checked it is a permutation of the world). The split keeps each
+  // process's links (emulated per world rank); the slowdown is per device.
+  if (comm != nullptr && options.dist.plan && !options.dist.plan->devices_in_order()) {
+    const Plan& plan = *options.dist.plan;
+    if (static_cast<int>(plan.devices.size()) != comm->size()) {
+      throw ConfigError(
+          fmt::format("plan: devices: {} entries for {} ranks", plan.devices.size(), comm->size()));
+    }
+    mesh_comm_ = comm->subgroup(plan.devices, "mesh");
+    comm = mesh_comm_.get();
+    if (!options.dist.slowdown.empty()) {
+      std::vector<double> by_mesh(plan.devices.size(), 1.0);
+      for (size_t m = 0; m < plan.devices.size(); ++m) {
+        const auto d = static_cast<size_t>(plan.devices[m]);
+        if (d < options.dist.slowdown.size()) by_mesh[m] = options.dist.slowdown[d];
+      }
+      options.dist.slowdown = std::move(by_mesh);
+    }
+  }
   if (pipeline_plan(options)) {
     if (comm == nullptr) {
       throw ConfigError("a plan with pipeline stages needs a communicator (one rank per stage)");

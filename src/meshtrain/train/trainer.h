@@ -200,6 +200,10 @@ class Trainer {
   // comm: the data-parallel group (every rank constructs a Trainer with the
   // same options); nullptr trains in this process alone. test_data may be
   // null when options.eval is off (evaluate() then throws ConfigError).
+  // A plan with `devices` (Plan::devices) runs mesh rank m on comm's rank
+  // devices[m]: the trainer splits comm into the mesh's numbering (rank 0
+  // of the run is then devices[0]) and gives each mesh rank its device's
+  // dist.slowdown.
   Trainer(const ModelSpec& model, std::shared_ptr<const Dataset> train_data,
           std::shared_ptr<const Dataset> test_data, TrainerOptions options,
           Communicator* comm = nullptr);
@@ -239,6 +243,7 @@ class Trainer {
 
  private:
   struct Impl;
+  std::unique_ptr<Communicator> mesh_comm_;  // under a plan's devices; outlives the rest
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<class PipelineTraining> pipe_;
   void require_unpipelined(const char* what) const;
