@@ -182,8 +182,12 @@ void probe_world(int n) {
   }
 }
 
-TEST(CommProbe, LocalRanksAgreeAndResultsMatchTheStaticChoice2) { probe_world(2); }
-TEST(CommProbe, LocalRanksAgreeAndResultsMatchTheStaticChoice4) { probe_world(4); }
+TEST(CommProbe, LocalRanksAgreeAndResultsMatchTheStaticChoice2) {
+  probe_world(2);
+}
+TEST(CommProbe, LocalRanksAgreeAndResultsMatchTheStaticChoice4) {
+  probe_world(4);
+}
 
 TEST(CommProbe, OneRankHasNothingToChoose) {
   LocalWorld::run(1, [](Communicator& c) { EXPECT_EQ(comm::probe_algorithms(c), nullptr); });

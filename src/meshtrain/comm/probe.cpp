@@ -16,8 +16,7 @@ namespace mt::comm {
 namespace {
 
 double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -99,9 +98,10 @@ ProbeTable time_candidates(Communicator& comm, const ProbeOptions& options) {
   for (Collective c : t.collectives) {
     if (c != Collective::all_reduce && c != Collective::all_gather &&
         c != Collective::reduce_scatter) {
-      throw ConfigError(fmt::format("the algorithm probe times all_reduce, all_gather and "
-                                    "reduce_scatter, not {}",
-                                    collective_name(c)));
+      throw ConfigError(
+          fmt::format("the algorithm probe times all_reduce, all_gather and "
+                      "reduce_scatter, not {}",
+                      collective_name(c)));
     }
   }
   const size_t n = static_cast<size_t>(t.size);
@@ -163,8 +163,7 @@ ProbeTable time_candidates(Communicator& comm, const ProbeOptions& options) {
   }
   // The slowest rank's time of every point, on every rank: one all-reduce.
   // (Infinity stays infinity: max is exact, so every rank holds the same bits.)
-  comm.all_reduce(t.seconds.data(), t.seconds.data(), t.seconds.size(), DType::f64,
-                  ReduceOp::max);
+  comm.all_reduce(t.seconds.data(), t.seconds.data(), t.seconds.size(), DType::f64, ReduceOp::max);
   double took = now_s() - started;
   comm.broadcast(&took, 1, DType::f64, 0);
   t.probe_seconds = took;
