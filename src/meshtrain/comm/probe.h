@@ -31,11 +31,12 @@ struct ProbeOptions {
   std::vector<Collective> collectives = {Collective::all_reduce, Collective::all_gather,
                                          Collective::reduce_scatter};
   // Timed samples per point (after one warm-up call); each sample runs
-  // enough back-to-back calls to move about 1 MiB (at most 16 calls).
+  // enough back-to-back calls to move about 256 KiB (at most 4 calls).
   int samples = 3;
   // Another algorithm replaces the static choice at a size only when it is
-  // faster by more than this fraction.
-  double margin = 0.10;
+  // faster by more than this fraction (a loaded machine's noise is of this
+  // order; a smaller gain is not worth leaving the static rules for).
+  double margin = 0.20;
 };
 
 // Seconds per call of each candidate at each size of each collective: the
@@ -59,8 +60,8 @@ struct ProbeTable {
 };
 
 // The candidates a communicator of this topology can run for the probed
-// collectives: ring, halving_doubling, then shared_memory and native where
-// available.
+// collectives: ring, halving_doubling (not on 2 ranks, where it is ring's
+// exchange), then shared_memory and native where available.
 std::vector<CommAlgorithm> probe_candidates(const GroupTopology& t);
 
 // Pure: the choice a table implies against `policy`'s static rules (the
