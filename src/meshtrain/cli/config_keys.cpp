@@ -165,8 +165,8 @@ const std::vector<KeyMeaning> kMeanings = {
      "halving-doubling"},
     {"dist.algorithm_choice",
      "how collectives pick their algorithm: \"static\" (fixed rules: shared memory on one "
-     "node) or \"measured\" (a probe of under a second when the ranks start times every "
-     "algorithm at a few sizes and keeps the fastest per size range; docs/comm.md)"},
+     "node) or \"measured\" (a short probe when the ranks start times every algorithm at a few "
+     "sizes and keeps the fastest per size range; docs/comm.md)"},
     {"dist.fault", "drill: \"kill:RANK@STEP\" or \"stall:RANK@STEP\"; \"\" = none"},
     {"dist.timeout_s", "deadline of every collective, in seconds"},
     {"dist.stop_grace_s",
