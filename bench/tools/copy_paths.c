@@ -12,7 +12,9 @@
 //           system's copy rate on one core)
 // The measurement behind docs/comm.md "Why shared memory is slower where it
 // is". Not part of the build:
-//   gcc -O2 -std=gnu11 bench/tools/copy_paths.c -o copy_paths && ./copy_paths
+//   gcc -O2 -std=gnu11 bench/tools/copy_paths.c -o copy_paths && ./copy_paths [MAX_BYTES]
+// (MAX_BYTES: the largest B, default 64 MiB; on a loaded machine the small
+// chunks of the large sizes take minutes).
 // Prints one JSON line per (mode, B, S): GB/s = B / t (bytes delivered to each
 // process per second), t the median of the repetitions, each result checked
 // (every byte of the peer's pattern arrives).
@@ -120,7 +122,7 @@ static int cmp(const void* a, const void* b) {
   return x < y ? -1 : x > y;
 }
 
-int main(void) {
+int main(int argc, char** argv) {
   const size_t sizes[] = {64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
   const size_t slot_sizes[] = {64 << 10, 512 << 10, 4 << 20};
   const size_t maxB = 64 << 20, maxS = 4 << 20;
@@ -145,8 +147,10 @@ int main(void) {
     pclose(f);
   }
   const char* modes[] = {"window", "cma"};
+  const size_t limit = argc > 1 ? (size_t)strtoull(argv[1], NULL, 10) : maxB;
   for (size_t bi = 0; bi < sizeof sizes / sizeof *sizes; ++bi) {
     const size_t B = sizes[bi];
+    if (B > limit) break;
     const int reps = B >= (16 << 20) ? 5 : 15;
     for (size_t mi = 0; mi < 2; ++mi) {
       for (size_t si = 0; si < sizeof slot_sizes / sizeof *slot_sizes; ++si) {
