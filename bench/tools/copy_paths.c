@@ -74,8 +74,8 @@ static double exchange(int me, const char* mode, char* src, char* dst, size_t B,
     char* theirs = slots + (size_t)peer * 2 * S;
     size_t wrote = 0, read = 0;
     // Interleave: write my chunk k when the peer has consumed k-2, read the
-    // peer's chunk k when published.
-    while (read < chunks) {
+    // peer's chunk k when published, until both are done.
+    while (read < chunks || wrote < chunks) {
       if (wrote < chunks &&
           (long)atomic_load_explicit(&ctl->consumed[peer], memory_order_acquire) >=
               *pub + (long)wrote - 1) {
@@ -85,8 +85,9 @@ static double exchange(int me, const char* mode, char* src, char* dst, size_t B,
         ++wrote;
         continue;
       }
-      if ((long)atomic_load_explicit(&ctl->published[peer], memory_order_acquire) >=
-          *con + (long)read + 1) {
+      if (read < chunks &&
+          (long)atomic_load_explicit(&ctl->published[peer], memory_order_acquire) >=
+              *con + (long)read + 1) {
         const size_t off = read * S, n = B - off < S ? B - off : S;
         memcpy(dst + off, theirs + ((size_t)*con + read) % 2 * S, n);
         atomic_store_explicit(&ctl->consumed[me], *con + (long)read + 1, memory_order_release);
@@ -94,10 +95,6 @@ static double exchange(int me, const char* mode, char* src, char* dst, size_t B,
         continue;
       }
       sched_yield();
-    }
-    while (wrote < chunks) {  // (never: reads finish after writes on both sides)
-      spin_until(&ctl->consumed[peer], *pub + (long)wrote - 1);
-      ++wrote;
     }
     *pub += (long)chunks;
     *con += (long)chunks;
