@@ -111,7 +111,6 @@ ProbeTable time_candidates(Communicator& comm, const ProbeOptions& options) {
   size_t max_elems = 0;
   for (size_t b : t.sizes) max_elems = std::max(max_elems, b / 4 + n);
   std::vector<float> in(max_elems, 1.0f), out(max_elems, 0.0f);
-  std::vector<double> per_sample(static_cast<size_t>(options.samples));
   for (size_t ci = 0; ci < t.collectives.size(); ++ci) {
     const Collective c = t.collectives[ci];
     for (size_t si = 0; si < t.sizes.size(); ++si) {
