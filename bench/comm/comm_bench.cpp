@@ -3,7 +3,7 @@
 // on the same f32 buffers, sizes 4 KiB .. 64 MiB (powers of 4).
 //
 //   mpirun -np 2 build/bench/comm/comm_bench [--algorithms] [--only allreduce]
-//       [--shm-bytes N]
+//       [--shm-bytes N] [--choice static|measured]
 //
 // Rank 0 prints one JSON line per collective and size, e.g.
 //   {"suite": "comm", "name": "allreduce_bus_bw_1MiB", "unit": "GB/s",
@@ -16,7 +16,11 @@
 // ("meshtrain_best" / "peer_best": the best sample). Samples of meshtrain and
 // MPI alternate, all samples of one case within a fraction of a second, so
 // both sides see the same machine load. meshtrain runs with its defaults
-// (automatic algorithm, handshake on). --algorithms adds value lines for each
+// (automatic algorithm, handshake on); --choice measured first runs the
+// collective probe (comm/probe.h, as `dist.algorithm_choice = measured`) and
+// installs its choice, and each line says which choice ran
+// ("algorithm_choice", with "probe_s" and the probe's "measured_choice").
+// --algorithms adds value lines for each
 // explicit algorithm (the measurements behind the automatic policy).
 // MT_BENCH_QUICK=1 stops at 4 MiB with fewer samples.
 //
@@ -55,6 +59,7 @@
 
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
 #include "meshtrain/comm/backends/mpi/mpi_runtime.h"
+#include "meshtrain/comm/probe.h"
 
 namespace {
 
@@ -219,6 +224,7 @@ int main(int argc, char** argv) {
     rank = rt.world_rank();
     const bool quick = std::getenv("MT_BENCH_QUICK") != nullptr;
     bool algorithms = false;
+    std::string choice = "static";
     std::string only;
     mt::MpiOptions mpi_options;
     for (int i = 1; i < argc; ++i) {
@@ -227,18 +233,41 @@ int main(int argc, char** argv) {
         algorithms = true;
       } else if (a == "--only" && i + 1 < argc) {
         only = argv[++i];
+      } else if (a == "--choice" && i + 1 < argc) {
+        choice = argv[++i];
+        if (choice != "static" && choice != "measured") {
+          throw mt::ConfigError(fmt::format(
+              "--choice {}: unknown algorithm choice (expected static or measured)", choice));
+        }
       } else if (a == "--shm-bytes" && i + 1 < argc) {
         mpi_options.shm_bytes_per_rank = std::stoull(argv[++i]);
       } else {
         throw mt::ConfigError(
             fmt::format("unknown argument '{}' (expected --algorithms, --only allreduce|allgather|"
-                        "reducescatter, --shm-bytes N)",
+                        "reducescatter, --shm-bytes N, --choice static|measured)",
                         a));
       }
     }
     mt::CommOptions options;
     options.name = "bench";
     auto comm = mt::make_mpi_communicator(options, mpi_options);
+    std::string choice_fields = "\"algorithm_choice\": \"static\"";
+    if (choice == "measured") {
+      mt::comm::ProbeTable table;
+      auto m = mt::comm::probe_algorithms(*comm, {}, &table);
+      comm->reset_counters();
+      if (m) {
+        comm->set_measured_choice(m);
+        choice_fields = fmt::format(
+            "\"algorithm_choice\": \"measured\", \"probe_s\": {:.3f}, \"measured_choice\": "
+            "\"{}\"",
+            table.probe_seconds, m->describe());
+        if (comm->rank() == 0) {
+          std::fprintf(stderr, "comm_bench: measured choice (%s): %s\n", m->source.c_str(),
+                       m->describe().c_str());
+        }
+      }
+    }
     MPI_Comm mpi;
     MPI_Comm_dup(MPI_COMM_WORLD, &mpi);
     Bench bench{mpi, comm->rank(), comm->size(), quick ? 7 : 21};
@@ -281,12 +310,13 @@ int main(int argc, char** argv) {
           "\"meshtrain_best\": %.3f, \"peer_best\": %.3f, \"algorithm\": \"%s\", "
           "\"meshtrain_transport\": \"%s\", \"peer_transport\": \"%s\", \"peer_coll\": \"%s\", "
           "\"checked\": \"exact values, and equal to Open MPI's, before and after timing\", "
-          "\"dtype\": \"f32\", \"samples\": %d, \"loadavg_1m\": %.2f}\n",
+          "\"dtype\": \"f32\", \"samples\": %d, \"loadavg_1m\": %.2f, %s}\n",
           name.c_str(), size_label(bytes).c_str(), bw(mine.median), bw(theirs.median),
           theirs.median / mine.median, peer.c_str(), peer_call.c_str(), bench.size, bytes,
           mine.median * 1e6, theirs.median * 1e6, bw(mine.min), bw(theirs.min),
           std::string(mt::algorithm_name(algo)).c_str(), transport_of(algo).c_str(),
-          peer_transport.c_str(), peer_coll.c_str(), bench.samples, load_average());
+          peer_transport.c_str(), peer_coll.c_str(), bench.samples, load_average(),
+          choice_fields.c_str());
       std::fflush(stdout);
     };
     auto emit_value = [&](const std::string& name, size_t bytes, double factor, Bench::Stats t,

@@ -8,7 +8,9 @@ peer_others_cpu (other processes' share of the CPUs over the whole
 comm_bench run, in which the two sides alternate), and forwards the rest of its
 output to stderr. mpirun is told the Open MPI transport the mpi tests use
 (pml ob1, btl self,vader: shared memory), and comm_bench reports it on each
-line. --quick sets MT_BENCH_QUICK=1 in comm_bench's environment.
+line. --quick sets MT_BENCH_QUICK=1 in comm_bench's environment. --choice
+measured makes meshtrain's side use the measured algorithm choice (the
+collective probe, comm/probe.h); each line says which ("algorithm_choice").
 """
 
 import json
@@ -23,6 +25,9 @@ def add_args(p):
     p.add_argument("--np", type=int, default=NPROC, help="MPI ranks (default 2)")
     p.add_argument("--algorithms", action="store_true",
                    help="passed to comm_bench: also value lines for each explicit algorithm")
+    p.add_argument("--choice", choices=["static", "measured"], default="static",
+                   help="passed to comm_bench: meshtrain's algorithm choice (dist.algorithm_choice); "
+                        "measured runs the collective probe first (default static)")
 
 
 def run(ctx):
@@ -32,6 +37,7 @@ def run(ctx):
            "--mca", "btl", "self,vader", "-np", str(ctx.args.np), exe]
     if ctx.args.algorithms:
         cmd.append("--algorithms")
+    cmd += ["--choice", ctx.args.choice]
     env = mpi_env()
     if ctx.quick:
         env["MT_BENCH_QUICK"] = "1"

@@ -1,6 +1,7 @@
 # meshtrain calibrate --quick on 2 ranks: writes a cluster file of this
 # machine that the cluster-file reader and the planner accept (measured
-# device kind, efficiency per operator, collective fits per algorithm).
+# device kind, efficiency per operator, collective fits per algorithm, and
+# what the measured algorithm choice picks here, as a comment).
 cmake_minimum_required(VERSION 3.25)
 include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
 
@@ -13,7 +14,8 @@ expect_run(RC 0 TIMEOUT 120
 file(READ ${dir}/cal.toml cal)
 foreach(re "\\[devices\\.cpu\\]" "peak_tflops_f32 = [0-9.e-]+" "memory_gb = [0-9.]+"
     "memory_bandwidth_gb_s = [0-9.]+" "\"matmul\" = [0-9.e-]+\n" "\\[collectives\\.ring\\.intra_node\\]"
-    "\\[collectives\\.halving_doubling\\.intra_node\\]" "ranks_per_node = 2")
+    "\\[collectives\\.halving_doubling\\.intra_node\\]" "ranks_per_node = 2"
+    "# dist\\.algorithm_choice = measured would pick, on 2 ranks here: all_reduce: [a-z_]+")
   if(NOT cal MATCHES "${re}")
     message(FATAL_ERROR "cal.toml does not match '${re}':\n${cal}")
   endif()

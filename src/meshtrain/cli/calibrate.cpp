@@ -15,6 +15,7 @@
 #include "meshtrain/cli/launch.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
 #include "meshtrain/comm/communicator.h"
+#include "meshtrain/comm/probe.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/training_plan.h"
@@ -295,9 +296,19 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
       }
     }
   }
+  // 3. The measured algorithm choice (comm/probe.h): what
+  // `dist.algorithm_choice = measured` would pick on this machine now.
+  std::string choice;
+  if (comm && world > 1) {
+    say("collectives: the algorithm probe (dist.algorithm_choice = measured)");
+    comm::ProbeTable table;
+    if (auto m = comm::probe_algorithms(*comm, {}, &table)) {
+      choice = fmt::format("{} ({})", m->describe(), m->source);
+    }
+  }
   if (rank != 0) return 0;
 
-  // 3. The file.
+  // 4. The file.
   double peak = 0;
   for (const KernelRun& k : runs) {
     if (auto it = k.ops.find("matmul"); it != k.ops.end()) peak = std::max(peak, it->second.rate());
@@ -347,6 +358,12 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
         f.algorithm, f.detail, f.fit.rms_rel_error * 100);
     out += fmt::format("[collectives.{}.intra_node]\nlatency_ms = {}\nbandwidth_gbit_s = {}\n",
                        f.algorithm, g3(f.fit.latency_s * 1e3), g3(f.fit.bandwidth_bytes_s * 8e-9));
+  }
+  if (!choice.empty()) {
+    out += fmt::format(
+        "\n# dist.algorithm_choice = measured would pick, on {} ranks here: {}.\n"
+        "# (Not read back: train probes when it starts, docs/comm.md \"Measured choice\".)\n",
+        world, choice);
   }
   if (opts.calibrate_out.empty()) {
     fmt::print("{}", out);

@@ -23,6 +23,7 @@
 #include "meshtrain/cli/run_config.h"
 #include "meshtrain/comm/backends/mpi/mpi_communicator.h"
 #include "meshtrain/comm/launch_env.h"
+#include "meshtrain/comm/probe.h"
 #include "meshtrain/data/loader.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/autodiff.h"
@@ -454,6 +455,20 @@ void reexec_for_openblas(const std::string& policy, bool quiet, bool launching, 
   unsetenv(kCoretypeReexecVar);
 }
 
+// dist.algorithm_choice = measured: the collective probe (comm/probe.h) on
+// the freshly made communicator, every rank at once; its calls do not count
+// toward the run's byte counters.
+void apply_algorithm_choice(Communicator& comm, const RunConfig& rc, bool quiet) {
+  if (rc.algorithm_choice != "measured") return;
+  std::shared_ptr<const MeasuredChoice> m = comm::probe_algorithms(comm);
+  comm.reset_counters();
+  if (m == nullptr) return;
+  comm.set_measured_choice(m);
+  if (!quiet && comm.rank() == 0) {
+    fmt::print(stderr, "meshtrain: collectives measured ({}): {}\n", m->source, m->describe());
+  }
+}
+
 }  // namespace
 
 // Starts `nproc` ranks of this command through mpirun (or the hostfile's),
@@ -521,6 +536,7 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
       fmt::print(stderr, "meshtrain: stall: {}\n", report);
     };
     comm = make_mpi_communicator(co);
+    apply_algorithm_choice(*comm, rc, opts.quiet);
   }
   const int ranks = comm ? comm->size() : 1;
   const bool leader = comm == nullptr || comm->rank() == 0;
@@ -695,6 +711,7 @@ int cmd_train(const CommandOptions& opts, int argc, char** argv) {
     }
     co.policy.prefer_hierarchical = rc.hierarchical;
     comm = make_mpi_communicator(co);
+    apply_algorithm_choice(*comm, rc, opts.quiet);
     if (co.cluster && comm->rank() == 0 && !opts.quiet) {
       fmt::print(stderr, "meshtrain: cluster {}: {}; all-reduce {}{}\n", co.cluster->source,
                  co.cluster->describe(),

@@ -168,6 +168,10 @@ const std::vector<KeyMeaning> kMeanings = {
      "all-reduce, reduce-scatter and all-gather in two levels (inside each node, then across "
      "nodes) when the ranks span several nodes of equal size; false = flat ring / "
      "halving-doubling"},
+    {"dist.algorithm_choice",
+     "how collectives pick their algorithm: \"static\" (fixed rules: shared memory on one "
+     "node) or \"measured\" (a short probe when the ranks start times every algorithm at a few "
+     "sizes and keeps the fastest per size range; docs/comm.md)"},
     {"dist.fault", "drill: \"kill:RANK@STEP\" or \"stall:RANK@STEP\"; \"\" = none"},
     {"dist.timeout_s", "deadline of every collective, in seconds"},
     {"dist.stop_grace_s",

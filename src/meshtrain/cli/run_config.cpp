@@ -259,6 +259,7 @@ RunConfig read_run_config(const Config& c) {
   const std::string cluster = c.get_string("dist.cluster", "");
   r.node_size = static_cast<int>(c.get_int("dist.node_size", 0, Bounds<int64_t>::in(0, kMaxRanks)));
   r.hierarchical = c.get_bool("dist.hierarchical", true);
+  r.algorithm_choice = c.get_string("dist.algorithm_choice", "static", {"static", "measured"});
   if (!cluster.empty()) {
     if (r.node_size > 0) {
       throw ConfigError(fmt::format(

@@ -64,6 +64,9 @@ struct RunConfig {
   // dist.hierarchical: all-reduce hierarchically when the ranks span several
   // nodes of equal size (AlgorithmPolicy::prefer_hierarchical).
   bool hierarchical = true;
+  // dist.algorithm_choice: "static" (AlgorithmPolicy's rules) or "measured"
+  // (a probe when the communicator is created, comm/probe.h).
+  std::string algorithm_choice = "static";
   // [parallel]: the plan shorthand (spmd/shorthand.h); `parallel_given`
   // when the config names any parallel.* key.
   ParallelShorthand parallel;

@@ -155,6 +155,10 @@ void Communicator::set_call_observer(std::function<void(const CallEvent&)> obser
   std::lock_guard<std::mutex> exec(impl_->exec_mu);  // not while a call runs
   impl_->options.on_call_done = std::move(observer);
 }
+void Communicator::set_measured_choice(std::shared_ptr<const MeasuredChoice> measured) {
+  std::lock_guard<std::mutex> exec(impl_->exec_mu);  // not while a call runs
+  impl_->options.policy.measured = std::move(measured);
+}
 std::string Communicator::backend() const {
   return impl_->transport->backend();
 }

@@ -92,6 +92,10 @@ class Communicator {
   bool has_hierarchy() const;
   // The algorithm `automatic` resolves to for `c` over `bytes` payload bytes.
   CommAlgorithm choose_algorithm(Collective c, size_t bytes) const;
+  // Replaces AlgorithmPolicy::measured (comm/probe.h; null: the static rules).
+  // Every rank must install the same table before its next call (a probe's
+  // result is: it is reduced over the ranks). Waits for a running call.
+  void set_measured_choice(std::shared_ptr<const MeasuredChoice> measured);
   // Set after a timeout or lost peer: the first error's message.
   std::optional<std::string> broken() const;
 

@@ -1,5 +1,7 @@
 #include "meshtrain/comm/options.h"
 
+#include <fmt/format.h>
+
 #include "meshtrain/base/error.h"
 
 namespace mt {
@@ -92,8 +94,68 @@ ReduceOp parse_reduce_op(std::string_view name) {
   throw ConfigError(fmt::format("unknown reduce op '{}' (expected sum, avg, max or min)", name));
 }
 
+namespace {
+
+// The collective whose measured entry a call uses.
+Collective measured_kind(Collective c) {
+  switch (c) {
+    case Collective::all_gatherv:
+    case Collective::split:
+      return Collective::all_gather;
+    case Collective::reduce_scatterv:
+      return Collective::reduce_scatter;
+    default:
+      return c;
+  }
+}
+
+std::string bytes_label(size_t b) {
+  if (b >= (size_t{1} << 20) && b % (size_t{1} << 20) == 0) return fmt::format("{} MiB", b >> 20);
+  if (b >= 1024) return fmt::format("{} KiB", b / 1024);
+  return fmt::format("{} B", b);
+}
+
+}  // namespace
+
+CommAlgorithm MeasuredChoice::lookup(Collective c, size_t bytes) const {
+  const Collective k = measured_kind(c);
+  for (const Entry& e : entries) {
+    if (e.collective != k || e.ranges.empty()) continue;
+    for (const Range& r : e.ranges) {
+      if (bytes <= r.max_bytes) return r.algorithm;
+    }
+    return e.ranges.back().algorithm;
+  }
+  return CommAlgorithm::automatic;
+}
+
+std::string MeasuredChoice::describe() const {
+  std::string out;
+  for (const Entry& e : entries) {
+    if (!out.empty()) out += "; ";
+    out += fmt::format("{}: ", collective_name(e.collective));
+    for (size_t i = 0; i < e.ranges.size(); ++i) {
+      const Range& r = e.ranges[i];
+      if (i > 0) out += ", ";
+      out += algorithm_name(r.algorithm);
+      if (i + 1 < e.ranges.size()) {
+        out += fmt::format(" up to {}", bytes_label(r.max_bytes));
+      } else if (i > 0) {
+        out += " above";
+      }
+    }
+  }
+  return out;
+}
+
 CommAlgorithm AlgorithmPolicy::choose(Collective c, size_t bytes, int size, bool has_shared_memory,
                                       bool has_native) const {
+  if (measured && measured->size == size && measured->shared_memory == has_shared_memory) {
+    const CommAlgorithm a = measured->lookup(c, bytes);
+    const bool available = (a != CommAlgorithm::shared_memory || has_shared_memory) &&
+                           (a != CommAlgorithm::native || has_native);
+    if (a != CommAlgorithm::automatic && available) return a;
+  }
   const bool shm = prefer_shared_memory && has_shared_memory;
   const bool native = prefer_native && has_native;
   switch (c) {

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "meshtrain/tensor/dtype.h"
 
@@ -76,6 +77,34 @@ struct CollectiveOptions {
 
 inline constexpr uint32_t kMaxUserTag = (1u << 20) - 1;
 
+// An algorithm choice measured on this machine (comm/probe.h): for each
+// probed collective, the algorithm that was fastest for each range of
+// payload bytes, on a group of `size` ranks with (or without) a shared-memory
+// window. Every rank of the probed communicator holds the same table (built
+// from timings reduced to the slowest rank's), so every rank picks the same
+// algorithm from it.
+struct MeasuredChoice {
+  struct Range {
+    size_t max_bytes = 0;  // up to and including; the last range of a collective is open
+    CommAlgorithm algorithm = CommAlgorithm::automatic;
+  };
+  struct Entry {
+    Collective collective = Collective::all_reduce;  // all_reduce, all_gather or reduce_scatter
+    std::vector<Range> ranges;                       // ascending max_bytes
+  };
+  int size = 0;
+  bool shared_memory = false;
+  std::vector<Entry> entries;
+  std::string source;  // "probe on 2 ranks, 0.21 s" or "injected"
+
+  // The measured algorithm for `c` on `bytes` payload bytes (the v-variants
+  // and split use their collective's entry), or automatic when the table has
+  // none for it.
+  CommAlgorithm lookup(Collective c, size_t bytes) const;
+  // "all_reduce: shared_memory up to 90 KiB, ring above; all_gather: ..."
+  std::string describe() const;
+};
+
 // Which algorithm `automatic` picks. Defaults come from measurements on 2 and
 // 4 ranks on one node (docs/comm.md); the choice depends only on values that
 // every rank agrees on, so all ranks pick the same one.
@@ -93,6 +122,12 @@ struct AlgorithmPolicy {
   // node groups come from Transport::node_of, i.e. the machine or
   // CommOptions::cluster). Checked by the communicator, not by choose().
   bool prefer_hierarchical = true;
+  // A measured choice (comm/probe.h, `dist.algorithm_choice = measured`):
+  // where it has an entry for the collective and was measured on a group of
+  // this size with the same shared-memory window, and the algorithm it names
+  // is available (shared memory, native), it decides; otherwise the static
+  // rules below. Null: the static rules only.
+  std::shared_ptr<const MeasuredChoice> measured;
 
   // The algorithm for `c` on `bytes` payload bytes (the full buffer for
   // all-reduce, the gathered size for all-gather/reduce-scatter) and `size`
