@@ -53,6 +53,27 @@ std::vector<std::pair<int64_t, int64_t>> layer_pipeline_stages(int64_t layers, i
 int64_t layer_pipeline_bytes_per_epoch(const ModelSpec& spec, int64_t vertices, int stage,
                                        int stages);
 
+// The hybrid with graph parallelism: the number of pipeline stages for
+// `ranks` ranks and par.graph_parts parts (ranks / graph_parts). ConfigError
+// naming gnn.graph_parts unless it divides the ranks, and naming
+// gnn.replication when graph_parts > 1 and replication != 1 (each stage is
+// partitioned 1D).
+int hybrid_stages(const GraphParallelOptions& par, int ranks);
+// ConfigError naming gnn.graph_parts when it is not 1 outside gnn.parallel =
+// "layer" (graph parallelism partitions over every rank already).
+void check_graph_parts(const GraphParallelOptions& par);
+
+// Halo bytes a rank of the hybrid sends per training epoch for its stage's
+// layers [first, last): its part's rows the other parts read (send_rows,
+// summed over the parts) go out forward twice -- in the forward pass and
+// again in the backward pass, which recomputes the chunk's forward -- and
+// the gradients of the halo rows it read (recv_rows) go back once, for
+// every layer whose message has a gradient (all but sage's layer 0), at the
+// layer's message width. The same for any number of chunks: chunk k's
+// exchange carries exactly the rows of chunk k that other parts read.
+int64_t hybrid_halo_bytes_per_epoch(const ModelSpec& spec, int64_t send_rows, int64_t recv_rows,
+                                    int64_t first, int64_t last, int64_t features, int64_t classes);
+
 // train_full_graph with par.mode == GnnParallel::layer: every rank of comm
 // calls it with the same graph and options; rank r is stage r. Results
 // (losses, accuracies, final parameters by name) are the same on every rank.
