@@ -92,18 +92,13 @@ GraphParallelOptions hybrid(int64_t chunks, int64_t startup) {
   return p;
 }
 
-// The blocks the hybrid cuts the graph into (parts x chunks, by the
-// partitioner), written out here: part = block / chunks, chunk = block mod
-// chunks.
-std::vector<int32_t> blocks(const GraphData& g, const GraphParallelOptions& p, int64_t chunks) {
-  PartitionOptions po = p.partition;
-  po.parts = kParts * chunks;
-  return partition_graph(g.adj, po).owner;
+HybridBlocks blocks(const GraphData& g, const GraphParallelOptions& p, int64_t chunks) {
+  return hybrid_blocks(g.adj, p.partition, kParts, chunks);
 }
 
 // Only the entries (v <- u) with chunk(u) <= chunk(v): every vertex reads
 // its own and earlier chunks of every part, never a historical message.
-GraphData earlier_chunks_only(GraphData g, const std::vector<int32_t>& block, int64_t chunks) {
+GraphData earlier_chunks_only(GraphData g, const HybridBlocks& b) {
   Csr a;
   a.rows = a.cols = g.adj.rows;
   a.row_ptr.assign(1, 0);
@@ -111,7 +106,7 @@ GraphData earlier_chunks_only(GraphData g, const std::vector<int32_t>& block, in
     const auto r = static_cast<size_t>(v);
     for (int32_t e = g.adj.row_ptr[r]; e < g.adj.row_ptr[r + 1]; ++e) {
       const int32_t u = g.adj.col_idx[static_cast<size_t>(e)];
-      if (block[static_cast<size_t>(u)] % chunks <= block[r] % chunks) a.col_idx.push_back(u);
+      if (b.chunk_of[static_cast<size_t>(u)] <= b.chunk_of[r]) a.col_idx.push_back(u);
     }
     a.row_ptr.push_back(static_cast<int32_t>(a.col_idx.size()));
   }
@@ -152,12 +147,12 @@ double sum_over_ranks(double v) {
 
 // Bytes against the analytic volume, from the blocks written out above.
 void expect_bytes(const FullGraphResult& r, const ModelSpec& spec, const GraphData& g,
-                  const std::vector<int32_t>& block, int64_t chunks, const std::string& what) {
+                  const HybridBlocks& b, const std::string& what) {
   const int s_count = stages(), rank = world().rank();
   const int stage = rank % s_count;
   const int64_t part = rank / s_count, n = g.num_vertices();
   const int64_t hid = spec.gnn_hidden, f = g.feature_dim(), c = g.classes;
-  auto part_of = [&](int32_t v) { return block[static_cast<size_t>(v)] / chunks; };
+  auto part_of = [&](int32_t v) { return static_cast<int64_t>(b.part_of[static_cast<size_t>(v)]); };
   // Between stages: this part's rows, forward and backward.
   int64_t rows = 0;
   for (int32_t v = 0; v < n; ++v) rows += part_of(v) == part ? 1 : 0;
@@ -202,6 +197,25 @@ void expect_bytes(const FullGraphResult& r, const ModelSpec& spec, const GraphDa
   EXPECT_GT(r.allreduce_bytes_sent_per_epoch, 0u) << what;
 }
 
+// Parts first, then chunks inside each part, by the same partitioner:
+// contiguous halves, each cut into contiguous thirds; with locality the cut
+// between the parts is the partitioner's two-part cut, not that of a
+// grouping of finer blocks.
+TEST(HybridBlocks, PartsThenChunksInsideEachPart) {
+  const GraphData g = small_csbm();
+  const HybridBlocks b = blocks(g, hybrid(3, 0), 3);
+  for (int32_t v = 0; v < 400; ++v) {
+    const int32_t at = v % 200;  // 200 a part: chunks of 67, 67, 66
+    ASSERT_EQ(b.part_of[static_cast<size_t>(v)], v / 200) << v;
+    ASSERT_EQ(b.chunk_of[static_cast<size_t>(v)], at < 67 ? 0 : at < 134 ? 1 : 2) << v;
+  }
+  GraphParallelOptions p = hybrid(4, 0);
+  p.partition.method = PartitionMethod::locality;
+  PartitionOptions two = p.partition;
+  two.parts = 2;
+  EXPECT_EQ(blocks(g, p, 4).part_of, partition_graph(g.adj, two).owner);
+}
+
 struct Case {
   std::string kind;
   int64_t layers;
@@ -219,7 +233,7 @@ TEST_P(HybridMpi, OneChunkEqualsTheSingleProcessRun) {
   const std::string what = fmt::format("{} x{} one chunk, {} stages x {} parts", c.kind,
                                        spec.gnn_layers, stages(), kParts);
   expect_equivalent(single, hyb, what);
-  expect_bytes(hyb, spec, g, blocks(g, p, 1), 1, what);
+  expect_bytes(hyb, spec, g, blocks(g, p, 1), what);
   EXPECT_NEAR(hyb.test_acc, single.test_acc, 1e-9) << what;
 }
 
@@ -228,13 +242,13 @@ TEST_P(HybridMpi, ChunksThatReadOnlyEarlierChunksEqualTheSingleProcessRun) {
   const ModelSpec spec = gnn(c.kind, std::max<int64_t>(c.layers, stages()));
   const GraphParallelOptions p = hybrid(3, 0);
   const GraphData base = small_csbm();
-  const GraphData g = earlier_chunks_only(base, blocks(base, p, 3), 3);
+  const GraphData g = earlier_chunks_only(base, blocks(base, p, 3));
   const FullGraphResult single = train_full_graph(spec, g, options());
   const FullGraphResult hyb = train_full_graph(spec, g, options(), {}, p, &world());
   const std::string what = fmt::format("{} x{} 3 chunks, no stale reads, {} stages x {} parts",
                                        c.kind, spec.gnn_layers, stages(), kParts);
   expect_equivalent(single, hyb, what);
-  expect_bytes(hyb, spec, g, blocks(g, p, 3), 3, what);
+  expect_bytes(hyb, spec, g, blocks(g, p, 3), what);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, HybridMpi,
@@ -256,7 +270,7 @@ TEST(HybridMpiStale, HistoricalEmbeddingsTrainAndTheBytesStayExact) {
   }
   EXPECT_LT(hyb.final_loss, 0.5 * hyb.epochs.front().loss);
   EXPECT_GT(hyb.test_acc, 0.6);  // chance is 0.25
-  expect_bytes(hyb, spec, g, blocks(g, p, 4), 4, "resgcn x4, 4 locality chunks");
+  expect_bytes(hyb, spec, g, blocks(g, p, 4), "resgcn x4, 4 locality chunks");
   if (world().rank() == 0) {
     std::printf(
         "30 epochs, %d stages x %lld parts, 4 locality chunks: test accuracy %.3f (one "

@@ -26,10 +26,10 @@ namespace mt {
 
 std::vector<std::pair<int64_t, int64_t>> layer_pipeline_stages(int64_t layers, int stages) {
   if (stages < 1 || layers < stages) {
-    throw ConfigError(fmt::format(
-        "gnn.parallel = \"layer\": model.gnn_layers = {} cannot be cut into {} stages (one per "
-        "rank, each holding at least one graph layer)",
-        layers, stages));
+    throw ConfigError(
+        fmt::format("gnn.parallel = \"layer\": model.gnn_layers = {} cannot be cut into {} stages "
+                    "(dist.nproc / gnn.graph_parts, each holding at least one graph layer)",
+                    layers, stages));
   }
   std::vector<std::pair<int64_t, int64_t>> out;
   int64_t at = 0;
@@ -86,14 +86,70 @@ int64_t hybrid_halo_bytes_per_epoch(const ModelSpec& spec, int64_t send_rows, in
   return out * static_cast<int64_t>(sizeof(float));
 }
 
+HybridBlocks hybrid_blocks(const Csr& adj, PartitionOptions po, int64_t parts, int64_t chunks) {
+  const int64_t n = adj.rows;
+  if (parts * chunks > n) {
+    throw ConfigError(fmt::format(
+        "gnn.chunks = {} x gnn.graph_parts = {} = {} vertex blocks for a graph of {} vertices "
+        "(every block must hold a vertex)",
+        chunks, parts, parts * chunks, n));
+  }
+  HybridBlocks out;
+  po.parts = parts;
+  out.part_of = partition_graph(adj, po).owner;
+  out.chunk_of.assign(static_cast<size_t>(n), 0);
+  if (chunks == 1) return out;
+  std::vector<std::vector<int32_t>> members(static_cast<size_t>(parts));
+  for (int32_t v = 0; v < n; ++v)
+    members[static_cast<size_t>(out.part_of[static_cast<size_t>(v)])].push_back(v);
+  std::vector<int32_t> local(static_cast<size_t>(n), -1);
+  for (int64_t q = 0; q < parts; ++q) {
+    const auto& m = members[static_cast<size_t>(q)];
+    if (static_cast<int64_t>(m.size()) < chunks) {
+      throw ConfigError(fmt::format(
+          "gnn.chunks = {}: graph part {} of gnn.graph_parts = {} holds {} vertices (gnn.partition "
+          "\"{}\"), fewer than the chunks",
+          chunks, q, parts, m.size(), partition_method_name(po.method)));
+    }
+    // The part's induced subgraph, cut into chunks by the same partitioner.
+    for (size_t i = 0; i < m.size(); ++i)
+      local[static_cast<size_t>(m[i])] = static_cast<int32_t>(i);
+    Csr sub;
+    sub.rows = sub.cols = static_cast<int64_t>(m.size());
+    sub.row_ptr.assign(1, 0);
+    for (int32_t v : m) {
+      for (int32_t e = adj.row_ptr[static_cast<size_t>(v)];
+           e < adj.row_ptr[static_cast<size_t>(v) + 1]; ++e) {
+        const int32_t u = adj.col_idx[static_cast<size_t>(e)];
+        if (out.part_of[static_cast<size_t>(u)] == q)
+          sub.col_idx.push_back(local[static_cast<size_t>(u)]);
+      }
+      sub.row_ptr.push_back(static_cast<int32_t>(sub.col_idx.size()));
+    }
+    PartitionOptions cpo = po;
+    cpo.parts = chunks;
+    const Partition c = partition_graph(sub, cpo);
+    std::vector<int64_t> sizes(static_cast<size_t>(chunks), 0);
+    for (size_t i = 0; i < m.size(); ++i) {
+      out.chunk_of[static_cast<size_t>(m[i])] = c.owner[i];
+      ++sizes[static_cast<size_t>(c.owner[i])];
+    }
+    for (int64_t k = 0; k < chunks; ++k) {
+      if (sizes[static_cast<size_t>(k)] > 0) continue;
+      throw ConfigError(fmt::format(
+          "gnn.chunks = {} x gnn.graph_parts = {}: gnn.partition \"{}\" left chunk {} of graph "
+          "part {} without a vertex; use fewer chunks or graph parts, or another gnn.partition",
+          chunks, parts, partition_method_name(po.method), k, q));
+    }
+  }
+  return out;
+}
+
 namespace {
 
-// Vertices grouped into graph parts and chunks: a partition of the graph
-// into parts x chunks blocks by gnn.partition (contiguous, random or
-// locality: fewer edges between blocks, fewer historical messages read and
-// fewer halo rows), block b being chunk b mod chunks of graph part
-// b / chunks. One chunk (startup epochs, final evaluation) is the whole
-// part, with the same parts, so a rank's vertices never change.
+// This rank's part's vertices by chunk; one chunk (startup epochs, final
+// evaluation) is the whole part, with the same parts, so a rank's vertices
+// never change.
 struct Chunks {
   std::vector<std::vector<int32_t>> rows;  // this part's, per chunk, ascending ids
   std::vector<int32_t> chunk_of;           // per vertex of the graph (every part)
@@ -105,42 +161,23 @@ struct Layout {
   Chunks one, many;              // many: empty when never chunked
 };
 
-Layout make_layout(const GraphData& g, PartitionOptions po, int64_t parts, int64_t chunks,
+Layout make_layout(const GraphData& g, const PartitionOptions& po, int64_t parts, int64_t chunks,
                    int64_t part) {
+  const HybridBlocks hb = hybrid_blocks(g.adj, po, parts, chunks);
   const int64_t n = g.num_vertices();
-  if (parts * chunks > n) {
-    throw ConfigError(fmt::format(
-        "gnn.chunks = {} x gnn.graph_parts = {} = {} vertex blocks for a graph of {} vertices "
-        "(every block must hold a vertex)",
-        chunks, parts, parts * chunks, n));
-  }
-  po.parts = parts * chunks;
-  const Partition p = partition_graph(g.adj, po);
   Layout out;
-  out.part_of.resize(static_cast<size_t>(n));
+  out.part_of = hb.part_of;
   out.one.rows.resize(1);
   out.one.chunk_of.assign(static_cast<size_t>(n), 0);
   if (chunks > 1) {
     out.many.rows.resize(static_cast<size_t>(chunks));
-    out.many.chunk_of.resize(static_cast<size_t>(n));
+    out.many.chunk_of = hb.chunk_of;
   }
-  std::vector<int64_t> sizes(static_cast<size_t>(parts * chunks), 0);
-  for (int64_t v = 0; v < n; ++v) {
-    const int32_t b = p.owner[static_cast<size_t>(v)];
-    const auto q = static_cast<int32_t>(b / chunks), k = static_cast<int32_t>(b % chunks);
-    ++sizes[static_cast<size_t>(b)];
-    out.part_of[static_cast<size_t>(v)] = q;
-    if (chunks > 1) out.many.chunk_of[static_cast<size_t>(v)] = k;
-    if (q != part) continue;
-    out.one.rows[0].push_back(static_cast<int32_t>(v));
-    if (chunks > 1) out.many.rows[static_cast<size_t>(k)].push_back(static_cast<int32_t>(v));
-  }
-  for (int64_t b = 0; b < parts * chunks; ++b) {
-    if (sizes[static_cast<size_t>(b)] > 0) continue;
-    throw ConfigError(fmt::format(
-        "gnn.chunks = {} x gnn.graph_parts = {}: gnn.partition \"{}\" left chunk {} of graph "
-        "part {} without a vertex; use fewer chunks or graph parts, or another gnn.partition",
-        chunks, parts, partition_method_name(po.method), b % chunks, b / chunks));
+  for (int32_t v = 0; v < n; ++v) {
+    if (hb.part_of[static_cast<size_t>(v)] != part) continue;
+    out.one.rows[0].push_back(v);
+    if (chunks > 1)
+      out.many.rows[static_cast<size_t>(hb.chunk_of[static_cast<size_t>(v)])].push_back(v);
   }
   return out;
 }

@@ -26,6 +26,17 @@
 // its chunk's forward (the executor runs forward and backward together), so
 // a stage computes 1.33x the FLOPs of its layers; activations are not
 // stashed between the two passes.
+//
+// The hybrid with graph parallelism (par.graph_parts = G > 1): the ranks
+// are stages x G, rank = part x stages + stage. The graph is cut into G
+// parts and each part into chunks (hybrid_blocks); each part
+// goes through the stages on its own column of ranks, as above with n_part
+// rows, and a stage's G ranks exchange halo rows at every aggregation with
+// graph parallelism's in-graph exchange (GnnLayerChunk::shard) and
+// all-reduce their parameters' gradients (copy_to_group). Chunk k's
+// exchange carries every row of chunk k another part reads, so the rule
+// above holds across parts: earlier chunks fresh, later ones historical.
+// docs/graph_format.md has the byte formulas and what GNNPipe does.
 #pragma once
 
 #include <cstdint>
@@ -63,6 +74,17 @@ int hybrid_stages(const GraphParallelOptions& par, int ranks);
 // "layer" (graph parallelism partitions over every rank already).
 void check_graph_parts(const GraphParallelOptions& par);
 
+// Which graph part and which chunk of it every vertex is in: the graph cut
+// into `parts` parts by the partitioner, then each part's induced subgraph
+// into `chunks` chunks by the same partitioner (so locality parts keep
+// their small cut between parts, and locality chunks theirs inside a part).
+// With one part the chunks are partition_graph(adj, chunks). ConfigError
+// naming gnn.chunks / gnn.graph_parts when a part or chunk would be empty.
+struct HybridBlocks {
+  std::vector<int32_t> part_of, chunk_of;  // per vertex
+};
+HybridBlocks hybrid_blocks(const Csr& adj, PartitionOptions po, int64_t parts, int64_t chunks);
+
 // Halo bytes a rank of the hybrid sends per training epoch for its stage's
 // layers [first, last): its part's rows the other parts read (send_rows,
 // summed over the parts) go out forward twice -- in the forward pass and
@@ -75,7 +97,8 @@ int64_t hybrid_halo_bytes_per_epoch(const ModelSpec& spec, int64_t send_rows, in
                                     int64_t first, int64_t last, int64_t features, int64_t classes);
 
 // train_full_graph with par.mode == GnnParallel::layer: every rank of comm
-// calls it with the same graph and options; rank r is stage r. Results
+// calls it with the same graph and options; rank r is stage r mod stages of
+// graph part r / stages (stage r without the hybrid). Results
 // (losses, accuracies, final parameters by name) are the same on every rank.
 FullGraphResult train_layer_pipeline(const ModelSpec& spec, const GraphData& g,
                                      const TrainerOptions& opts,
