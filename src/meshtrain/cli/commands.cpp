@@ -639,6 +639,31 @@ static int inspect_graph(const RunConfig& rc) {
     fmt::print("halo bytes each rank sends per epoch (gnn.parallel = graph, {}): [{}]\n",
                rc.model.kind, fmt::join(bytes, ", "));
   }
+  // The hybrid (gnn.parallel = layer, gnn.graph_parts = G): what each rank
+  // sends between stages and in its stage's halo exchange (the gradient
+  // all-reduce depends on the group's algorithm; train prints it).
+  const bool splittable = rc.model.kind == "gcn" || rc.model.kind == "resgcn" ||
+                          (rc.model.kind == "sage" && rc.model.sage_aggregation == "mean");
+  if (rc.gnn.mode == GnnParallel::layer && rc.gnn.graph_parts > 1 && splittable) {
+    const int stages = hybrid_stages(rc.gnn, rc.nproc);
+    const auto ranges = layer_pipeline_stages(rc.model.gnn_layers, stages);
+    PartitionOptions hp = rc.gnn.partition;
+    hp.parts = rc.gnn.graph_parts;
+    const PartitionStats hs = partition_stats(g.adj, partition_graph(g.adj, hp));
+    std::vector<int64_t> between, halo;
+    for (int r = 0; r < rc.nproc; ++r) {
+      const int64_t p = r / stages, s = r % stages;
+      between.push_back(
+          layer_pipeline_bytes_per_epoch(rc.model, hs.vertices[static_cast<size_t>(p)], s, stages));
+      halo.push_back(hybrid_halo_bytes_per_epoch(
+          rc.model, hs.halo_out(p), hs.halo_in(p), ranges[static_cast<size_t>(s)].first,
+          ranges[static_cast<size_t>(s)].second, g.feature_dim(), g.classes));
+    }
+    fmt::print(
+        "hybrid (gnn.parallel = layer, {} stages x {} graph parts, {}): bytes each rank sends per "
+        "epoch: between stages [{}], halo exchange [{}]\n",
+        stages, rc.gnn.graph_parts, rc.model.kind, fmt::join(between, ", "), fmt::join(halo, ", "));
+  }
   return 0;
 }
 
