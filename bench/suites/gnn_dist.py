@@ -28,6 +28,18 @@ ranks, graph parallel (locality partition) against layer pipelining
                             accuracies beside (accuracy is reported, not
                             required equal: historical embeddings are stale).
 
+Then the same deep model over --hybrid-ranks ranks (default 4), three ways:
+graph parallel (locality), pure layer pipelining (one stage per rank) and
+GNNPipe's hybrid (gnn.graph_parts = 2: ranks / 2 stages x 2 graph parts),
+the pipelines with --chunks locality chunks after 2 startup epochs:
+  gnn_hybrid_bytes          bytes per rank per epoch; meshtrain = the
+                            hybrid's between stages + halo + gradient
+                            all-reduce (largest rank), peer = graph
+                            parallelism's halo + gradients (largest rank),
+                            ratio = peer / meshtrain; the pure pipeline's
+                            bytes, the three epoch times and test
+                            accuracies beside.
+
 Then the same comparison from the exact byte counts, for every graph,
 partitioner and rank count in --ratio-ranks (no training: `inspect` gives
 each rank's halo rows of the --deep-layers residual GCN):
@@ -48,8 +60,8 @@ each rank's halo rows of the --deep-layers residual GCN):
                             within 64 bytes of ring's chunk rounding): an
                             error line if they differ.
 --parts chooses among epoch (the 2-layer lines), deep (the measured 32-layer
-line) and ratios (the two above); `bench/run gnn_dist --parts ratios` takes
-about a minute plus the kNN search.
+line and the hybrid comparison) and ratios (the two above);
+`bench/run gnn_dist --parts ratios` takes about a minute plus the kNN search.
 """
 
 import json
@@ -80,6 +92,8 @@ def add_args(p):
     p.add_argument("--chunks", type=int, default=4, help="layer pipeline chunks (default 4)")
     p.add_argument("--ratio-ranks", default="2,4", help="ranks for the analytic byte ratios")
     p.add_argument("--parts", default="epoch,deep,ratios", help="subset of epoch,deep,ratios")
+    p.add_argument("--hybrid-ranks", type=int, default=4,
+                   help="ranks of the hybrid comparison (default 4; 0 skips it)")
 
 
 def graph_sets(ctx, name):
@@ -154,6 +168,8 @@ def run(ctx):
 
     if "deep" in parts:
         deep_graph(ctx, exe, cpu)
+        if ctx.args.hybrid_ranks > 0:
+            deep_hybrid(ctx, exe, cpu)
     if "ratios" in parts:
         byte_ratios(ctx, exe, cpu)
         check_bytes(ctx, exe, cpu)
@@ -300,3 +316,57 @@ def check_bytes(ctx, exe, cpu):
         elif max(m_stage) != want_stage:
             line["error"] = "between-stage bytes differ from c n h 4"
         ctx.emit(line)
+
+
+def per_rank(pattern, text):
+    m = re.search(pattern + r" \[([0-9, ]+)\]", text)
+    return [int(x) for x in m.group(1).split(",")] if m else None
+
+
+def deep_hybrid(ctx, exe, cpu):
+    names = ctx.args.graphs.split(",")
+    gname = "knn" if "knn" in names else names[0]
+    graph = ctx.workdir / f"{gname}.safetensors"
+    epochs = 3 if ctx.quick else ctx.args.deep_epochs
+    layers = 4 if ctx.quick else ctx.args.deep_layers
+    ranks = ctx.args.hybrid_ranks
+    line = {"name": "gnn_hybrid_bytes", "unit": "bytes/epoch", "graph": gname,
+            "model": f"resgcn x{layers}", "ranks": ranks, "graph_parts": 2,
+            "stages": ranks // 2, "threads": 1, "epochs": epochs, "chunks": ctx.args.chunks,
+            "peer_name": "meshtrain graph parallel (locality)", **cpu}
+    if not graph.exists():
+        ctx.emit({**line, "error": f"no {gname} graph file"})
+        return
+    train = [exe, "train", "--config", CONFIG, "--quiet", "--nproc", str(ranks),
+             "--set", 'data.graph="file"', "--set", f'data.graph_file="{graph}"',
+             "--set", "train.threads=1", "--set", 'model.kind="resgcn"',
+             "--set", f"model.gnn_layers={layers}", "--set", f"train.epochs={epochs}",
+             "--set", f"train.log_every={epochs}", "--set", 'gnn.partition="locality"']
+    pipe = ["--set", 'gnn.parallel="layer"', "--set", f"gnn.chunks={ctx.args.chunks}",
+            "--set", "gnn.startup_epochs=2"]
+    runs = {}
+    for mode, extra in (("graph", ["--set", 'gnn.parallel="graph"']),
+                        ("layer", pipe),
+                        ("hybrid", [*pipe, "--set", "gnn.graph_parts=2"])):
+        metrics = ctx.workdir / f"hybrid_{mode}.jsonl"
+        r = ctx.run([*train, "--metrics", metrics, *extra], thread_env(1), f"hybrid-{mode}")
+        if not r.ok:
+            ctx.emit({**line, "error": r.failure()})
+            return
+        runs[mode] = (json.loads(metrics.read_text().splitlines()[-1]), r.stdout)
+    zero = [0] * ranks
+    sums = {}
+    for mode, (_, out) in runs.items():
+        parts = [per_rank("halo exchange", out) or zero,
+                 per_rank("gradient all-reduce", out) or zero,
+                 per_rank("between stages", out) or zero]
+        if all(p is zero for p in parts):
+            ctx.emit({**line, "error": f"{mode}: no bytes line printed"})
+            return
+        sums[mode] = max(sum(col) for col in zip(*parts))
+    line.update({"meshtrain": sums["hybrid"], "peer": sums["graph"],
+                 "ratio": ratio(sums["graph"], sums["hybrid"]),
+                 "layer_pipeline_bytes": sums["layer"],
+                 **{f"{m}_epoch_ms": 1e3 * runs[m][0]["median_epoch_s"] for m in runs},
+                 **{f"{m}_test_acc": runs[m][0]["test_acc"] for m in runs}})
+    ctx.emit(line)

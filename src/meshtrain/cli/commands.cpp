@@ -519,8 +519,10 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
   if (several && rc.gnn.mode == GnnParallel::graph) {
     check_graph_parallel_model(rc.model, rc.gnn.replication);
   }
-  if (several && rc.gnn.mode == GnnParallel::layer && !launched_by_mpi()) {
-    layer_pipeline_stages(rc.model.gnn_layers, nproc);  // throws naming gnn_layers
+  check_graph_parts(rc.gnn);
+  if (rc.gnn.mode == GnnParallel::layer && !launched_by_mpi()) {
+    // Throw naming gnn.graph_parts, then model.gnn_layers.
+    layer_pipeline_stages(rc.model.gnn_layers, hybrid_stages(rc.gnn, nproc));
   }
   if (several && !launched_by_mpi() && nproc % rc.gnn.replication != 0) {
     throw ConfigError(fmt::format(
@@ -551,7 +553,11 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
                g.describe(),
                ranks == 1 ? std::string("1 process")
                : par.mode == GnnParallel::layer
-                   ? fmt::format("layer pipeline over {} ranks, {} {} chunks after {}", ranks,
+                   ? fmt::format("layer pipeline over {} ranks{}, {} {} chunks after {}", ranks,
+                                 par.graph_parts > 1
+                                     ? fmt::format(" ({} stages x {} graph parts)",
+                                                   ranks / par.graph_parts, par.graph_parts)
+                                     : std::string(),
                                  par.chunks, partition_method_name(par.partition.method),
                                  plural(par.startup_epochs, "startup epoch"))
                    : fmt::format("graph parallel over {} ranks{}, {} partition", ranks,
@@ -574,20 +580,20 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
   }
   // Bytes per rank per epoch, as each rank's communicator counted them.
   std::vector<uint64_t> halo(static_cast<size_t>(ranks)), grads(static_cast<size_t>(ranks)),
-      replica(static_cast<size_t>(ranks));
+      replica(static_cast<size_t>(ranks)), stages(static_cast<size_t>(ranks));
   if (ranks > 1) {
-    Tensor mine = Tensor::empty(Shape{3}, DType::f64);
-    mine.set_item(
-        0, static_cast<double>(par.mode == GnnParallel::layer ? r.pipeline_bytes_sent_per_epoch
-                                                              : r.halo_bytes_sent_per_epoch));
+    Tensor mine = Tensor::empty(Shape{4}, DType::f64);
+    mine.set_item(0, static_cast<double>(r.halo_bytes_sent_per_epoch));
     mine.set_item(1, static_cast<double>(r.allreduce_bytes_sent_per_epoch));
     mine.set_item(2, static_cast<double>(r.replica_bytes_sent_per_epoch));
-    Tensor all = Tensor::empty(Shape{3 * ranks}, DType::f64);
+    mine.set_item(3, static_cast<double>(r.pipeline_bytes_sent_per_epoch));
+    Tensor all = Tensor::empty(Shape{4 * ranks}, DType::f64);
     comm->all_gather(mine, all);
     for (int q = 0; q < ranks; ++q) {
-      halo[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q));
-      grads[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q + 1));
-      replica[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(3 * q + 2));
+      halo[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(4 * q));
+      grads[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(4 * q + 1));
+      replica[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(4 * q + 2));
+      stages[static_cast<size_t>(q)] = static_cast<uint64_t>(all.item(4 * q + 3));
     }
   }
   if (!leader) return 0;
@@ -596,8 +602,13 @@ static int train_graph(const CommandOptions& opts, RunConfig& rc, int nproc, boo
       "epoch {:.1f} ms, {} parameters\n",
       r.epochs.size(), r.final_loss, r.train_acc, r.val_acc, r.test_acc,
       1e3 * r.median_epoch_seconds, r.params);
-  if (ranks > 1 && par.mode == GnnParallel::layer) {
-    fmt::print("bytes sent per rank per epoch: between stages [{}]\n", fmt::join(halo, ", "));
+  if (ranks > 1 && par.mode == GnnParallel::layer && par.graph_parts > 1) {
+    fmt::print(
+        "bytes sent per rank per epoch: between stages [{}], halo exchange [{}], gradient "
+        "all-reduce [{}]\n",
+        fmt::join(stages, ", "), fmt::join(halo, ", "), fmt::join(grads, ", "));
+  } else if (ranks > 1 && par.mode == GnnParallel::layer) {
+    fmt::print("bytes sent per rank per epoch: between stages [{}]\n", fmt::join(stages, ", "));
   } else if (ranks > 1) {
     fmt::print("bytes sent per rank per epoch: halo exchange [{}], gradient all-reduce [{}]{}\n",
                fmt::join(halo, ", "), fmt::join(grads, ", "),
@@ -643,6 +654,31 @@ static int inspect_graph(const RunConfig& rc) {
     }
     fmt::print("halo bytes each rank sends per epoch (gnn.parallel = graph, {}): [{}]\n",
                rc.model.kind, fmt::join(bytes, ", "));
+  }
+  // The hybrid (gnn.parallel = layer, gnn.graph_parts = G): what each rank
+  // sends between stages and in its stage's halo exchange (the gradient
+  // all-reduce depends on the group's algorithm; train prints it).
+  const bool splittable = rc.model.kind == "gcn" || rc.model.kind == "resgcn" ||
+                          (rc.model.kind == "sage" && rc.model.sage_aggregation == "mean");
+  if (rc.gnn.mode == GnnParallel::layer && rc.gnn.graph_parts > 1 && splittable) {
+    const int stages = hybrid_stages(rc.gnn, rc.nproc);
+    const auto ranges = layer_pipeline_stages(rc.model.gnn_layers, stages);
+    PartitionOptions hp = rc.gnn.partition;
+    hp.parts = rc.gnn.graph_parts;
+    const PartitionStats hs = partition_stats(g.adj, partition_graph(g.adj, hp));
+    std::vector<int64_t> between, halo;
+    for (int r = 0; r < rc.nproc; ++r) {
+      const int64_t p = r / stages, s = r % stages;
+      between.push_back(
+          layer_pipeline_bytes_per_epoch(rc.model, hs.vertices[static_cast<size_t>(p)], s, stages));
+      halo.push_back(hybrid_halo_bytes_per_epoch(
+          rc.model, hs.halo_out(p), hs.halo_in(p), ranges[static_cast<size_t>(s)].first,
+          ranges[static_cast<size_t>(s)].second, g.feature_dim(), g.classes));
+    }
+    fmt::print(
+        "hybrid (gnn.parallel = layer, {} stages x {} graph parts, {}): bytes each rank sends per "
+        "epoch: between stages [{}], halo exchange [{}]\n",
+        stages, rc.gnn.graph_parts, rc.model.kind, fmt::join(between, ", "), fmt::join(halo, ", "));
   }
   return 0;
 }

@@ -256,6 +256,11 @@ const std::vector<KeyMeaning> kMeanings = {
      "a chunk reads later chunks' messages from the previous epoch (historical embeddings)"},
     {"gnn.startup_epochs",
      "gnn.parallel = layer: the first epochs run as one chunk (no historical embeddings)"},
+    {"gnn.graph_parts",
+     "gnn.parallel = layer: GNNPipe's hybrid with graph parallelism; dist.nproc = stages x "
+     "graph_parts, each graph part (split by gnn.partition) goes through the stages on its own "
+     "ranks, a stage's parts exchange halo rows each layer and all-reduce its gradients; 1 = "
+     "pure layer pipelining"},
     {"gnn.partition",
      "which rank owns each vertex: contiguous id blocks, random (seeded by train.seed), or "
      "locality (LDG streaming + label propagation, balanced within gnn.imbalance)"},

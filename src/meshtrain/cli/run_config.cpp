@@ -319,6 +319,8 @@ RunConfig read_run_config(const Config& c) {
   r.gnn.chunks = c.get_int("gnn.chunks", r.gnn.chunks, Bounds<int64_t>::positive());
   r.gnn.startup_epochs =
       c.get_int("gnn.startup_epochs", r.gnn.startup_epochs, Bounds<int64_t>::non_negative());
+  r.gnn.graph_parts =
+      c.get_int("gnn.graph_parts", r.gnn.graph_parts, Bounds<int64_t>::in(1, kMaxRanks));
   r.gnn.partition.method = parse_partition_method(
       c.get_string("gnn.partition", "contiguous", {"contiguous", "random", "locality"}));
   r.gnn.partition.imbalance =

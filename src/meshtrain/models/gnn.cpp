@@ -54,6 +54,8 @@ struct Net {
   // shifted by local), and the two selection matrices that place local rows
   // and received halo rows into one [local + halo, F] block.
   AdjInputs joined_adj, place_local, place_halo;
+  // The halo rows the last aggregate() received (kNoValue without an exchange).
+  ValueId last_recv = kNoValue;
 
   // A parameter; replicated over the shard's group (its gradient is all-reduced).
   ValueId param(const std::string& name, const Shape& shape, ParamInit init) {
@@ -68,10 +70,12 @@ struct Net {
   ValueId aggregate(ValueId h) {
     if (!distributed()) return b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
     ValueId y = kNoValue;
+    last_recv = kNoValue;
     if (shard->exchange_ranks > 1) {
       ValueId send = b.embedding(h, send_rows);
       ValueId recv = b.all_to_allv(send, shard->exchange_group, 0, shard->send_counts,
                                    shard->recv_counts, shard->exchange_rank);
+      last_recv = recv;
       ValueId local = b.spmm(adj.row_ptr, adj.col_idx, h, adj.values);
       y = b.add(local, b.spmm(halo_adj.row_ptr, halo_adj.col_idx, recv, halo_adj.values));
     } else {
@@ -302,7 +306,7 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
   m.x = b.input("x", {n, f});
   m.y = b.input("y", {m.batch}, DType::i32);
 
-  Net net{b, m, shard, {}, {}, kNoValue, {}, {}, {}};
+  Net net{b, m, shard, {}, {}, kNoValue, {}, {}, {}, kNoValue};
   net.adj = bind_adj(b, m, "adj", a, values.empty() ? nullptr : &values, spec.kind == "gat");
   if (net.distributed() && shard->exchange_ranks > 1) {
     net.halo_adj = bind_adj(b, m, "halo_adj", shard->halo_adj,
@@ -416,11 +420,34 @@ GnnChunkGraph build_gnn_layer_chunk(const ModelSpec& spec, const GnnLayerChunk& 
   const bool first = c.first_layer == 0, last = c.last_layer == layers;
   const bool resgcn = spec.kind == "resgcn", sage = spec.kind == "sage";
 
+  const GnnShard* shard = c.shard;
+  if (shard != nullptr) {
+    MT_CHECK(shard->replication == 1 && shard->exchange_ranks == shard->ranks,
+             "hybrid chunk shard: 1D only");
+    MT_CHECK(shard->halo_adj.rows == rows && shard->halo_adj.cols == shard->halo,
+             "hybrid chunk halo adjacency {}x{} for {} rows and {} halo rows", shard->halo_adj.rows,
+             shard->halo_adj.cols, rows, shard->halo);
+    MT_CHECK_EQ(std::accumulate(shard->send_counts.begin(), shard->send_counts.end(), int64_t{0}),
+                static_cast<int64_t>(shard->send_rows.size()));
+    MT_CHECK_EQ(std::accumulate(shard->recv_counts.begin(), shard->recv_counts.end(), int64_t{0}),
+                shard->halo);
+  }
+
   ModelGraph m;
   Builder b(m.graph);
-  Net net{b, m, nullptr, {}, {}, kNoValue, {}, {}, {}};
+  Net net{b, m, shard, {}, {}, kNoValue, {}, {}, {}, kNoValue};
   const AdjInputs inside = bind_adj(b, m, "adj_in", c.adj_in, &c.values_in, false);
   const AdjInputs outside = bind_adj(b, m, "adj_out", c.adj_out, &c.values_out, false);
+  // The chunk's own rows are the "local" part of graph parallelism's
+  // aggregation; with a shard its halo part and exchange come with them.
+  net.adj = inside;
+  if (net.distributed() && shard->exchange_ranks > 1) {
+    net.halo_adj = bind_adj(b, m, "halo_adj", shard->halo_adj,
+                            shard->halo_values.empty() ? nullptr : &shard->halo_values, false);
+    net.send_rows =
+        b.input("halo.send_rows", {static_cast<int64_t>(shard->send_rows.size())}, DType::i32);
+    m.constants.emplace_back(net.send_rows, tensor_from(shard->send_rows));
+  }
 
   GnnChunkGraph out;
   const int64_t width_in = first ? features : hid;
@@ -452,8 +479,11 @@ GnnChunkGraph build_gnn_layer_chunk(const ModelSpec& spec, const GnnLayerChunk& 
     out.messages.push_back(msg);
     // Over the in-neighbours: those outside the chunk (from the buffer),
     // then those inside (this chunk's messages).
-    ValueId agg = b.add(b.spmm(outside.row_ptr, outside.col_idx, other, outside.values),
-                        b.spmm(inside.row_ptr, inside.col_idx, msg, inside.values));
+    // With a shard the inside part is graph parallelism's aggregation:
+    // the chunk's rows plus the halo rows its exchange brings in.
+    ValueId agg =
+        b.add(b.spmm(outside.row_ptr, outside.col_idx, other, outside.values), net.aggregate(msg));
+    out.halo_in.push_back(net.last_recv);
     if (resgcn) {
       h = b.add(h, bias_add(net, agg, hid, name + ".conv"));
     } else if (sage) {

@@ -165,6 +165,15 @@ struct GnnLayerChunk {
   std::vector<float> values_in, values_out;
   std::vector<int32_t> loss_rows;  // last stage: chunk rows in the training mask (chunk-local)
   int64_t loss_total = 0;          // training vertices over all chunks
+  // The hybrid with graph parallelism (gnn.graph_parts > 1): the chunk is
+  // one graph part's share of a chunk, and its rows also read halo rows
+  // that other parts computed for the same chunk, brought in by graph
+  // parallelism's exchange (GnnShard: send_rows / counts over the stage's
+  // group, halo_adj [rows, halo]; local_adj is ignored, adj_in is the local
+  // part). Parameters then enter through copy_to_group(shard->group), so
+  // their gradients are all-reduced over the stage's graph parts. nullptr:
+  // no exchange.
+  const GnnShard* shard = nullptr;
 };
 
 struct GnnChunkGraph {
@@ -175,6 +184,9 @@ struct GnnChunkGraph {
   // Per layer of the range: the other rows' messages (input) and the
   // chunk's own (output, [rows, width]).
   std::vector<ValueId> messages_other, messages;
+  // With a shard: per layer, the halo rows the exchange received ([halo,
+  // width], the other parts' messages of this chunk), else kNoValue.
+  std::vector<ValueId> halo_in;
   std::vector<std::pair<ValueId, Tensor>> constants;
 };
 

@@ -77,6 +77,7 @@ FullGraphResult train_full_graph(const ModelSpec& spec, const GraphData& g,
   refuse(!opts.checkpoint_path.empty(), "train.checkpoint", "no checkpoints yet");
   refuse(!opts.resume_path.empty(), "train.resume", "no checkpoints yet");
   refuse(!opts.init_path.empty(), "train.init", "no weight import yet");
+  check_graph_parts(par);
   if (par.mode == GnnParallel::layer) {
     if (comm == nullptr) {
       throw ConfigError("gnn.parallel = \"layer\" needs a communicator (run under mpirun)");

@@ -51,6 +51,12 @@ struct GraphParallelOptions {
   // (no historical embeddings).
   int64_t chunks = 4;
   int64_t startup_epochs = 1;
+  // The hybrid of layer pipelining with graph parallelism (mode layer):
+  // the ranks form ranks / graph_parts stages x graph_parts parts; each
+  // graph part's vertices go through the stages on their own column of
+  // ranks, and a stage's parts exchange halo rows every layer. 1 = pure
+  // layer pipelining.
+  int64_t graph_parts = 1;
 };
 
 struct GraphEpoch {
@@ -85,6 +91,12 @@ struct FullGraphResult {
   int64_t first_layer = 0, last_layer = 0;
   uint64_t pipeline_bytes_sent_per_epoch = 0;
   int64_t expected_pipeline_bytes_per_epoch = 0;
+  // The hybrid (graph_parts > 1) also fills local_vertices (its part's),
+  // halo_vertices, halo_bytes_sent_per_epoch and
+  // expected_halo_bytes_per_epoch (hybrid_halo_bytes_per_epoch), and the
+  // stage group's gradient all-reduce: counted, and as the runner's cost
+  // function predicts for the graphs run.
+  uint64_t expected_allreduce_bytes_per_epoch = 0;
 };
 
 // Fraction of `vertices` whose argmax over logits [N, C] equals its label
