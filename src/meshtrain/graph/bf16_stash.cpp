@@ -85,7 +85,9 @@ Bf16StashReport stash_in_bf16(Graph& g, const Bf16StashOptions& opts) {
     const auto first_b =
         std::find_if(rs.begin(), rs.end(), [&](NodeId i) { return i >= first_bwd; });
     if (first_b == rs.end()) continue;  // the backward does not read it
-    const int64_t bytes = val.shape.numel() * 4;
+    // (`val` refers into the graph's values, which add_node below may
+    // reallocate: what is needed of it is read first.)
+    const int64_t elements = val.shape.numel(), bytes = elements * 4;
     if (bytes < opts.min_bytes) {
       ++r.skipped_small;
       continue;
@@ -112,7 +114,7 @@ Bf16StashReport stash_in_bf16(Graph& g, const Bf16StashOptions& opts) {
     after[last_f].push_back(g.value(low).producer);
     before[*first_b].push_back(g.value(back).producer);
     r.stashed.push_back(v);
-    r.elements += val.shape.numel();
+    r.elements += elements;
     r.f32_bytes += bytes;
   }
   if (r.stashed.empty()) return r;

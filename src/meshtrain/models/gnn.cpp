@@ -152,14 +152,17 @@ ValueId gcn_conv(Net& n, ValueId h, int64_t in, int64_t out, const std::string& 
 ValueId sage_conv(Net& n, ValueId h, int64_t in, int64_t out, const std::string& name, bool max) {
   Builder& b = n.b;
   ValueId self = b.matmul(h, weight(n, name + ".w_self", in, out));
-  ValueId agg = kNoValue;
+  ValueId w_neigh = weight(n, name + ".w_neigh", in, out);
+  ValueId neigh = kNoValue;
   if (max) {
     auto [a, rows] = n.whole_rows(h);
-    agg = b.spmm_max(a->row_ptr, a->col_idx, rows);
+    neigh = b.matmul(b.spmm_max(a->row_ptr, a->col_idx, rows), w_neigh);
+  } else if (sage_projects_first(in, out)) {
+    // mean(h) W = mean(h W): aggregate the narrower projection.
+    neigh = n.aggregate(b.matmul(h, w_neigh));
   } else {
-    agg = n.aggregate(h);
+    neigh = b.matmul(n.aggregate(h), w_neigh);
   }
-  ValueId neigh = b.matmul(agg, weight(n, name + ".w_neigh", in, out));
   return bias_add(n, b.add(self, neigh), out, name);
 }
 
@@ -388,11 +391,28 @@ ModelGraph build_gnn(const ModelSpec& spec, const GnnGraph& g) {
   return m;
 }
 
+bool sage_projects_first(int64_t in, int64_t out) {
+  return out < in;
+}
+
 int64_t gnn_message_width(const ModelSpec& spec, int64_t layer, int64_t features, int64_t classes) {
   const int64_t hid = spec.gnn_hidden;
+  const int64_t out = layer + 1 == spec.gnn_layers ? classes : hid;
   if (spec.kind == "resgcn") return hid;
-  if (spec.kind == "sage") return layer == 0 ? features : hid;
-  return layer + 1 == spec.gnn_layers ? classes : hid;  // gcn: act(h) W
+  if (spec.kind == "sage") {
+    const int64_t in = layer == 0 ? features : hid;
+    return spec.sage_aggregation != "max" && sage_projects_first(in, out) ? out : in;
+  }
+  return out;  // gcn: act(h) W
+}
+
+bool gnn_message_has_grad(const ModelSpec& spec, int64_t layer, int64_t features,
+                          int64_t classes) {
+  if (spec.kind != "sage" || layer != 0) return true;
+  // sage's layer-0 message: the features themselves (no gradient) unless
+  // it projects first.
+  const int64_t out = spec.gnn_layers == 1 ? classes : spec.gnn_hidden;
+  return spec.sage_aggregation != "max" && sage_projects_first(features, out);
 }
 
 void check_layer_chunk_model(const ModelSpec& spec) {
@@ -470,7 +490,10 @@ GnnChunkGraph build_gnn_layer_chunk(const ModelSpec& spec, const GnnLayerChunk& 
     if (resgcn) {
       msg = b.matmul(norm(h, name + ".norm"), weight(net, name + ".conv.w", hid, hid));
     } else if (sage) {
-      msg = act;
+      // The neighbour projection before the aggregation when it is narrower
+      // (sage_projects_first), as build_gnn does.
+      const int64_t o = out_last ? classes : hid;
+      msg = sage_projects_first(in, o) ? b.matmul(act, weight(net, name + ".w_neigh", in, o)) : act;
     } else {
       msg = b.matmul(act, weight(net, name + ".w", in, out_last ? classes : hid));
     }
@@ -489,7 +512,8 @@ GnnChunkGraph build_gnn_layer_chunk(const ModelSpec& spec, const GnnLayerChunk& 
     } else if (sage) {
       const int64_t o = out_last ? classes : hid;
       ValueId self = b.matmul(act, weight(net, name + ".w_self", in, o));
-      ValueId neigh = b.matmul(agg, weight(net, name + ".w_neigh", in, o));
+      ValueId neigh =
+          sage_projects_first(in, o) ? agg : b.matmul(agg, weight(net, name + ".w_neigh", in, o));
       h = bias_add(net, b.add(self, neigh), o, name);
     } else {
       h = bias_add(net, agg, out_last ? classes : hid, name);

@@ -123,7 +123,9 @@ struct GnnShard {
 // loss_vertices as i32 / f32 tensors to bind once. batch = T.
 //   gcn:    h' = A_hat (h W) + b, A_hat = D^-1/2 (A + I) D^-1/2, relu between
 //   sage:   h' = h W_self + mean_{in-neighbours}(h) W_neigh + b (or the
-//           feature-wise max, sage_aggregation = "max"; 0 for no neighbours)
+//           feature-wise max, sage_aggregation = "max"; 0 for no neighbours);
+//           the mean aggregates h W_neigh instead where that is narrower
+//           (sage_projects_first: the same sum, fewer bytes to gather)
 //   gat:    per head k: z = h W_k, e_ij = leaky_relu_0.2(a_dst_k.z_i +
 //           a_src_k.z_j) over A + I, alpha = edge_softmax(e), sum_j alpha z_j;
 //           hidden layers concatenate the gat_heads heads (gnn_hidden /
@@ -144,10 +146,11 @@ bool gnn_needs_whole_rows(const ModelSpec& spec);
 // resgcn's input linear when first_layer == 0 and the head and loss when
 // last_layer == gnn_layers -- for one chunk of vertices. Each layer splits
 // into a message m = M(h) per vertex (gcn: act(h) W, resgcn:
-// relu(layer_norm(h)) W, sage: act(h); act = relu after the first layer)
-// and an update of the chunk's rows from the aggregation over their
-// in-neighbours' messages (gcn: agg + b, resgcn: h + agg + b, sage:
-// act(h) W_self + agg W_neigh + b). The neighbours' messages come from
+// relu(layer_norm(h)) W, sage: act(h), or act(h) W_neigh where it projects
+// first; act = relu after the first layer) and an update of the chunk's
+// rows from the aggregation over their in-neighbours' messages (gcn: agg +
+// b, resgcn: h + agg + b, sage: act(h) W_self + agg W_neigh + b, or agg in
+// place of agg W_neigh). The neighbours' messages come from
 // two places: the chunk's own rows (computed here, entries adj_in with
 // chunk-local columns) and `messages_other[l]`, a graph input [vertices,
 // width] read through entries adj_out (columns outside the chunk, global
@@ -190,8 +193,16 @@ struct GnnChunkGraph {
   std::vector<std::pair<ValueId, Tensor>> constants;
 };
 
-// Message width of layer l (what messages_other[l] holds per vertex).
+// sage with mean aggregation: whether a layer of widths in -> out
+// aggregates h W_neigh (out < in: mean(h) W = mean(h W), fewer columns to
+// gather, and under graph or layer parallelism fewer to send) rather than h.
+bool sage_projects_first(int64_t in, int64_t out);
+// Message width of layer l (what messages_other[l] holds per vertex; under
+// graph parallelism the width of its halo rows).
 int64_t gnn_message_width(const ModelSpec& spec, int64_t layer, int64_t features, int64_t classes);
+// Whether layer l's message carries a gradient back to its vertex (all but
+// sage's layer 0 when that aggregates the input features themselves).
+bool gnn_message_has_grad(const ModelSpec& spec, int64_t layer, int64_t features, int64_t classes);
 // Throws ConfigError for a model kind layer pipelining does not split (gat,
 // sage max: a message depends on both ends of an edge or is not a sum).
 void check_layer_chunk_model(const ModelSpec& spec);

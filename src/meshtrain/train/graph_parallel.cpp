@@ -196,9 +196,12 @@ int64_t halo_bytes_per_epoch(const ModelSpec& spec, const GnnShard& s, int64_t f
       fwd += last ? classes * spec.gat_heads : hid;
     }
     bwd = fwd;
-  } else {  // sage (mean or max): the layer's input; the features have no gradient
-    for (int64_t l = 0; l < layers; ++l) fwd += l == 0 ? features : hid;
-    bwd = (layers - 1) * hid;
+  } else {  // sage: the layer's message (its input, or h W_neigh for mean where narrower)
+    for (int64_t l = 0; l < layers; ++l) {
+      const int64_t w = gnn_message_width(spec, l, features, classes);
+      fwd += w;
+      if (gnn_message_has_grad(spec, l, features, classes)) bwd += w;
+    }
   }
   return (out * fwd + back * bwd) * static_cast<int64_t>(sizeof(float));
 }

@@ -71,9 +71,10 @@ Tensor gather_rows(const Tensor& features, const std::vector<int32_t>& vertices)
 // ranks read from it (sum of send_counts) and backward the gradients of the
 // halo rows it read (sum of recv_counts), times the width aggregated; no
 // backward when the aggregated value has no gradient (gcn: every layer's
-// h W; resgcn: every block's; sage: every layer's input, the first being
-// the features, without a gradient). Over all ranks: halo rows x width x
-// aggregations x 2 (gcn, resgcn).
+// h W; resgcn: every block's; sage: every layer's message,
+// gnn_message_width's -- its input, or h W_neigh where that is narrower --
+// the features at layer 0 having no gradient). Over all ranks: halo rows x
+// width x aggregations x 2 (gcn, resgcn).
 int64_t halo_bytes_per_epoch(const ModelSpec& spec, const GnnShard& s, int64_t features,
                              int64_t classes);
 

@@ -80,7 +80,7 @@ int64_t hybrid_halo_bytes_per_epoch(const ModelSpec& spec, int64_t send_rows, in
   int64_t out = 0;
   for (int64_t l = first; l < last; ++l) {
     const int64_t w = gnn_message_width(spec, l, features, classes);
-    const bool has_grad = !(spec.kind == "sage" && l == 0);
+    const bool has_grad = gnn_message_has_grad(spec, l, features, classes);
     out += 2 * send_rows * w + (has_grad ? recv_rows * w : 0);
   }
   return out * static_cast<int64_t>(sizeof(float));
@@ -407,8 +407,9 @@ FullGraphResult train_layer_pipeline(const ModelSpec& spec, const GraphData& g,
   eo.num_threads = opts.threads;
   eo.collectives = runner;
   // The halo rows' messages have a gradient unless they are sage's
-  // features (layer 0's message is the input itself).
-  auto halo_has_grad = [&](int64_t l) { return !(spec.kind == "sage" && l == 0); };
+  // features (layer 0's message the input itself, where it does not
+  // project first).
+  auto halo_has_grad = [&](int64_t l) { return gnn_message_has_grad(spec, l, features, classes); };
   int64_t halo_send_rows = 0, halo_recv_rows = 0;  // of the one-chunk exchange
 
   auto build_runs = [&](const Layout& lay, const Chunks& ch) {

@@ -90,7 +90,7 @@ HybridBlocks hybrid_blocks(const Csr& adj, PartitionOptions po, int64_t parts, i
 // summed over the parts) go out forward twice -- in the forward pass and
 // again in the backward pass, which recomputes the chunk's forward -- and
 // the gradients of the halo rows it read (recv_rows) go back once, for
-// every layer whose message has a gradient (all but sage's layer 0), at the
+// every layer whose message has a gradient (gnn_message_has_grad), at the
 // layer's message width. The same for any number of chunks: chunk k's
 // exchange carries exactly the rows of chunk k that other parts read.
 int64_t hybrid_halo_bytes_per_epoch(const ModelSpec& spec, int64_t send_rows, int64_t recv_rows,
