@@ -44,9 +44,11 @@ const std::vector<KeyMeaning> kMeanings = {
      "fashion_mnist otherwise"},
     {"data.graph",
      "graph: csbm (contextual stochastic block model) or rmat generated from data.graph_seed, knn "
-     "(the k-nearest-neighbour graph of the Fashion-MNIST images in data.dir), or file "
-     "(data.graph_file, docs/graph_format.md)"},
-    {"data.graph_file", "graph: the graph file read when data.graph = file"},
+     "(the k-nearest-neighbour graph of the Fashion-MNIST images in data.dir), file "
+     "(data.graph_file, docs/graph_format.md) or edges (data.graph_file as a text edge list, e.g. "
+     "scripts/graphs/debian_graphs.py's karate club)"},
+    {"data.graph_file",
+     "graph: the graph file (data.graph = file) or text edge list (edges) to read"},
     {"data.vertices", "graph csbm: number of vertices"},
     {"data.classes", "graph csbm / rmat: number of classes (rmat: degree buckets)"},
     {"data.avg_degree", "graph csbm: mean vertex degree (undirected edges, both ends count)"},
@@ -54,12 +56,14 @@ const std::vector<KeyMeaning> kMeanings = {
     {"data.features", "graph csbm / rmat: vertex feature width"},
     {"data.feature_signal",
      "graph csbm: length of each class's mean feature vector (noise is standard normal)"},
-    {"data.train_fraction", "graph csbm / rmat: fraction of vertices in the training mask"},
+    {"data.train_fraction", "graph csbm / rmat / edges: fraction of vertices in the training mask"},
     {"data.val_fraction",
-     "graph csbm / rmat: fraction in the validation mask (the rest: test); knn: fraction of the "
+     "graph csbm / rmat / edges: fraction in the validation mask (the rest: test); knn: fraction "
+     "of the "
      "training images held out for validation"},
     {"data.graph_seed",
-     "graph csbm / rmat: seed of the generator and of the split; knn: of the validation draw"},
+     "graph csbm / rmat: seed of the generator and of the split; edges: of the split; knn: of the "
+     "validation draw"},
     {"data.rmat_scale", "graph rmat: 2^scale vertices"},
     {"data.rmat_edge_factor", "graph rmat: edges drawn per vertex before deduplication"},
     {"data.rmat_a", "graph rmat: probability of the top-left quadrant (d = 1 - a - b - c)"},

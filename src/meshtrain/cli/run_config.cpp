@@ -4,6 +4,7 @@
 
 #include "meshtrain/data/byte_text.h"
 #include "meshtrain/data/fashion_mnist.h"
+#include "meshtrain/data/edge_list.h"
 #include "meshtrain/data/knn_graph.h"
 #include "meshtrain/train/graph_file.h"
 
@@ -45,7 +46,7 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
                     c.source(), d.kind, m.kind));
   }
   // Graph keys (read whatever data.kind says, as the others).
-  d.graph = c.get_string("data.graph", "csbm", {"csbm", "rmat", "knn", "file"});
+  d.graph = c.get_string("data.graph", "csbm", {"csbm", "rmat", "knn", "file", "edges"});
   d.graph_file = c.get_string("data.graph_file", "");
   CsbmOptions& cs = d.csbm;
   cs.vertices = c.get_int("data.vertices", cs.vertices, Bounds<int64_t>::in(2, int64_t{1} << 30));
@@ -77,11 +78,13 @@ DataSpec read_data(const Config& c, const ModelSpec& m) {
   rm.train_fraction = cs.train_fraction;
   rm.val_fraction = cs.val_fraction;
   rm.seed = cs.seed;
-  if (d.kind == "graph" && d.graph == "file" && d.graph_file.empty()) {
-    throw ConfigError(
-        fmt::format("config {}: data.graph = \"file\" needs data.graph_file (a graph file, see "
-                    "docs/graph_format.md)",
-                    c.source()));
+  d.edges.train_fraction = cs.train_fraction;
+  d.edges.val_fraction = cs.val_fraction;
+  d.edges.seed = cs.seed;
+  if (d.kind == "graph" && (d.graph == "file" || d.graph == "edges") && d.graph_file.empty()) {
+    throw ConfigError(fmt::format(
+        "config {}: data.graph = \"{}\" needs data.graph_file (a {}, see docs/graph_format.md)",
+        c.source(), d.graph, d.graph == "file" ? "graph file" : "text edge list"));
   }
   // Both kinds' keys are read (and validated) whatever data.kind says, as
   // for the model and optimizer keys, so `meshtrain config --list` sees them.
@@ -333,6 +336,7 @@ RunConfig read_run_config(const Config& c) {
 
 GraphData open_graph(const DataSpec& d) {
   if (d.graph == "file") return load_graph(d.graph_file);
+  if (d.graph == "edges") return read_edge_list(d.graph_file, d.edges);
   if (d.graph == "rmat") return make_rmat(d.rmat);
   if (d.graph == "knn") return make_fashion_knn(d.knn);
   return make_csbm(d.csbm);

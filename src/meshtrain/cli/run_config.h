@@ -10,6 +10,7 @@
 #include "meshtrain/cli/cluster_file.h"
 #include "meshtrain/cli/config.h"
 #include "meshtrain/data/dataset.h"
+#include "meshtrain/data/edge_list.h"
 #include "meshtrain/data/graph_data.h"
 #include "meshtrain/data/knn_graph.h"
 #include "meshtrain/models/model.h"
@@ -32,12 +33,14 @@ struct DataSpec {
   double mean = 0.2860;
   double std = 0.3530;
   // graph (full-graph GNN training): a generator ("csbm", "rmat", "knn") or a file
-  // in the format of docs/graph_format.md ("file", read from graph_file).
+  // in the format of docs/graph_format.md ("file", read from graph_file),
+  // or a text edge list ("edges", data/edge_list.h).
   std::string graph = "csbm";
   std::string graph_file;
   CsbmOptions csbm;
   RmatOptions rmat;
   FashionKnnOptions knn;
+  EdgeListOptions edges;
 };
 
 // Most ranks one job may have (dist.nproc, --nproc).

@@ -314,4 +314,11 @@ GraphData make_rmat(const RmatOptions& o) {
   return g;
 }
 
+void random_split(GraphData& g, double train_fraction, double val_fraction, uint64_t seed,
+                  const char* what) {
+  check_split(what, train_fraction, val_fraction);
+  Rng rng(Rng::derive(seed, std::string(what) + ".split"));
+  split(g, train_fraction, val_fraction, rng);
+}
+
 }  // namespace mt

@@ -79,6 +79,12 @@ struct RmatOptions {
 // endpoint outside [0, n) or more entries than i32 indices hold.
 Csr simple_undirected(int64_t n, const std::vector<std::pair<int32_t, int32_t>>& pairs);
 
+// Fills g's masks with a random split drawn from `seed`: a permutation's
+// first train_fraction * n vertices train, the next val_fraction * n
+// validation, the rest test. ConfigError naming `what` for fractions
+// outside (0, 1) / [0, 1 - train_fraction).
+void random_split(GraphData& g, double train_fraction, double val_fraction, uint64_t seed,
+                  const char* what);
 // Throw ConfigError naming the bad option.
 GraphData make_csbm(const CsbmOptions& o);
 GraphData make_rmat(const RmatOptions& o);
