@@ -70,8 +70,7 @@ TEST(EdgeList, ReadsGivenFeatures) {
 
 TEST(EdgeList, BadLinesNameTheLineAndWhatWasExpected) {
   const std::string head = "vertices 3 classes 2\nlabel 0 0\nlabel 1 1\nlabel 2 1\n";
-  EXPECT_EQ(error_of(head + "edge 0 3\n"),
-            ":5: endpoint '3' is not a vertex id in [0, 3)");
+  EXPECT_EQ(error_of(head + "edge 0 3\n"), ":5: endpoint '3' is not a vertex id in [0, 3)");
   EXPECT_EQ(error_of(head + "edge 0 x\n"), ":5: endpoint 'x' is not a vertex id in [0, 3)");
   EXPECT_EQ(error_of(head + "edge 0\n"), ":5: expected 'edge U V'");
   EXPECT_EQ(error_of(head + "label 1 0\n"), ":5: vertex 1 is labelled twice");

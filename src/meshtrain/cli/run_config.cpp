@@ -3,8 +3,8 @@
 #include <chrono>
 
 #include "meshtrain/data/byte_text.h"
-#include "meshtrain/data/fashion_mnist.h"
 #include "meshtrain/data/edge_list.h"
+#include "meshtrain/data/fashion_mnist.h"
 #include "meshtrain/data/knn_graph.h"
 #include "meshtrain/train/graph_file.h"
 

@@ -49,8 +49,7 @@ GraphData read_edge_list(const std::string& path, const EdgeListOptions& o) {
       if (n >= 0) throw bad(line_no, "a second 'vertices' line");
       if (!(words >> n >> c >> classes) || c != "classes" || n < 2 || n > (int64_t{1} << 30) ||
           classes < 1 || classes > n) {
-        throw bad(line_no,
-                  "expected 'vertices N classes C' with 2 <= N <= 2^30 and 1 <= C <= N");
+        throw bad(line_no, "expected 'vertices N classes C' with 2 <= N <= 2^30 and 1 <= C <= N");
       }
       labels.assign(static_cast<size_t>(n), -1);
       features.resize(static_cast<size_t>(n));
@@ -99,15 +98,16 @@ GraphData read_edge_list(const std::string& path, const EdgeListOptions& o) {
   if (n < 0) throw bad(line_no, "no 'vertices N classes C' line");
   for (int64_t v = 0; v < n; ++v) {
     if (labels[static_cast<size_t>(v)] < 0) {
-      throw ConfigError(fmt::format("edge list {}: vertex {} has no 'label' line (every vertex of "
-                                    "the {} needs one)",
-                                    path, v, n));
+      throw ConfigError(
+          fmt::format("edge list {}: vertex {} has no 'label' line (every vertex of "
+                      "the {} needs one)",
+                      path, v, n));
     }
   }
   if (with_features > 0 && with_features < n) {
-    throw ConfigError(fmt::format(
-        "edge list {}: {} of {} vertices have a 'feature' row (all or none)", path, with_features,
-        n));
+    throw ConfigError(
+        fmt::format("edge list {}: {} of {} vertices have a 'feature' row (all or none)", path,
+                    with_features, n));
   }
   GraphData g;
   g.name = fmt::format("edge list {}", path);

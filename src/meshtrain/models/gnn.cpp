@@ -406,8 +406,7 @@ int64_t gnn_message_width(const ModelSpec& spec, int64_t layer, int64_t features
   return out;  // gcn: act(h) W
 }
 
-bool gnn_message_has_grad(const ModelSpec& spec, int64_t layer, int64_t features,
-                          int64_t classes) {
+bool gnn_message_has_grad(const ModelSpec& spec, int64_t layer, int64_t features, int64_t classes) {
   if (spec.kind != "sage" || layer != 0) return true;
   // sage's layer-0 message: the features themselves (no gradient) unless
   // it projects first.

@@ -169,8 +169,9 @@ struct DataParallelMemory {
   int64_t expected_param_bytes = 0;
   int64_t expected_grad_bytes = 0;
   int64_t expected_optimizer_bytes = 0;
-  // The two largest buckets of staging (2-3; the flat size with overlap off
-  // or K > 1) and of gathered parameters (3); one bucket's when there is one.
+  // Two buckets of staging (2-3; the flat size with overlap off or K > 1)
+  // and of gathered parameters (3), each the largest bucket's size; one
+  // bucket's when the model fits in one.
   int64_t expected_buffer_bytes = 0;
 
   int64_t buffer_bytes() const { return staging_bytes + gathered_bytes; }

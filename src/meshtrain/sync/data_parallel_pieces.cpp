@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <functional>
 
 #include "meshtrain/sync/data_parallel_impl.h"
 #include "meshtrain/tensor/memory_stats.h"
@@ -147,12 +146,11 @@ DataParallelMemory DataParallel::expected_memory(const BucketPlan& p,
   r.expected_param_bytes = opt.stage == 3 ? P / N : P;
   r.expected_grad_bytes = opt.stage >= 2 ? P / N : P;
   r.expected_optimizer_bytes = opt.stage >= 1 ? O / N : O;
-  // Two buckets in flight: the two largest (one when the model fits in one).
-  std::vector<int64_t> sizes;
-  for (const BucketInfo& b : p.buckets()) sizes.push_back(b.numel());
-  std::sort(sizes.begin(), sizes.end(), std::greater<>());
-  int64_t two_buckets = 0;
-  for (size_t i = 0; i < std::min<size_t>(2, sizes.size()); ++i) two_buckets += sizes[i] * 4;
+  // Two buckets in flight (one when the model fits in one), each in a
+  // buffer of the largest bucket's size (the pool reuses buffers across
+  // buckets of different sizes).
+  const int64_t two_buckets =
+      std::min<int64_t>(2, static_cast<int64_t>(p.buckets().size())) * p.max_bucket_numel() * 4;
   if (N > 1 && opt.stage >= 2) {
     const bool all_staged = opt.accumulation_steps > 1 || !opt.overlap;
     r.expected_buffer_bytes = all_staged ? p.flat_numel() * 4 : two_buckets;
