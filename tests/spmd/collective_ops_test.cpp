@@ -473,7 +473,8 @@ TEST(CollectiveMax, BitwiseMaximumAndCountedBytes) {
           EXPECT_EQ(yt.data<float>()[i], want) << "np" << n << " rank " << r << " element " << i;
         }
         const Node& node = g.node(g.value(y).producer);
-        const CollectiveCounter& k = runner->comm_of(0)->counters().by_collective.at("all_reduce");
+        const CommCounters counters = runner->comm_of(0)->counters();  // a copy: keep it
+        const CollectiveCounter& k = counters.by_collective.at("all_reduce");
         const CollectiveCost cost = runner->cost_of(g, node);
         EXPECT_EQ(k.calls, 1u);
         EXPECT_EQ(k.payload_bytes, static_cast<uint64_t>(op_cost(g, node).comm_bytes));

@@ -42,6 +42,20 @@ int64_t replica_of(int64_t recv_part, int64_t src_part, int64_t replication) {
   return (recv_part + src_part) % replication;
 }
 
+void number_halo_rows(std::vector<std::vector<int32_t>>& from, std::vector<int64_t>& recv_counts,
+                      std::vector<int32_t>& halo_id, std::vector<int32_t>& halo_vertices) {
+  recv_counts.assign(from.size(), 0);
+  for (size_t q = 0; q < from.size(); ++q) {
+    auto& f = from[q];
+    std::sort(f.begin(), f.end());
+    recv_counts[q] = static_cast<int64_t>(f.size());
+    for (int32_t u : f) {
+      halo_id[static_cast<size_t>(u)] = static_cast<int32_t>(halo_vertices.size());
+      halo_vertices.push_back(u);
+    }
+  }
+}
+
 GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Partition& p,
                             int64_t rank, int64_t replication) {
   const int64_t n = g.num_vertices(), parts = p.parts, c = replication;
@@ -91,16 +105,7 @@ GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Par
       }
     }
   }
-  s.recv_counts.assign(static_cast<size_t>(parts), 0);
-  for (int64_t q = 0; q < parts; ++q) {
-    auto& f = from[static_cast<size_t>(q)];
-    std::sort(f.begin(), f.end());
-    s.recv_counts[static_cast<size_t>(q)] = static_cast<int64_t>(f.size());
-    for (int32_t u : f) {
-      halo_id[static_cast<size_t>(u)] = static_cast<int32_t>(out.halo_vertices.size());
-      out.halo_vertices.push_back(u);
-    }
-  }
+  number_halo_rows(from, s.recv_counts, halo_id, out.halo_vertices);
   s.halo = static_cast<int64_t>(out.halo_vertices.size());
 
   // My rows' terms, split by where each column lives (terms another

@@ -63,6 +63,13 @@ int64_t replica_of(int64_t recv_part, int64_t src_part, int64_t replication);
 GraphShard make_graph_shard(const GraphData& g, const ModelSpec& spec, const Partition& p,
                             int64_t rank, int64_t replication = 1);
 
+// The halo's order, given `from[q]`, the vertices this rank reads from
+// part q (any order): each list sorted, recv_counts[q] its length, and the
+// halo rows numbered part by part (halo_id[u] = u's row in halo_vertices,
+// which the lists are appended to).
+void number_halo_rows(std::vector<std::vector<int32_t>>& from, std::vector<int64_t>& recv_counts,
+                      std::vector<int32_t>& halo_id, std::vector<int32_t>& halo_vertices);
+
 // The gathered rows of `features` (f32 [n, F]) for `vertices`, in order.
 Tensor gather_rows(const Tensor& features, const std::vector<int32_t>& vertices);
 

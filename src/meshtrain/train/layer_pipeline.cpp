@@ -245,16 +245,7 @@ void split_rows(const GnnAdjacency& a, const Layout& lay, const Chunks& ch, int6
         }
       }
     }
-    s.recv_counts.assign(static_cast<size_t>(parts), 0);
-    for (int64_t q = 0; q < parts; ++q) {
-      auto& f = from[static_cast<size_t>(q)];
-      std::sort(f.begin(), f.end());
-      s.recv_counts[static_cast<size_t>(q)] = static_cast<int64_t>(f.size());
-      for (int32_t u : f) {
-        halo_id[static_cast<size_t>(u)] = static_cast<int32_t>(halo_vertices.size());
-        halo_vertices.push_back(u);
-      }
-    }
+    number_halo_rows(from, s.recv_counts, halo_id, halo_vertices);
     // Sends: this chunk's rows each other part reads anywhere, ascending.
     s.send_counts.assign(static_cast<size_t>(parts), 0);
     std::vector<int64_t> stamp(static_cast<size_t>(n), -1);
