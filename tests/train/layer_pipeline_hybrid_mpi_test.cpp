@@ -32,10 +32,22 @@
 #include "meshtrain/data/graph_partition.h"
 #include "meshtrain/train/full_graph.h"
 #include "meshtrain/train/layer_pipeline.h"
+#include "train/layer_pipeline_harness.h"
 #include "train/mpi_world.h"
 
 namespace mt {
 namespace {
+
+using test::expect_equivalent;
+using test::small_csbm;
+
+TrainerOptions options() {
+  return test::gnn_options();
+}
+
+ModelSpec gnn(const std::string& kind, int64_t layers) {
+  return test::gnn_spec(kind, layers);
+}
 
 constexpr int64_t kParts = 2;
 
@@ -45,41 +57,6 @@ Communicator& world() {
 
 int stages() {
   return world().size() / static_cast<int>(kParts);
-}
-
-GraphData small_csbm() {
-  CsbmOptions o;
-  o.vertices = 400;
-  o.classes = 4;
-  o.avg_degree = 8;
-  o.homophily = 0.8;
-  o.features = 12;
-  o.feature_signal = 0.7;
-  o.train_fraction = 0.3;
-  o.val_fraction = 0.1;
-  return make_csbm(o);
-}
-
-TrainerOptions options() {
-  TrainerOptions t;
-  t.epochs = 8;
-  t.optimizer = "adamw";
-  t.schedule.lr = 0.01;
-  t.optim.adamw.weight_decay = 5e-4;
-  t.clip_grad_norm = 1;  // the norm is one over all stages' parameters
-  t.threads = 1;
-  t.log_every = 0;
-  t.exec.backend = "fast";
-  t.exec.profile = false;
-  return t;
-}
-
-ModelSpec gnn(const std::string& kind, int64_t layers) {
-  ModelSpec s;
-  s.kind = kind;
-  s.gnn_hidden = 16;
-  s.gnn_layers = layers;
-  return s;
 }
 
 GraphParallelOptions hybrid(int64_t chunks, int64_t startup) {
@@ -112,31 +89,6 @@ GraphData earlier_chunks_only(GraphData g, const HybridBlocks& b) {
   }
   g.adj = a;
   return g;
-}
-
-void expect_equivalent(const FullGraphResult& single, const FullGraphResult& hyb,
-                       const std::string& what) {
-  ASSERT_EQ(single.epochs.size(), hyb.epochs.size()) << what;
-  double worst = 0;
-  for (size_t e = 0; e < single.epochs.size(); ++e) {
-    const double a = single.epochs[e].loss, b = hyb.epochs[e].loss;
-    EXPECT_NEAR(b, a, 2e-5 * std::fabs(a)) << what << " epoch " << e + 1;
-  }
-  EXPECT_NEAR(hyb.final_loss, single.final_loss, 2e-5 * std::fabs(single.final_loss)) << what;
-  std::map<std::string, Tensor> mine(hyb.final_params.begin(), hyb.final_params.end());
-  ASSERT_EQ(mine.size(), single.final_params.size()) << what;
-  for (const auto& [name, a] : single.final_params) {
-    ASSERT_TRUE(mine.count(name)) << what << ": no " << name;
-    const Tensor& b = mine.at(name);
-    ASSERT_EQ(a.numel(), b.numel()) << name;
-    for (int64_t k = 0; k < a.numel(); ++k) {
-      const double x = a.item(k), y = b.item(k);
-      worst = std::max(worst, std::fabs(x - y) / std::max(std::fabs(x), 2e-2));
-      ASSERT_NEAR(y, x, 1e-4 * std::fabs(x) + 2e-6) << what << " " << name << "[" << k << "]";
-    }
-  }
-  if (world().rank() == 0)
-    std::printf("%s: largest parameter difference %.2e\n", what.c_str(), worst);
 }
 
 double sum_over_ranks(double v) {
