@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -229,6 +230,70 @@ class LocalStepsSync : public ReplicaSync {
   }
   double reply_wait_seconds() const { return reply_wait_s_; }
 
+  // Checkpoints: every replica its own row (adpsgd, whose pairs average at
+  // any moment, is refused by the trainer). The counters: steps_, then per
+  // DiLoCo fragment in flight (fragment, due, started), -1 for none.
+  RankCheckpoint rank_checkpoint() const override { return RankCheckpoint::kReplicas; }
+
+  void prepare_checkpoint() override {
+    settle();
+    for (Flight& f : flights_) resolve(f);
+    std::vector<int64_t> c = {steps_};
+    for (size_t f = 0; f < frags_.size(); ++f) {
+      const Flight* fl = flight_of(f);
+      c.push_back(fl != nullptr ? static_cast<int64_t>(f) : -1);
+      c.push_back(fl != nullptr ? fl->due : -1);
+      c.push_back(fl != nullptr ? fl->started : -1);
+    }
+    std::memcpy(counters().raw(), c.data(), c.size() * sizeof(int64_t));
+  }
+
+  std::vector<StatePiece> checkpoint_state() override {
+    const int r = group_.rank(), n = group_.size();
+    std::vector<StatePiece> out = {{"counters", r, n, counters()}};
+    if (o_.scheme == "diloco") {
+      out.push_back({"diloco.start", r, n, start_});
+      out.push_back({"diloco.outer_momentum", r, n, momentum_});
+      // Exchanges in flight: their summed pseudo-gradients (prepare_checkpoint).
+      if (outer_stage_.defined()) out.push_back({"diloco.in_flight", r, n, outer_stage_});
+    }
+    return out;
+  }
+
+  void restore_checkpoint(int64_t step, bool with_state) override {
+    flights_.clear();
+    if (!with_state) {
+      // Another scheme's checkpoint: every replica starts from the same
+      // parameters (DiLoCo's start is them, its momentum zero).
+      steps_ = step;
+      if (o_.scheme == "diloco") std::memcpy(start_.raw(), flat_.raw(), n_ * sizeof(float));
+      return;
+    }
+    const int64_t* c = counters().data<int64_t>();
+    if (c[0] != step) {
+      throw CheckpointError(fmt::format(
+          "sync.scheme = \"{}\": the checkpoint's scheme state is at step {}, its metadata says "
+          "step {}",
+          o_.scheme, c[0], step));
+    }
+    steps_ = c[0];
+    for (size_t f = 0; f < frags_.size(); ++f) {
+      const int64_t* e = c + 1 + 3 * f;
+      if (e[0] < 0) continue;
+      Flight fl;
+      fl.fragment = f;
+      fl.due = e[1];
+      fl.started = e[2];
+      fl.stage = 2;
+      fl.resolved = true;  // its sum was saved in diloco.in_flight
+      flights_.push_back(std::move(fl));
+    }
+    // In the order they left, as land() takes them.
+    std::sort(flights_.begin(), flights_.end(), [](const Flight& a, const Flight& b) {
+      return a.started != b.started ? a.started < b.started : a.fragment < b.fragment;
+    });
+  }
+
  private:
   SyncOptions o_;
   Communicator& group_;
@@ -257,9 +322,10 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<Fragment> frags_;
   struct Flight {
     size_t fragment = 0;
-    int64_t due = 0;      // the step after whose update it lands
-    int64_t started = 0;  // the step it was sent after
-    int stage = 1;        // reduce_scatter: 1 the all_to_all, 2 the all_gather
+    int64_t due = 0;        // the step after whose update it lands
+    int64_t started = 0;    // the step it was sent after
+    int stage = 1;          // reduce_scatter: 1 the all_to_all, 2 the all_gather
+    bool resolved = false;  // its sum is in pseudo_gradient() (resolve())
     CommHandle handle;
   };
   std::vector<Flight> flights_;
@@ -302,6 +368,21 @@ class LocalStepsSync : public ReplicaSync {
   std::exception_ptr server_error_;
   int64_t exchanges_ = 0;
   double reply_wait_s_ = 0;
+  Tensor counters_;  // checkpoints: see prepare_checkpoint()
+
+  Tensor& counters() {
+    if (!counters_.defined()) {
+      counters_ = Tensor::zeros({1 + 3 * static_cast<int64_t>(frags_.size())}, DType::i64);
+    }
+    return counters_;
+  }
+
+  const Flight* flight_of(size_t f) const {
+    for (const Flight& fl : flights_) {
+      if (fl.fragment == f) return &fl;
+    }
+    return nullptr;
+  }
 
   const CollectiveOptions& opts() const { return local_.options().collective; }
 
@@ -749,6 +830,31 @@ class LocalStepsSync : public ReplicaSync {
   // becomes start (no overlap) or alpha theta + (1 - alpha) start.
   void land(Flight& fl) {
     const Fragment& fr = frags_[fl.fragment];
+    resolve(fl);
+    const auto n = static_cast<size_t>(fr.numel);
+    float* d = pseudo_gradient(fr);
+    float* theta = flat_.data<float>() + fr.offset;
+    float* start = start_.data<float>() + fr.offset;
+    float* v = momentum_.data<float>() + fr.offset;
+    const auto mu = static_cast<float>(o_.outer_momentum);
+    const auto lr = static_cast<float>(o_.outer_lr);
+    const bool mix = o_.overlap_steps > 0;
+    const auto a = static_cast<float>(o_.merge_alpha);
+    for (size_t i = 0; i < n; ++i) {  // d may alias theta (no overlap)
+      const float di = d[i];
+      v[i] = mu * v[i] + di;
+      start[i] -= lr * (di + mu * v[i]);  // Nesterov
+      theta[i] = mix ? a * theta[i] + (1.0F - a) * start[i] : start[i];
+    }
+  }
+
+  // Completes a fragment's exchange: its summed pseudo-gradient in
+  // pseudo_gradient() (4-bit payloads decoded in rank order). The same
+  // values whenever it runs, so a checkpoint may resolve early.
+  void resolve(Flight& fl) {
+    if (fl.resolved) return;
+    fl.resolved = true;
+    const Fragment& fr = frags_[fl.fragment];
     if (reduce_scatter() && fl.stage == 1) second_stage(fl);
     if (fl.handle.valid()) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -774,19 +880,6 @@ class LocalStepsSync : public ReplicaSync {
         Int4Quantizer::decode_add(
             {all + static_cast<size_t>(r) * fr.payload_bytes, fr.payload_bytes}, {d, n});
       }
-    }
-    float* theta = flat_.data<float>() + fr.offset;
-    float* start = start_.data<float>() + fr.offset;
-    float* v = momentum_.data<float>() + fr.offset;
-    const auto mu = static_cast<float>(o_.outer_momentum);
-    const auto lr = static_cast<float>(o_.outer_lr);
-    const bool mix = o_.overlap_steps > 0;
-    const auto a = static_cast<float>(o_.merge_alpha);
-    for (size_t i = 0; i < n; ++i) {  // d may alias theta (no overlap)
-      const float di = d[i];
-      v[i] = mu * v[i] + di;
-      start[i] -= lr * (di + mu * v[i]);  // Nesterov
-      theta[i] = mix ? a * theta[i] + (1.0F - a) * start[i] : start[i];
     }
   }
 

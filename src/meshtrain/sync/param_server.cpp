@@ -99,6 +99,7 @@ class ParamServerSync : public ReplicaSync {
       pull_ = Tensor::empty({static_cast<int64_t>(total)}, DType::u8);
       seen_.assign(static_cast<size_t>(servers_), 0);
     }
+    clocks_.assign(static_cast<size_t>(workers_), 0);
   }
 
   // ---- worker ------------------------------------------------------------------
@@ -127,13 +128,81 @@ class ParamServerSync : public ReplicaSync {
     MT_CHECK(flat_out.numel() >= flat_.numel(), "parameter buffer {}", flat_out.desc());
     if (flat_out.raw() != flat_.raw()) std::memcpy(flat_out.raw(), flat_.raw(), flat_.nbytes());
   }
-  std::vector<ShardPiece> param_pieces(PieceUse use) override { return local_.param_pieces(use); }
+  // A checkpoint's parameters and optimizer state are the servers' shards,
+  // whole tensors (as all-reduce DP saves them); workers write none of
+  // them (they hold the servers' final parameters after finish()).
+  std::vector<ShardPiece> param_pieces(PieceUse use) override {
+    if (use == PieceUse::load) return local_.param_pieces(use);
+    std::vector<ShardPiece> out;
+    for (const ParamSlice& s : server_slices_)
+      out.push_back({s.name, s.full_shape, 0, s.end, s.param});
+    return out;
+  }
+  // The optimizer state exists on servers only, for their shard.
   std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
                                        PieceUse use) const override {
     return local_.state_pieces(state, use);
   }
   std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const override {
-    return local_.new_state_pieces(kinds);
+    std::vector<ShardPiece> out;
+    for (const ParamSlice& s : server_slices_) {
+      for (const std::string& kind : kinds) {
+        MemoryScope tag(MemoryCategory::optimizer);
+        out.push_back(
+            {s.name + "." + kind, s.full_shape, 0, s.end, Tensor::zeros(s.full_shape, DType::f32)});
+      }
+    }
+    return out;
+  }
+
+  // Checkpoints (written after finish(): the servers are done serving).
+  // Server rows "ps.server": version, BSP steps, mode, switch requested,
+  // then each worker's pushes; worker rows "ps.worker": its steps, mode,
+  // straggler seen, then each server's version of its last pull.
+  RankCheckpoint rank_checkpoint() const override { return RankCheckpoint::kServers; }
+  void prepare_checkpoint() override {
+    std::vector<int64_t> c;
+    if (is_server()) {
+      c = {version_, bsp_steps_, mode_, switch_requested_ ? 1 : 0};
+      c.insert(c.end(), clocks_.begin(), clocks_.end());
+    } else {
+      c = {steps_, mode_, straggler_seen_ ? 1 : 0};
+      c.insert(c.end(), seen_.begin(), seen_.end());
+    }
+    std::memcpy(counters().raw(), c.data(), c.size() * sizeof(int64_t));
+  }
+  std::vector<StatePiece> checkpoint_state() override {
+    if (is_server()) return {{"ps.server", server_index(), servers_, counters()}};
+    return {{"ps.worker", group_.rank(), workers_, counters()}};
+  }
+  void restore_checkpoint(int64_t step, bool with_state) override {
+    if (!with_state) {
+      // Another scheme's checkpoint: as if `step` steps had run in lock step.
+      mode_ = switch_after_ > 0 && step >= switch_after_ ? kAsp : mode_of(o_.ps_mode);
+      steps_ = version_ = bsp_steps_ = step;
+      std::fill(seen_.begin(), seen_.end(), step);
+      std::fill(clocks_.begin(), clocks_.end(), step);
+      return;
+    }
+    const int64_t* c = counters().data<int64_t>();
+    if (is_server()) {
+      version_ = c[0];
+      bsp_steps_ = c[1];
+      mode_ = c[2];
+      switch_requested_ = c[3] != 0;
+      clocks_.assign(c + 4, c + 4 + workers_);
+      return;
+    }
+    if (c[0] != step) {
+      throw CheckpointError(fmt::format(
+          "sync.scheme = \"ps\": worker rank {}'s saved state is at step {}, the checkpoint's "
+          "metadata says step {}",
+          group_.rank(), c[0], step));
+    }
+    steps_ = c[0];
+    mode_ = c[1];
+    straggler_seen_ = c[2] != 0;
+    seen_.assign(c + 3, c + 3 + servers_);
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
@@ -200,6 +269,20 @@ class ParamServerSync : public ReplicaSync {
   Tensor inbox_, outbox_, acc_;  // server: one message per worker; BSP's sum
   std::vector<ParamSlice> server_slices_;
   std::vector<size_t> server_params_;  // layout indices of this server's shard
+  // Server: optimizer updates of this shard, BSP steps taken, a switch to
+  // ASP asked for, each worker's pushes (kept across serve() for checkpoints).
+  int64_t version_ = 0;
+  int64_t bsp_steps_ = 0;
+  bool switch_requested_ = false;
+  std::vector<int64_t> clocks_;
+  Tensor counters_;
+
+  Tensor& counters() {
+    if (!counters_.defined()) {
+      counters_ = Tensor::zeros({is_server() ? 4 + workers_ : 3 + servers_}, DType::i64);
+    }
+    return counters_;
+  }
 
   int server_index() const { return group_.rank() - workers_; }
   int server_rank(int j) const { return workers_ + j; }
@@ -307,9 +390,19 @@ void ParamServerSync::serve(const ServerUpdate& update) {
     Clock::time_point answered = Clock::now();  // last reply (it owes a push since)
   };
   std::vector<Worker> ws(static_cast<size_t>(workers_));
-  int64_t version = 0;  // optimizer updates of this shard
-  int64_t bsp_steps = 0;
-  bool switch_requested = false;
+  for (int w = 0; w < workers_; ++w)
+    ws[static_cast<size_t>(w)].clock = clocks_[static_cast<size_t>(w)];
+  int64_t& version = version_;  // optimizer updates of this shard
+  int64_t& bsp_steps = bsp_steps_;
+  bool& switch_requested = switch_requested_;
+  // The pushes so far stay for a checkpoint, however serve() ends.
+  struct SaveClocks {
+    std::vector<Worker>& ws;
+    std::vector<int64_t>& clocks;
+    ~SaveClocks() {
+      for (size_t w = 0; w < ws.size(); ++w) clocks[w] = ws[w].clock;
+    }
+  } save_clocks{ws, clocks_};
   const auto reply_timeout = timeout_ + std::chrono::seconds(2);
   for (int w = 0; w < workers_; ++w)
     group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
@@ -363,7 +456,21 @@ void ParamServerSync::serve(const ServerUpdate& update) {
   };
 
   auto finish_bsp_step = [&] {
-    // Every active worker pushed this step: one optimizer step on the sum.
+    // Every active worker pushed this step: one optimizer step on the sum,
+    // taken in worker order (not arrival order), so that a BSP run is the
+    // same bit for bit every time (a resumed one too). Each gradient is
+    // still in its worker's inbox, whose receive is posted again only now
+    // (a held worker sends nothing before its reply anyway).
+    float* acc = acc_.data<float>();
+    for (int w = 0; w < workers_; ++w) {
+      if (!ws[static_cast<size_t>(w)].arrived) continue;
+      int64_t hw[kHeader];
+      std::memcpy(hw, in_of(w), kHeaderBytes);
+      const auto share = static_cast<float>(as_double(hw[3]));
+      const float* gw = reinterpret_cast<const float*>(in_of(w) + kHeaderBytes);
+      for (size_t i = 0; i < n_elems; ++i) acc[i] += share * gw[i];
+      group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
+    }
     update(server_slices_, bsp_steps, 1.0);
     ++version;
     ++bsp_steps;
@@ -435,12 +542,9 @@ void ParamServerSync::serve(const ServerUpdate& update) {
     if (h[4] & kFlagStraggler) switch_requested = switch_requested || o_.ps_switch == "straggler";
     ++x.clock;
     if (mode_ == kBsp) {
-      const auto s = static_cast<float>(as_double(h[3]));
-      float* acc = acc_.data<float>();
-      for (size_t i = 0; i < n_elems; ++i) acc[i] += s * g[i];
+      // Summed (and its receive posted again) when the step is complete.
       x.arrived = true;
       x.held = true;
-      group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
       if (bsp_complete()) finish_bsp_step();
       continue;
     }

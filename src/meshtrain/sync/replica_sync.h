@@ -183,6 +183,38 @@ class ReplicaSync {
   virtual void finish() {}
   // Lines for the run's log (a server going on without a stopped worker).
   virtual std::vector<std::string> notices() const { return {}; }
+
+  // Checkpoints of schemes whose ranks hold state of their own (the
+  // trainer's save / resume; docs/sync.md "Checkpoints"). kReplicas: every
+  // replica's parameters and optimizer state differ, so each is saved as
+  // its own row; kServers: the parameter servers' shards and optimizer
+  // state are whole tensors (saved as all-reduce DP saves them), only the
+  // scheme's counters are per rank. kNone: nothing of the scheme's own.
+  enum class RankCheckpoint { kNone, kReplicas, kServers };
+  virtual RankCheckpoint rank_checkpoint() const { return RankCheckpoint::kNone; }
+  // Collective over the scheme's group, before a save: lands or completes
+  // what is in flight (a partial group's average, DiLoCo's exchanges:
+  // their summed pseudo-gradients are then part of the state) and writes
+  // the scheme's counters into the views checkpoint_state() returns.
+  // Training goes on exactly as without it.
+  virtual void prepare_checkpoint() {}
+  // This rank's scheme state: views of its own buffers, each saved as row
+  // `row` of `rows` of the tensor "sync/<name>" (shape [rows, numel]) and
+  // loaded back into on resume.
+  struct StatePiece {
+    std::string name;
+    int row = 0;
+    int rows = 1;
+    Tensor data;
+  };
+  virtual std::vector<StatePiece> checkpoint_state() { return {}; }
+  // On resume, after the parameters and optimizer state are in place and
+  // (with_state) checkpoint_state()'s views were loaded: takes the counters
+  // back. Without state (a checkpoint of another scheme) the scheme starts
+  // afresh at optimizer step `step` (its counters as if it had run `step`
+  // steps in lock step: schedules, periods and learning rates continue).
+  // CheckpointError when the loaded counters disagree with `step`.
+  virtual void restore_checkpoint(int64_t /*step*/, bool /*with_state*/) {}
 };
 
 // Bytes `c` has sent (its counters, agreement handshakes left out).

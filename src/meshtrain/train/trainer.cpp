@@ -345,7 +345,10 @@ struct Trainer::Impl {
     dp->attach(*exec, model.graph);
     MT_CHECK_EQ(exec->memory_plan().arena_bytes, plan.activations.arena_bytes);
     optimizer->set_norm_reducer(norm_reducer());
-    if (!o.resume_path.empty()) resume_optimizer(o.resume_path);
+    if (!o.resume_path.empty()) {
+      resume_optimizer(o.resume_path);
+      resume_sync_state(o.resume_path);
+    }
 
     if (timeline.enabled()) {
       timeline.align(*comm);
@@ -414,16 +417,34 @@ struct Trainer::Impl {
   void join_data_parallel_group() {
     validate_sync_options(o.dist.sync);
     if (o.dist.sync.scheme != "allreduce") {
-      // A checkpoint of replicas that differ between synchronizations would
-      // have to be a synchronization point of its own: not built yet.
+      // Checkpoints hold every rank's own state (docs/sync.md
+      // "Checkpoints"), but AD-PSGD's pairs average at any moment: there is
+      // no point at which every rank's state belongs to the same step.
       for (const auto& [key, value] : {std::pair{"train.checkpoint", o.checkpoint_path},
                                        std::pair{"train.resume", o.resume_path}}) {
         if (value.empty()) continue;
-        throw ConfigError(
-            fmt::format("{}: not available with sync.scheme = \"{}\" yet (replicas hold different "
-                        "parameters between synchronizations); set it to \"\" or use sync.scheme = "
-                        "\"allreduce\"",
-                        key, o.dist.sync.scheme));
+        if (o.dist.sync.scheme == "adpsgd") {
+          throw ConfigError(fmt::format(
+              "{}: not available with sync.scheme = \"adpsgd\" (pairs average asynchronously, "
+              "so the ranks' states never belong to one step); set it to \"\" or use "
+              "sync.scheme = \"gossip\"",
+              key));
+        }
+        if (key == std::string("train.checkpoint") && world == 1 &&
+            value.ends_with(".safetensors")) {
+          throw ConfigError(fmt::format(
+              "train.checkpoint = \"{}\": sync.scheme = \"{}\" keeps state per rank, which a "
+              "single .safetensors file does not hold; name a directory (a sharded checkpoint)",
+              value, o.dist.sync.scheme));
+        }
+      }
+      if (o.dist.sync.scheme == "ps" && !o.checkpoint_path.empty() && o.checkpoint_every > 0) {
+        throw ConfigError(fmt::format(
+            "train.checkpoint_every = {}: not available with sync.scheme = \"ps\": the servers "
+            "hold the parameters and serve until every worker is done, so the checkpoint is "
+            "written when an invocation ends (its last step, train.halt_after or a stop signal); "
+            "set it to 0",
+            o.checkpoint_every));
       }
       if (o.dist.plan && needs_lowering(*o.dist.plan)) {
         throw ConfigError(fmt::format(
@@ -719,20 +740,97 @@ struct Trainer::Impl {
       return;
     }
     std::vector<ShardPiece> pieces;
-    for (ShardPiece p : whole_pieces(dp->param_pieces(PieceUse::save), false)) {
-      p.name = "param/" + p.name;
-      pieces.push_back(std::move(p));
+    std::map<std::string, std::string> meta = state_metadata();
+    if (dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kServers) {
+      // The optimizer ran on the servers: their count of updates.
+      int64_t updates = 0;
+      for (const auto& [name, n] : optimizer->state().steps) updates = std::max(updates, n);
+      comm->all_reduce(&updates, &updates, 1, DType::i64, ReduceOp::max, o.dist.dp.collective);
+      meta["optimizer_updates"] = std::to_string(updates);
     }
-    for (ShardPiece p :
-         whole_pieces(dp->state_pieces(optimizer->state().tensors, PieceUse::save), true)) {
-      p.name = "optim/" + p.name;
-      pieces.push_back(std::move(p));
+    Tensor mean;  // kReplicas: the replicas' mean, which the pieces view
+    const ReplicaSync::RankCheckpoint per_rank = dp->rank_checkpoint();
+    if (per_rank == ReplicaSync::RankCheckpoint::kReplicas) {
+      // "param/": the replicas' mean (the model the run hands out, for
+      // export and evaluation); every replica's own parameters and
+      // optimizer state as row dp_rank of "replica/...".
+      dp->prepare_checkpoint();
+      mean = Tensor::empty({store->flat_numel()}, DType::f32);
+      dp->average_into(mean);
+      std::map<std::string, Tensor> views;
+      for (const auto& e : store->entries()) {
+        views[e.name] = Tensor::wrap(mean.data<float>() + e.offset, e.shape, DType::f32);
+      }
+      for (ShardPiece p : even_pieces(views, dp_rank, dp_world)) {
+        p.name = "param/" + p.name;
+        pieces.push_back(std::move(p));
+      }
+      for (ShardPiece p : dp->param_pieces(PieceUse::save)) {
+        pieces.push_back(as_row(std::move(p), "replica/param/", dp_rank, dp_world));
+      }
+      for (ShardPiece p : dp->state_pieces(optimizer->state().tensors, PieceUse::save)) {
+        pieces.push_back(as_row(std::move(p), "replica/optim/", dp_rank, dp_world));
+      }
+    } else {
+      if (per_rank == ReplicaSync::RankCheckpoint::kServers) dp->prepare_checkpoint();
+      for (ShardPiece p : whole_pieces(dp->param_pieces(PieceUse::save), false)) {
+        p.name = "param/" + p.name;
+        pieces.push_back(std::move(p));
+      }
+      for (ShardPiece p :
+           whole_pieces(dp->state_pieces(optimizer->state().tensors, PieceUse::save), true)) {
+        p.name = "optim/" + p.name;
+        pieces.push_back(std::move(p));
+      }
+    }
+    if (per_rank != ReplicaSync::RankCheckpoint::kNone) {
+      for (const ReplicaSync::StatePiece& sp : dp->checkpoint_state()) {
+        pieces.push_back(state_row(sp));
+      }
+      for (auto& [k, v] : sync_metadata()) meta[k] = v;
     }
     SaveShardedOptions so;
     so.mode = o.dist.dp.stage == 0 ? "dp" : fmt::format("zero{}", o.dist.dp.stage);
     if (tensor_parallel) so.mode += "+" + o.dist.plan->mesh.describe();
+    if (per_rank != ReplicaSync::RankCheckpoint::kNone) so.mode = o.dist.sync.scheme;
     so.collective = o.dist.dp.collective;
-    save_sharded(comm, path, pieces, state_metadata(), so);
+    save_sharded(comm, path, pieces, meta, so);
+  }
+
+  // Row `row` of `rows` of a tensor named prefix + the piece's name, shaped
+  // [rows, <the piece's tensor's shape>...]: one replica's piece.
+  static ShardPiece as_row(ShardPiece p, const std::string& prefix, int row, int rows) {
+    const int64_t numel = p.full_shape.numel();
+    std::vector<int64_t> dims = {rows};
+    for (int64_t d : p.full_shape.dims()) dims.push_back(d);
+    p.name = prefix + p.name;
+    p.full_shape = Shape(dims);
+    p.begin += row * numel;
+    p.end += row * numel;
+    return p;
+  }
+
+  static ShardPiece state_row(const ReplicaSync::StatePiece& sp) {
+    const int64_t n = sp.data.numel();
+    return ShardPiece{"sync/" + sp.name, Shape({sp.rows, n}), sp.row * n, (sp.row + 1) * n,
+                      sp.data};
+  }
+
+  // What a checkpoint with per-rank state records of its scheme, and must
+  // find again to resume it (sync_resume()).
+  std::map<std::string, std::string> sync_metadata() const {
+    const SyncOptions& s = o.dist.sync;
+    std::map<std::string, std::string> m = {
+        {"sync.scheme", s.scheme},
+        {"sync.per_rank",
+         dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kReplicas ? "replicas" : "servers"},
+        {"sync.ranks", std::to_string(s.scheme == "ps" ? world : dp_world)}};
+    if (s.scheme == "ps") m["sync.servers"] = std::to_string(s.servers);
+    if (s.scheme == "diloco") {
+      m["sync.fragments"] = std::to_string(s.fragments);
+      m["sync.overlap_steps"] = std::to_string(s.overlap_steps);
+    }
+    return m;
   }
 
   static int64_t meta_int(const std::map<std::string, std::string>& m, const std::string& key,
@@ -882,12 +980,62 @@ struct Trainer::Impl {
         if (k == "model" || k.starts_with("model.")) recorded[k] = v;
       }
       require_same_params(path, recorded, model_settings(spec), stored, expected_params());
+      check_sync_fits(path, idx.metadata);
     } catch (...) {
       err = std::current_exception();
     }
     if (world == 1 && err) std::rethrow_exception(err);
     agree_on_failure(comm, err, o.dist.dp.collective);  // every rank throws alike
   }
+
+  // A checkpoint with per-rank state (sync_metadata()) resumes only where
+  // that state has a place: the same scheme over as many ranks (replicas:
+  // each rank takes its own row; servers: the same shards). Checkpoints
+  // without it (all-reduce DP, or a parameter server's whole tensors under
+  // another scheme) resume under any scheme, whose own state starts afresh.
+  void check_sync_fits(const std::string& path, const std::map<std::string, std::string>& m) const {
+    const auto get = [&](const std::string& k) {
+      auto it = m.find(k);
+      return it == m.end() ? std::string() : it->second;
+    };
+    const std::string per = get("sync.per_rank");
+    if (per.empty()) return;
+    const std::string scheme = get("sync.scheme"), ranks = get("sync.ranks");
+    const SyncOptions& s = o.dist.sync;
+    if (per == "servers" && s.scheme != "ps") return;
+    if (s.scheme != scheme) {
+      throw CheckpointError(fmt::format(
+          "checkpoint {}: sync.scheme = \"{}\" (this run) cannot resume it: it was written under "
+          "sync.scheme = \"{}\" by {} replicas, each with its own parameters, optimizer state "
+          "and scheme state (its param/ tensors are only their mean); resume with sync.scheme = "
+          "\"{}\"",
+          path, s.scheme, scheme, ranks, scheme));
+    }
+    const int have = s.scheme == "ps" ? world : dp_world;
+    if (ranks != std::to_string(have)) {
+      throw CheckpointError(fmt::format(
+          "checkpoint {}: written by {} ranks under sync.scheme = \"{}\", this run has {}: each "
+          "rank's own state (its row of the checkpoint's sync/ and replica/ tensors) has no "
+          "place among another number of ranks; resume with {} ranks",
+          path, ranks, scheme, have, ranks));
+    }
+    const auto same = [&](const std::string& key, int64_t value) {
+      if (get(key) == std::to_string(value)) return;
+      throw CheckpointError(fmt::format(
+          "checkpoint {}: written with {} = {}, this run has {} = {}: the scheme's saved state "
+          "(shards, fragments and the exchanges in flight) depends on it; resume with {} = {}",
+          path, key, get(key), key, value, key, get(key)));
+    };
+    if (s.scheme == "ps") same("sync.servers", s.servers);
+    if (s.scheme == "diloco") {
+      same("sync.fragments", s.fragments);
+      same("sync.overlap_steps", s.overlap_steps);
+    }
+  }
+
+  // The kind of per-rank state checkpoint `path` holds ("", "replicas",
+  // "servers"), read again after check_sharded_fits() accepted it.
+  std::string resume_per_rank;
 
   // Writes the run's checkpoint for the current step (once per step); with
   // checkpoint_keep, a new step directory, then the oldest beyond the kept
@@ -926,19 +1074,28 @@ struct Trainer::Impl {
       return;
     }
     check_sharded_fits(path);
+    {
+      const ShardedIndex idx = read_index(path);
+      auto it = idx.metadata.find("sync.per_rank");
+      resume_per_rank = it == idx.metadata.end() ? std::string() : it->second;
+    }
+    // A replica resumes from its own row.
+    const bool own_row = resume_per_rank == "replicas";
     std::vector<ShardPiece> wanted;
     for (auto& e : store->entries()) {
       const LoweredParam* lp = tensor_parallel ? lowered.param(e.name) : nullptr;
-      wanted.push_back(lp != nullptr && !lp->axis.empty()
-                           ? box_piece("param/" + e.name, lp->global, lp->box, e.value)
-                           : full_piece("param/" + e.name, e.value));
+      wanted.push_back(
+          own_row ? as_row(full_piece(e.name, e.value), "replica/param/", dp_rank, dp_world)
+          : lp != nullptr && !lp->axis.empty()
+              ? box_piece("param/" + e.name, lp->global, lp->box, e.value)
+              : full_piece("param/" + e.name, e.value));
     }
     LoadShardedOptions lo;
     lo.collective = o.dist.dp.collective;
     ShardedIndex idx = load_sharded(comm, path, wanted, lo);
     for (const auto& [name, t] : idx.tensors) {
       const size_t dot = name.rfind('.');
-      if (name.starts_with("optim/") && dot != std::string::npos) {
+      if ((name.starts_with(own_row ? "replica/optim/" : "optim/")) && dot != std::string::npos) {
         stored_state_kinds.insert(name.substr(dot + 1));
       }
     }
@@ -1012,11 +1169,16 @@ struct Trainer::Impl {
       }
       std::vector<ShardPiece> wanted =
           in_boxes(dp->new_state_pieces(stored_kinds), tensor_places());
-      for (ShardPiece& p : wanted) p.name = "optim/" + p.name;
+      const bool own_row = resume_per_rank == "replicas";
+      const std::string prefix = own_row ? "replica/optim/" : "optim/";
+      for (ShardPiece& p : wanted) {
+        p = own_row ? as_row(std::move(p), prefix, dp_rank, dp_world)
+                    : ShardPiece{prefix + p.name, p.full_shape, p.begin, p.end, p.data, p.box};
+      }
       LoadShardedOptions lo;
       lo.collective = o.dist.dp.collective;
       load_sharded(comm, path, wanted, lo);
-      for (ShardPiece& p : wanted) st.tensors[p.name.substr(6)] = p.data;
+      for (ShardPiece& p : wanted) st.tensors[p.name.substr(prefix.size())] = p.data;
       if (pending_updates > 0) {
         for (const ParamSlice& sl : dp->slices()) {
           if (sl.end > sl.begin) st.steps[sl.name] = pending_updates;
@@ -1025,6 +1187,28 @@ struct Trainer::Impl {
     }
     optimizer->load_state(st);
     pending_state = {};
+  }
+
+  // The scheme's own state, after parameters and optimizer state: each
+  // rank's row of the checkpoint's sync/ tensors where the checkpoint has
+  // them for this scheme (check_sync_fits() saw to that), else the scheme
+  // starts afresh at the checkpoint's step.
+  void resume_sync_state(const std::string& path) {
+    const std::string per =
+        dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kReplicas  ? "replicas"
+        : dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kServers ? "servers"
+                                                                         : "";
+    const bool with_state = !per.empty() && per == resume_per_rank;
+    if (with_state) {
+      std::vector<ShardPiece> wanted;
+      for (const ReplicaSync::StatePiece& sp : dp->checkpoint_state()) {
+        wanted.push_back(state_row(sp));
+      }
+      LoadShardedOptions lo;
+      lo.collective = o.dist.dp.collective;
+      load_sharded(comm, path, wanted, lo);
+    }
+    dp->restore_checkpoint(step, with_state);
   }
 
   EvalModel& eval_model(int64_t batch) {
@@ -1378,6 +1562,11 @@ struct Trainer::Impl {
       }
     }
     progress.finish();
+    // An invocation that stops before the run's end checkpoints its
+    // replicas before finish(), which lands exchanges still in flight:
+    // saved in flight, they land where the uninterrupted run has them land.
+    // (A parameter server's checkpoint needs finish(): the servers' state.)
+    if (step < total_steps && o.dist.sync.scheme != "ps") checkpoint_now(r);
     if (!ps_server) dp->finish();  // ps: the servers' final parameters
     if (o.eval && !evaluated_last && step == total_steps && r.stop_signal == 0) {
       record_eval(r, metrics, tensorboard, nullptr, 0);
