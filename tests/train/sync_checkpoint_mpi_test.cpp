@@ -157,6 +157,16 @@ TEST(SyncCheckpointMpi, LocalSgdAndPostLocalResumeExactly) {
   SyncOptions post = scheme("local_sgd", 4);
   post.sync_until = 3;
   expect_resume_is_exact(options(post), 2, "post-local SGD (sync_until 3, period 4)");
+  // f16: each replica's loss scaler is its own (a row of the checkpoint).
+  TrainerOptions f16 = options(scheme("local_sgd", 3));
+  f16.precision = DType::f16;
+  f16.loss_scaler.init_scale = std::ldexp(1.0, 27);
+  f16.loss_scaler.max_scale = std::ldexp(1.0, 40);
+  f16.loss_scaler.growth_interval = 1;
+  // (With uneven batch shares too. Each replica's scaler is saved as its
+  // own row; in this run they happen to agree, as far as seen.)
+  f16.dist.batch_shares = {1, 2, 3, 6};
+  expect_resume_is_exact(f16, 5, "local_sgd period 3, f16 with dynamic loss scaling");
 }
 
 TEST(SyncCheckpointMpi, DilocoAndStreamingDilocoResumeExactly) {

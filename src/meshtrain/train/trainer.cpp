@@ -771,6 +771,12 @@ struct Trainer::Impl {
       for (ShardPiece p : dp->state_pieces(optimizer->state().tensors, PieceUse::save)) {
         pieces.push_back(as_row(std::move(p), "replica/optim/", dp_rank, dp_world));
       }
+      // Each replica's loss scaler decides on its own gradients (f16).
+      scaler_row = Tensor::empty({2}, DType::f64);
+      scaler_row.data<double>()[0] = scaler.state().scale;
+      scaler_row.data<double>()[1] = static_cast<double>(scaler.state().good_steps);
+      pieces.push_back(
+          as_row(full_piece("loss_scaler", scaler_row), "replica/", dp_rank, dp_world));
     } else {
       if (per_rank == ReplicaSync::RankCheckpoint::kServers) dp->prepare_checkpoint();
       for (ShardPiece p : whole_pieces(dp->param_pieces(PieceUse::save), false)) {
@@ -1036,6 +1042,7 @@ struct Trainer::Impl {
   // The kind of per-rank state checkpoint `path` holds ("", "replicas",
   // "servers"), read again after check_sharded_fits() accepted it.
   std::string resume_per_rank;
+  Tensor scaler_row;  // kReplicas: this replica's loss scaler (scale, good steps)
 
   // Writes the run's checkpoint for the current step (once per step); with
   // checkpoint_keep, a new step directory, then the oldest beyond the kept
@@ -1201,12 +1208,23 @@ struct Trainer::Impl {
     const bool with_state = !per.empty() && per == resume_per_rank;
     if (with_state) {
       std::vector<ShardPiece> wanted;
+      if (per == "replicas") {
+        scaler_row = Tensor::empty({2}, DType::f64);
+        wanted.push_back(
+            as_row(full_piece("loss_scaler", scaler_row), "replica/", dp_rank, dp_world));
+      }
       for (const ReplicaSync::StatePiece& sp : dp->checkpoint_state()) {
         wanted.push_back(state_row(sp));
       }
       LoadShardedOptions lo;
       lo.collective = o.dist.dp.collective;
       load_sharded(comm, path, wanted, lo);
+      if (per == "replicas") {
+        LossScalerState ls;
+        ls.scale = scaler_row.data<double>()[0];
+        ls.good_steps = static_cast<int64_t>(scaler_row.data<double>()[1]);
+        scaler.load_state(ls);
+      }
     }
     dp->restore_checkpoint(step, with_state);
   }
