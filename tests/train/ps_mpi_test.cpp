@@ -76,6 +76,7 @@ struct Outcome {
   std::vector<PsStepLog> log;
   bool server = false;
   int64_t layout_numel = 0;
+  DataParallelStats stats;  // after the warm-up steps
 };
 
 Outcome train(const SyncOptions& sync, TrainerOptions o, const ModelSpec& s = spec()) {
@@ -88,6 +89,7 @@ Outcome train(const SyncOptions& sync, TrainerOptions o, const ModelSpec& s = sp
   out.params.assign(p.data<float>(), p.data<float>() + p.numel());
   out.bytes = t.replica_sync().bytes_sent();
   out.log = ps_step_log(t.replica_sync());
+  out.stats = t.replica_sync().stats();
   (void)sync;
   return out;
 }
@@ -125,6 +127,41 @@ ParamLayout layout_of_model() {
   ParamLayout layout;
   for (const auto& e : t.params().entries()) layout.push_back({e.name, e.shape, e.offset});
   return layout;
+}
+
+// A worker pushes each bucket's part of every server's shard as soon as the
+// bucket's gradients are final, during the backward (one message per bucket
+// and server holding part of it, the first with the header): the same
+// bytes as one message per server, and the same run bit for bit as pushing
+// after the backward (dist.overlap = false; BSP sums in worker order).
+TEST(ParamServerMpi, PushesPerBucketOverlapTheBackward) {
+  for (int64_t servers : {1, 2}) {
+    SCOPED_TRACE(fmt::format("{} server(s)", servers));
+    const Outcome on = train(ps("bsp", servers));
+    TrainerOptions o = options(ps("bsp", servers));
+    o.dist.dp.overlap = false;
+    const Outcome off = train(ps("bsp", servers), o);
+    EXPECT_EQ(on.losses, off.losses);
+    EXPECT_EQ(on.params, off.params);
+    EXPECT_EQ(on.bytes, off.bytes);
+    if (!on.server) {
+      // 1 KiB buckets: the MLP's parameters fill several, so each server
+      // gets several pieces per step.
+      const int64_t steps = on.stats.steps;  // counted after the warm-up steps
+      ASSERT_GT(steps, 0);
+      // 2 buckets (fc2 and the head; fc1), so at least 2 pieces per step.
+      EXPECT_GE(on.stats.collectives, 2 * steps) << "pieces pushed";
+      EXPECT_EQ(on.stats.overlapped, on.stats.collectives) << "every piece left during backward";
+      EXPECT_EQ(off.stats.overlapped, 0);
+      EXPECT_EQ(off.stats.collectives, on.stats.collectives);
+      if (world().rank() == 0) {
+        std::printf(
+            "ps bsp (%lld server(s)): %lld pushes per step per worker, %lld during backward\n",
+            static_cast<long long>(servers), static_cast<long long>(on.stats.collectives / steps),
+            static_cast<long long>(on.stats.overlapped / steps));
+      }
+    }
+  }
 }
 
 TEST(ParamServerMpi, BspEqualsAllReduceStepByStepAndCountsItsBytes) {

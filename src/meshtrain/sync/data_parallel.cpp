@@ -218,7 +218,10 @@ void DataParallel::Impl::launch_ready() {
 void DataParallel::Impl::launch(int bucket) {
   BucketRun& r = runs[idx(bucket)];
   r.launched = true;
-  if (world() == 1) return;  // the sum over one rank is what we hold
+  if (world() == 1) {  // the sum over one rank is what we hold
+    if (opt.on_bucket_final) opt.on_bucket_final(bucket, in_micro);
+    return;
+  }
   const BucketInfo& b = plan.buckets()[idx(bucket)];
   with_comm_context([&] { return context(bucket, grad_collective(stage())); },
                     [&] {

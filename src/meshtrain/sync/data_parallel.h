@@ -108,6 +108,12 @@ struct DataParallelOptions {
   int accumulation_steps = 1;         // micro-steps per optimizer step (K >= 1)
   bool prefetch = true;               // stage 3: gather the next bucket ahead
   CollectiveOptions collective;       // timeout, algorithm and tag of every collective
+  // One-rank groups only (a parameter server's worker pushes per bucket):
+  // called with a bucket's index once its gradients for the optimizer step
+  // are final, in bucket index order, on the thread that runs the executor:
+  // during the last micro-step's backward (during_backward true) with
+  // overlap, else from end_micro_step().
+  std::function<void(int bucket, bool during_backward)> on_bucket_final;
 };
 
 // This rank's part of one parameter, for the optimizer: `param` is updated

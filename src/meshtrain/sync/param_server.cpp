@@ -56,7 +56,7 @@ class ParamServerSync : public ReplicaSync {
         group_(group),
         self_(make_self_communicator()),
         layout_(layout),
-        local_(*self_, layout, flat, dp),
+        local_(*self_, layout, flat, with_push_hook(dp)),
         flat_(std::move(flat)),
         share_(share),
         servers_(static_cast<int>(o.servers)),
@@ -70,6 +70,7 @@ class ParamServerSync : public ReplicaSync {
       shard_elems_[static_cast<size_t>(shard_of_[i])] += layout_[i].shape.numel();
     }
     if (o_.ps_switch.starts_with("after:")) switch_after_ = std::stoll(o_.ps_switch.substr(6));
+    plan_pieces();
     MemoryScope tag(MemoryCategory::comm);
     if (is_server()) {
       const int j = server_index();
@@ -78,8 +79,8 @@ class ParamServerSync : public ReplicaSync {
       outbox_ = Tensor::empty({static_cast<int64_t>(msg) * workers_}, DType::u8);
       acc_ =
           Tensor::zeros({std::max<int64_t>(shard_elems_[static_cast<size_t>(j)], 1)}, DType::f32);
-      for (size_t i = 0, at = 0; i < layout_.size(); ++i) {
-        if (shard_of_[i] != j) continue;
+      size_t at = 0;
+      for (const size_t i : order_[static_cast<size_t>(j)]) {
         const ParamLayoutEntry& e = layout_[i];
         ParamSlice s;
         s.name = e.name;
@@ -114,14 +115,14 @@ class ParamServerSync : public ReplicaSync {
 
   // The optimizer runs on the servers: `update` is not called on a worker.
   void step(const std::function<void(std::span<ParamSlice>)>& /*update*/) override {
-    local_.step([&](std::span<ParamSlice> s) { exchange(s, kGrad); });
+    local_.step([&](std::span<ParamSlice>) { exchange(kGrad); });
     ++steps_;
   }
 
   void finish() override {
     if (is_server() || finished_) return;
     finished_ = true;
-    exchange({}, kDone);
+    exchange(kDone);
   }
 
   void gather_params(Tensor& flat_out) override {
@@ -217,11 +218,14 @@ class ParamServerSync : public ReplicaSync {
   DataParallelStats stats() const override {
     DataParallelStats st = local_.stats();
     st.wait_seconds += exchange_seconds_;
+    st.collectives += pushed_pieces_;  // pushes, one per bucket and server holding part of it
+    st.overlapped += overlapped_pieces_;
     return st;
   }
   void reset_stats() override {
     local_.reset_stats();
     exchange_seconds_ = 0;
+    pushed_pieces_ = overlapped_pieces_ = 0;
   }
   std::string name() const override {
     return o_.ps_switch.empty() ? fmt::format("ps+{}", o_.ps_mode)
@@ -268,7 +272,67 @@ class ParamServerSync : public ReplicaSync {
   Tensor push_, pull_;           // worker: one message per server, back to back
   Tensor inbox_, outbox_, acc_;  // server: one message per worker; BSP's sum
   std::vector<ParamSlice> server_slices_;
-  std::vector<size_t> server_params_;  // layout indices of this server's shard
+  std::vector<size_t> server_params_;  // layout indices of this server's shard (message order)
+  // Messages: server j's shard in message order (buckets in index order,
+  // layout order inside a bucket); its pieces, one per bucket holding part
+  // of it (offset and elements in message order, the parameters), sent as
+  // one message each, the first with the header in front.
+  struct Piece {
+    int64_t offset = 0, numel = 0;
+    std::vector<size_t> params;
+  };
+  std::vector<std::vector<size_t>> order_;
+  std::vector<std::vector<Piece>> pieces_;
+  std::vector<std::vector<int>> piece_of_bucket_;  // per server, per bucket: piece or -1
+  std::vector<size_t> push_at_;                    // worker: server j's message in push_
+  size_t total_pieces_ = 0;
+  bool pushing_ = false;  // this step's headers are packed and pieces going out
+  std::vector<CommHandle> sends_;
+  int64_t pushed_pieces_ = 0, overlapped_pieces_ = 0;
+
+  DataParallelOptions with_push_hook(DataParallelOptions dp) {
+    dp.on_bucket_final = [this](int b, bool during_backward) { push_bucket(b, during_backward); };
+    return dp;
+  }
+
+  void plan_pieces() {
+    const BucketPlan& plan = local_.plan();
+    const auto nb = plan.buckets().size();
+    order_.assign(static_cast<size_t>(servers_), {});
+    pieces_.assign(static_cast<size_t>(servers_), {});
+    piece_of_bucket_.assign(static_cast<size_t>(servers_), std::vector<int>(nb, -1));
+    for (size_t b = 0; b < nb; ++b) {
+      const BucketInfo& info = plan.buckets()[b];
+      for (int q = info.first_param; q <= info.last_param; ++q) {
+        const auto i = static_cast<size_t>(q);
+        const auto j = static_cast<size_t>(shard_of_[i]);
+        if (piece_of_bucket_[j][b] < 0) {
+          piece_of_bucket_[j][b] = static_cast<int>(pieces_[j].size());
+          Piece pc;
+          for (size_t x : order_[j]) pc.offset += layout_[x].shape.numel();
+          pieces_[j].push_back(pc);
+        }
+        Piece& pc = pieces_[j].back();
+        pc.params.push_back(i);
+        pc.numel += layout_[i].shape.numel();
+        order_[j].push_back(i);
+      }
+    }
+    size_t at = 0;
+    for (int j = 0; j < servers_; ++j) {
+      push_at_.push_back(at);
+      at += message_bytes(j);
+      total_pieces_ += pieces_[static_cast<size_t>(j)].size();
+    }
+  }
+
+  // Piece k of server j's message: {byte offset in the message, bytes}.
+  std::pair<size_t, size_t> piece_bytes(int j, int k) const {
+    const Piece& pc = pieces_[static_cast<size_t>(j)][static_cast<size_t>(k)];
+    const size_t data = 4 * static_cast<size_t>(pc.numel);
+    if (k == 0) return {0, kHeaderBytes + data};
+    return {kHeaderBytes + 4 * static_cast<size_t>(pc.offset), data};
+  }
   // Server: optimizer updates of this shard, BSP steps taken, a switch to
   // ASP asked for, each worker's pushes (kept across serve() for checkpoints).
   int64_t version_ = 0;
@@ -297,7 +361,7 @@ class ParamServerSync : public ReplicaSync {
   }
 
   // Packs server j's part of `grads` (layout order) after a header.
-  void pack(std::byte* out, int j, std::span<ParamSlice> grads, int64_t kind) const {
+  void pack(std::byte* out, int j, int64_t kind) const {
     int64_t h[kHeader] = {kind,
                           steps_,
                           seen_[static_cast<size_t>(j)],
@@ -305,31 +369,67 @@ class ParamServerSync : public ReplicaSync {
                           straggler_seen_ ? kFlagStraggler : 0,
                           0};
     std::memcpy(out, h, kHeaderBytes);
-    float* g = reinterpret_cast<float*>(out + kHeaderBytes);
-    for (size_t i = 0; i < layout_.size(); ++i) {
-      if (shard_of_[i] != j) continue;
-      const auto n = static_cast<size_t>(layout_[i].shape.numel());
-      if (kind == kGrad) {
-        std::memcpy(g, grads[i].grad.raw(), n * sizeof(float));
-      } else {
-        std::memset(g, 0, n * sizeof(float));
+    if (kind == kGrad) return;  // the gradients follow bucket by bucket (push_bucket)
+    std::memset(out + kHeaderBytes, 0, message_bytes(j) - kHeaderBytes);
+  }
+
+  // The DataParallel hook: bucket b's gradients are final, so each server's
+  // part of them goes now, while the backward goes on with the next
+  // buckets (a piece's first message carries the header, packed then).
+  void push_bucket(int b, bool during_backward) {
+    if (!pushing_) {
+      pushing_ = true;
+      std::byte* out = static_cast<std::byte*>(push_.raw());
+      for (int j = 0; j < servers_; ++j) {
+        pack(out, j, kGrad);
+        out += message_bytes(j);
       }
-      g += n;
+    }
+    std::span<ParamSlice> grads = local_.slices();
+    std::byte* base = static_cast<std::byte*>(push_.raw());
+    for (int j = 0; j < servers_; ++j) {
+      const int k = piece_of_bucket_[static_cast<size_t>(j)][static_cast<size_t>(b)];
+      if (k < 0) continue;
+      const Piece& pc = pieces_[static_cast<size_t>(j)][static_cast<size_t>(k)];
+      float* g = reinterpret_cast<float*>(base + push_at_[static_cast<size_t>(j)] + kHeaderBytes) +
+                 pc.offset;
+      for (const size_t i : pc.params) {
+        const auto n = static_cast<size_t>(layout_[i].shape.numel());
+        std::memcpy(g, grads[i].grad.raw(), n * sizeof(float));
+        g += n;
+      }
+      send_piece(j, k);
+      ++pushed_pieces_;
+      if (during_backward) ++overlapped_pieces_;
     }
   }
 
-  // Push to every server (asynchronously, so the servers work in parallel),
-  // then take each server's reply: its shard of the parameters.
-  void exchange(std::span<ParamSlice> grads, int64_t kind) {
+  void send_piece(int j, int k) {
+    const auto [at, bytes] = piece_bytes(j, k);
+    std::byte* out = static_cast<std::byte*>(push_.raw()) + push_at_[static_cast<size_t>(j)] + at;
+    sends_.push_back(group_.send_async(out, bytes, DType::u8, server_rank(j),
+                                       p2p(kPushTag, timeout_ + std::chrono::seconds(2))));
+  }
+
+  // The pushes went out per bucket during the backward (push_bucket); a
+  // "done" push goes now, all pieces of zeros. Then each server's reply:
+  // its shard of the parameters.
+  void exchange(int64_t kind) {
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<CommHandle> sends;
-    std::byte* out = static_cast<std::byte*>(push_.raw());
     const auto wait = timeout_ + std::chrono::seconds(2);
-    for (int j = 0; j < servers_; ++j) {
-      pack(out, j, grads, kind);
-      sends.push_back(
-          group_.send_async(out, message_bytes(j), DType::u8, server_rank(j), p2p(kPushTag, wait)));
-      out += message_bytes(j);
+    if (kind == kDone) {
+      std::byte* out = static_cast<std::byte*>(push_.raw());
+      for (int j = 0; j < servers_; ++j) {
+        pack(out, j, kind);
+        for (size_t k = 0; k < pieces_[static_cast<size_t>(j)].size(); ++k) {
+          send_piece(j, static_cast<int>(k));
+        }
+        out += message_bytes(j);
+      }
+    } else {
+      MT_CHECK(pushing_ && sends_.size() == total_pieces_,
+               "ps worker {}: {} of {} gradient pieces pushed at step {}", group_.rank(),
+               sends_.size(), total_pieces_, steps_);
     }
     std::byte* in = static_cast<std::byte*>(pull_.raw());
     PsStepLog entry;
@@ -354,15 +454,16 @@ class ParamServerSync : public ReplicaSync {
         next_mode = h[3];
       }
       const float* p = reinterpret_cast<const float*>(in + kHeaderBytes);
-      for (size_t i = 0; i < layout_.size(); ++i) {
-        if (shard_of_[i] != j) continue;
+      for (const size_t i : order_[static_cast<size_t>(j)]) {
         const auto n = static_cast<size_t>(layout_[i].shape.numel());
         std::memcpy(flat_.data<float>() + layout_[i].offset, p, n * sizeof(float));
         p += n;
       }
       in += message_bytes(j);
     }
-    for (CommHandle& h : sends) h.wait();
+    for (CommHandle& h : sends_) h.wait();
+    sends_.clear();
+    pushing_ = false;
     if (kind == kGrad) log_.push_back(entry);
     mode_ = next_mode;
     exchange_seconds_ +=
@@ -404,8 +505,17 @@ void ParamServerSync::serve(const ServerUpdate& update) {
     }
   } save_clocks{ws, clocks_};
   const auto reply_timeout = timeout_ + std::chrono::seconds(2);
-  for (int w = 0; w < workers_; ++w)
-    group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
+  // A push arrives as one message per piece (push_bucket), each received
+  // in place: the next piece's receive is posted when one lands, and the
+  // push is handled when its last piece is in.
+  const size_t n_pieces = pieces_[static_cast<size_t>(j)].size();
+  std::vector<size_t> next_piece(static_cast<size_t>(workers_), 0);
+  auto post_piece = [&](int w) {
+    const auto k = static_cast<int>(next_piece[static_cast<size_t>(w)]);
+    const auto [at, bytes] = piece_bytes(j, k);
+    group_.post_recv(in_of(w) + at, bytes, DType::u8, w, p2p(kPushTag, timeout_));
+  };
+  for (int w = 0; w < workers_; ++w) post_piece(w);
 
   auto active = [&](const Worker& x) { return !x.done && !x.dropped; };
   auto slowest = [&] {
@@ -469,7 +579,7 @@ void ParamServerSync::serve(const ServerUpdate& update) {
       const auto share = static_cast<float>(as_double(hw[3]));
       const float* gw = reinterpret_cast<const float*>(in_of(w) + kHeaderBytes);
       for (size_t i = 0; i < n_elems; ++i) acc[i] += share * gw[i];
-      group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
+      post_piece(w);
     }
     update(server_slices_, bsp_steps, 1.0);
     ++version;
@@ -529,6 +639,11 @@ void ParamServerSync::serve(const ServerUpdate& update) {
           group_.rank(), w, r->lost_message));
       continue;
     }
+    if (++next_piece[static_cast<size_t>(w)] < n_pieces) {
+      post_piece(w);
+      continue;
+    }
+    next_piece[static_cast<size_t>(w)] = 0;
     int64_t h[kHeader];
     std::memcpy(h, in_of(w), kHeaderBytes);
     const float* g = reinterpret_cast<const float*>(in_of(w) + kHeaderBytes);
@@ -555,7 +670,7 @@ void ParamServerSync::serve(const ServerUpdate& update) {
         o_.staleness_lr && staleness > 1 ? 1.0 / static_cast<double>(staleness) : 1.0;
     update(server_slices_, h[1], scale);
     ++version;
-    group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
+    post_piece(w);
     x.held = true;
     release_ssp();
   }
