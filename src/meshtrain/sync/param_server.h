@@ -32,7 +32,15 @@
 // the mode of the next step, the slowest worker's pushes) and server j's
 // shard of the parameters. Per worker and step: push + pull = 2 x sum_j (48 +
 // 4 n_j) bytes (n_j the elements of shard j); at the end one more of each
-// (the "done" push and the final parameters).
+// (the "done" push and the final parameters). A push leaves per bucket
+// during the backward (DataParallelOptions::on_bucket_final): shard j in
+// message order (the worker's buckets in index order, layout order inside
+// one), one message per bucket holding part of it, the first with the
+// header; the server receives them in place, one posted receive at a time,
+// and handles the push when its last piece is in. BSP sums a step's pushes
+// in worker order (bitwise reproducible). Checkpoints (replica_sync.h):
+// the servers' shards and optimizer state as whole tensors, each server's
+// and worker's counters as rows, written after finish().
 //
 // How a server serves: it posts one receive per worker (Communicator::
 // post_recv) and handles whichever completes first (wait_any), re-posting
