@@ -80,6 +80,10 @@ struct PipelineRuntime::Impl {
   int64_t stash_now = 0, stash_peak = 0;
   uint64_t sent = 0;
   size_t posted = 0;  // actions whose receives are posted
+  // Per action of this rank's list: a forward whose stash may stay in its
+  // executor's arena (views, no copies), because every pass that reads that
+  // micro-batch's stash runs before the executor runs again (plan_views()).
+  std::vector<bool> keep_views;
   // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient
   // exchange. Declared last so that they are destroyed first: a
   // communicator's destructor waits for its queued sends and receives,
@@ -153,6 +157,43 @@ struct PipelineRuntime::Impl {
       grad.push_back(comm.split(0, rank, fmt::format("{}/pp_grad{}", comm.name(), q)));
     }
     shared = comm.split(0, rank, comm.name() + "/pp_shared");
+    plan_views();
+  }
+
+  // A forward's stash (what its backward passes and a next stage on this
+  // rank read) is copied out of the executor's arena because the next
+  // micro-batch's forward reuses that arena. Where the schedule runs every
+  // reader first -- 1F1B's last stage runs F(i) then B(i) -- the copies
+  // are not needed: the stash keeps views of the arena. Not under
+  // recomputation (the backward reruns the forward), and the stage's
+  // outputs are copied still (a send may be in flight when the arena is
+  // reused). This takes the copies off 1F1B's critical path at p = 2
+  // (the last stage's F -> B -> gradient send).
+  void plan_views() {
+    const auto& list = sched.actions[ix(rank)];
+    keep_views.assign(list.size(), false);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const PipelineAction& a = list[i];
+      if (a.kind != ActionKind::forward || st(a.stage).recompute) continue;
+      const int vs = a.stage, mb = a.microbatch;
+      const bool local_next = vs + 1 < sched.virtual_count() && owner(vs + 1) == rank;
+      size_t next_run = list.size();  // the next forward of vs, any micro-batch
+      size_t last_read = i;           // the last pass reading stash (vs, mb)
+      for (size_t j = i + 1; j < list.size(); ++j) {
+        const PipelineAction& b = list[j];
+        if (b.stage == vs && b.kind == ActionKind::forward && next_run == list.size()) {
+          next_run = j;
+        }
+        const bool reads =
+            (b.stage == vs && b.microbatch == mb &&
+             (b.kind == ActionKind::backward || b.kind == ActionKind::backward_input ||
+              b.kind == ActionKind::backward_weight)) ||
+            (local_next && b.stage == vs + 1 && b.microbatch == mb &&
+             b.kind == ActionKind::forward);
+        if (reads) last_read = j;
+      }
+      keep_views[i] = last_read < next_run;
+    }
   }
 
   Pass make_pass(const StagePass& sp) {
@@ -194,8 +235,11 @@ struct PipelineRuntime::Impl {
   // copied out and queued first, before the rest of the stash and the
   // gradient accumulation, so the neighbour's wait does not include them);
   // null when none follows.
+  // `views`: the stash keeps views of the executor's arena instead of
+  // copies, except the stage's outputs (a send may read them later, or
+  // in flight; plan_views()).
   void run_pass(Pass& pass, int vs, int mb, ActionKind kind, const MicrobatchData& data,
-                const PipelineAction* then_send) {
+                const PipelineAction* then_send, bool views = false) {
     if (!pass.exec) {
       if (then_send != nullptr) send_action(*then_send);
       return;
@@ -244,7 +288,10 @@ struct PipelineRuntime::Impl {
     }
     for (const std::string& name : pass.pass->stash) {
       if (std::ranges::find(first, name) != first.end()) continue;
-      put(s, name, pass.exec->get(*g.find(name)).clone());
+      Tensor t = pass.exec->get(*g.find(name));
+      const bool output = std::ranges::any_of(
+          st(vs).outputs, [&](const StageBoundary& b) { return b.name == name; });
+      put(s, name, views && !output ? std::move(t) : t.clone());
     }
     for (const auto& [pv, gv] : g.grads()) {
       const std::string& name = g.value(pv).name;
@@ -409,7 +456,7 @@ struct PipelineRuntime::Impl {
         case ActionKind::forward: {
           wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
-          run_pass(r.forward, vs, mb, a.kind, data, then_send);
+          run_pass(r.forward, vs, mb, a.kind, data, then_send, keep_views[i]);
           if (!r.st->loss.empty()) {
             loss_sum += stash[{vs, mb}].at(r.st->loss).item();
             ++losses;
