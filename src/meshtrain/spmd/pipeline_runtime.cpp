@@ -84,6 +84,9 @@ struct PipelineRuntime::Impl {
   // executor's arena (views, no copies), because every pass that reads that
   // micro-batch's stash runs before the executor runs again (plan_views()).
   std::vector<bool> keep_views;
+  // Backward passes whose parameter gradients are still in their
+  // executor's arena, to be added into the accumulators (flush_grads()).
+  std::vector<Pass*> pending_grads;
   // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient
   // exchange. Declared last so that they are destroyed first: a
   // communicator's destructor waits for its queued sends and receives,
@@ -231,6 +234,28 @@ struct PipelineRuntime::Impl {
     recvs.erase(it);
   }
 
+  // Adds the pending backward passes' parameter gradients into the
+  // accumulators (before their executors run again, and at the step's end).
+  void flush_grads() {
+    for (Pass* pass : pending_grads) {
+      const Graph& g = pass->pass->graph;
+      for (const auto& [pv, gv] : g.grads()) {
+        const std::string& name = g.value(pv).name;
+        add_into(grads.at(name), pass->exec->get(gv), name);
+      }
+    }
+    pending_grads.clear();
+  }
+
+  // Whether action j of this rank's list is a forward whose output is sent
+  // right after it.
+  bool forward_next(size_t j) const {
+    const auto& list = sched.actions[ix(rank)];
+    return j + 1 < list.size() && list[j].kind == ActionKind::forward &&
+           list[j + 1].kind == ActionKind::send_activation && list[j + 1].stage == list[j].stage &&
+           list[j + 1].microbatch == list[j].microbatch;
+  }
+
   // `then_send`: the send action that follows the pass (its tensors are
   // copied out and queued first, before the rest of the stash and the
   // gradient accumulation, so the neighbour's wait does not include them);
@@ -238,8 +263,11 @@ struct PipelineRuntime::Impl {
   // `views`: the stash keeps views of the executor's arena instead of
   // copies, except the stage's outputs (a send may read them later, or
   // in flight; plan_views()).
+  // `defer_grads`: the parameter gradients are added after the next pass's
+  // send (a forward follows whose output a neighbour waits for: 1F1B's
+  // first stage, B(i) then F(i+p)), not before it starts.
   void run_pass(Pass& pass, int vs, int mb, ActionKind kind, const MicrobatchData& data,
-                const PipelineAction* then_send, bool views = false) {
+                const PipelineAction* then_send, bool views = false, bool defer_grads = false) {
     if (!pass.exec) {
       if (then_send != nullptr) send_action(*then_send);
       return;
@@ -265,6 +293,8 @@ struct PipelineRuntime::Impl {
       }
       pass.exec->bind(in, t);
     }
+    // A pass with gradients may reuse an arena whose gradients are pending.
+    if (!g.grads().empty()) flush_grads();
     const int64_t c0 = thread_cpu_ns();
     const int64_t t0 = now_ns();
     pass.exec->run();
@@ -285,6 +315,7 @@ struct PipelineRuntime::Impl {
         }
       }
       send_action(*then_send);
+      flush_grads();
     }
     for (const std::string& name : pass.pass->stash) {
       if (std::ranges::find(first, name) != first.end()) continue;
@@ -293,9 +324,9 @@ struct PipelineRuntime::Impl {
           st(vs).outputs, [&](const StageBoundary& b) { return b.name == name; });
       put(s, name, views && !output ? std::move(t) : t.clone());
     }
-    for (const auto& [pv, gv] : g.grads()) {
-      const std::string& name = g.value(pv).name;
-      add_into(grads.at(name), pass.exec->get(gv), name);
+    if (!g.grads().empty()) {
+      pending_grads.push_back(&pass);
+      if (!defer_grads) flush_grads();
     }
     spans.push_back({vs, mb, kind, t0, t1, cpu, (t0 - tb) + (now_ns() - t1), recomputing});
   }
@@ -412,6 +443,7 @@ struct PipelineRuntime::Impl {
   void step(const MicrobatchData& data) {
     stash.clear();
     recvs.clear();
+    pending_grads.clear();
     spans.clear();
     waits.clear();
     sends.clear();
@@ -474,12 +506,13 @@ struct PipelineRuntime::Impl {
             recomputing = false;
           }
           const bool whole = a.kind == ActionKind::backward;
-          run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send);
+          run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send, false,
+                   forward_next(i + (then_send != nullptr ? 2 : 1)));
           if (whole) release(vs, mb);
           break;
         }
         case ActionKind::backward_weight:
-          run_pass(r.backward_weight, vs, mb, a.kind, data, nullptr);
+          run_pass(r.backward_weight, vs, mb, a.kind, data, nullptr, false, forward_next(i + 1));
           release(vs, mb);
           break;
         case ActionKind::send_activation:
@@ -488,6 +521,7 @@ struct PipelineRuntime::Impl {
           break;
       }
     }
+    flush_grads();
     const int64_t ts = now_ns();
     for (auto& [h, t] : sends) h.wait();
     waits.push_back({-1, -1, ActionKind::send_activation, ts, now_ns(), 0, 0});
