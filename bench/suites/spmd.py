@@ -15,7 +15,15 @@ configs/gpt_medium.toml, GPT-2-small sized):
                               bytes (allocator counters) under TP=2 / under DP=2
                               (goal <= 0.55)
   gpt_tp2_uneven_speedup      with dist.slowdown = [1, 2]: TP=2 with tp_ratios
-                              [2, 1] tokens/s / even TP=2 tokens/s (goal >= 1.3)
+                              [2, 1] tokens/s / even TP=2 tokens/s (goal >= 1.3);
+                              its 4 heads split 2:2 (whole heads), so also
+  gpt_tp2_uneven_speedup_whole_heads, gpt_tp2_sp_uneven_speedup_whole_heads
+                              the same on a GPT with d_model 384 and 6 heads
+                              (4:2), without and with sequence parallelism;
+                              each with the split share s of the step's
+                              compute (against a 1-process run), the bound
+                              (2 - s) / (2 - 4s/3) and the ranks' CPU-time
+                              balance
   gpt_pp2_uneven_speedup      with dist.slowdown = [1, 2]: PP=2 1F1B with
                               stage_layers [3, 1] tokens/s / even [2, 2] (goal >= 1.3)
   gpt_pp2_1f1b_warmup_extra1, gpt_pp2_1f1b_recompute  meshtrain only: 1F1B with
@@ -38,6 +46,7 @@ as the lowering predicts, and peak RSS per rank.
 import socket
 
 import meshtrain
+import pipeline_idle
 from common import PEERS, REPO, meshtrain_engine_context, ratio, thread_env, transport_context
 
 WORLD = 2
@@ -47,6 +56,8 @@ def add_args(p):
     p.add_argument("--steps", type=int, default=0,
                    help="timed steps (0: 20 for gpt, 4 for gpt_medium; --quick: fewer)")
     p.add_argument("--no-peer", action="store_true", help="skip PyTorch (meshtrain lines only)")
+    p.add_argument("--only", default="",
+                   help="comma-separated groups: tp, pp, pp_options, hetero, medium (default: all)")
 
 
 def free_port():
@@ -108,6 +119,12 @@ def tokens_per_s(run):
     return run.get("tokens_per_s") if run.summary else None
 
 
+def rank_cpu(run):
+    """Each rank's kernels' CPU time x slowdown per step (the summary's ranks), or []."""
+    ranks = (run.summary or {}).get("ranks") or []
+    return [round(r["compute_cpu_s_per_step"], 4) for r in ranks if "compute_cpu_s_per_step" in r]
+
+
 def plan_fields(run):
     """Bytes per step and memory per rank from a meshtrain summary."""
     if not run.summary:
@@ -142,8 +159,23 @@ def run(ctx):
     setup = meshtrain.peer_setup("gpt", 16)
     seq = setup["seq"]
     tp2 = ["parallel.tp=2"]
+    only = {g for g in ctx.args.only.split(",") if g}
+    version = "?"
+    if not only or "tp" in only:
+        version = run_tp(ctx, gpt_steps, warmup, setup, seq, tp2)
+    idle = {}
+    if not only or "pp" in only:
+        run_pp(ctx, gpt_steps, warmup, setup, version, idle)
+    if not only or "pp_options" in only:
+        run_pp_options(ctx, gpt_steps, warmup, idle)
+    if not only or "hetero" in only:
+        run_hetero(ctx, gpt_steps, warmup, tp2)
+    if not only or "medium" in only:
+        run_medium(ctx, med_steps, med_warmup, tp2)
 
-    # --- GPT: TP=2 (and SP) against PyTorch's tensor parallelism.
+
+def run_tp(ctx, gpt_steps, warmup, setup, seq, tp2):
+    """GPT: TP=2 (and SP) against PyTorch's tensor parallelism; returns the peer's version."""
     mt_tp = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=tp2,
                             name="meshtrain-gpt-tp2")
     mt_sp = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
@@ -170,18 +202,30 @@ def run(ctx):
         if err:
             line["error"] = err
         ctx.emit(line)
+    return version
 
-    # --- Pipelines: PP=2 under each schedule against PyTorch's pipelining.
+
+def run_pp(ctx, gpt_steps, warmup, setup, version, idle):
+    """Pipelines: PP=2 under each schedule against PyTorch's pipelining."""
     cfg_gpt = meshtrain.config_path("gpt")
     import tomllib
     m = tomllib.loads(cfg_gpt.read_text()).get("model", {})
-    idle = {}
     for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"):
         sets = ["parallel.pp=2", "parallel.microbatches=4", f'parallel.schedule="{schedule}"']
         if schedule in ("interleaved", "zbv", "dualpipev"):
             sets.append("parallel.virtual_stages=2")
+        # 1F1B's timeline, to split its idle time (bench/lib/pipeline_idle.py).
+        trace = ctx.workdir / f"meshtrain-gpt-pp2-{schedule}.trace.json"
+        traced = schedule in ("gpipe", "1f1b")
         run_ = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=sets,
-                               name=f"meshtrain-gpt-pp2-{schedule}")
+                               name=f"meshtrain-gpt-pp2-{schedule}",
+                               extra_args=["--trace", trace] if traced else [])
+        split = None
+        if traced and run_.summary and trace.exists():
+            try:
+                split = pipeline_idle.analyse(trace, skip=warmup)
+            except (OSError, ValueError, KeyError) as e:
+                ctx.log(f"pipeline idle split of {trace.name}: {e}")
         prate, perr2 = (None, "skipped (--no-peer)") if ctx.args.no_peer else peer_pipe(
             ctx, schedule, gpt_steps, warmup, setup["batch"], m)
         rate = tokens_per_s(run_)
@@ -200,6 +244,7 @@ def run(ctx):
                 "pipeline_bytes_per_step_predicted":
                     plan.get("pipeline_bytes_sent_per_step_predicted"),
                 "peak_stash_mib": round(plan.get("peak_stash_bytes", 0) / 2**20, 2),
+                "pipeline_idle_split": split,
                 **meshtrain_engine_context(run_.summary),
                 "note": "peer: head untied (pipelining cannot tie across stages); zero_bubble "
                         "peer is PyTorch's interleaved zero-bubble (2 chunks per rank)"}
@@ -207,6 +252,10 @@ def run(ctx):
         if err:
             line["error"] = err
         ctx.emit(line)
+
+
+def run_pp_options(ctx, gpt_steps, warmup, idle):
+    """1F1B's options, meshtrain only."""
     # 1F1B's options, meshtrain only: one extra warm-up forward (hides the
     # transfer latency that 1F1B's lock-step at p = 2 pays twice per
     # micro-batch) and per-stage recomputation (keeps only what a stage
@@ -236,25 +285,66 @@ def run(ctx):
                   "system": "meshtrain", "value": idle["zero_bubble"],
                   "idle_1f1b": idle["1f1b"], "goal": "below 1f1b's"})
 
-    # --- Heterogeneous: rank 1 half as fast; uneven 2:1 heads / columns vs even.
-    slow = ["dist.slowdown=[1,2]"]
-    even = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD, sets=tp2 + slow,
-                           name="meshtrain-gpt-tp2-slow-even")
-    uneven = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
-                             sets=tp2 + slow + ["parallel.tp_ratios=[2,1]"],
-                             name="meshtrain-gpt-tp2-slow-2to1")
-    line = {"name": "gpt_tp2_uneven_speedup", "unit": "x", "system": "meshtrain",
-            "value": ratio(tokens_per_s(uneven), tokens_per_s(even)),
-            "tokens_per_s_even": tokens_per_s(even), "tokens_per_s_2to1": tokens_per_s(uneven),
-            "slowdown": [1, 2], "goal": ">= 1.3", "model": "gpt", "processes": WORLD,
-            "note": "dist.slowdown stretches each rank's step compute by its factor (emulated "
-                    "unequal devices); tp_ratios 2:1 gives rank 0 two thirds of the heads and "
-                    "columns"}
-    err = "; ".join(e for e in (even.error, uneven.error) if e)
-    if err:
-        line["error"] = err
-    ctx.emit(line)
 
+def run_hetero(ctx, gpt_steps, warmup, tp2):
+    """Heterogeneous ranks (dist.slowdown [1, 2]): uneven TP and PP against even."""
+    # --- Heterogeneous: rank 1 half as fast; uneven 2:1 heads / columns vs even.
+    # The core GPT's 4 heads cannot split 2:1 (whole heads, boundaries rounded
+    # down: 2:2), so attention stays even there; a GPT with 6 heads (d_model
+    # 384, as real GPT sizes have head counts that 2:1 divides) gets 4:2.
+    # Each line also carries the ranks' compute in CPU time x slowdown (each
+    # rank as if on a core of its own: the balance, whatever the load) and
+    # the split share s of the step's compute, measured against a
+    # one-process run of the same model: s = 2 (1 - T_tp2 / T_1).
+    slow = ["dist.slowdown=[1,2]"]
+    single = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, sets=[],
+                             name="meshtrain-gpt-1proc")
+    wide = ["model.d_model=384", "model.heads=6"]
+    single_wide = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, sets=wide,
+                                  name="meshtrain-gpt384h6-1proc")
+    hetero = [("gpt_tp2_uneven_speedup", "gpt", [], [], single,
+               "4 heads split 2:2 by whole heads (attention even), MLP columns 2:1"),
+              ("gpt_tp2_uneven_speedup_whole_heads", "gpt384h6", wide, [], single_wide,
+               "d_model 384, 6 heads: heads 4:2, MLP columns 1024:512"),
+              ("gpt_tp2_sp_uneven_speedup_whole_heads", "gpt384h6", wide, ["parallel.sp=true"],
+               single_wide, "as above with sequence parallelism on both sides")]
+    for name, label, model_sets, extra, one, split in hetero:
+        even = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
+                               sets=model_sets + tp2 + extra + slow,
+                               name=f"meshtrain-{label}-tp2-slow-even{'-sp' if extra else ''}")
+        uneven = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
+                                 sets=model_sets + tp2 + extra + slow +
+                                 ["parallel.tp_ratios=[2,1]"],
+                                 name=f"meshtrain-{label}-tp2-slow-2to1{'-sp' if extra else ''}")
+        even_cpu, uneven_cpu = rank_cpu(even), rank_cpu(uneven)
+        one_cpu = rank_cpu(one)
+        # T_tp2: the even plan's per-rank compute without the slowdown (rank 0's).
+        s = (2.0 * (1.0 - even_cpu[0] / one_cpu[0])
+             if even_cpu and one_cpu and one_cpu[0] > 0 else None)
+        line = {"name": name, "unit": "x", "system": "meshtrain",
+                "value": ratio(tokens_per_s(uneven), tokens_per_s(even)),
+                "tokens_per_s_even": tokens_per_s(even), "tokens_per_s_2to1": tokens_per_s(uneven),
+                "slowdown": [1, 2], "goal": ">= 1.3", "model": label, "processes": WORLD,
+                "model_sets": model_sets + extra, "split": split,
+                "compute_cpu_s_per_step_even": even_cpu,
+                "compute_cpu_s_per_step_2to1": uneven_cpu,
+                "compute_cpu_s_per_step_1proc": one_cpu,
+                "cpu_balance_speedup": (round(max(even_cpu) / max(uneven_cpu), 3)
+                                        if even_cpu and uneven_cpu else None),
+                "split_share_s": round(s, 3) if s is not None else None,
+                "bound_2to1": (round((2 - s) / (2 - 4 * s / 3), 3) if s is not None else None),
+                "note": "dist.slowdown stretches each rank's kernels by its factor (emulated "
+                        "unequal devices); tp_ratios 2:1 gives rank 0 two thirds of the heads and "
+                        "columns where whole heads allow; compute_cpu: kernels' thread CPU time x "
+                        "slowdown per rank and step (cpu_balance_speedup: the slowest rank's, "
+                        "even over 2:1); split_share_s from the 1-process run's kernel CPU time; "
+                        "bound_2to1 = (2 - s) / (2 - 4s/3), communication left out"}
+        err = "; ".join(e for e in (even.error, uneven.error, one.error) if e)
+        if err:
+            line["error"] = err
+        ctx.emit(line)
+
+    slow = ["dist.slowdown=[1,2]"]
     pp = ["parallel.pp=2", "parallel.microbatches=4", 'parallel.schedule="1f1b"']
     pp_even = meshtrain.train(ctx, "gpt", gpt_steps + warmup, 1, nproc=WORLD,
                               sets=pp + slow + ["parallel.stage_layers=[2,2]"],
@@ -274,7 +364,9 @@ def run(ctx):
         line["error"] = err
     ctx.emit(line)
 
-    # --- gpt_medium: TP=2 against DP=2 (throughput and model state per rank).
+
+def run_medium(ctx, med_steps, med_warmup, tp2):
+    """gpt_medium: TP=2 against DP=2 (throughput and model state per rank)."""
     cfg = REPO / "configs" / "gpt_medium.toml"
     med = ["train.threads=1"]
     dp = meshtrain.train(ctx, "gpt", med_steps + med_warmup, 1, nproc=WORLD, config=cfg,

@@ -80,6 +80,13 @@ struct PipelineRuntime::Impl {
   int64_t stash_now = 0, stash_peak = 0;
   uint64_t sent = 0;
   size_t posted = 0;  // actions whose receives are posted
+  // Per action of this rank's list: a forward whose stash may stay in its
+  // executor's arena (views, no copies), because every pass that reads that
+  // micro-batch's stash runs before the executor runs again (plan_views()).
+  std::vector<bool> keep_views;
+  // Backward passes whose parameter gradients are still in their
+  // executor's arena, to be added into the accumulators (flush_grads()).
+  std::vector<Pass*> pending_grads;
   // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient
   // exchange. Declared last so that they are destroyed first: a
   // communicator's destructor waits for its queued sends and receives,
@@ -153,6 +160,43 @@ struct PipelineRuntime::Impl {
       grad.push_back(comm.split(0, rank, fmt::format("{}/pp_grad{}", comm.name(), q)));
     }
     shared = comm.split(0, rank, comm.name() + "/pp_shared");
+    plan_views();
+  }
+
+  // A forward's stash (what its backward passes and a next stage on this
+  // rank read) is copied out of the executor's arena because the next
+  // micro-batch's forward reuses that arena. Where the schedule runs every
+  // reader first -- 1F1B's last stage runs F(i) then B(i) -- the copies
+  // are not needed: the stash keeps views of the arena. Not under
+  // recomputation (the backward reruns the forward), and the stage's
+  // outputs are copied still (a send may be in flight when the arena is
+  // reused). This takes the copies off 1F1B's critical path at p = 2
+  // (the last stage's F -> B -> gradient send).
+  void plan_views() {
+    const auto& list = sched.actions[ix(rank)];
+    keep_views.assign(list.size(), false);
+    for (size_t i = 0; i < list.size(); ++i) {
+      const PipelineAction& a = list[i];
+      if (a.kind != ActionKind::forward || st(a.stage).recompute) continue;
+      const int vs = a.stage, mb = a.microbatch;
+      const bool local_next = vs + 1 < sched.virtual_count() && owner(vs + 1) == rank;
+      size_t next_run = list.size();  // the next forward of vs, any micro-batch
+      size_t last_read = i;           // the last pass reading stash (vs, mb)
+      for (size_t j = i + 1; j < list.size(); ++j) {
+        const PipelineAction& b = list[j];
+        if (b.stage == vs && b.kind == ActionKind::forward && next_run == list.size()) {
+          next_run = j;
+        }
+        const bool reads =
+            (b.stage == vs && b.microbatch == mb &&
+             (b.kind == ActionKind::backward || b.kind == ActionKind::backward_input ||
+              b.kind == ActionKind::backward_weight)) ||
+            (local_next && b.stage == vs + 1 && b.microbatch == mb &&
+             b.kind == ActionKind::forward);
+        if (reads) last_read = j;
+      }
+      keep_views[i] = last_read < next_run;
+    }
   }
 
   Pass make_pass(const StagePass& sp) {
@@ -190,12 +234,40 @@ struct PipelineRuntime::Impl {
     recvs.erase(it);
   }
 
+  // Adds the pending backward passes' parameter gradients into the
+  // accumulators (before their executors run again, and at the step's end).
+  void flush_grads() {
+    for (Pass* pass : pending_grads) {
+      const Graph& g = pass->pass->graph;
+      for (const auto& [pv, gv] : g.grads()) {
+        const std::string& name = g.value(pv).name;
+        add_into(grads.at(name), pass->exec->get(gv), name);
+      }
+    }
+    pending_grads.clear();
+  }
+
+  // Whether action j of this rank's list is a forward whose output is sent
+  // right after it.
+  bool forward_next(size_t j) const {
+    const auto& list = sched.actions[ix(rank)];
+    return j + 1 < list.size() && list[j].kind == ActionKind::forward &&
+           list[j + 1].kind == ActionKind::send_activation && list[j + 1].stage == list[j].stage &&
+           list[j + 1].microbatch == list[j].microbatch;
+  }
+
   // `then_send`: the send action that follows the pass (its tensors are
   // copied out and queued first, before the rest of the stash and the
   // gradient accumulation, so the neighbour's wait does not include them);
   // null when none follows.
+  // `views`: the stash keeps views of the executor's arena instead of
+  // copies, except the stage's outputs (a send may read them later, or
+  // in flight; plan_views()).
+  // `defer_grads`: the parameter gradients are added after the next pass's
+  // send (a forward follows whose output a neighbour waits for: 1F1B's
+  // first stage, B(i) then F(i+p)), not before it starts.
   void run_pass(Pass& pass, int vs, int mb, ActionKind kind, const MicrobatchData& data,
-                const PipelineAction* then_send) {
+                const PipelineAction* then_send, bool views = false, bool defer_grads = false) {
     if (!pass.exec) {
       if (then_send != nullptr) send_action(*then_send);
       return;
@@ -221,6 +293,8 @@ struct PipelineRuntime::Impl {
       }
       pass.exec->bind(in, t);
     }
+    // A pass with gradients may reuse an arena whose gradients are pending.
+    if (!g.grads().empty()) flush_grads();
     const int64_t c0 = thread_cpu_ns();
     const int64_t t0 = now_ns();
     pass.exec->run();
@@ -241,14 +315,18 @@ struct PipelineRuntime::Impl {
         }
       }
       send_action(*then_send);
+      flush_grads();
     }
     for (const std::string& name : pass.pass->stash) {
       if (std::ranges::find(first, name) != first.end()) continue;
-      put(s, name, pass.exec->get(*g.find(name)).clone());
+      Tensor t = pass.exec->get(*g.find(name));
+      const bool output = std::ranges::any_of(
+          st(vs).outputs, [&](const StageBoundary& b) { return b.name == name; });
+      put(s, name, views && !output ? std::move(t) : t.clone());
     }
-    for (const auto& [pv, gv] : g.grads()) {
-      const std::string& name = g.value(pv).name;
-      add_into(grads.at(name), pass.exec->get(gv), name);
+    if (!g.grads().empty()) {
+      pending_grads.push_back(&pass);
+      if (!defer_grads) flush_grads();
     }
     spans.push_back({vs, mb, kind, t0, t1, cpu, (t0 - tb) + (now_ns() - t1), recomputing});
   }
@@ -365,6 +443,7 @@ struct PipelineRuntime::Impl {
   void step(const MicrobatchData& data) {
     stash.clear();
     recvs.clear();
+    pending_grads.clear();
     spans.clear();
     waits.clear();
     sends.clear();
@@ -409,7 +488,7 @@ struct PipelineRuntime::Impl {
         case ActionKind::forward: {
           wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
-          run_pass(r.forward, vs, mb, a.kind, data, then_send);
+          run_pass(r.forward, vs, mb, a.kind, data, then_send, keep_views[i]);
           if (!r.st->loss.empty()) {
             loss_sum += stash[{vs, mb}].at(r.st->loss).item();
             ++losses;
@@ -427,12 +506,13 @@ struct PipelineRuntime::Impl {
             recomputing = false;
           }
           const bool whole = a.kind == ActionKind::backward;
-          run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send);
+          run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send, false,
+                   forward_next(i + (then_send != nullptr ? 2 : 1)));
           if (whole) release(vs, mb);
           break;
         }
         case ActionKind::backward_weight:
-          run_pass(r.backward_weight, vs, mb, a.kind, data, nullptr);
+          run_pass(r.backward_weight, vs, mb, a.kind, data, nullptr, false, forward_next(i + 1));
           release(vs, mb);
           break;
         case ActionKind::send_activation:
@@ -441,6 +521,7 @@ struct PipelineRuntime::Impl {
           break;
       }
     }
+    flush_grads();
     const int64_t ts = now_ns();
     for (auto& [h, t] : sends) h.wait();
     waits.push_back({-1, -1, ActionKind::send_activation, ts, now_ns(), 0, 0});

@@ -15,7 +15,11 @@
 // gradients) is copied out into that micro-batch's stash, which its last
 // backward pass frees. Activation memory is therefore the passes' arenas
 // plus (micro-batches in flight) x (one micro-batch's stash): peak_stash_bytes
-// measures the latter as the step runs.
+// measures the latter as the step runs. Where the schedule runs every
+// reader of a forward's stash before that forward's next run (1F1B's last
+// stage: F(i) then B(i)), the stash keeps views of the arena instead of
+// copies (the stage's outputs, which sends read, are copied still); it
+// counts them as stashed all the same.
 //
 // Communication is asynchronous. Each receive is posted a few actions
 // before the one that waits for it (into the stash buffer the pass will
