@@ -80,6 +80,18 @@ struct PipelineRuntime::Impl {
   int64_t stash_now = 0, stash_peak = 0;
   uint64_t sent = 0;
   size_t posted = 0;  // actions whose receives are posted
+
+  // Asynchronous pipelining (PipelineOptions::async).
+  using Weights = std::map<std::string, Tensor>;
+  int version = 0;                  // weight updates applied on this rank
+  std::vector<int> gaps;            // version_gaps() of this rank's stage
+  std::map<int, int> fwd_version;   // micro-batch in flight -> version its forward used
+  std::map<int, Weights> versions;  // pipedream: older versions still to be used
+  Weights current;                  // the newest weights while another version is in params
+  Weights smooth;                   // spectrain: smoothed change per update
+  bool swapped = false;
+  int64_t wstash_now = 0, wstash_peak = 0;
+  int wversions_peak = 0;
   // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient
   // exchange. Declared last so that they are destroyed first: a
   // communicator's destructor waits for its queued sends and receives,
@@ -153,6 +165,125 @@ struct PipelineRuntime::Impl {
       grad.push_back(comm.split(0, rank, fmt::format("{}/pp_grad{}", comm.name(), q)));
     }
     shared = comm.split(0, rank, comm.name() + "/pp_shared");
+    if (opts.async != AsyncMode::none) check_async_setup();
+  }
+
+  void check_async_setup() {
+    const std::string_view mode = async_name(opts.async);
+    check_async(opts.async, sched.kind, "parallel");
+    if (!cut.shared_params.empty()) {
+      throw ConfigError(fmt::format(
+          "parallel.async: {} cannot run with parameter '{}' shared by several stages (a tied "
+          "embedding: its copies would update at different times and drift apart)",
+          mode, cut.shared_params.front().first));
+    }
+    for (const PipelineStage& s : cut.stages) {
+      if (s.recompute) {
+        throw ConfigError(fmt::format(
+            "parallel.async: {} with recomputation on stage {} is not supported", mode, s.index));
+      }
+    }
+    if (!opts.update) {
+      throw ConfigError(fmt::format("pipeline: async {} needs an update function", mode));
+    }
+    gaps = version_gaps(sched, rank);
+    MemoryScope tag(MemoryCategory::params);
+    for (const std::string& n : param_names)
+      current[n] = Tensor::empty(params[n].shape(), DType::f32);
+  }
+
+  static void copy_weights(const Weights& from, Weights& to) {
+    for (auto& [n, t] : to) std::memcpy(t.raw(), from.at(n).raw(), t.nbytes());
+  }
+
+  // Puts other weights in place of the current ones (kept in `current`).
+  void swap_in(const Weights& w) {
+    MT_CHECK(!swapped, "pipeline async: weights swapped twice");
+    copy_weights(params, current);
+    copy_weights(w, params);
+    swapped = true;
+  }
+  void swap_back() {
+    if (!swapped) return;
+    copy_weights(current, params);
+    swapped = false;
+  }
+
+  // Before F(mb): record the version; spectrain: predict gap updates ahead.
+  void async_forward(int mb) {
+    fwd_version[mb] = version;
+    const int s = gaps[ix(mb)];
+    if (opts.async != AsyncMode::spectrain || s == 0 || smooth.empty()) return;
+    copy_weights(params, current);
+    for (auto& [n, w] : params) {
+      float* d = w.data<float>();
+      const float* u = smooth.at(n).data<float>();
+      const int64_t k = w.numel();
+      for (int64_t i = 0; i < k; ++i) d[i] -= static_cast<float>(s) * u[i];
+    }
+    swapped = true;
+  }
+
+  // Before B(mb): zero the accumulators; pipedream: the forward's version.
+  void async_backward(int mb) {
+    for (auto& [name, g] : grads) g.zero_();
+    if (opts.async != AsyncMode::pipedream) return;
+    const int v = fwd_version.at(mb);
+    if (v != version) swap_in(versions.at(v));
+  }
+
+  int64_t weights_bytes() const {
+    int64_t b = 0;
+    for (const auto& [n, t] : params) b += static_cast<int64_t>(t.nbytes());
+    return b;
+  }
+
+  // After B(mb): the newest weights back, the update, the stash trimmed.
+  void async_update(int mb) {
+    swap_back();
+    fwd_version.erase(mb);
+    // Versions no micro-batch in flight still needs go first.
+    for (auto it = versions.begin(); it != versions.end();) {
+      const int v = it->first;
+      if (std::ranges::none_of(fwd_version, [&](const auto& e) { return e.second == v; })) {
+        wstash_now -= weights_bytes();
+        it = versions.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // pipedream: a micro-batch in flight whose forward saw the version about
+    // to be replaced needs it for its backward.
+    if (opts.async == AsyncMode::pipedream &&
+        std::ranges::any_of(fwd_version, [&](const auto& e) { return e.second == version; })) {
+      MemoryScope tag(MemoryCategory::params);
+      Weights& w = versions[version];
+      for (const auto& [n, t] : params) w[n] = t.clone();
+      wstash_now += weights_bytes();
+    }
+    wstash_peak = std::max(wstash_peak, wstash_now);
+    wversions_peak = std::max(wversions_peak, static_cast<int>(versions.size()));
+    const bool predict = opts.async == AsyncMode::spectrain;
+    if (predict) copy_weights(params, current);
+    opts.update(mb);
+    if (predict) {
+      const bool first = smooth.empty();
+      if (first) {
+        MemoryScope tag(MemoryCategory::params);
+        for (const auto& [n, t] : params) smooth[n] = Tensor::zeros(t.shape(), DType::f32);
+      }
+      for (auto& [n, u] : smooth) {
+        float* d = u.data<float>();
+        const float* before = current.at(n).data<float>();
+        const float* after = params.at(n).data<float>();
+        const int64_t k = u.numel();
+        for (int64_t i = 0; i < k; ++i) {
+          const float delta = before[i] - after[i];
+          d[i] = first ? delta : 0.9f * d[i] + 0.1f * delta;
+        }
+      }
+    }
+    ++version;
   }
 
   Pass make_pass(const StagePass& sp) {
@@ -369,6 +500,8 @@ struct PipelineRuntime::Impl {
     waits.clear();
     sends.clear();
     stash_now = stash_peak = 0;
+    wstash_peak = wstash_now;
+    wversions_peak = static_cast<int>(versions.size());
     loss_sum = 0;
     losses = 0;
     for (auto& [name, g] : grads) g.zero_();
@@ -409,7 +542,9 @@ struct PipelineRuntime::Impl {
         case ActionKind::forward: {
           wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
+          if (opts.async != AsyncMode::none) async_forward(mb);
           run_pass(r.forward, vs, mb, a.kind, data, then_send);
+          swap_back();
           if (!r.st->loss.empty()) {
             loss_sum += stash[{vs, mb}].at(r.st->loss).item();
             ++losses;
@@ -427,7 +562,9 @@ struct PipelineRuntime::Impl {
             recomputing = false;
           }
           const bool whole = a.kind == ActionKind::backward;
+          if (opts.async != AsyncMode::none) async_backward(mb);
           run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send);
+          if (opts.async != AsyncMode::none) async_update(mb);
           if (whole) release(vs, mb);
           break;
         }
@@ -447,7 +584,10 @@ struct PipelineRuntime::Impl {
     sends.clear();
     MT_CHECK(recvs.empty(), "pipeline: stage {} posted receives its schedule never waited for",
              rank);
-    const float inv = 1.0f / static_cast<float>(m);
+    MT_CHECK(fwd_version.empty() && versions.empty(),
+             "pipeline async: stage {} ends the step with micro-batches in flight", rank);
+    // Async: grads hold the last micro-batch's gradients, already applied.
+    const float inv = opts.async == AsyncMode::none ? 1.0f / static_cast<float>(m) : 1.0f;
     for (auto& [name, g] : grads) {
       float* d = g.data<float>();
       const int64_t n = g.numel();
@@ -598,6 +738,15 @@ uint64_t PipelineRuntime::predicted_bytes_sent() const {
 }
 int64_t PipelineRuntime::peak_stash_bytes() const {
   return impl_->stash_peak;
+}
+int64_t PipelineRuntime::peak_weight_stash_bytes() const {
+  return impl_->wstash_peak;
+}
+int PipelineRuntime::peak_weight_versions() const {
+  return impl_->wversions_peak;
+}
+int PipelineRuntime::weight_version() const {
+  return impl_->version;
 }
 
 }  // namespace mt

@@ -125,6 +125,39 @@ PipelineSchedule make_schedule(ScheduleKind kind, int stages, int microbatches,
 // with schedule 1f1b.
 void check_warmup_extra(ScheduleKind kind, int warmup_extra, std::string_view where);
 
+// Asynchronous pipelining (Plan::async, docs/plan.md "Asynchronous
+// pipelining"): on top of 1F1B, each stage updates its weights after every
+// micro-batch's backward instead of once per step, so a micro-batch's
+// forward and backward on a stage may meet different weight versions.
+//   none:      synchronous (gradients accumulated over the step's m
+//              micro-batches, one optimizer step).
+//   pipedream: PipeDream's weight stashing: the forward of micro-batch i
+//              records the stage's weight version, and its backward runs
+//              with exactly that version (kept in a stash until then); the
+//              update is applied to the newest weights.
+//   spectrain: SpecTrain's weight prediction: the forward runs with
+//              W - s * u, u the smoothed (exponential average, factor
+//              0.9) per-update change of the weights and s the micro-batch's
+//              version gap (version_gaps below); the backward runs with the
+//              current weights, which are the ones its update applies to.
+// Not equivalent to the synchronous run by design; the step boundary still
+// drains the pipeline (the schedule is 1F1B's, per step).
+enum class AsyncMode { none, pipedream, spectrain };
+// "none", "pipedream", "spectrain".
+std::string_view async_name(AsyncMode m);
+// Throws ConfigError naming `where` and listing the modes.
+AsyncMode parse_async_mode(std::string_view name, std::string_view where);
+// Throws ConfigError naming `where`.async unless the mode is none or the
+// schedule is 1f1b (PipeDream's; the other schedules' orders are not
+// defined for per-micro-batch updates here).
+void check_async(AsyncMode mode, ScheduleKind kind, std::string_view where);
+// Per micro-batch of physical stage `stage` (1f1b, one virtual stage per
+// rank): how many of the stage's backward passes (= weight updates under
+// async) run between the micro-batch's forward and its backward. In 1F1B's
+// steady state p - 1 - stage (+ warmup_extra on all but the last stage);
+// micro-batch i of the warm-up: min(i, that).
+std::vector<int> version_gaps(const PipelineSchedule& s, int stage);
+
 // Time units of each compute action (backward = input + weight).
 struct ActionCosts {
   double forward = 1.0;
