@@ -4,11 +4,12 @@
 // to the version that stage's forward and backward see under the mode, and
 // a history of every stage's weight versions.
 //
-// Which weights a micro-batch meets. Under 1F1B, stage r runs p-1-r
-// warm-up forwards, then alternates forward and backward, so between the
-// forward and the backward of micro-batch i of a step come min(i, p-1-r)
-// backwards of earlier micro-batches, each followed by an update (the step
-// ends drained). pipedream: both passes use version k - g, so the gradient
+// Which weights a micro-batch meets. Under 1F1B without the flush, stage r
+// runs p-1-r warm-up forwards once, then alternates forward and backward
+// across steps, so between the forward and the backward of micro-batch k
+// of the run come min(k, p-1-r) backwards of earlier micro-batches, each
+// followed by an update; the last p-1-r backwards run in the drain after
+// the last step. pipedream: both passes use version k - g, so the gradient
 // is the whole model's at those versions. spectrain: the forward uses
 // W(k-g) - g * u(k-g) (u: the smoothed change, 0 before the first update),
 // the backward the current W(k); the whole model at the predicted weights
@@ -145,7 +146,7 @@ void check_async_matches_reference(Communicator& comm, AsyncMode mode,
       const int k = step * m + i;
       for (auto& [n, t] : bound) {
         const int r = stage_of.at(n);
-        const int g = std::min(i, p - 1 - r);
+        const int g = std::min(k, p - 1 - r);
         const Tensor& at = hist.at(n).at(static_cast<size_t>(k - g));
         std::memcpy(t.raw(), at.raw(), t.nbytes());
         if (mode == AsyncMode::spectrain && g > 0) {
@@ -185,8 +186,11 @@ void check_async_matches_reference(Communicator& comm, AsyncMode mode,
     if (pipe.has_loss()) {
       EXPECT_NEAR(pipe.loss(), want_loss, kRel * std::abs(want_loss)) << "step " << step;
     }
-    EXPECT_EQ(pipe.weight_version(), (step + 1) * m);
+    // Stage r owes the backwards of its last p - 1 - r micro-batches.
+    EXPECT_EQ(pipe.weight_version(), (step + 1) * m - (p - 1 - comm.rank()));
   }
+  pipe.drain();
+  EXPECT_EQ(pipe.weight_version(), kSteps * m);
   for (const std::string& n : pipe.param_names()) {
     const Tensor& want = hist.at(n).back();
     const Tensor got = pipe.param(n);

@@ -45,6 +45,49 @@ TEST(PipelineAsync, VersionGapsOf1f1bArePMinus1MinusStageInTheSteadyState) {
   }
 }
 
+TEST(PipelineAsync, WindowsWithoutTheFlushAreOneLong1f1b) {
+  // Windows 0..T-1 and the drain, concatenated, run 1F1B's compute order
+  // over T*m micro-batches (the warm-up once, no cool-down between steps),
+  // the simulator finds no deadlock, and every micro-batch's gap is
+  // min(g, p - 1 - r).
+  for (int p : {2, 3, 4}) {
+    const int m = 4, windows = 3;
+    PipelineSchedule all;
+    all.kind = ScheduleKind::one_f_one_b;
+    all.stages = p;
+    all.microbatches = windows * m;
+    all.actions.resize(static_cast<size_t>(p));
+    for (int w = 0; w <= windows; ++w) {
+      const PipelineSchedule win = make_async_window(p, m, w, w == windows);
+      for (int r = 0; r < p; ++r) {
+        auto& to = all.actions[static_cast<size_t>(r)];
+        const auto& from = win.actions[static_cast<size_t>(r)];
+        to.insert(to.end(), from.begin(), from.end());
+      }
+    }
+    const PipelineSchedule sync = make_schedule(ScheduleKind::one_f_one_b, p, windows * m);
+    for (int r = 0; r < p; ++r) {
+      std::vector<PipelineAction> a, b;
+      for (const PipelineAction& x : all.actions[static_cast<size_t>(r)]) {
+        if (x.is_compute()) a.push_back(x);
+      }
+      for (const PipelineAction& x : sync.actions[static_cast<size_t>(r)]) {
+        if (x.is_compute()) b.push_back(x);
+      }
+      EXPECT_EQ(a, b) << "p " << p << ", stage " << r;
+      const std::vector<int> gaps = version_gaps(all, r);
+      for (int g = 0; g < windows * m; ++g) {
+        EXPECT_EQ(gaps[static_cast<size_t>(g)], std::min(g, p - 1 - r));
+        EXPECT_EQ(async_version_gap(p, r, g), std::min(g, p - 1 - r));
+      }
+    }
+    const ScheduleSimulation sim = simulate(all);
+    // One warm-up and one cool-down for the whole run: 1F1B's bubble over
+    // T*m micro-batches, not over m.
+    EXPECT_NEAR(sim.idle_fraction, static_cast<double>(p - 1) / (windows * m + p - 1), 1e-9);
+  }
+}
+
 TEST(PipelineAsync, OneStageEqualsPerMicroBatchSgd) {
   // One stage: no gap, so both modes are plain SGD after every micro-batch.
   on_threads(1, AsyncMode::pipedream, {3}, 4);

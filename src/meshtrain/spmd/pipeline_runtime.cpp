@@ -83,12 +83,14 @@ struct PipelineRuntime::Impl {
 
   // Asynchronous pipelining (PipelineOptions::async).
   using Weights = std::map<std::string, Tensor>;
-  int version = 0;                  // weight updates applied on this rank
-  std::vector<int> gaps;            // version_gaps() of this rank's stage
-  std::map<int, int> fwd_version;   // micro-batch in flight -> version its forward used
-  std::map<int, Weights> versions;  // pipedream: older versions still to be used
-  Weights current;                  // the newest weights while another version is in params
-  Weights smooth;                   // spectrain: smoothed change per update
+  int version = 0;                          // weight updates applied on this rank
+  int window = 0;                           // steps run: the next window of the stream
+  bool draining = false;                    // drain() is running
+  std::vector<PipelineAction> window_list;  // this call's actions (async)
+  std::map<int, int> fwd_version;           // micro-batch in flight -> version its forward used
+  std::map<int, Weights> versions;          // pipedream: older versions still to be used
+  Weights current;                          // the newest weights while another version is in params
+  Weights smooth;                           // spectrain: smoothed change per update
   bool swapped = false;
   int64_t wstash_now = 0, wstash_peak = 0;
   int wversions_peak = 0;
@@ -106,7 +108,10 @@ struct PipelineRuntime::Impl {
   const PipelineStage& st(int vs) const { return cut.stages[ix(vs)]; }
 
   uint32_t tag(int sender_vs, int mb, int k) const {
-    const int64_t t = 1 + (static_cast<int64_t>(sender_vs) * m + mb) * tensors_per_stage + k;
+    // Async: global micro-batch ids; at most p < 2m are in flight at once.
+    const int tag_m = opts.async == AsyncMode::none ? m : 2 * m;
+    const int64_t t =
+        1 + (static_cast<int64_t>(sender_vs) * tag_m + mb % tag_m) * tensors_per_stage + k;
     if (t > static_cast<int64_t>(kMaxUserTag)) {
       throw ConfigError(fmt::format(
           "pipeline: {} virtual stages x {} micro-batches x {} boundary tensors need more "
@@ -186,7 +191,6 @@ struct PipelineRuntime::Impl {
     if (!opts.update) {
       throw ConfigError(fmt::format("pipeline: async {} needs an update function", mode));
     }
-    gaps = version_gaps(sched, rank);
     MemoryScope tag(MemoryCategory::params);
     for (const std::string& n : param_names)
       current[n] = Tensor::empty(params[n].shape(), DType::f32);
@@ -212,7 +216,7 @@ struct PipelineRuntime::Impl {
   // Before F(mb): record the version; spectrain: predict gap updates ahead.
   void async_forward(int mb) {
     fwd_version[mb] = version;
-    const int s = gaps[ix(mb)];
+    const int s = async_version_gap(p, rank, mb);
     if (opts.async != AsyncMode::spectrain || s == 0 || smooth.empty()) return;
     copy_weights(params, current);
     for (auto& [n, w] : params) {
@@ -416,7 +420,7 @@ struct PipelineRuntime::Impl {
 
   // Posts the receives of actions [posted, end) of this rank's list.
   void post_recvs(size_t end) {
-    const auto& list = sched.actions[ix(rank)];
+    const auto& list = actions();
     for (; posted < std::min(end, list.size()); ++posted) {
       const PipelineAction& a = list[posted];
       const int vs = a.stage, mb = a.microbatch;
@@ -493,13 +497,68 @@ struct PipelineRuntime::Impl {
     }
   }
 
+  // The actions this call runs: the schedule's, or async's window.
+  const std::vector<PipelineAction>& actions() const {
+    return opts.async == AsyncMode::none ? sched.actions[ix(rank)] : window_list;
+  }
+
+  // One optimizer step. Async: the next window of the endless 1F1B stream
+  // (make_async_window); micro-batch ids are global, `data` is asked for
+  // this step's (id - window * m), the backwards of earlier steps read
+  // only their stash (the forward keeps the data its backward reads).
   void step(const MicrobatchData& data) {
+    if (opts.async == AsyncMode::none) {
+      run_actions(data);
+      return;
+    }
+    window_list = make_async_window(p, m, window, false).actions[ix(rank)];
+    const int64_t first = static_cast<int64_t>(window) * m;
+    run_actions([&](int g, const std::string& name) -> Tensor {
+      const int64_t j = g - first;
+      return j >= 0 && j < m ? data(static_cast<int>(j), name) : Tensor();
+    });
+    ++window;
+  }
+
+  // Async: the backwards still owed (the end of training).
+  void drain() {
+    if (opts.async == AsyncMode::none) return;
+    window_list = make_async_window(p, m, window, true).actions[ix(rank)];
+    draining = true;
+    run_actions([](int, const std::string&) { return Tensor(); });
+    draining = false;
+    MT_CHECK(fwd_version.empty() && versions.empty(),
+             "pipeline async: stage {} still has micro-batches in flight after the drain", rank);
+    MT_CHECK(stash_now == 0, "pipeline async: stage {} holds {} stashed bytes after the drain",
+             rank, stash_now);
     stash.clear();
+  }
+
+  // Async forward: what the micro-batch's backward reads from the data
+  // goes into its stash (the backward may run in a later step).
+  void keep_backward_data(StageRt& r, int vs, int mb, const MicrobatchData& data) {
+    if (!r.backward.exec) return;
+    Stash& s = stash[{vs, mb}];
+    const Graph& g = r.backward.pass->graph;
+    for (ValueId in : g.inputs()) {
+      const std::string& name = g.value(in).name;
+      if (s.count(name) != 0) continue;
+      const Tensor t = data(mb, name);
+      if (t.defined()) put(s, name, t.clone());
+    }
+  }
+
+  void run_actions(const MicrobatchData& data) {
+    const bool async = opts.async != AsyncMode::none;
+    if (!async) {
+      stash.clear();
+      stash_now = 0;
+    }
     recvs.clear();
     spans.clear();
     waits.clear();
-    sends.clear();
-    stash_now = stash_peak = 0;
+    if (!async) sends.clear();
+    stash_peak = stash_now;
     wstash_peak = wstash_now;
     wversions_peak = static_cast<int>(versions.size());
     loss_sum = 0;
@@ -512,7 +571,7 @@ struct PipelineRuntime::Impl {
     for (Communicator* c : all) c->reset_counters();
 
     posted = 0;
-    const auto& list = sched.actions[ix(rank)];
+    const auto& list = actions();
     size_t sent_early = list.size();  // a send action run_pass already did
     for (size_t i = 0; i < list.size(); ++i) {
       post_recvs(i + kRecvLookahead);
@@ -542,9 +601,10 @@ struct PipelineRuntime::Impl {
         case ActionKind::forward: {
           wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
-          if (opts.async != AsyncMode::none) async_forward(mb);
+          if (async) async_forward(mb);
           run_pass(r.forward, vs, mb, a.kind, data, then_send);
           swap_back();
+          if (async) keep_backward_data(r, vs, mb, data);
           if (!r.st->loss.empty()) {
             loss_sum += stash[{vs, mb}].at(r.st->loss).item();
             ++losses;
@@ -578,14 +638,18 @@ struct PipelineRuntime::Impl {
           break;
       }
     }
+    // Async: a gradient sent for a micro-batch whose backward the receiver
+    // runs in the next window completes then; only the drain waits for all.
     const int64_t ts = now_ns();
-    for (auto& [h, t] : sends) h.wait();
+    if (!async || draining) {
+      for (auto& [h, t] : sends) h.wait();
+      sends.clear();
+    } else {
+      std::erase_if(sends, [](const auto& x) { return x.first.done() && (x.first.wait(), true); });
+    }
     waits.push_back({-1, -1, ActionKind::send_activation, ts, now_ns(), 0, 0});
-    sends.clear();
     MT_CHECK(recvs.empty(), "pipeline: stage {} posted receives its schedule never waited for",
              rank);
-    MT_CHECK(fwd_version.empty() && versions.empty(),
-             "pipeline async: stage {} ends the step with micro-batches in flight", rank);
     // Async: grads hold the last micro-batch's gradients, already applied.
     const float inv = opts.async == AsyncMode::none ? 1.0f / static_cast<float>(m) : 1.0f;
     for (auto& [name, g] : grads) {
@@ -630,7 +694,10 @@ struct PipelineRuntime::Impl {
 
   uint64_t predicted() const {
     uint64_t b = 0;
-    for (const PipelineAction& a : sched.actions[ix(rank)]) {
+    // Async: a window of the steady state (the first one sends fewer gradients).
+    const PipelineSchedule steady =
+        opts.async == AsyncMode::none ? sched : make_async_window(p, m, 1, false);
+    for (const PipelineAction& a : steady.actions[ix(rank)]) {
       if (a.kind == ActionKind::send_activation) {
         for (const StageBoundary& o : st(a.stage).outputs) b += static_cast<uint64_t>(o.bytes());
       } else if (a.kind == ActionKind::send_grad) {
@@ -694,6 +761,10 @@ const Tensor& PipelineRuntime::grad(const std::string& name) const {
 
 void PipelineRuntime::run_step(const MicrobatchData& data) {
   impl_->step(data);
+}
+
+void PipelineRuntime::drain() {
+  impl_->drain();
 }
 
 void PipelineRuntime::sgd_step(double lr) {

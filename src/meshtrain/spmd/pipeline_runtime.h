@@ -75,8 +75,9 @@ struct PipelineOptions {
   // spectrain: the forward uses W - s * u (s: its version gap, u: the
   // smoothed change per update, an exponential average with factor 0.9
   // starting from the first change), the backward the current weights.
-  // Refused (ConfigError) with parameters shared by stages, recomputing
-  // stages or a schedule other than 1f1b.
+  // Without the flush: see run_step / drain. Refused (ConfigError) with
+  // parameters shared by stages, recomputing stages or a schedule other
+  // than 1f1b.
   AsyncMode async = AsyncMode::none;
   std::function<void(int microbatch)> update;
 };
@@ -137,6 +138,13 @@ class PipelineRuntime {
   // throw the runtime is unusable (messages of the failed step may still
   // be in flight): destroy it.
   void run_step(const MicrobatchData& data);
+  // Async (PipelineOptions::async): run_step runs one window of 1F1B
+  // without the flush (schedule.h, make_async_window): the step's
+  // forwards, and backwards lagging p - 1 - stage micro-batches behind,
+  // so micro-batches stay in flight across steps; drain() runs the
+  // backwards (and updates) still owed, at the end of training. A no-op
+  // when synchronous.
+  void drain();
   // p -= lr * grad for every parameter held here.
   void sgd_step(double lr);
 

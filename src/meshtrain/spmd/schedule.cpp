@@ -503,6 +503,42 @@ std::vector<int> version_gaps(const PipelineSchedule& s, int stage) {
   return gaps;
 }
 
+PipelineSchedule make_async_window(int p, int m, int window, bool drain) {
+  check_schedule(ScheduleKind::one_f_one_b, p, m, 1, "async");
+  PipelineSchedule s;
+  s.kind = ScheduleKind::one_f_one_b;
+  s.stages = p;
+  s.microbatches = m;
+  s.actions.resize(static_cast<size_t>(p));
+  const int first = window * m;
+  for (int r = 0; r < p; ++r) {
+    auto& list = s.actions[static_cast<size_t>(r)];
+    const int lag = p - 1 - r;
+    auto backward = [&](int b) {
+      if (b < 0) return;
+      if (r < p - 1) list.push_back({ActionKind::recv_grad, b, r, r + 1});
+      list.push_back({ActionKind::backward, b, r, -1});
+      if (r > 0) list.push_back({ActionKind::send_grad, b, r, r - 1});
+    };
+    for (int i = 0; i < m; ++i) {
+      if (drain) {
+        if (i >= m - lag) backward(first + i - m);
+        continue;
+      }
+      const int f = first + i;
+      if (r > 0) list.push_back({ActionKind::recv_activation, f, r, r - 1});
+      list.push_back({ActionKind::forward, f, r, -1});
+      if (r < p - 1) list.push_back({ActionKind::send_activation, f, r, r + 1});
+      backward(f - lag);
+    }
+  }
+  return s;
+}
+
+int async_version_gap(int p, int r, int64_t g) {
+  return static_cast<int>(std::min<int64_t>(g, p - 1 - r));
+}
+
 PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v, int extra) {
   check_schedule(kind, p, m, v, "schedule");
   check_warmup_extra(kind, extra, "schedule");

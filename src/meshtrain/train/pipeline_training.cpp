@@ -711,6 +711,10 @@ struct PipelineTraining::Impl {
       peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
       peak_weight_stash = std::max(peak_weight_stash, runtime->peak_weight_stash_bytes());
       peak_weight_versions = std::max(peak_weight_versions, runtime->peak_weight_versions());
+      // Async: micro-batches stay in flight across steps; the backwards
+      // still owed run (and update) after the run's last step, before its
+      // evaluation and checkpoint.
+      if (step + 1 == stop) runtime->drain();
       if (!std::isfinite(loss)) {
         throw Error(fmt::format("training diverged: loss is {} at step {}", loss, step));
       }
