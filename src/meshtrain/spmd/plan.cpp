@@ -695,8 +695,9 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
       for (int s = 0; s < p; ++s) {
         out += fmt::format(
             "  async {}: stage {} weight-version gap per micro-batch (updates between its "
-            "forward and backward): {}\n",
-            async_name(plan.async), s, fmt::join(version_gaps(sched, s), ","));
+            "forward and backward): {} in the first step, then {} (no flush between steps)\n",
+            async_name(plan.async), s, fmt::join(version_gaps(sched, s), ","),
+            async_version_gap(p, s, plan.microbatches));
       }
     }
   }
