@@ -223,7 +223,7 @@ TEST(Plan, MalformedFilesNameTheKeyPath) {
   const Graph& g = small_gpt().graph;
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "stagse": []})", g, 2),
             "plan p.json: stagse: unknown key (did you mean 'stages'?) (known: format, model, "
-            "mesh, values, stages, microbatches, schedule, virtual_stages, warmup_extra, "
+            "mesh, values, stages, microbatches, schedule, virtual_stages, warmup_extra, async, "
             "sequence_parallel, devices)");
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": "2"}]})", g, 2),
             "plan p.json: mesh[0].size: expected an integer, got string \"2\"");

@@ -194,6 +194,11 @@ const std::vector<KeyMeaning> kMeanings = {
      "schedule 1f1b: extra warm-up forwards on every stage but the last, so a stage has the "
      "next activation in flight while it waits for a gradient (transfer latency stops adding "
      "up per micro-batch); each holds one more micro-batch's stash"},
+    {"parallel.async",
+     "asynchronous pipelining on schedule 1f1b: none (synchronous), pipedream (each stage "
+     "updates after every micro-batch's backward; the backward uses the weights its forward "
+     "used, kept in a stash) or spectrain (the forward uses weights predicted s updates ahead, "
+     "s the micro-batch's version gap); not equivalent to the synchronous run"},
     {"parallel.recompute",
      "pipeline activation recomputation: true (every stage), or a list of virtual stages; a "
      "stage keeps only its received inputs per micro-batch in flight and runs its forward "

@@ -211,6 +211,8 @@ ParallelShorthand read_parallel(const Config& c) {
       static_cast<int>(c.get_int("parallel.virtual_stages", 1, Bounds<int64_t>::in(1, 1024)));
   p.warmup_extra =
       static_cast<int>(c.get_int("parallel.warmup_extra", 0, Bounds<int64_t>::in(0, 65536)));
+  p.async = parse_async_mode(
+      c.get_string("parallel.async", "none", {"none", "pipedream", "spectrain"}), "parallel.async");
   p.tp_ratios = c.get_int_list("parallel.tp_ratios", {}, Bounds<int64_t>::positive());
   p.stage_layers = c.get_int_list("parallel.stage_layers", {}, Bounds<int64_t>::non_negative());
   // true / false, or the list of virtual stages that recompute.

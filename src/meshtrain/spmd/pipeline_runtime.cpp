@@ -87,6 +87,20 @@ struct PipelineRuntime::Impl {
   // Backward passes whose parameter gradients are still in their
   // executor's arena, to be added into the accumulators (flush_grads()).
   std::vector<Pass*> pending_grads;
+
+  // Asynchronous pipelining (PipelineOptions::async).
+  using Weights = std::map<std::string, Tensor>;
+  int version = 0;                          // weight updates applied on this rank
+  int window = 0;                           // steps run: the next window of the stream
+  bool draining = false;                    // drain() is running
+  std::vector<PipelineAction> window_list;  // this call's actions (async)
+  std::map<int, int> fwd_version;           // micro-batch in flight -> version its forward used
+  std::map<int, Weights> versions;          // pipedream: older versions still to be used
+  Weights current;                          // the newest weights while another version is in params
+  Weights smooth;                           // spectrain: smoothed change per update
+  bool swapped = false;
+  int64_t wstash_now = 0, wstash_peak = 0;
+  int wversions_peak = 0;
   // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient
   // exchange. Declared last so that they are destroyed first: a
   // communicator's destructor waits for its queued sends and receives,
@@ -101,7 +115,10 @@ struct PipelineRuntime::Impl {
   const PipelineStage& st(int vs) const { return cut.stages[ix(vs)]; }
 
   uint32_t tag(int sender_vs, int mb, int k) const {
-    const int64_t t = 1 + (static_cast<int64_t>(sender_vs) * m + mb) * tensors_per_stage + k;
+    // Async: global micro-batch ids; at most p < 2m are in flight at once.
+    const int tag_m = opts.async == AsyncMode::none ? m : 2 * m;
+    const int64_t t =
+        1 + (static_cast<int64_t>(sender_vs) * tag_m + mb % tag_m) * tensors_per_stage + k;
     if (t > static_cast<int64_t>(kMaxUserTag)) {
       throw ConfigError(fmt::format(
           "pipeline: {} virtual stages x {} micro-batches x {} boundary tensors need more "
@@ -161,6 +178,7 @@ struct PipelineRuntime::Impl {
     }
     shared = comm.split(0, rank, comm.name() + "/pp_shared");
     plan_views();
+    if (opts.async != AsyncMode::none) check_async_setup();
   }
 
   // A forward's stash (what its backward passes and a next stage on this
@@ -197,6 +215,123 @@ struct PipelineRuntime::Impl {
       }
       keep_views[i] = last_read < next_run;
     }
+  }
+
+  void check_async_setup() {
+    const std::string_view mode = async_name(opts.async);
+    check_async(opts.async, sched.kind, "parallel");
+    if (!cut.shared_params.empty()) {
+      throw ConfigError(fmt::format(
+          "parallel.async: {} cannot run with parameter '{}' shared by several stages (a tied "
+          "embedding: its copies would update at different times and drift apart)",
+          mode, cut.shared_params.front().first));
+    }
+    for (const PipelineStage& s : cut.stages) {
+      if (s.recompute) {
+        throw ConfigError(fmt::format(
+            "parallel.async: {} with recomputation on stage {} is not supported", mode, s.index));
+      }
+    }
+    if (!opts.update) {
+      throw ConfigError(fmt::format("pipeline: async {} needs an update function", mode));
+    }
+    MemoryScope tag(MemoryCategory::params);
+    for (const std::string& n : param_names)
+      current[n] = Tensor::empty(params[n].shape(), DType::f32);
+  }
+
+  static void copy_weights(const Weights& from, Weights& to) {
+    for (auto& [n, t] : to) std::memcpy(t.raw(), from.at(n).raw(), t.nbytes());
+  }
+
+  // Puts other weights in place of the current ones (kept in `current`).
+  void swap_in(const Weights& w) {
+    MT_CHECK(!swapped, "pipeline async: weights swapped twice");
+    copy_weights(params, current);
+    copy_weights(w, params);
+    swapped = true;
+  }
+  void swap_back() {
+    if (!swapped) return;
+    copy_weights(current, params);
+    swapped = false;
+  }
+
+  // Before F(mb): record the version; spectrain: predict gap updates ahead.
+  void async_forward(int mb) {
+    fwd_version[mb] = version;
+    const int s = async_version_gap(p, rank, mb);
+    if (opts.async != AsyncMode::spectrain || s == 0 || smooth.empty()) return;
+    copy_weights(params, current);
+    for (auto& [n, w] : params) {
+      float* d = w.data<float>();
+      const float* u = smooth.at(n).data<float>();
+      const int64_t k = w.numel();
+      for (int64_t i = 0; i < k; ++i) d[i] -= static_cast<float>(s) * u[i];
+    }
+    swapped = true;
+  }
+
+  // Before B(mb): zero the accumulators; pipedream: the forward's version.
+  void async_backward(int mb) {
+    for (auto& [name, g] : grads) g.zero_();
+    if (opts.async != AsyncMode::pipedream) return;
+    const int v = fwd_version.at(mb);
+    if (v != version) swap_in(versions.at(v));
+  }
+
+  int64_t weights_bytes() const {
+    int64_t b = 0;
+    for (const auto& [n, t] : params) b += static_cast<int64_t>(t.nbytes());
+    return b;
+  }
+
+  // After B(mb): the newest weights back, the update, the stash trimmed.
+  void async_update(int mb) {
+    swap_back();
+    fwd_version.erase(mb);
+    // Versions no micro-batch in flight still needs go first.
+    for (auto it = versions.begin(); it != versions.end();) {
+      const int v = it->first;
+      if (std::ranges::none_of(fwd_version, [&](const auto& e) { return e.second == v; })) {
+        wstash_now -= weights_bytes();
+        it = versions.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    // pipedream: a micro-batch in flight whose forward saw the version about
+    // to be replaced needs it for its backward.
+    if (opts.async == AsyncMode::pipedream &&
+        std::ranges::any_of(fwd_version, [&](const auto& e) { return e.second == version; })) {
+      MemoryScope tag(MemoryCategory::params);
+      Weights& w = versions[version];
+      for (const auto& [n, t] : params) w[n] = t.clone();
+      wstash_now += weights_bytes();
+    }
+    wstash_peak = std::max(wstash_peak, wstash_now);
+    wversions_peak = std::max(wversions_peak, static_cast<int>(versions.size()));
+    const bool predict = opts.async == AsyncMode::spectrain;
+    if (predict) copy_weights(params, current);
+    opts.update(mb);
+    if (predict) {
+      const bool first = smooth.empty();
+      if (first) {
+        MemoryScope tag(MemoryCategory::params);
+        for (const auto& [n, t] : params) smooth[n] = Tensor::zeros(t.shape(), DType::f32);
+      }
+      for (auto& [n, u] : smooth) {
+        float* d = u.data<float>();
+        const float* before = current.at(n).data<float>();
+        const float* after = params.at(n).data<float>();
+        const int64_t k = u.numel();
+        for (int64_t i = 0; i < k; ++i) {
+          const float delta = before[i] - after[i];
+          d[i] = first ? delta : 0.9f * d[i] + 0.1f * delta;
+        }
+      }
+    }
+    ++version;
   }
 
   Pass make_pass(const StagePass& sp) {
@@ -363,7 +498,7 @@ struct PipelineRuntime::Impl {
 
   // Posts the receives of actions [posted, end) of this rank's list.
   void post_recvs(size_t end) {
-    const auto& list = sched.actions[ix(rank)];
+    const auto& list = actions();
     for (; posted < std::min(end, list.size()); ++posted) {
       const PipelineAction& a = list[posted];
       const int vs = a.stage, mb = a.microbatch;
@@ -440,14 +575,71 @@ struct PipelineRuntime::Impl {
     }
   }
 
+  // The actions this call runs: the schedule's, or async's window.
+  const std::vector<PipelineAction>& actions() const {
+    return opts.async == AsyncMode::none ? sched.actions[ix(rank)] : window_list;
+  }
+
+  // One optimizer step. Async: the next window of the endless 1F1B stream
+  // (make_async_window); micro-batch ids are global, `data` is asked for
+  // this step's (id - window * m), the backwards of earlier steps read
+  // only their stash (the forward keeps the data its backward reads).
   void step(const MicrobatchData& data) {
+    if (opts.async == AsyncMode::none) {
+      run_actions(data);
+      return;
+    }
+    window_list = make_async_window(p, m, window, false).actions[ix(rank)];
+    const int64_t first = static_cast<int64_t>(window) * m;
+    run_actions([&](int g, const std::string& name) -> Tensor {
+      const int64_t j = g - first;
+      return j >= 0 && j < m ? data(static_cast<int>(j), name) : Tensor();
+    });
+    ++window;
+  }
+
+  // Async: the backwards still owed (the end of training).
+  void drain() {
+    if (opts.async == AsyncMode::none) return;
+    window_list = make_async_window(p, m, window, true).actions[ix(rank)];
+    draining = true;
+    run_actions([](int, const std::string&) { return Tensor(); });
+    draining = false;
+    MT_CHECK(fwd_version.empty() && versions.empty(),
+             "pipeline async: stage {} still has micro-batches in flight after the drain", rank);
+    MT_CHECK(stash_now == 0, "pipeline async: stage {} holds {} stashed bytes after the drain",
+             rank, stash_now);
     stash.clear();
+  }
+
+  // Async forward: what the micro-batch's backward reads from the data
+  // goes into its stash (the backward may run in a later step).
+  void keep_backward_data(StageRt& r, int vs, int mb, const MicrobatchData& data) {
+    if (!r.backward.exec) return;
+    Stash& s = stash[{vs, mb}];
+    const Graph& g = r.backward.pass->graph;
+    for (ValueId in : g.inputs()) {
+      const std::string& name = g.value(in).name;
+      if (s.count(name) != 0) continue;
+      const Tensor t = data(mb, name);
+      if (t.defined()) put(s, name, t.clone());
+    }
+  }
+
+  void run_actions(const MicrobatchData& data) {
+    const bool async = opts.async != AsyncMode::none;
+    if (!async) {
+      stash.clear();
+      stash_now = 0;
+    }
     recvs.clear();
     pending_grads.clear();
     spans.clear();
     waits.clear();
-    sends.clear();
-    stash_now = stash_peak = 0;
+    if (!async) sends.clear();
+    stash_peak = stash_now;
+    wstash_peak = wstash_now;
+    wversions_peak = static_cast<int>(versions.size());
     loss_sum = 0;
     losses = 0;
     for (auto& [name, g] : grads) g.zero_();
@@ -458,7 +650,7 @@ struct PipelineRuntime::Impl {
     for (Communicator* c : all) c->reset_counters();
 
     posted = 0;
-    const auto& list = sched.actions[ix(rank)];
+    const auto& list = actions();
     size_t sent_early = list.size();  // a send action run_pass already did
     for (size_t i = 0; i < list.size(); ++i) {
       post_recvs(i + kRecvLookahead);
@@ -488,7 +680,10 @@ struct PipelineRuntime::Impl {
         case ActionKind::forward: {
           wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
-          run_pass(r.forward, vs, mb, a.kind, data, then_send, keep_views[i]);
+          if (async) async_forward(mb);
+          run_pass(r.forward, vs, mb, a.kind, data, then_send, !async && keep_views[i]);
+          swap_back();
+          if (async) keep_backward_data(r, vs, mb, data);
           if (!r.st->loss.empty()) {
             loss_sum += stash[{vs, mb}].at(r.st->loss).item();
             ++losses;
@@ -506,8 +701,11 @@ struct PipelineRuntime::Impl {
             recomputing = false;
           }
           const bool whole = a.kind == ActionKind::backward;
+          if (async) async_backward(mb);
+          // Async: the update right after needs the gradients now.
           run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send, false,
-                   forward_next(i + (then_send != nullptr ? 2 : 1)));
+                   !async && forward_next(i + (then_send != nullptr ? 2 : 1)));
+          if (async) async_update(mb);
           if (whole) release(vs, mb);
           break;
         }
@@ -522,13 +720,20 @@ struct PipelineRuntime::Impl {
       }
     }
     flush_grads();
+    // Async: a gradient sent for a micro-batch whose backward the receiver
+    // runs in the next window completes then; only the drain waits for all.
     const int64_t ts = now_ns();
-    for (auto& [h, t] : sends) h.wait();
+    if (!async || draining) {
+      for (auto& [h, t] : sends) h.wait();
+      sends.clear();
+    } else {
+      std::erase_if(sends, [](const auto& x) { return x.first.done() && (x.first.wait(), true); });
+    }
     waits.push_back({-1, -1, ActionKind::send_activation, ts, now_ns(), 0, 0});
-    sends.clear();
     MT_CHECK(recvs.empty(), "pipeline: stage {} posted receives its schedule never waited for",
              rank);
-    const float inv = 1.0f / static_cast<float>(m);
+    // Async: grads hold the last micro-batch's gradients, already applied.
+    const float inv = opts.async == AsyncMode::none ? 1.0f / static_cast<float>(m) : 1.0f;
     for (auto& [name, g] : grads) {
       float* d = g.data<float>();
       const int64_t n = g.numel();
@@ -571,7 +776,10 @@ struct PipelineRuntime::Impl {
 
   uint64_t predicted() const {
     uint64_t b = 0;
-    for (const PipelineAction& a : sched.actions[ix(rank)]) {
+    // Async: a window of the steady state (the first one sends fewer gradients).
+    const PipelineSchedule steady =
+        opts.async == AsyncMode::none ? sched : make_async_window(p, m, 1, false);
+    for (const PipelineAction& a : steady.actions[ix(rank)]) {
       if (a.kind == ActionKind::send_activation) {
         for (const StageBoundary& o : st(a.stage).outputs) b += static_cast<uint64_t>(o.bytes());
       } else if (a.kind == ActionKind::send_grad) {
@@ -637,6 +845,10 @@ void PipelineRuntime::run_step(const MicrobatchData& data) {
   impl_->step(data);
 }
 
+void PipelineRuntime::drain() {
+  impl_->drain();
+}
+
 void PipelineRuntime::sgd_step(double lr) {
   const auto a = static_cast<float>(lr);
   for (auto& [name, p] : impl_->params) {
@@ -679,6 +891,15 @@ uint64_t PipelineRuntime::predicted_bytes_sent() const {
 }
 int64_t PipelineRuntime::peak_stash_bytes() const {
   return impl_->stash_peak;
+}
+int64_t PipelineRuntime::peak_weight_stash_bytes() const {
+  return impl_->wstash_peak;
+}
+int PipelineRuntime::peak_weight_versions() const {
+  return impl_->wversions_peak;
+}
+int PipelineRuntime::weight_version() const {
+  return impl_->version;
 }
 
 }  // namespace mt

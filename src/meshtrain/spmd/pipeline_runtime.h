@@ -69,6 +69,21 @@ struct PipelineOptions {
   // For every pass's executor (ExecOptions::outputs is replaced by what
   // each pass leaves in the stash).
   ExecOptions exec;
+  // Asynchronous pipelining (schedule.h, AsyncMode; schedule 1f1b only):
+  // after each micro-batch's backward on this rank, grad() holds that
+  // micro-batch's gradients (of its mean loss, not divided by m) and
+  // `update(microbatch)` is called to change param() in place (an
+  // optimizer step). pipedream: the backward (and so the gradient) uses
+  // the weight version the micro-batch's forward used, copied into a
+  // stash (allocator category params) while newer versions exist.
+  // spectrain: the forward uses W - s * u (s: its version gap, u: the
+  // smoothed change per update, an exponential average with factor 0.9
+  // starting from the first change), the backward the current weights.
+  // Without the flush: see run_step / drain. Refused (ConfigError) with
+  // parameters shared by stages, recomputing stages or a schedule other
+  // than 1f1b.
+  AsyncMode async = AsyncMode::none;
+  std::function<void(int microbatch)> update;
 };
 
 struct PipelineSpan {
@@ -127,6 +142,13 @@ class PipelineRuntime {
   // throw the runtime is unusable (messages of the failed step may still
   // be in flight): destroy it.
   void run_step(const MicrobatchData& data);
+  // Async (PipelineOptions::async): run_step runs one window of 1F1B
+  // without the flush (schedule.h, make_async_window): the step's
+  // forwards, and backwards lagging p - 1 - stage micro-batches behind,
+  // so micro-batches stay in flight across steps; drain() runs the
+  // backwards (and updates) still owed, at the end of training. A no-op
+  // when synchronous.
+  void drain();
   // p -= lr * grad for every parameter held here.
   void sgd_step(double lr);
 
@@ -151,6 +173,12 @@ class PipelineRuntime {
   uint64_t predicted_bytes_sent() const;
   // The largest total of stashed tensors this rank held during the last step.
   int64_t peak_stash_bytes() const;
+  // Async pipedream: the most bytes of stashed weight versions this rank
+  // held at once during the last step (0 otherwise), and how many versions.
+  int64_t peak_weight_stash_bytes() const;
+  int peak_weight_versions() const;
+  // Async: the weight updates this rank applied since construction.
+  int weight_version() const;
 
  private:
   struct Impl;

@@ -261,6 +261,15 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
   }
   check_schedule(plan.schedule, plan.pipeline_stages(), plan.microbatches, v, where);
   check_warmup_extra(plan.schedule, plan.warmup_extra, where);
+  check_async(plan.async, plan.schedule, where);
+  for (size_t s = 0; s < plan.stages.size() && plan.async != AsyncMode::none; ++s) {
+    if (plan.stages[s].recompute) {
+      throw ConfigError(fmt::format(
+          "{}: stages[{}].recompute: not with async {} (a recomputed forward would have to "
+          "rerun with the forward's weights)",
+          where, s, async_name(plan.async)));
+    }
+  }
   if (global_batch % plan.microbatches != 0) {
     throw ConfigError(fmt::format(
         "{}: microbatches: the global batch of {} (train.batch_size) does not divide into {} "
@@ -381,7 +390,7 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
   Reader rd{source};
   rd.keys(j, "",
           {"format", "model", "mesh", "values", "stages", "microbatches", "schedule",
-           "virtual_stages", "warmup_extra", "sequence_parallel", "devices"});
+           "virtual_stages", "warmup_extra", "async", "sequence_parallel", "devices"});
   Plan plan;
   if (j.contains("format")) {
     const std::string f = rd.string(j["format"], "format");
@@ -416,6 +425,10 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
     plan.virtual_stages = static_cast<int>(rd.integer(j["virtual_stages"], "virtual_stages", 1));
   if (j.contains("warmup_extra"))
     plan.warmup_extra = static_cast<int>(rd.integer(j["warmup_extra"], "warmup_extra", 0));
+  if (j.contains("async")) {
+    plan.async =
+        parse_async_mode(rd.string(j["async"], "async"), fmt::format("plan {}: async", source));
+  }
   if (j.contains("schedule")) {
     plan.schedule = parse_schedule_kind(rd.string(j["schedule"], "schedule"),
                                         fmt::format("plan {}: schedule", source));
@@ -522,6 +535,7 @@ std::string plan_to_json(const Plan& plan) {
   j["schedule"] = schedule_name(plan.schedule);
   j["virtual_stages"] = plan.virtual_stages;
   if (plan.warmup_extra != 0) j["warmup_extra"] = plan.warmup_extra;
+  if (plan.async != AsyncMode::none) j["async"] = async_name(plan.async);
   j["sequence_parallel"] = plan.sequence_parallel;
   if (!plan.devices.empty()) j["devices"] = plan.devices;
   // One line per mesh axis, value and stage, so the file reads (and diffs)
@@ -677,6 +691,15 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
         plan.schedule == ScheduleKind::zero_bubble ? ", 1F1B's"
         : is_v_shaped(plan.schedule)               ? ", interleaved's with 2 chunks"
                                                    : "");
+    if (plan.async != AsyncMode::none) {
+      for (int s = 0; s < p; ++s) {
+        out += fmt::format(
+            "  async {}: stage {} weight-version gap per micro-batch (updates between its "
+            "forward and backward): {} in the first step, then {} (no flush between steps)\n",
+            async_name(plan.async), s, fmt::join(version_gaps(sched, s), ","),
+            async_version_gap(p, s, plan.microbatches));
+      }
+    }
   }
   return out;
 }

@@ -49,6 +49,10 @@ struct Plan {
   int virtual_stages = 1;
   // 1f1b: extra warm-up forwards per stage but the last (make_schedule).
   int warmup_extra = 0;
+  // Asynchronous pipelining on 1f1b (schedule.h's AsyncMode): weight
+  // updates after each micro-batch, PipeDream's stash or SpecTrain's
+  // prediction. Not equivalent to the synchronous run.
+  AsyncMode async = AsyncMode::none;
   // Megatron's sequence parallelism in the layer-norm regions over the tp
   // axis (reduce-scatter + all-gather instead of all-reduce); recorded for
   // the lowering pass.

@@ -456,6 +456,89 @@ void check_warmup_extra(ScheduleKind kind, int extra, std::string_view where) {
   }
 }
 
+std::string_view async_name(AsyncMode m) {
+  switch (m) {
+    case AsyncMode::none:
+      return "none";
+    case AsyncMode::pipedream:
+      return "pipedream";
+    case AsyncMode::spectrain:
+      return "spectrain";
+  }
+  return "?";
+}
+
+AsyncMode parse_async_mode(std::string_view name, std::string_view where) {
+  for (AsyncMode m : {AsyncMode::none, AsyncMode::pipedream, AsyncMode::spectrain}) {
+    if (async_name(m) == name) return m;
+  }
+  throw ConfigError(fmt::format(
+      "{}: unknown asynchronous mode \"{}\" (expected none, pipedream or spectrain)", where, name));
+}
+
+void check_async(AsyncMode mode, ScheduleKind kind, std::string_view where) {
+  if (mode == AsyncMode::none || kind == ScheduleKind::one_f_one_b) return;
+  throw ConfigError(
+      fmt::format("{}.async: {} runs on schedule 1f1b (PipeDream's 1F1B with an update after each "
+                  "micro-batch), not {}",
+                  where, async_name(mode), schedule_name(kind)));
+}
+
+std::vector<int> version_gaps(const PipelineSchedule& s, int stage) {
+  MT_CHECK(stage >= 0 && stage < s.stages, "version_gaps: stage {} of {}", stage, s.stages);
+  std::vector<int> gaps(static_cast<size_t>(s.microbatches), -1);
+  std::vector<int> backwards_at_forward(static_cast<size_t>(s.microbatches), -1);
+  int backwards = 0;
+  for (const PipelineAction& a : s.actions[static_cast<size_t>(stage)]) {
+    const auto i = static_cast<size_t>(a.microbatch);
+    if (a.kind == ActionKind::forward) {
+      backwards_at_forward[i] = backwards;
+    } else if (a.kind == ActionKind::backward || a.kind == ActionKind::backward_weight) {
+      MT_CHECK(backwards_at_forward[i] >= 0, "version_gaps: B{} before F{} on stage {}", i, i,
+               stage);
+      gaps[i] = backwards - backwards_at_forward[i];
+      ++backwards;
+    }
+  }
+  return gaps;
+}
+
+PipelineSchedule make_async_window(int p, int m, int window, bool drain) {
+  check_schedule(ScheduleKind::one_f_one_b, p, m, 1, "async");
+  PipelineSchedule s;
+  s.kind = ScheduleKind::one_f_one_b;
+  s.stages = p;
+  s.microbatches = m;
+  s.actions.resize(static_cast<size_t>(p));
+  const int first = window * m;
+  for (int r = 0; r < p; ++r) {
+    auto& list = s.actions[static_cast<size_t>(r)];
+    const int lag = p - 1 - r;
+    auto backward = [&](int b) {
+      if (b < 0) return;
+      if (r < p - 1) list.push_back({ActionKind::recv_grad, b, r, r + 1});
+      list.push_back({ActionKind::backward, b, r, -1});
+      if (r > 0) list.push_back({ActionKind::send_grad, b, r, r - 1});
+    };
+    for (int i = 0; i < m; ++i) {
+      if (drain) {
+        if (i >= m - lag) backward(first + i - m);
+        continue;
+      }
+      const int f = first + i;
+      if (r > 0) list.push_back({ActionKind::recv_activation, f, r, r - 1});
+      list.push_back({ActionKind::forward, f, r, -1});
+      if (r < p - 1) list.push_back({ActionKind::send_activation, f, r, r + 1});
+      backward(f - lag);
+    }
+  }
+  return s;
+}
+
+int async_version_gap(int p, int r, int64_t g) {
+  return static_cast<int>(std::min<int64_t>(g, p - 1 - r));
+}
+
 PipelineSchedule make_schedule(ScheduleKind kind, int p, int m, int v, int extra) {
   check_schedule(kind, p, m, v, "schedule");
   check_warmup_extra(kind, extra, "schedule");

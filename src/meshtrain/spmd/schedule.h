@@ -125,6 +125,56 @@ PipelineSchedule make_schedule(ScheduleKind kind, int stages, int microbatches,
 // with schedule 1f1b.
 void check_warmup_extra(ScheduleKind kind, int warmup_extra, std::string_view where);
 
+// Asynchronous pipelining (Plan::async, docs/plan.md "Asynchronous
+// pipelining"): on top of 1F1B, each stage updates its weights after every
+// micro-batch's backward instead of once per step, so a micro-batch's
+// forward and backward on a stage may meet different weight versions.
+//   none:      synchronous (gradients accumulated over the step's m
+//              micro-batches, one optimizer step).
+//   pipedream: PipeDream's weight stashing: the forward of micro-batch i
+//              records the stage's weight version, and its backward runs
+//              with exactly that version (kept in a stash until then); the
+//              update is applied to the newest weights.
+//   spectrain: SpecTrain's weight prediction: the forward runs with
+//              W - s * u, u the smoothed (exponential average, factor
+//              0.9) per-update change of the weights and s the micro-batch's
+//              version gap (async_version_gap below); the backward runs with the
+//              current weights, which are the ones its update applies to.
+// Not equivalent to the synchronous run by design. Without the flush: a
+// step is a window of the endless 1F1B stream (make_async_window below),
+// micro-batches stay in flight across steps, and the pipeline drains only
+// at the end of training.
+enum class AsyncMode { none, pipedream, spectrain };
+// "none", "pipedream", "spectrain".
+std::string_view async_name(AsyncMode m);
+// Throws ConfigError naming `where` and listing the modes.
+AsyncMode parse_async_mode(std::string_view name, std::string_view where);
+// Throws ConfigError naming `where`.async unless the mode is none or the
+// schedule is 1f1b (PipeDream's; the other schedules' orders are not
+// defined for per-micro-batch updates here).
+void check_async(AsyncMode mode, ScheduleKind kind, std::string_view where);
+// Per micro-batch of physical stage `stage` (one virtual stage per rank):
+// how many of the stage's backward passes (= weight updates under async)
+// run between the micro-batch's forward and its backward in the lists of
+// `s`. 1F1B: p - 1 - stage in the steady state (+ warmup_extra on all but
+// the last stage), micro-batch i of the warm-up min(i, that).
+std::vector<int> version_gaps(const PipelineSchedule& s, int stage);
+
+// Asynchronous pipelining runs 1F1B without the flush: one optimizer step
+// is a window of the endless 1F1B stream, in which every stage runs the
+// forwards of the step's m micro-batches (global ids window*m .. +m-1) and
+// m backwards lagging p - 1 - r micro-batches behind on stage r (those of
+// ids below window*m belong to the previous step, whose stash the stage
+// still holds; window 0 skips the negative ids: 1F1B's warm-up). With
+// `drain`, the window has no forwards: only the backwards still owed
+// (the end of training). Micro-batch ids in the actions are global. The
+// windows 0 .. T-1 and the drain, concatenated, are 1F1B over T*m
+// micro-batches (tests/spmd/pipeline_async_test.cpp simulates them).
+PipelineSchedule make_async_window(int stages, int microbatches, int window, bool drain);
+// The version gap of global micro-batch g on physical stage r under the
+// endless stream: min(g, p - 1 - r).
+int async_version_gap(int stages, int stage, int64_t microbatch);
+
 // Time units of each compute action (backward = input + weight).
 struct ActionCosts {
   double forward = 1.0;

@@ -220,6 +220,7 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
   plan.schedule = sh.schedule;
   plan.virtual_stages = sh.virtual_stages;
   plan.warmup_extra = sh.warmup_extra;
+  plan.async = sh.async;
   if (sh.pp == 1) {
     if (sh.microbatches != 1) {
       throw ConfigError(
@@ -240,6 +241,11 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
           "parallel.warmup_extra: extra warm-up forwards need a pipeline "
           "(parallel.pp > 1)");
     }
+    if (sh.async != AsyncMode::none) {
+      throw ConfigError(fmt::format(
+          "parallel.async: {} is asynchronous pipelining and needs a pipeline (parallel.pp > 1)",
+          async_name(sh.async)));
+    }
     if (sh.recompute || !sh.recompute_stages.empty()) {
       throw ConfigError(
           "parallel.recompute: per-stage recomputation needs a pipeline (parallel.pp > 1); "
@@ -249,6 +255,13 @@ Plan expand_shorthand(const ParallelShorthand& sh, const ShorthandModel& model, 
   }
   check_schedule(sh.schedule, sh.pp, sh.microbatches, sh.virtual_stages, "parallel");
   check_warmup_extra(sh.schedule, sh.warmup_extra, "parallel");
+  check_async(sh.async, sh.schedule, "parallel");
+  if (sh.async != AsyncMode::none && (sh.recompute || !sh.recompute_stages.empty())) {
+    throw ConfigError(fmt::format(
+        "parallel.async: {} with parallel.recompute is not supported (a recomputed forward "
+        "would have to rerun with the forward's weights)",
+        async_name(sh.async)));
+  }
   const int stages = sh.pp * sh.virtual_stages;
   const std::vector<std::string> units = stage_units(model, g);
   std::vector<int64_t> runs = sh.stage_layers;

@@ -36,6 +36,7 @@ struct ParallelShorthand {
   ScheduleKind schedule = ScheduleKind::one_f_one_b;
   int virtual_stages = 1;
   int warmup_extra = 0;               // 1f1b: extra warm-up forwards (Plan::warmup_extra)
+  AsyncMode async = AsyncMode::none;  // asynchronous pipelining (Plan::async)
   std::vector<int64_t> tp_ratios;     // empty: even; else one per tp rank
   std::vector<int64_t> stage_layers;  // empty: balanced; else layers per (virtual) stage
   // Activation recomputation per pipeline stage (StagePlan::recompute):

@@ -58,6 +58,21 @@ void check_pipeline_options(const TrainerOptions& o) {
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.dp.stage != 0, "dist.zero_stage > 0");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
+  if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
+    const std::string_view mode = async_name(o.dist.plan->async);
+    auto refuse_async = [&](bool bad, const std::string& what) {
+      if (!bad) return;
+      throw ConfigError(fmt::format(
+          "parallel.async: {} runs on a plain pipeline (dp = tp = 1) and updates each stage on "
+          "its own after every micro-batch; {} is not supported with it",
+          mode, what));
+    };
+    const Mesh& mesh = o.dist.plan->mesh;
+    refuse_async(mesh.size() != o.dist.plan->pipeline_stages(),
+                 fmt::format("a mesh with axes besides pp ({})", mesh.describe()));
+    refuse_async(o.clip_grad_norm > 0,
+                 "optim.clip_grad_norm (a global norm would synchronize the stages)");
+  }
 }
 
 bool pipeline_plan(const TrainerOptions& o) {
@@ -86,8 +101,9 @@ struct PipelineTraining::Impl {
   bool tensor_parallel = false;
   std::shared_ptr<CommCollectiveRunner> runner;
   std::vector<std::unique_ptr<Communicator>> tensor_norm_comms;
-  int64_t step = 0;         // optimizer steps completed (a resumed run starts later)
-  int64_t saved_step = -1;  // the step of the last checkpoint written
+  int64_t step = 0;          // optimizer steps completed (a resumed run starts later)
+  int64_t current_step = 0;  // the step running (its learning rate)
+  int64_t saved_step = -1;   // the step of the last checkpoint written
   std::optional<TorchLoadReport> init_report;
   // dist.trace: each micro-batch's passes, the waits on peers and the
   // stage-to-stage transfers, per rank.
@@ -168,6 +184,10 @@ struct PipelineTraining::Impl {
     po.exec = o.exec;
     po.exec.slowdown =
         rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
+    // Asynchronous pipelining: the optimizer steps after each micro-batch's
+    // backward, on this stage's parameters, at the step's learning rate.
+    po.async = plan.async;
+    if (plan.async != AsyncMode::none) po.update = [this](int) { optimizer_step(current_step); };
     if (tensor_parallel) {
       runner = std::make_shared<CommCollectiveRunner>(world, lowered.groups, co);
       po.exec.collectives = runner;
@@ -474,6 +494,7 @@ struct PipelineTraining::Impl {
   // One optimizer step: the pipeline's forward and backward over the
   // micro-batches, gradients averaged over dp, clipping, the update.
   double step_once(int64_t epoch, int64_t s, int64_t at) {
+    current_step = at;
     const Batch b = loader->batch(epoch, s);
     const int64_t y_per = b.y.numel() / local_batch;
     const Shape xs = model.graph.value(model.x).shape;
@@ -501,8 +522,15 @@ struct PipelineTraining::Impl {
     double red[2] = {runtime->has_loss() && tensor_leader() ? runtime->loss() / dp_world : 0.0,
                      0.0};
     world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
+    if (plan.async == AsyncMode::none) optimizer_step(at);
+    return red[0];
+  }
+
+  // Clipping and the optimizer on this rank's parameters with their
+  // gradients in the runtime.
+  void optimizer_step(int64_t at) {
     std::vector<ParamRef> refs;
-    for (const std::string& name : names) {
+    for (const std::string& name : runtime->param_names()) {
       Tensor prm = runtime->param(name);
       refs.push_back(ParamRef{name, prm, runtime->grad(name), prm.rank(), counted[name]});
     }
@@ -517,7 +545,6 @@ struct PipelineTraining::Impl {
       });
     }
     optimizer->step(refs, lr->lr_at(at));
-    return red[0];
   }
 
   // Joins the whole parameters on every rank of this model replica: each
@@ -647,7 +674,8 @@ struct PipelineTraining::Impl {
     const int64_t targets = model.graph.value(model.y).shape.numel() / micro_batch;
     const double tokens_per_sample = targets > 1 ? static_cast<double>(targets) : 0.0;
     uint64_t sent = 0;
-    int64_t peak_stash = 0;
+    int64_t peak_stash = 0, peak_weight_stash = 0;
+    int peak_weight_versions = 0;
     // This rank's passes' wall time (its compute, the slowdown's sleeps
     // included) over the steps after the warm-up.
     double compute_s = 0;
@@ -681,6 +709,12 @@ struct PipelineTraining::Impl {
       }
       sent += runtime->bytes_sent();
       peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
+      peak_weight_stash = std::max(peak_weight_stash, runtime->peak_weight_stash_bytes());
+      peak_weight_versions = std::max(peak_weight_versions, runtime->peak_weight_versions());
+      // Async: micro-batches stay in flight across steps; the backwards
+      // still owed run (and update) after the run's last step, before its
+      // evaluation and checkpoint.
+      if (step + 1 == stop) runtime->drain();
       if (!std::isfinite(loss)) {
         throw Error(fmt::format("training diverged: loss is {} at step {}", loss, step));
       }
@@ -758,6 +792,9 @@ struct PipelineTraining::Impl {
            static_cast<double>(sent) / static_cast<double>(std::max<int64_t>(1, step - first))},
           {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
           {"peak_stash_bytes", peak_stash},
+          {"async", std::string(async_name(plan.async))},
+          {"peak_weight_stash_bytes", peak_weight_stash},
+          {"peak_weight_versions", peak_weight_versions},
           {"planned_peak_stash_bytes",
            planned_stash_bytes(cut, schedule, plan.mesh.coord(rank, "pp"))}}}};
     if (r.final_loss) summary["final_loss"] = *r.final_loss;

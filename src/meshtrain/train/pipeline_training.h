@@ -31,6 +31,11 @@
 // under any plan (DP, ZeRO, TP, PP, their mixes) resumes under any other.
 // train.init reads a PyTorch-layout file into each rank's boxes (export.h).
 //
+// parallel.async (pipedream / spectrain, docs/plan.md): the optimizer runs
+// after each micro-batch's backward on each stage, micro-batches stay in
+// flight across steps, and the runtime drains after the run's last step;
+// only on a plain pipeline (no dp / tp axes), without clipping.
+//
 // Not yet (each refused with a ConfigError naming the key, before any step):
 // f16 loss scaling,
 // dist.batch_shares, ZeRO, accumulation steps (micro-batches are the
