@@ -29,6 +29,7 @@
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
+#include "meshtrain/spmd/cross_mesh.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/plan.h"
@@ -913,6 +914,11 @@ int cmd_inspect(const CommandOptions& opts) {
       fmt::print("pipeline activation stash ({} examples per micro-batch{}):\n{}", micro,
                  needs_lowering(*pplan) ? "; the unlowered model's" : "",
                  describe_stash(cut, sched));
+      if (pplan->stage_meshes()) {
+        // Each stage lowered on its own mesh; the boundaries' reshard plans.
+        fmt::print("{}",
+                   describe_cross_mesh(plan_cross_mesh(mm.graph, mm.loss, *pplan, 0), *pplan));
+      }
       fmt::print(
           "meshtrain train runs this plan through the pipeline runtime (docs/plan.md); the "
           "memory plan above is the unpipelined model's\n");
