@@ -323,6 +323,25 @@ TEST(Plan, StageMeshesGiveEachBoundaryItsReshardPlans) {
       << text;
 }
 
+// GPT's tied wte (embedding in the first stage, head in the last) would be
+// shared across the two meshes: refused, naming it, before any rank runs.
+TEST(Plan, StageMeshesRefuseATiedParameterAcrossMeshes) {
+  const ModelGraph m = small_gpt(4);
+  const Plan p = plan_from_json(R"({"mesh": [{"name": "world", "size": 2}], "stages": [
+      {"layers": ["wte", "wpe", "block0"], "ranks": [0], "mesh": []},
+      {"layers": ["block1", "ln_f"], "ranks": [1], "mesh": []}], "microbatches": 2})",
+                                "p.json");
+  validate_plan(p, m.graph, 2, 4, "plan p.json");
+  try {
+    plan_cross_mesh(m.graph, m.loss, p, 0);
+    ADD_FAILURE() << "a parameter shared across meshes was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "plan: parameter wte is used by stages 0, 1 (a tied weight); stages on different "
+              "meshes do not share parameters yet (docs/plan.md, \"Stages on different meshes\")");
+  }
+}
+
 TEST(Plan, MalformedFilesNameTheKeyPath) {
   const Graph& g = small_gpt().graph;
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "stagse": []})", g, 2),

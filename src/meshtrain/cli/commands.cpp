@@ -363,6 +363,14 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
     t.dist.plan = std::make_shared<const Plan>(*plan);
     check_pipeline_options(t);
   }
+  if (plan->stage_meshes()) {
+    // The boundaries between the stages' meshes (a tied parameter across
+    // them is refused here, before any rank starts).
+    ModelSpec spec = rc.model;
+    spec.compute = DType::f32;
+    const ModelGraph mm = build_model(spec, rc.train.batch_size / plan->microbatches);
+    plan_cross_mesh(mm.graph, mm.loss, *plan, 0);
+  }
   // Data parallelism reads the batch as the loader splits it (by
   // dist.batch_shares over the data-parallel ranks); a plan that splits it
   // otherwise would silently train on other examples than it says.
