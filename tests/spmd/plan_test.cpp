@@ -7,6 +7,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/models/model.h"
+#include "meshtrain/spmd/cross_mesh.h"
 #include "meshtrain/spmd/shorthand.h"
 
 namespace mt {
@@ -217,6 +218,128 @@ TEST(Plan, DevicesArePermutationsOfTheRanks) {
             "permutation of 0..3)");
   EXPECT_EQ(error_of("{" + mesh22 + R"(, "devices": [0, -1, 2, 3]})", g, 4),
             "plan p.json: devices[1]: expected an integer >= 0, got -1");
+}
+
+// Stages on different meshes: the mlp's fc1 (64 units) tensor-parallel on
+// ranks {0, 1}, fc2 and head on rank 2.
+std::string xmesh_plan(const std::string& stage0_mesh, const std::string& stage1_mesh,
+                       const std::string& stage1_extra = "", const std::string& ranks0 = "[0, 1]") {
+  return R"({"mesh": [{"name": "world", "size": 3}],
+    "values": {"fc1.w": {"dims": [null, "tp"]}, "fc1.b": {"dims": ["tp"]},
+               "fc2.w": {"dims": ["tp"]}},
+    "stages": [
+      {"layers": ["fc1"], "ranks": )" +
+         ranks0 + R"(, "mesh": )" + stage0_mesh + R"(},
+      {"layers": ["fc2", "head"], "ranks": [2], "mesh": )" +
+         stage1_mesh + stage1_extra + R"(}],
+    "microbatches": 2})";
+}
+
+TEST(Plan, StageMeshesAreReadWrittenAndValidatedNamingTheStage) {
+  const Graph& g = mlp().graph;
+  const std::string tp2 = R"([{"name": "tp", "size": 2}])", tp1 = R"([{"name": "tp", "size": 1}])";
+  const Plan p = plan_from_json(xmesh_plan(tp2, tp1), "p.json");
+  ASSERT_EQ(p.stages.size(), 2u);
+  EXPECT_TRUE(p.stage_meshes());
+  EXPECT_TRUE(p.stages[0].has_mesh);
+  EXPECT_EQ(p.stages[0].mesh.axis_size("tp"), 2);
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "mem"), p);
+  EXPECT_EQ(error_of(xmesh_plan(tp2, tp1), g, 3), "no error");
+  // The stage's view: its own parameters' specs on its own mesh.
+  const Plan v1 = stage_view(p, 1);
+  EXPECT_EQ(v1.mesh.axis_size("tp"), 1);
+  EXPECT_TRUE(v1.spec("fc1.w").replicated());
+  EXPECT_FALSE(v1.spec("fc2.w").replicated());
+  // Overrides, round trip.
+  const std::string over = R"(, "values": {"fc2.w": {"dims": [null]}})";
+  const Plan po = plan_from_json(xmesh_plan(tp2, tp1, over), "p.json");
+  EXPECT_TRUE(stage_view(po, 1).spec("fc2.w").replicated());
+  EXPECT_EQ(plan_from_json(plan_to_json(po), "mem"), po);
+
+  EXPECT_EQ(error_of(xmesh_plan(R"([{"name": "tp", "size": 3}])", tp1), g, 3),
+            "plan p.json: stages[0].mesh: tp=3 has 3 devices but the stage has 2 ranks (0, 1); "
+            "expected a mesh of 2");
+  EXPECT_EQ(error_of(xmesh_plan(tp2, "[]"), g, 3),
+            "plan p.json: stages[1]: values.fc2.w (a parameter of its layers): tensor fc2.w: "
+            "dimension 0 (size 64) names mesh axis 'tp', which the mesh (no axes: 1 device) lacks "
+            "(axes: none) (give the stage's mesh that axis, or override fc2.w in "
+            "stages[1].values)");
+  EXPECT_EQ(error_of(xmesh_plan(tp2, "[]", R"(, "values": {"fc2.w": {"dims": [null]}})"), g, 3),
+            "no error");
+  EXPECT_EQ(error_of(xmesh_plan(tp2, tp1, R"(, "values": {"fc2.ww": {"dims": [null]}})"), g, 3),
+            "plan p.json: stages[1].values.fc2.ww: the model's graph has no value of that name "
+            "(did you mean 'fc2.w'?) (`meshtrain inspect` lists the parameters)");
+  EXPECT_EQ(error_of(xmesh_plan(tp2, tp1, R"(, "values": {"fc2.b": {"dims": ["tq"]}})"), g, 3),
+            "plan p.json: stages[1]: its values.fc2.b (the stage's override): tensor fc2.b: "
+            "dimension 0 (size 32) names mesh axis 'tq', which the mesh tp=1 lacks (axes: tp)");
+  EXPECT_EQ(error_of(xmesh_plan(R"([{"name": "dp", "size": 2}])", tp1), g, 3),
+            "plan p.json: stages[0].mesh: axis dp of size 2: a stage's mesh holds tensor axes only "
+            "(the pipeline is the stages; data parallelism inside a stage mesh is not supported "
+            "yet)");
+  // A stage without a mesh beside one with.
+  std::string mixed = xmesh_plan(tp2, tp1);
+  mixed.replace(mixed.rfind(R"(, "mesh": )"), std::string(R"(, "mesh": )").size() + tp1.size(), "");
+  EXPECT_EQ(error_of(mixed, g, 3),
+            "plan p.json: stages[1]: no \"mesh\", but stages[0] has one (in a plan whose stages "
+            "carry meshes every stage gives its own, e.g. [{\"name\": \"tp\", \"size\": 1}])");
+  // Values need the stage's mesh.
+  EXPECT_EQ(error_of(R"({"mesh": [{"name": "pp", "size": 2}], "stages": [
+      {"layers": ["fc1"], "values": {"fc1.w": {"dims": [null]}}},
+      {"layers": ["fc2", "head"]}]})",
+                     g, 2),
+            "plan p.json: stages[0].values: spec overrides need the stage's own \"mesh\" (they "
+            "refer to it)");
+}
+
+TEST(Plan, StageMeshesGiveEachBoundaryItsReshardPlans) {
+  const ModelGraph m = mlp(4);  // a micro-batch of 4
+  const std::string tp2 = R"([{"name": "tp", "size": 2}])", tp1 = R"([{"name": "tp", "size": 1}])";
+  const Plan p = plan_from_json(xmesh_plan(tp2, tp1), "p.json");
+  for (int rank = 0; rank < 3; ++rank) {
+    const CrossMeshPipeline x = plan_cross_mesh(m.graph, m.loss, p, rank);
+    EXPECT_EQ(x.stage, rank < 2 ? 0 : 1);
+    EXPECT_EQ(x.mesh_rank, rank < 2 ? rank : 0);
+    ASSERT_EQ(x.boundaries.size(), 2u);
+    ASSERT_EQ(x.boundaries[0].size(), 1u);
+    const CrossMeshBoundary& b = x.boundaries[0][0];
+    // fc1's output after its activation: [4, 64], split by columns on {0, 1}.
+    EXPECT_EQ(b.shape, Shape({4, 64}));
+    EXPECT_EQ(b.producer.describe(), "{0: [0:4, 0:32], 1: [0:4, 32:64]}");
+    EXPECT_EQ(b.consumer.describe(), "{2: [0:4, 0:64]}");
+    EXPECT_TRUE(b.has_grad);
+    const uint64_t h = 4 * 64 * 4;
+    EXPECT_EQ(b.plans.forward.bytes_sent(0), h / 2);
+    EXPECT_EQ(b.plans.forward.bytes_sent(1), h / 2);
+    EXPECT_EQ(b.plans.backward.bytes_sent(2), h);
+    EXPECT_EQ(cross_mesh_bytes(x, rank, 2), rank < 2 ? h : 2 * h);
+    // The cut's boundary tensors are the pieces each stage's ranks hold (a
+    // column half on stage 0's ranks; rank 2 sees stage 0 at its mesh rank 0).
+    EXPECT_EQ(x.cut.stages[0].outputs[0].shape, Shape({4, 32}));
+    EXPECT_EQ(x.cut.stages[1].inputs[0].shape, Shape({4, 64}));
+  }
+  const std::string text = describe_cross_mesh(plan_cross_mesh(m.graph, m.loss, p, 0), p);
+  EXPECT_NE(text.find("stage 0: mesh tp=2 on ranks 0,1"), std::string::npos) << text;
+  EXPECT_NE(text.find("boundary bytes per rank per step: 0:1024 1:1024 2:2048"), std::string::npos)
+      << text;
+}
+
+// GPT's tied wte (embedding in the first stage, head in the last) would be
+// shared across the two meshes: refused, naming it, before any rank runs.
+TEST(Plan, StageMeshesRefuseATiedParameterAcrossMeshes) {
+  const ModelGraph m = small_gpt(4);
+  const Plan p = plan_from_json(R"({"mesh": [{"name": "world", "size": 2}], "stages": [
+      {"layers": ["wte", "wpe", "block0"], "ranks": [0], "mesh": []},
+      {"layers": ["block1", "ln_f"], "ranks": [1], "mesh": []}], "microbatches": 2})",
+                                "p.json");
+  validate_plan(p, m.graph, 2, 4, "plan p.json");
+  try {
+    plan_cross_mesh(m.graph, m.loss, p, 0);
+    ADD_FAILURE() << "a parameter shared across meshes was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "plan: parameter wte is used by stages 0, 1 (a tied weight); stages on different "
+              "meshes do not share parameters yet (docs/plan.md, \"Stages on different meshes\")");
+  }
 }
 
 TEST(Plan, MalformedFilesNameTheKeyPath) {

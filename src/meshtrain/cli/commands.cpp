@@ -29,6 +29,7 @@
 #include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/cost.h"
 #include "meshtrain/graph/print.h"
+#include "meshtrain/spmd/cross_mesh.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/plan.h"
@@ -361,6 +362,14 @@ std::optional<Plan> check_train_plan(const CommandOptions& opts, const RunConfig
     TrainerOptions t = rc.train;
     t.dist.plan = std::make_shared<const Plan>(*plan);
     check_pipeline_options(t);
+  }
+  if (plan->stage_meshes()) {
+    // The boundaries between the stages' meshes (a tied parameter across
+    // them is refused here, before any rank starts).
+    ModelSpec spec = rc.model;
+    spec.compute = DType::f32;
+    const ModelGraph mm = build_model(spec, rc.train.batch_size / plan->microbatches);
+    plan_cross_mesh(mm.graph, mm.loss, *plan, 0);
   }
   // Data parallelism reads the batch as the loader splits it (by
   // dist.batch_shares over the data-parallel ranks); a plan that splits it
@@ -913,6 +922,11 @@ int cmd_inspect(const CommandOptions& opts) {
       fmt::print("pipeline activation stash ({} examples per micro-batch{}):\n{}", micro,
                  needs_lowering(*pplan) ? "; the unlowered model's" : "",
                  describe_stash(cut, sched));
+      if (pplan->stage_meshes()) {
+        // Each stage lowered on its own mesh; the boundaries' reshard plans.
+        fmt::print("{}",
+                   describe_cross_mesh(plan_cross_mesh(mm.graph, mm.loss, *pplan, 0), *pplan));
+      }
       fmt::print(
           "meshtrain train runs this plan through the pipeline runtime (docs/plan.md); the "
           "memory plan above is the unpipelined model's\n");

@@ -62,7 +62,9 @@ struct PipelineRuntime::Impl {
   PipelineCut cut;
   PipelineSchedule sched;
   PipelineOptions opts;
-  int p = 1, m = 1, rank = 0;
+  int p = 1, m = 1, rank = 0;  // rank: this rank's physical stage
+  int me = 0;                  // this rank in comm
+  const CrossMeshExchange* xm = nullptr;
   int tensors_per_stage = 1;  // for tags
   std::vector<int> mine;      // virtual stages
   std::map<int, StageRt> stages;
@@ -72,6 +74,17 @@ struct PipelineRuntime::Impl {
   // Per step.
   std::map<std::pair<int, int>, Stash> stash;  // (virtual stage, micro-batch)
   std::map<std::tuple<int, int, int>, std::vector<CommHandle>> recvs;  // (kind, stage, mb)
+  // Stages on different meshes: the routes' hops into this rank, finished
+  // (relayed hops received, passed on, assembled) when the action waits.
+  struct Arrival {
+    const ReshardPlan* plan = nullptr;
+    size_t route = 0, hop = 0;  // hop: this rank's place in the route's targets
+    Tensor buf, dest;
+    Box dbox;
+    Communicator* relay = nullptr;
+    uint32_t tag = 0;
+  };
+  std::map<std::tuple<int, int, int>, std::vector<Arrival>> xrecvs;
   std::vector<std::pair<CommHandle, Tensor>> sends;
   std::vector<PipelineSpan> spans, waits;
   bool recomputing = false;  // run_pass is rerunning a forward
@@ -106,6 +119,9 @@ struct PipelineRuntime::Impl {
   // communicator's destructor waits for its queued sends and receives,
   // whose buffers the stash and the send list above own.
   std::vector<std::unique_ptr<Communicator>> act, grad;
+  // Stages on different meshes: what stage q's boundaries relay inside the
+  // receiving stage, and the reductions inside q of a partial source.
+  std::vector<std::unique_ptr<Communicator>> act_relay, grad_relay;
   std::unique_ptr<Communicator> shared;
 
   Impl(Communicator& c, const PipelineCut& k, PipelineSchedule s, PipelineOptions o)
@@ -131,8 +147,35 @@ struct PipelineRuntime::Impl {
   void build() {
     p = sched.stages;
     m = sched.microbatches;
-    rank = comm.rank();
-    if (comm.size() != p) {
+    rank = me = comm.rank();
+    if (opts.cross_mesh) {
+      xm = &*opts.cross_mesh;
+      if (static_cast<int>(xm->stage_ranks.size()) != p || sched.virtual_stages != 1) {
+        throw ConfigError(fmt::format(
+            "pipeline: stages on different meshes: {} rank sets for a schedule of {} stages x {} "
+            "virtual (expected one set per stage, one virtual stage each)",
+            xm->stage_ranks.size(), p, sched.virtual_stages));
+      }
+      rank = -1;
+      for (int q = 0; q < p; ++q) {
+        if (std::ranges::find(xm->stage_ranks[ix(q)], me) != xm->stage_ranks[ix(q)].end()) rank = q;
+      }
+      if (rank < 0) {
+        throw ConfigError(fmt::format("pipeline: rank {} of the job runs no stage", me));
+      }
+      for (int vs = 0; vs + 1 < sched.virtual_count(); ++vs) {
+        if (ix(vs) >= xm->boundaries.size() ||
+            xm->boundaries[ix(vs)].size() != cut.stages[ix(vs)].outputs.size()) {
+          throw ConfigError(fmt::format(
+              "pipeline: stages on different meshes: boundary {} -> {} has {} tensors but {} "
+              "plans",
+              vs, vs + 1, cut.stages[ix(vs)].outputs.size(),
+              ix(vs) < xm->boundaries.size() ? xm->boundaries[ix(vs)].size() : 0));
+        }
+      }
+      MT_CHECK(cut.shared_params.empty(),
+               "pipeline: stages on different meshes do not share parameters");
+    } else if (comm.size() != p) {
       throw ConfigError(
           fmt::format("pipeline: the schedule has {} stages but the pipeline group has {} ranks", p,
                       comm.size()));
@@ -173,10 +216,14 @@ struct PipelineRuntime::Impl {
       r.backward_weight = make_pass(r.st->backward_weight);
     }
     for (int q = 0; q < p; ++q) {
-      act.push_back(comm.split(0, rank, fmt::format("{}/pp_act{}", comm.name(), q)));
-      grad.push_back(comm.split(0, rank, fmt::format("{}/pp_grad{}", comm.name(), q)));
+      act.push_back(comm.split(0, me, fmt::format("{}/pp_act{}", comm.name(), q)));
+      grad.push_back(comm.split(0, me, fmt::format("{}/pp_grad{}", comm.name(), q)));
+      if (xm != nullptr) {
+        act_relay.push_back(comm.split(0, me, fmt::format("{}/pp_act_relay{}", comm.name(), q)));
+        grad_relay.push_back(comm.split(0, me, fmt::format("{}/pp_grad_relay{}", comm.name(), q)));
+      }
     }
-    shared = comm.split(0, rank, comm.name() + "/pp_shared");
+    shared = comm.split(0, me, comm.name() + "/pp_shared");
     plan_views();
     if (opts.async != AsyncMode::none) check_async_setup();
   }
@@ -362,11 +409,122 @@ struct PipelineRuntime::Impl {
 
   void wait_recvs(int kind, int vs, int mb, ActionKind action) {
     auto it = recvs.find({kind, vs, mb});
-    if (it == recvs.end()) return;
+    auto xt = xrecvs.find({kind, vs, mb});
+    if (it == recvs.end() && xt == xrecvs.end()) return;
     const int64_t t0 = now_ns();
-    for (CommHandle& h : it->second) h.wait();
+    if (it != recvs.end()) {
+      for (CommHandle& h : it->second) h.wait();
+      recvs.erase(it);
+    }
+    if (xt != xrecvs.end()) {
+      for (Arrival& a : xt->second) finish_arrival(a);
+      xrecvs.erase(xt);
+    }
     waits.push_back({vs, mb, action, t0, now_ns(), 0, 0});
-    recvs.erase(it);
+  }
+
+  // Stages on different meshes: a route's hop into this rank is complete
+  // (its first hop was posted ahead; a later one is received from the
+  // target before it now); pass it on along the chain and put it into the
+  // rank's piece.
+  void finish_arrival(Arrival& a) {
+    const ReshardRoute& rt = a.plan->routes[a.route];
+    CollectiveOptions o;
+    o.tag = a.tag;
+    if (a.hop > 0) {
+      a.relay->recv(a.buf.raw(), static_cast<size_t>(a.buf.numel()), a.buf.dtype(),
+                    rt.targets[a.hop - 1], o);
+    }
+    if (a.hop + 1 < rt.targets.size()) send(*a.relay, a.buf, rt.targets[a.hop + 1], a.tag);
+    put_box_part(a.dest, a.dbox, rt.box, a.buf);
+  }
+
+  // Stages on different meshes: posts the receives of a recv action
+  // (kind 0: the activations of stage vs - 1; 1: the gradients of vs + 1).
+  void post_cross(int kind, int vs, int mb) {
+    const bool fwd = kind == 0;
+    const int sender = fwd ? vs - 1 : vs + 1;
+    const int q = owner(sender);
+    const auto& list = fwd ? st(vs).inputs : st(vs).outputs;
+    const auto& plans = xm->boundaries[ix(fwd ? vs - 1 : vs)];
+    for (size_t k = 0; k < list.size(); ++k) {
+      if (!fwd && !list[k].has_grad) continue;
+      const ReshardPlan& plan = fwd ? plans[k].forward : plans[k].backward;
+      Tensor dest = Tensor::empty(list[k].shape, list[k].dtype);
+      const Box* dbox = plan.to.box_of(me);
+      MT_CHECK(dbox != nullptr && dbox->elements() == dest.numel(),
+               "pipeline: rank {} receives '{}' ({}) but the boundary's plan gives it {}", me,
+               list[k].name, dest.desc(), dbox != nullptr ? dbox->str() : std::string("no box"));
+      const uint32_t tg = tag(sender, mb, static_cast<int>(k));
+      Communicator& c = fwd ? *act[ix(q)] : *grad[ix(q)];
+      Communicator* relay = fwd ? act_relay[ix(q)].get() : grad_relay[ix(q)].get();
+      for (size_t r = 0; r < plan.routes.size(); ++r) {
+        const ReshardRoute& rt = plan.routes[r];
+        const auto t = std::ranges::find(rt.targets, me);
+        if (t == rt.targets.end()) continue;
+        const size_t hop = static_cast<size_t>(t - rt.targets.begin());
+        Tensor buf = Tensor::empty(rt.box.shape(), plan.dtype);
+        if (hop == 0) {
+          CollectiveOptions o;
+          o.tag = tg;
+          recvs[{kind, vs, mb}].push_back(c.recv_async(buf.raw(), static_cast<size_t>(buf.numel()),
+                                                       buf.dtype(), rt.reducers.back(), o));
+        }
+        xrecvs[{kind, vs, mb}].push_back({&plan, r, hop, buf, dest, *dbox, relay, tg});
+      }
+      put(stash[{vs, mb}], fwd ? list[k].name : "dout/" + list[k].name, std::move(dest));
+    }
+  }
+
+  // Stages on different meshes: queues the routes this rank starts for the
+  // tensors of a send action (a partial source's reduction passes through
+  // it: the addend before it is received and added first).
+  void send_cross(const PipelineAction& a) {
+    const int vs = a.stage, mb = a.microbatch;
+    const PipelineStage& ps = st(vs);
+    Stash& s = stash[{vs, mb}];
+    const bool fwd = a.kind == ActionKind::send_activation;
+    Communicator& c = fwd ? *act[ix(rank)] : *grad[ix(rank)];
+    Communicator& relay = fwd ? *act_relay[ix(rank)] : *grad_relay[ix(rank)];
+    auto start = [&](const ReshardPlan& plan, const Tensor& piece, uint32_t tg) {
+      const Box* sbox = plan.from.box_of(me);
+      MT_CHECK(sbox != nullptr && sbox->elements() == piece.numel(),
+               "pipeline: rank {} sends {} but the boundary's plan gives it {}", me, piece.desc(),
+               sbox != nullptr ? sbox->str() : std::string("no box"));
+      for (const ReshardRoute& rt : plan.routes) {
+        const auto red = std::ranges::find(rt.reducers, me);
+        if (red == rt.reducers.end()) continue;
+        const size_t i = static_cast<size_t>(red - rt.reducers.begin());
+        Tensor value = Tensor::empty(rt.box.shape(), plan.dtype);
+        copy_box_part(piece, *sbox, rt.box, value);
+        CollectiveOptions o;
+        o.tag = tg;
+        if (i > 0) {
+          Tensor in = Tensor::empty(rt.box.shape(), plan.dtype);
+          relay.recv(in.raw(), static_cast<size_t>(in.numel()), in.dtype(), rt.reducers[i - 1], o);
+          add_addend(value, in);
+        }
+        if (i + 1 < rt.reducers.size()) {
+          send(relay, value, rt.reducers[i + 1], tg);
+        } else if (!rt.targets.empty()) {
+          send(c, value, rt.targets[0], tg);
+        }
+      }
+    };
+    if (fwd) {
+      for (size_t k = 0; k < ps.outputs.size(); ++k) {
+        start(xm->boundaries[ix(vs)][k].forward, s.at(ps.outputs[k].name),
+              tag(vs, mb, static_cast<int>(k)));
+      }
+      return;
+    }
+    size_t g = 0;
+    for (size_t k = 0; k < ps.inputs.size(); ++k) {
+      if (!ps.inputs[k].has_grad) continue;
+      const std::string& name = ps.input_grads[g++];
+      start(xm->boundaries[ix(vs - 1)][k].backward, s.at(name), tag(vs, mb, static_cast<int>(k)));
+      erase(s, name);
+    }
   }
 
   // Adds the pending backward passes' parameter gradients into the
@@ -503,6 +661,11 @@ struct PipelineRuntime::Impl {
       const PipelineAction& a = list[posted];
       const int vs = a.stage, mb = a.microbatch;
       MemoryScope in_comm(MemoryCategory::comm);  // receive buffers, stashed until read
+      if (xm != nullptr &&
+          (a.kind == ActionKind::recv_activation || a.kind == ActionKind::recv_grad)) {
+        post_cross(a.kind == ActionKind::recv_activation ? 0 : 1, vs, mb);
+        continue;
+      }
       if (a.kind == ActionKind::recv_activation) {
         const auto& ins = st(vs).inputs;
         for (size_t k = 0; k < ins.size(); ++k) {
@@ -557,6 +720,10 @@ struct PipelineRuntime::Impl {
   }
 
   void send_action(const PipelineAction& a) {
+    if (xm != nullptr) {
+      send_cross(a);
+      return;
+    }
     const int vs = a.stage, mb = a.microbatch;
     const PipelineStage& ps = st(vs);
     Stash& s = stash[{vs, mb}];
@@ -634,6 +801,7 @@ struct PipelineRuntime::Impl {
     }
     recvs.clear();
     pending_grads.clear();
+    xrecvs.clear();
     spans.clear();
     waits.clear();
     if (!async) sends.clear();
@@ -646,6 +814,8 @@ struct PipelineRuntime::Impl {
     std::vector<Communicator*> all;
     for (auto& c : act) all.push_back(c.get());
     for (auto& c : grad) all.push_back(c.get());
+    for (auto& c : act_relay) all.push_back(c.get());
+    for (auto& c : grad_relay) all.push_back(c.get());
     all.push_back(shared.get());
     for (Communicator* c : all) c->reset_counters();
 
@@ -730,8 +900,8 @@ struct PipelineRuntime::Impl {
       std::erase_if(sends, [](const auto& x) { return x.first.done() && (x.first.wait(), true); });
     }
     waits.push_back({-1, -1, ActionKind::send_activation, ts, now_ns(), 0, 0});
-    MT_CHECK(recvs.empty(), "pipeline: stage {} posted receives its schedule never waited for",
-             rank);
+    MT_CHECK(recvs.empty() && xrecvs.empty(),
+             "pipeline: stage {} posted receives its schedule never waited for", rank);
     // Async: grads hold the last micro-batch's gradients, already applied.
     const float inv = opts.async == AsyncMode::none ? 1.0f / static_cast<float>(m) : 1.0f;
     for (auto& [name, g] : grads) {
@@ -776,6 +946,17 @@ struct PipelineRuntime::Impl {
 
   uint64_t predicted() const {
     uint64_t b = 0;
+    if (xm != nullptr) {
+      // Each micro-batch crosses every boundary once each way.
+      for (int vs = 0; vs + 1 < sched.virtual_count(); ++vs) {
+        for (size_t k = 0; k < st(vs).outputs.size(); ++k) {
+          const BoundaryReshard& br = xm->boundaries[ix(vs)][k];
+          b += br.forward.bytes_sent(me);
+          if (st(vs).outputs[k].has_grad) b += br.backward.bytes_sent(me);
+        }
+      }
+      return b * static_cast<uint64_t>(m);
+    }
     // Async: a window of the steady state (the first one sends fewer gradients).
     const PipelineSchedule steady =
         opts.async == AsyncMode::none ? sched : make_async_window(p, m, 1, false);
@@ -881,6 +1062,8 @@ const std::vector<PipelineSpan>& PipelineRuntime::waits() const {
 void PipelineRuntime::set_call_observer(std::function<void(const CallEvent&)> observer) {
   for (auto& c : impl_->act) c->set_call_observer(observer);
   for (auto& c : impl_->grad) c->set_call_observer(observer);
+  for (auto& c : impl_->act_relay) c->set_call_observer(observer);
+  for (auto& c : impl_->grad_relay) c->set_call_observer(observer);
   impl_->shared->set_call_observer(observer);
 }
 uint64_t PipelineRuntime::bytes_sent() const {

@@ -61,9 +61,27 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/reshard.h"
 #include "meshtrain/spmd/schedule.h"
 
 namespace mt {
+
+// Stages on different meshes (spmd/cross_mesh.h): the runtime's `comm` is
+// the whole job, stage q runs on the ranks stage_ranks[q] of it (disjoint
+// sets, one virtual stage each), and the tensors crossing boundary s -> s+1
+// move by boundaries[s][k] (output k of stage s) instead of one send per
+// tensor. The schedule's actions stay: a send action queues the routes this
+// rank starts (a partial source first takes the addend of the rank before
+// it in the reduction, adds its own and passes it on); a receive is posted
+// ahead for the routes' first hops into this rank, and when its action
+// waits the rank receives the hops relayed inside its own stage, passes
+// them on along the route's chain and assembles its piece. Activations and
+// gradients sent by stage q, and the relays of each, travel on their own
+// communicators, so no posted receive holds up a send.
+struct CrossMeshExchange {
+  std::vector<std::vector<int>> stage_ranks;
+  std::vector<std::vector<BoundaryReshard>> boundaries;
+};
 
 struct PipelineOptions {
   // For every pass's executor (ExecOptions::outputs is replaced by what
@@ -84,6 +102,8 @@ struct PipelineOptions {
   // than 1f1b.
   AsyncMode async = AsyncMode::none;
   std::function<void(int microbatch)> update;
+  // Set: stages on different meshes (above).
+  std::optional<CrossMeshExchange> cross_mesh;
 };
 
 struct PipelineSpan {
@@ -110,7 +130,8 @@ using MicrobatchData = std::function<Tensor(int microbatch, const std::string& i
 
 class PipelineRuntime {
  public:
-  // `comm` is the pipeline group: comm.size() == schedule.stages, and
+  // `comm` is the pipeline group: comm.size() == schedule.stages (or the
+  // whole job, under opts.cross_mesh), and
   // `cut` has schedule.stages * schedule.virtual_stages stages. Collective
   // over comm (splits its private communicators). Parameters start at zero:
   // set them with set_param() before the first step (every copy of a shared

@@ -8,6 +8,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/graph/autodiff.h"
+#include "meshtrain/graph/collective.h"
 
 namespace mt {
 
@@ -97,7 +98,8 @@ void add_unique(std::vector<std::string>& out, const std::string& s) {
 
 }  // namespace
 
-PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<StagePlan>& plan) {
+PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<StagePlan>& plan,
+                         const CutOptions& options) {
   const int n = static_cast<int>(plan.size());
   if (n < 1) throw ConfigError("cut_pipeline: the plan has no stages");
   for (const Node& node : forward.nodes()) {
@@ -162,6 +164,25 @@ PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<S
     }
     node_stage[ix(i)] = s == n ? n - 1 : s;
     for (ValueId o : forward.node(i).outputs) value_stage[ix(o)] = node_stage[ix(i)];
+  }
+  // Stages on different meshes: a collective the lowering inserted runs
+  // with its first consumer (so a stage's inputs and outputs are the values
+  // themselves, in the layouts its mesh gives them; the boundary moves them).
+  if (options.collectives_join_consumers) {
+    std::vector<std::vector<NodeId>> readers(ix(forward.num_values()));
+    for (NodeId j = 0; j < num_nodes; ++j) {
+      for (ValueId v : forward.node(j).inputs) readers[ix(v)].push_back(j);
+    }
+    for (NodeId i = num_nodes - 1; i >= 0; --i) {
+      if (!is_group_op(forward.node(i).op)) continue;
+      int first = n;
+      for (ValueId o : forward.node(i).outputs) {
+        for (NodeId j : readers[ix(o)]) first = std::min(first, node_stage[ix(j)]);
+      }
+      if (first == n || first <= node_stage[ix(i)]) continue;
+      node_stage[ix(i)] = first;
+      for (ValueId o : forward.node(i).outputs) value_stage[ix(o)] = first;
+    }
   }
   const NodeId loss_node = forward.value(loss).producer;
   if (loss_node == kNoNode || node_stage[ix(loss_node)] != n - 1) {

@@ -104,7 +104,16 @@ struct PipelineCut {
 // the graph does not have, a layer is in no stage or in two, or the loss is
 // not computed in the last stage; InternalError if `forward` has backward
 // nodes.
-PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<StagePlan>& stages);
+struct CutOptions {
+  // A collective node (graph/collective.h) whose inputs come from an
+  // earlier stage runs in the first stage that reads its output, not in the
+  // producer's: for stages on different meshes (spmd/cross_mesh.h), where
+  // each stage's lowering converts its own inputs and a producer's partial
+  // output is reduced on the way.
+  bool collectives_join_consumers = false;
+};
+PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<StagePlan>& stages,
+                         const CutOptions& options = {});
 
 // The planned peak of stashed bytes on physical stage `rank` under `sched`
 // (schedule.h): the most micro-batch chunks simulate() holds there at once

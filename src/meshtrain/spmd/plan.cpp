@@ -84,8 +84,34 @@ bool Plan::devices_in_order() const {
   return true;
 }
 
+bool Plan::stage_meshes() const {
+  return std::ranges::any_of(stages, [](const StagePlan& st) { return st.has_mesh; });
+}
+
+namespace {
+
+std::string layer_of(const std::string& value) {
+  return value.substr(0, value.find('.'));
+}
+
+}  // namespace
+
+Plan stage_view(const Plan& plan, int s) {
+  const StagePlan& st = plan.stages.at(static_cast<size_t>(s));
+  Plan v;
+  v.mesh = st.has_mesh ? st.mesh : plan.mesh;
+  v.model = plan.model;
+  v.sequence_parallel = plan.sequence_parallel;
+  for (const auto& [name, spec] : plan.specs) {
+    if (std::ranges::find(st.layers, layer_of(name)) != st.layers.end()) v.set_spec(name, spec);
+  }
+  for (const auto& [name, spec] : st.specs) v.set_spec(name, spec);
+  return v;
+}
+
 bool Plan::data_parallel_only(const Graph& g) const {
-  if (pipeline_stages() > 1 || stages.size() > 1 || microbatches != 1 || sequence_parallel)
+  if (pipeline_stages() > 1 || stages.size() > 1 || microbatches != 1 || sequence_parallel ||
+      stage_meshes())
     return false;
   // One axis of more than one rank at most: the data-parallel one.
   std::string dp_axis;
@@ -123,6 +149,88 @@ std::vector<std::string> model_layers(const Graph& g) {
   }
   return out;
 }
+
+namespace {
+
+// Stages on different meshes (StagePlan::has_mesh): each stage's mesh
+// covers exactly its ranks and has tensor axes only; the values its
+// lowering uses (stage_view) exist and fit the stage's mesh.
+void validate_stage_meshes(const Plan& plan, const Graph& g, const std::vector<std::string>& names,
+                           std::string_view where) {
+  const int n = static_cast<int>(plan.stages.size());
+  int with = -1;
+  for (int s = 0; s < n; ++s) {
+    if (plan.stages[static_cast<size_t>(s)].has_mesh) with = s;
+  }
+  if (plan.virtual_stages != 1) {
+    throw ConfigError(fmt::format(
+        "{}: virtual_stages: {} with stage meshes (stages[{}].mesh); stages on different meshes "
+        "run one virtual stage per rank yet (expected 1)",
+        where, plan.virtual_stages, with));
+  }
+  if (plan.mesh.axis_size("dp") > 1) {
+    throw ConfigError(fmt::format(
+        "{}: mesh: {} has a dp axis of size {}, but the stages carry their own meshes "
+        "(stages[{}].mesh); data parallelism over stages on different meshes is not supported "
+        "yet (expected no dp axis, or size 1)",
+        where, plan.mesh.describe(), plan.mesh.axis_size("dp"), with));
+  }
+  for (int s = 0; s < n; ++s) {
+    const StagePlan& st = plan.stages[static_cast<size_t>(s)];
+    const std::string at = fmt::format("{}: stages[{}]", where, s);
+    if (!st.has_mesh) {
+      throw ConfigError(fmt::format(
+          "{}: no \"mesh\", but stages[{}] has one (in a plan whose stages carry meshes every "
+          "stage gives its own, e.g. [{{\"name\": \"tp\", \"size\": 1}}])",
+          at, with));
+    }
+    if (st.mesh.size() != static_cast<int>(st.ranks.size())) {
+      throw ConfigError(fmt::format(
+          "{}.mesh: {} has {} device{} but the stage has {} rank{} ({}); expected a mesh of {}", at,
+          st.mesh.describe(), st.mesh.size(), st.mesh.size() == 1 ? "" : "s", st.ranks.size(),
+          st.ranks.size() == 1 ? "" : "s", fmt::join(st.ranks, ", "), st.ranks.size()));
+    }
+    for (const MeshAxis& a : st.mesh.axes()) {
+      if ((a.name == "dp" || a.name == "pp") && a.size > 1) {
+        throw ConfigError(fmt::format(
+            "{}.mesh: axis {} of size {}: a stage's mesh holds tensor axes only (the pipeline "
+            "is the stages; data parallelism inside a stage mesh is not supported yet)",
+            at, a.name, a.size));
+      }
+    }
+    std::set<std::string> seen;
+    for (const auto& [name, spec] : st.specs) {
+      if (!seen.insert(name).second)
+        throw ConfigError(fmt::format("{}.values.{}: named twice", at, name));
+      const auto id = g.find(name);
+      if (!id || g.value(*id).role == ValueRole::grad) {
+        throw ConfigError(fmt::format(
+            "{}.values.{}: the model's graph has no value of that name{} (`meshtrain inspect` "
+            "lists the parameters)",
+            at, name, did_you_mean(name, names)));
+      }
+    }
+    for (const auto& [name, spec] : stage_view(plan, s).specs) {
+      const auto id = g.find(name);
+      if (!id) continue;  // a plan-level name: reported above
+      const bool own =
+          std::ranges::any_of(st.specs, [&](const auto& e) { return e.first == name; });
+      try {
+        validate_sharding(name, g.value(*id).shape, spec, st.mesh);
+      } catch (const ConfigError& e) {
+        throw ConfigError(
+            fmt::format("{}: {} ({}): {}{}", at, own ? "its values." + name : "values." + name,
+                        own ? "the stage's override" : "a parameter of its layers", e.what(),
+                        own ? ""
+                            : fmt::format(" (give the stage's mesh that axis, or override {} in "
+                                          "stages[{}].values)",
+                                          name, s)));
+      }
+    }
+  }
+}
+
+}  // namespace
 
 void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_batch,
                    std::string_view where) {
@@ -166,6 +274,9 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
           "lists the parameters)",
           where, name, did_you_mean(name, names)));
     }
+    // Under stage meshes a parameter's spec refers to its stage's mesh
+    // (checked below, with the stages).
+    if (plan.stage_meshes() && g.value(*id).role == ValueRole::param) continue;
     validate_sharding(name, g.value(*id).shape, spec, plan.mesh);
   }
 
@@ -259,6 +370,7 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
       }
     }
   }
+  if (plan.stage_meshes()) validate_stage_meshes(plan, g, names, where);
   check_schedule(plan.schedule, plan.pipeline_stages(), plan.microbatches, v, where);
   check_warmup_extra(plan.schedule, plan.warmup_extra, where);
   check_async(plan.async, plan.schedule, where);
@@ -398,27 +510,32 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
   }
   if (j.contains("model")) plan.model = rd.string(j["model"], "model");
   if (!j.contains("mesh")) rd.fail("mesh", "missing (a list of {\"name\", \"size\"} axes)");
-  std::vector<MeshAxis> axes;
-  const Json& m = rd.list(j["mesh"], "mesh");
-  for (size_t i = 0; i < m.size(); ++i) {
-    const std::string path = fmt::format("mesh[{}]", i);
-    rd.keys(m[i], path, {"name", "size"});
-    if (!m[i].contains("name") || !m[i].contains("size"))
-      rd.fail(path, "expected {\"name\", \"size\"}");
-    axes.push_back({rd.string(m[i]["name"], path + ".name"),
-                    static_cast<int>(rd.integer(m[i]["size"], path + ".size", 1))});
-  }
-  try {
-    plan.mesh = Mesh(axes);
-  } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("plan {}: {}", source, e.what()));
-  }
-  if (j.contains("values")) {
-    const Json& v = j["values"];
-    if (!v.is_object()) rd.fail("values", fmt::format("expected an object, got {}", type_of(v)));
+  auto read_mesh = [&](const Json& jm, const std::string& key) {
+    std::vector<MeshAxis> axes;
+    const Json& m = rd.list(jm, key);
+    for (size_t i = 0; i < m.size(); ++i) {
+      const std::string path = fmt::format("{}[{}]", key, i);
+      rd.keys(m[i], path, {"name", "size"});
+      if (!m[i].contains("name") || !m[i].contains("size"))
+        rd.fail(path, "expected {\"name\", \"size\"}");
+      axes.push_back({rd.string(m[i]["name"], path + ".name"),
+                      static_cast<int>(rd.integer(m[i]["size"], path + ".size", 1))});
+    }
+    try {
+      return Mesh(axes);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("plan {}: {}: {}", source, key, e.what()));
+    }
+  };
+  auto read_values = [&](const Json& v, const std::string& key) {
+    std::vector<std::pair<std::string, ShardingSpec>> out;
+    if (!v.is_object()) rd.fail(key, fmt::format("expected an object, got {}", type_of(v)));
     for (auto it = v.begin(); it != v.end(); ++it)
-      plan.specs.emplace_back(it.key(), rd.spec(it.value(), "values." + it.key()));
-  }
+      out.emplace_back(it.key(), rd.spec(it.value(), key + "." + it.key()));
+    return out;
+  };
+  plan.mesh = read_mesh(j["mesh"], "mesh");
+  if (j.contains("values")) plan.specs = read_values(j["values"], "values");
   if (j.contains("microbatches"))
     plan.microbatches = static_cast<int>(rd.integer(j["microbatches"], "microbatches", 1));
   if (j.contains("virtual_stages"))
@@ -451,8 +568,19 @@ Plan plan_from_json(std::string_view text, const std::string& source) {
     for (int s = 0; s < n; ++s) {
       const std::string path = fmt::format("stages[{}]", s);
       const Json& e = st[static_cast<size_t>(s)];
-      rd.keys(e, path, {"layers", "ranks", "recompute"});
+      rd.keys(e, path, {"layers", "ranks", "recompute", "mesh", "values"});
       StagePlan sp;
+      if (e.contains("mesh")) {
+        sp.has_mesh = true;
+        sp.mesh = read_mesh(e["mesh"], path + ".mesh");
+      }
+      if (e.contains("values")) {
+        if (!sp.has_mesh) {
+          rd.fail(path + ".values",
+                  "spec overrides need the stage's own \"mesh\" (they refer to it)");
+        }
+        sp.specs = read_values(e["values"], path + ".values");
+      }
       if (e.contains("recompute")) {
         if (!e["recompute"].is_boolean()) {
           rd.fail(path + ".recompute",
@@ -496,15 +624,17 @@ Plan load_plan(const std::string& path) {
   return plan_from_json(ss.str(), path);
 }
 
-std::string plan_to_json(const Plan& plan) {
-  Json j;
-  j["format"] = kFormat;
-  if (!plan.model.empty()) j["model"] = plan.model;
-  j["mesh"] = Json::array();
-  for (const MeshAxis& a : plan.mesh.axes())
-    j["mesh"].push_back({{"name", a.name}, {"size", a.size}});
+namespace {
+
+Json mesh_json(const Mesh& mesh) {
+  Json out = Json::array();
+  for (const MeshAxis& a : mesh.axes()) out.push_back({{"name", a.name}, {"size", a.size}});
+  return out;
+}
+
+Json specs_json(const std::vector<std::pair<std::string, ShardingSpec>>& specs) {
   Json values = Json::object();
-  for (const auto& [name, s] : plan.specs) {
+  for (const auto& [name, s] : specs) {
     Json e = Json::object();
     Json dims = Json::array();
     for (const DimSharding& d : s.dims) {
@@ -523,21 +653,10 @@ std::string plan_to_json(const Plan& plan) {
     if (!s.partial.empty()) e["partial"] = s.partial;
     values[name] = e;
   }
-  j["values"] = values;
-  Json stages = Json::array();
-  for (const StagePlan& st : plan.stages) {
-    Json e = {{"layers", st.layers}, {"ranks", st.ranks}};
-    if (st.recompute) e["recompute"] = true;
-    stages.push_back(e);
-  }
-  j["stages"] = stages;
-  j["microbatches"] = plan.microbatches;
-  j["schedule"] = schedule_name(plan.schedule);
-  j["virtual_stages"] = plan.virtual_stages;
-  if (plan.warmup_extra != 0) j["warmup_extra"] = plan.warmup_extra;
-  if (plan.async != AsyncMode::none) j["async"] = async_name(plan.async);
-  j["sequence_parallel"] = plan.sequence_parallel;
-  if (!plan.devices.empty()) j["devices"] = plan.devices;
+  return values;
+}
+
+std::string format_plan_json(const Json& j) {
   // One line per mesh axis, value and stage, so the file reads (and diffs)
   // like a table; the same JSON as j.dump().
   std::string out = "{\n";
@@ -563,6 +682,35 @@ std::string plan_to_json(const Plan& plan) {
     }
   }
   return out + "\n}\n";
+}
+
+}  // namespace
+
+std::string plan_to_json(const Plan& plan) {
+  Json j;
+  j["format"] = kFormat;
+  if (!plan.model.empty()) j["model"] = plan.model;
+  j["mesh"] = mesh_json(plan.mesh);
+  j["values"] = specs_json(plan.specs);
+  Json stages = Json::array();
+  for (const StagePlan& st : plan.stages) {
+    Json e = {{"layers", st.layers}, {"ranks", st.ranks}};
+    if (st.recompute) e["recompute"] = true;
+    if (st.has_mesh) {
+      e["mesh"] = mesh_json(st.mesh);
+      if (!st.specs.empty()) e["values"] = specs_json(st.specs);
+    }
+    stages.push_back(e);
+  }
+  j["stages"] = stages;
+  j["microbatches"] = plan.microbatches;
+  j["schedule"] = schedule_name(plan.schedule);
+  j["virtual_stages"] = plan.virtual_stages;
+  if (plan.warmup_extra != 0) j["warmup_extra"] = plan.warmup_extra;
+  if (plan.async != AsyncMode::none) j["async"] = async_name(plan.async);
+  j["sequence_parallel"] = plan.sequence_parallel;
+  if (!plan.devices.empty()) j["devices"] = plan.devices;
+  return format_plan_json(j);
 }
 
 void write_plan(const Plan& plan, const std::string& path) {
@@ -615,6 +763,24 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
     for (int r = 0; r < mesh.size(); ++r) all[static_cast<size_t>(r)] = r;
     return all;
   };
+  // A parameter's piece on rank r: under stage meshes, its box on the
+  // stage's mesh (rank r is mesh rank m of the stage when ranks[m] = r).
+  std::map<std::string, int> layer_stage;
+  for (size_t s = 0; s < plan.stages.size(); ++s) {
+    for (const std::string& l : plan.stages[s].layers) layer_stage[l] = static_cast<int>(s);
+  }
+  auto box_on = [&](const Value& v, const ShardingSpec& s, int r) {
+    if (plan.stage_meshes() && v.role == ValueRole::param) {
+      auto it = layer_stage.find(v.name.substr(0, v.name.find('.')));
+      if (it != layer_stage.end()) {
+        const Plan view = stage_view(plan, it->second);
+        const auto& ranks = plan.stages[static_cast<size_t>(it->second)].ranks;
+        const int m = static_cast<int>(std::ranges::find(ranks, r) - ranks.begin());
+        return local_box(v.shape, view.spec(v.name), view.mesh, m);
+      }
+    }
+    return local_box(v.shape, s, mesh, r);
+  };
   int64_t total_params = 0;
   std::vector<int64_t> param_bytes(static_cast<size_t>(mesh.size()), 0);
   for (ValueId p : g.params()) {
@@ -623,7 +789,7 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
     total_params += v.shape.numel() * elem;
     const ShardingSpec& s = plan.spec(v.name);
     for (int r : holders(v))
-      param_bytes[static_cast<size_t>(r)] += local_box(v.shape, s, mesh, r).elements() * elem;
+      param_bytes[static_cast<size_t>(r)] += box_on(v, s, r).elements() * elem;
   }
   for (const auto& [name, s] : plan.specs) {
     const auto id = g.find(name);
@@ -634,7 +800,7 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
     // Ranks with equal pieces are listed together.
     std::vector<std::pair<std::string, std::vector<int>>> rows;
     for (int r : holders(v)) {
-      const Box b = local_box(v.shape, s, mesh, r);
+      const Box b = box_on(v, s, r);
       std::vector<std::string> ranges;
       for (size_t d = 0; d < b.begin.size(); ++d)
         ranges.push_back(fmt::format("{}:{}", b.begin[d], b.end[d]));
@@ -662,9 +828,12 @@ std::string describe_plan(const Plan& plan, const Graph& g) {
   } else {
     out += fmt::format("stages: {} physical x {} virtual\n", p, plan.virtual_stages);
     for (size_t s = 0; s < plan.stages.size(); ++s) {
-      out += fmt::format("  stage {} (ranks {}): {}{}\n", s, fmt::join(plan.stages[s].ranks, ","),
-                         fmt::join(plan.stages[s].layers, " "),
-                         plan.stages[s].recompute ? " (recomputed)" : "");
+      const StagePlan& st = plan.stages[s];
+      out += fmt::format("  stage {} (ranks {}{}): {}{}\n", s, fmt::join(st.ranks, ","),
+                         st.has_mesh ? fmt::format("; mesh {}", st.mesh.describe()) : "",
+                         fmt::join(st.layers, " "), st.recompute ? " (recomputed)" : "");
+      for (const auto& [name, spec] : st.specs)
+        out += fmt::format("    {}: {}\n", name, spec.describe());
     }
   }
   if (plan.sequence_parallel) out += "sequence parallelism: on (layer-norm regions over tp)\n";

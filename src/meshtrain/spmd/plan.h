@@ -32,14 +32,23 @@ struct StagePlan {
   // Activation recomputation: the stage keeps only its received inputs per
   // micro-batch in flight and runs its forward again before the backward.
   bool recompute = false;
+  // Stages on different meshes (JSON "mesh" and "values" per stage): the
+  // stage's own device mesh over `ranks` (stage mesh rank m is ranks[m]) and
+  // spec overrides for its values. Without a mesh the stage uses the plan's
+  // mesh and specs. The tensors crossing a boundary between stages on
+  // different meshes move through spmd/reshard.h (docs/plan.md,
+  // "Stages on different meshes").
+  bool has_mesh = false;
+  Mesh mesh{};
+  std::vector<std::pair<std::string, ShardingSpec>> specs{};
   bool operator==(const StagePlan&) const = default;
 };
 
 struct Plan {
-  Mesh mesh;
+  Mesh mesh{};
   // Sharding specs by value name, in the order written (graph order when
   // expanded from the shorthand).
-  std::vector<std::pair<std::string, ShardingSpec>> specs;
+  std::vector<std::pair<std::string, ShardingSpec>> specs{};
   // The pipeline's virtual stages in order (p * virtual_stages of them;
   // virtual stage s runs on physical stage s % p). Empty: one stage holding
   // every layer on every rank.
@@ -77,6 +86,8 @@ struct Plan {
   int device_of(int m) const;
   // Whether `devices` is empty or the identity.
   bool devices_in_order() const;
+  // Whether the stages carry their own meshes (StagePlan::has_mesh).
+  bool stage_meshes() const;
   bool operator==(const Plan&) const = default;
 };
 
@@ -109,6 +120,12 @@ void write_plan(const Plan& plan, const std::string& path);
 // and groups, every value's spec with its local shape and bytes per rank,
 // the stages, the schedule's actions per stage and its idle fraction.
 std::string describe_plan(const Plan& plan, const Graph& g);
+
+// Stage s of a plan with stage meshes seen as a plan of its own, what the
+// lowering pass takes: the stage's mesh, the plan's specs of the stage's
+// parameters (the values whose first name component is one of its layers)
+// overridden by the stage's own "values"; no stages, one micro-batch.
+Plan stage_view(const Plan& plan, int s);
 
 // The plan's pipeline schedule (its stages, micro-batches, kind, virtual
 // stages and extra warm-up). Call validate_plan() first.

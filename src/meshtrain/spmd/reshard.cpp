@@ -381,6 +381,16 @@ BoundaryReshard plan_boundary(const Shape& shape, DType dtype, const TensorLayou
           plan_reshard(shape, dtype, consumer, grad_to)};
 }
 
+void copy_box_part(const Tensor& piece, const Box& outer, const Box& inner, Tensor& out) {
+  copy_sub(piece, outer, inner, out);
+}
+void put_box_part(Tensor& piece, const Box& outer, const Box& inner, const Tensor& in) {
+  put_sub(piece, outer, inner, in);
+}
+void add_addend(Tensor& acc, const Tensor& x) {
+  add_into(acc, x);
+}
+
 void execute_reshard(Communicator& comm, const ReshardPlan& plan, const Tensor& source,
                      Tensor& dest, const CollectiveOptions& options) {
   const int me = comm.rank();

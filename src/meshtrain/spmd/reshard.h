@@ -128,6 +128,14 @@ struct BoundaryReshard {
 BoundaryReshard plan_boundary(const Shape& shape, DType dtype, const TensorLayout& producer,
                               const TensorLayout& consumer);
 
+// Pieces of boxes, for a runtime that runs a plan's routes itself (the
+// pipeline runtime, overlapping them with compute): copy box `inner` out of
+// (into) `piece`, the row-major elements of box `outer` that contains it;
+// add `x` into `acc` element-wise (f32, f64; a partial source's addends).
+void copy_box_part(const Tensor& piece, const Box& outer, const Box& inner, Tensor& out);
+void put_box_part(Tensor& piece, const Box& outer, const Box& inner, const Tensor& in);
+void add_addend(Tensor& acc, const Tensor& x);
+
 // Box helpers (exposed for tests): the intersection (empty optional-like:
 // elements() == 0 when disjoint), a minus b as disjoint boxes, and `b` cut
 // into at most `parts` near-equal boxes along its longest dimension.

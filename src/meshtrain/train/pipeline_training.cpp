@@ -14,6 +14,7 @@
 #include "meshtrain/base/timer.h"
 #include "meshtrain/data/loader.h"
 #include "meshtrain/spmd/collective_runner.h"
+#include "meshtrain/spmd/cross_mesh.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
@@ -73,6 +74,18 @@ void check_pipeline_options(const TrainerOptions& o) {
     refuse_async(o.clip_grad_norm > 0,
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
   }
+  if (o.dist.plan && o.dist.plan->stage_meshes()) {
+    auto refuse_x = [](bool bad, const std::string& what) {
+      if (!bad) return;
+      throw ConfigError(fmt::format(
+          "{}: not available yet for a plan whose stages carry their own meshes (stages[i].mesh); "
+          "such plans train without it (docs/plan.md, \"Stages on different meshes\")",
+          what));
+    };
+    refuse_x(!o.checkpoint_path.empty(), "train.checkpoint");
+    refuse_x(!o.resume_path.empty(), "train.resume");
+    refuse_x(!o.init_path.empty(), "train.init");
+  }
 }
 
 bool pipeline_plan(const TrainerOptions& o) {
@@ -101,6 +114,14 @@ struct PipelineTraining::Impl {
   bool tensor_parallel = false;
   std::shared_ptr<CommCollectiveRunner> runner;
   std::vector<std::unique_ptr<Communicator>> tensor_norm_comms;
+  // Stages on different meshes (plan.stage_meshes()): the mesh of this
+  // rank's tensor axes and its rank in it (the plan's mesh and the world
+  // rank otherwise), its physical stage, every stage's collective runner.
+  bool xmesh = false;
+  const Mesh* tmesh = nullptr;
+  int trank = 0, my_stage = 0;
+  std::unique_ptr<Communicator> stage_comm;
+  std::vector<std::shared_ptr<CommCollectiveRunner>> stage_runners;
   int64_t step = 0;          // optimizer steps completed (a resumed run starts later)
   int64_t current_step = 0;  // the step running (its learning rate)
   int64_t saved_step = -1;   // the step of the last checkpoint written
@@ -112,7 +133,7 @@ struct PipelineTraining::Impl {
   // The first rank of its tensor groups (every rank without tensor axes).
   bool tensor_leader() const {
     for (const std::string& axis : lowered.axes) {
-      if (plan.mesh.coord(rank, axis) != 0) return false;
+      if (tmesh->coord(trank, axis) != 0) return false;
     }
     return true;
   }
@@ -140,9 +161,18 @@ struct PipelineTraining::Impl {
     dp_rank = plan.mesh.coord(rank, "dp");
     dp_world = plan.mesh.axis_size("dp");
     const CollectiveOptions& co = o.dist.dp.collective;
-    pp_comm = axis_communicator(world, plan.mesh, "pp", "pp", co);
+    xmesh = plan.stage_meshes();
+    tmesh = &plan.mesh;
+    trank = rank;
+    if (xmesh) {
+      // The pipeline is the whole job: its stages' ranks are listed, not an axis.
+      pp_comm = world.split(0, rank, "pp", co);
+      norm_comm = world.split(0, rank, "pp.norms", co);
+    } else {
+      pp_comm = axis_communicator(world, plan.mesh, "pp", "pp", co);
+      norm_comm = axis_communicator(world, plan.mesh, "pp", "pp.norms", co);
+    }
     dp_comm = axis_communicator(world, plan.mesh, "dp", "dp", co);
-    norm_comm = axis_communicator(world, plan.mesh, "pp", "pp.norms", co);
     model_comm = world.split(dp_rank, rank, "replica", co);
     if (o.eval && (!test_data || test_data->size() == 0)) {
       throw ConfigError("train.eval: no test examples to evaluate (data.limit_test = 0?)");
@@ -175,11 +205,6 @@ struct PipelineTraining::Impl {
     // this rank first (spmd/lower.h), then cut; the stages' executors run
     // its collectives over the tensor groups.
     const ModelGraph whole = build_model(spec, micro_batch);
-    model = build_rank_model(spec, micro_batch, o, rank, &lowered, /*whole_logits=*/false);
-    tensor_parallel = needs_lowering(plan);
-    for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
-    cut = cut_pipeline(model.graph, model.loss, plan.stages);
-    schedule = plan_schedule(plan);
     PipelineOptions po;
     po.exec = o.exec;
     po.exec.slowdown =
@@ -188,14 +213,52 @@ struct PipelineTraining::Impl {
     // backward, on this stage's parameters, at the step's learning rate.
     po.async = plan.async;
     if (plan.async != AsyncMode::none) po.update = [this](int) { optimizer_step(current_step); };
-    if (tensor_parallel) {
+    schedule = plan_schedule(plan);
+    if (xmesh) {
+      // Every stage lowered on its own mesh, the boundaries' reshard plans
+      // (spmd/cross_mesh.h); the data and constants are read by name, as
+      // the unlowered model names them.
+      CrossMeshPipeline xp = plan_cross_mesh(whole.graph, whole.loss, plan, rank);
+      model = build_model(spec, micro_batch);
+      lowered = std::move(xp.lowered);
+      tensor_parallel = true;
+      cut = std::move(xp.cut);
+      my_stage = xp.stage;
+      trank = xp.mesh_rank;
+      tmesh = &plan.stages[static_cast<size_t>(my_stage)].mesh;
+      CrossMeshExchange ex;
+      for (const StagePlan& st : plan.stages) ex.stage_ranks.push_back(st.ranks);
+      for (const auto& bs : xp.boundaries) {
+        std::vector<BoundaryReshard> plans;
+        for (const CrossMeshBoundary& b : bs) plans.push_back(b.plans);
+        ex.boundaries.push_back(std::move(plans));
+      }
+      po.cross_mesh = std::move(ex);
+      for (size_t q = 0; q < xp.groups.size(); ++q) {
+        stage_runners.push_back(std::make_shared<CommCollectiveRunner>(world, xp.groups[q], co));
+      }
+      runner = stage_runners[static_cast<size_t>(my_stage)];
+      po.exec.collectives = runner;
+      stage_comm = world.split(my_stage, trank, "stage", co);
+      for (const std::string& axis : lowered.axes) {
+        tensor_norm_comms.push_back(
+            axis_communicator(*stage_comm, *tmesh, axis, axis + ".norms", co));
+      }
+    } else {
+      model = build_rank_model(spec, micro_batch, o, rank, &lowered, /*whole_logits=*/false);
+      tensor_parallel = needs_lowering(plan);
+      cut = cut_pipeline(model.graph, model.loss, plan.stages);
+      my_stage = plan.mesh.coord(rank, "pp");
+    }
+    for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
+    if (tensor_parallel && !xmesh) {
       runner = std::make_shared<CommCollectiveRunner>(world, lowered.groups, co);
       po.exec.collectives = runner;
       for (const std::string& axis : lowered.axes) {
         tensor_norm_comms.push_back(axis_communicator(world, plan.mesh, axis, axis + ".norms", co));
       }
     }
-    runtime = std::make_unique<PipelineRuntime>(*pp_comm, cut, schedule, po);
+    runtime = std::make_unique<PipelineRuntime>(xmesh ? world : *pp_comm, cut, schedule, po);
     if (timeline.enabled()) {
       if (rank == 0) {
         check_output_path(o.dist.trace_path, OutputKind::replaced_file, "dist.trace (--trace)");
@@ -230,7 +293,7 @@ struct PipelineTraining::Impl {
       // on the first rank of each tensor group only.
       bool count = true;
       for (const std::string& axis : lowered.axes) {
-        if ((lp == nullptr || lp->axis != axis) && plan.mesh.coord(rank, axis) != 0) count = false;
+        if ((lp == nullptr || lp->axis != axis) && tmesh->coord(trank, axis) != 0) count = false;
       }
       counted[name] = count;
     }
@@ -239,7 +302,7 @@ struct PipelineTraining::Impl {
       if (!counted.count(name)) continue;
       const int first =
           stage_owner(plan.schedule, p, *std::min_element(holders.begin(), holders.end()));
-      counted[name] = counted[name] && first == plan.mesh.coord(rank, "pp");
+      counted[name] = counted[name] && first == my_stage;
     }
 
     // A parameter is whole on each rank that holds it (a shared one
@@ -539,6 +602,7 @@ struct PipelineTraining::Impl {
         norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
                               o.dist.dp.collective);
         for (const auto& c : tensor_norm_comms) {
+          if (xmesh) break;  // norm_comm is the whole job: every piece counted once
           c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
                         o.dist.dp.collective);
         }
@@ -656,6 +720,8 @@ struct PipelineTraining::Impl {
       last = std::max(last, static_cast<double>(sp.end_ns));
     }
     double ends[2] = {-first, last};
+    // Stages on different meshes: one rank per stage counts its passes.
+    if (xmesh && trank != 0) v[0] = v[1] = v[2] = 0;
     pp_comm->all_reduce(v, v, 3, DType::f64, ReduceOp::sum, o.dist.dp.collective);
     pp_comm->all_reduce(ends, ends, 2, DType::f64, ReduceOp::max, o.dist.dp.collective);
     const double makespan = ends[1] + ends[0];
@@ -796,7 +862,7 @@ struct PipelineTraining::Impl {
           {"peak_weight_stash_bytes", peak_weight_stash},
           {"peak_weight_versions", peak_weight_versions},
           {"planned_peak_stash_bytes",
-           planned_stash_bytes(cut, schedule, plan.mesh.coord(rank, "pp"))}}}};
+           planned_stash_bytes(cut, schedule, my_stage)}}}};
     if (r.final_loss) summary["final_loss"] = *r.final_loss;
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
     if (r.test_loss) {
@@ -828,6 +894,14 @@ std::vector<std::string> PipelineTraining::param_names() const {
 
 Tensor PipelineTraining::param(const std::string& name) const {
   return impl_->runtime->param(name);
+}
+
+uint64_t PipelineTraining::pipeline_bytes_sent() const {
+  return impl_->runtime->bytes_sent();
+}
+
+uint64_t PipelineTraining::pipeline_bytes_predicted() const {
+  return impl_->runtime->predicted_bytes_sent();
 }
 
 const TorchLoadReport* PipelineTraining::init_report() const {

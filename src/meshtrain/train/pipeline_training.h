@@ -36,6 +36,14 @@
 // flight across steps, and the runtime drains after the run's last step;
 // only on a plain pipeline (no dp / tp axes), without clipping.
 //
+// Stages on different meshes (StagePlan::has_mesh, e.g. stage 0 tensor-
+// parallel on ranks {0, 1}, stage 1 on rank 2): each stage's layers lowered
+// on its own mesh, the boundary tensors moved by spmd/cross_mesh.h's reshard
+// plans inside the runtime; norms sum over the whole job, LARS / LAMB's
+// per-parameter norms over the stage's tensor groups. No dp axis, one
+// virtual stage per rank, no tied parameters across stages; checkpoints and
+// train.init are refused there yet.
+//
 // Not yet (each refused with a ConfigError naming the key, before any step):
 // f16 loss scaling,
 // dist.batch_shares, ZeRO, accumulation steps (micro-batches are the
@@ -70,6 +78,11 @@ class PipelineTraining {
   // Under tensor axes, this rank's program (which box of each parameter it
   // holds); nullptr otherwise.
   const struct LoweredProgram* lowered() const;
+  // The bytes this rank's pipeline runtime sent in the last step (its
+  // boundary tensors, counted by its communicators) and what the cut (and,
+  // for stages on different meshes, the boundaries' reshard plans) predicts.
+  uint64_t pipeline_bytes_sent() const;
+  uint64_t pipeline_bytes_predicted() const;
   // What train.init loaded (nullptr without train.init, or when resuming).
   const struct TorchLoadReport* init_report() const;
 

@@ -1,0 +1,71 @@
+// Pipelines whose stages run on different meshes (StagePlan::has_mesh):
+// stage 0 tensor-parallel over ranks {0, 1}, stage 1 on rank 2, say.
+//
+// Every stage's layers are lowered with that stage's own mesh and specs
+// (stage_view(), spmd/lower.h); the whole micro-batch model is lowered once
+// per stage mesh and cut into the plan's stages, and stage s of the
+// runtime's cut comes from the lowering on stage s's mesh. A value crossing
+// the boundary between stage s and s + 1 has a layout in each lowering (the
+// producer's: replicated, split along one dimension, or partial; the
+// consumer's: replicated or split); the two, over the world ranks of the
+// two stages, give the boundary's forward and backward ReshardPlan
+// (plan_boundary, spmd/reshard.h), which the pipeline runtime runs in place
+// of its plain send / recv (PipelineOptions::cross_mesh). Pure: no
+// communication.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "meshtrain/graph/graph.h"
+#include "meshtrain/spmd/lower.h"
+#include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/plan.h"
+#include "meshtrain/spmd/reshard.h"
+
+namespace mt {
+
+struct CrossMeshBoundary {
+  int stage = 0;      // the producing (virtual) stage; the consumer is stage + 1
+  std::string value;  // its name in the model graph
+  Shape shape;        // whole (global) shape
+  DType dtype = DType::f32;
+  bool has_grad = false;
+  TensorLayout producer, consumer;  // over world ranks
+  BoundaryReshard plans;
+};
+
+struct CrossMeshPipeline {
+  int stage = -1;     // the stage `rank` runs
+  int mesh_rank = 0;  // its rank in that stage's mesh
+  // This rank's lowering on its stage's mesh (groups in world ranks).
+  LoweredProgram lowered;
+  // Every stage's collective groups, in world ranks, the same lists on every
+  // rank (a CommCollectiveRunner per stage is built over them collectively;
+  // stage s's lowered graphs name groups of groups[s]).
+  std::vector<std::vector<std::vector<int>>> groups;
+  // The stages, each from the lowering on its own mesh (this rank's own
+  // stage at its own mesh rank); a boundary's outputs of stage s and inputs
+  // of stage s + 1 are in the same order.
+  PipelineCut cut;
+  // boundaries[s][k]: output k of stage s.
+  std::vector<std::vector<CrossMeshBoundary>> boundaries;
+};
+
+// `forward`: the whole model at the micro-batch size (forward only), `loss`
+// its loss; `plan` validated, with stage meshes; `rank` a world rank.
+// ConfigError naming the stage and value for a boundary whose layouts it
+// cannot pair (a split that is not one dimension's, a value the stages'
+// lowerings name differently) and for a parameter two stages share (GPT's
+// tied embedding: not supported across meshes yet).
+CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan& plan, int rank);
+
+// For `meshtrain inspect`: each stage's mesh and ranks, and per boundary the
+// two layouts, the routes and the bytes each rank sends per micro-batch
+// forward and backward.
+std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan);
+
+// The bytes rank `rank` sends per step for the boundaries (m micro-batches).
+uint64_t cross_mesh_bytes(const CrossMeshPipeline& p, int rank, int microbatches);
+
+}  // namespace mt
