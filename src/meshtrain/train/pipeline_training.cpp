@@ -18,10 +18,12 @@
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
+#include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
+#include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/checkpoint_match.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/grad_clip.h"
@@ -56,7 +58,9 @@ void check_pipeline_options(const TrainerOptions& o) {
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
-  refuse(o.dist.dp.stage != 0, "dist.zero_stage > 0");
+  refuse(o.dist.dp.stage == 3,
+         "dist.zero_stage 3 (ZeRO-3 gathers parameters through an executor's hooks; the "
+         "pipeline's passes read their stage's whole parameters: stages 1 and 2 work)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
 }
 
@@ -86,6 +90,11 @@ struct PipelineTraining::Impl {
   bool tensor_parallel = false;
   std::shared_ptr<CommCollectiveRunner> runner;
   std::vector<std::unique_ptr<Communicator>> tensor_norm_comms;
+  // dist.zero_stage 1-2: this rank's stage parameters in one flat buffer,
+  // sharded over the dp group by DataParallel (its optimizer state, and at
+  // stage 2 its reduced gradients), the runtime's passes reading the buffer.
+  Tensor zero_params;
+  std::unique_ptr<DataParallel> zero;
   int64_t step = 0;         // optimizer steps completed (a resumed run starts later)
   int64_t saved_step = -1;  // the step of the last checkpoint written
   std::optional<TorchLoadReport> init_report;
@@ -222,16 +231,20 @@ struct PipelineTraining::Impl {
       counted[name] = counted[name] && first == plan.mesh.coord(rank, "pp");
     }
 
+    if (o.dist.dp.stage > 0) attach_zero();
+
     // A parameter is whole on each rank that holds it (a shared one
     // identical on its holders), or under tensor axes split over its tensor
-    // group, whose ranks hold the same stages: LARS / LAMB norms sum over
-    // the tensor groups only; the global clipping norm also over the pipeline.
+    // group, whose ranks hold the same stages, or under ZeRO split over the
+    // dp group: LARS / LAMB norms sum over the tensor and (ZeRO) dp groups;
+    // the global clipping norm also over the pipeline.
     optimizer = make_optimizer(o.optimizer, o.optim);
-    if (tensor_parallel) {
+    if (tensor_parallel || zero) {
       std::vector<Communicator*> groups;
       for (const auto& c : tensor_norm_comms) groups.push_back(c.get());
       const CollectiveOptions c2 = co;
-      optimizer->set_norm_reducer([groups, c2](std::span<double> v) {
+      optimizer->set_norm_reducer([groups, c2, dpr = zero_reducer()](std::span<double> v) {
+        if (dpr) dpr(v);
         for (Communicator* g : groups) {
           g->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, c2);
         }
@@ -259,6 +272,41 @@ struct PipelineTraining::Impl {
 
   void notice(const std::string& msg) const {
     if (rank == 0 && o.on_notice) o.on_notice(msg);
+  }
+
+  // ZeRO-1 / 2 over the dp group (sync/data_parallel.h), the same sharded
+  // update the unpipelined trainer runs, over this stage's parameters: they
+  // move into one flat buffer (in the runtime's order) that the passes read
+  // and DataParallel updates in place. Stages 1: the runtime accumulates
+  // its micro-batches' gradients straight into DataParallel's full gradient
+  // buffer, all-reduced in place; 2: from the runtime's accumulators into
+  // buckets that are reduce-scattered, each rank keeping its shard.
+  void attach_zero() {
+    ParamLayout layout;
+    int64_t at = 0;
+    for (const std::string& name : runtime->param_names()) {
+      const Shape s = runtime->param(name).shape();
+      layout.push_back({name, s, at});
+      at += s.numel();
+    }
+    {
+      MemoryScope tag(MemoryCategory::params);
+      zero_params = Tensor::zeros({at}, DType::f32);
+    }
+    DataParallelOptions dpo = o.dist.dp;
+    dpo.accumulation_steps = 1;  // the pipeline's micro-batches accumulate
+    zero = std::make_unique<DataParallel>(*dp_comm, layout, zero_params, dpo);
+    zero->use_external_grads();
+    for (const ParamLayoutEntry& e : layout) {
+      runtime->bind_storage(e.name,
+                            Tensor::wrap(zero_params.data<float>() + e.offset, e.shape, DType::f32),
+                            zero->full_grad(e.name));
+    }
+  }
+
+  // Sums over the dp group where slices are ZeRO shards; empty otherwise.
+  std::function<void(std::span<double>)> zero_reducer() {
+    return zero ? zero->norm_reducer() : std::function<void(std::span<double>)>();
   }
 
   // Checkpoints: the sharded directory format of the unpipelined trainer
@@ -324,9 +372,21 @@ struct PipelineTraining::Impl {
       pieces.push_back(save_piece("param/" + name, name, runtime->param(name)));
       for (const std::string& kind : optimizer->state_kinds()) {
         auto it = st.tensors.find(name + "." + kind);
-        if (it != st.tensors.end()) {
+        if (it != st.tensors.end() && !zero) {
           pieces.push_back(save_piece("optim/" + it->first, name, it->second));
         }
+      }
+    }
+    if (zero) {
+      // Each dp rank writes its shard of the optimizer state (the counting
+      // holder's; the others name the tensor with an empty piece).
+      for (ShardPiece pc : zero->state_pieces(st.tensors, PieceUse::save)) {
+        const std::string param = pc.name.substr(0, pc.name.rfind('.'));
+        const TensorPlace pl = place_of(param);
+        pc = counted.at(param) ? in_box(std::move(pc), pl)
+                               : ShardPiece{pc.name, pl.whole, 0, 0, Tensor()};
+        pc.name = "optim/" + pc.name;
+        pieces.push_back(std::move(pc));
       }
     }
     SaveShardedOptions so;
@@ -411,27 +471,46 @@ struct PipelineTraining::Impl {
     std::vector<ShardPiece> wanted;
     OptimizerState st;
     const int64_t updates = meta_int(idx.metadata, "optimizer_updates", path);
+    // A kind the writer never created (no update yet, SGD without momentum) is not asked
+    // for; load_sharded names a tensor that only some parameters lack.
+    std::vector<std::string> stored_kinds;
+    for (const std::string& kind : optimizer->state_kinds()) {
+      bool stored_kind = false;
+      for (const auto& [tname, t] : idx.tensors) {
+        stored_kind |= tname.starts_with("optim/") && tname.ends_with("." + kind);
+      }
+      if (stored_kind) stored_kinds.push_back(kind);
+    }
     for (const std::string& name : runtime->param_names()) {
       const TensorPlace pl = place_of(name);
       wanted.push_back(piece_at("param/" + name, pl, runtime->param(name)));
-      for (const std::string& kind : optimizer->state_kinds()) {
+      for (const std::string& kind : stored_kinds) {
+        if (zero) break;  // its shards, below
         const std::string key = name + "." + kind;
-        // A kind the writer never created (no update yet, SGD without momentum) is not asked
-        // for; load_sharded names a tensor that only some parameters lack.
-        bool stored_kind = false;
-        for (const auto& [tname, t] : idx.tensors) {
-          stored_kind |= tname.starts_with("optim/") && tname.ends_with("." + kind);
-        }
-        if (!stored_kind) continue;
+        MemoryScope tag(MemoryCategory::optimizer);
         Tensor t = Tensor::empty(pl.box.shape(), DType::f32);
         st.tensors[key] = t;
         wanted.push_back(piece_at("optim/" + key, pl, t));
       }
-      if (updates > 0) st.steps[name] = updates;
+      if (updates > 0 && !zero) st.steps[name] = updates;
+    }
+    if (zero) {
+      // This rank's ZeRO shard of each state tensor, in the whole tensor.
+      for (ShardPiece pc : zero->new_state_pieces(stored_kinds)) {
+        pc = in_box(std::move(pc), place_of(pc.name.substr(0, pc.name.rfind('.'))));
+        pc.name = "optim/" + pc.name;
+        wanted.push_back(std::move(pc));
+      }
+      for (const ParamSlice& sl : zero->slices()) {
+        if (updates > 0 && sl.end > sl.begin) st.steps[sl.name] = updates;
+      }
     }
     LoadShardedOptions lo;
     lo.collective = o.dist.dp.collective;
     load_sharded(&world, path, wanted, lo);
+    for (const ShardPiece& pc : wanted) {
+      if (zero && pc.name.starts_with("optim/")) st.tensors[pc.name.substr(6)] = pc.data;
+    }
     optimizer->load_state(st);
     step = meta_int(idx.metadata, "step", path);
     if (step >= total_steps) {
@@ -488,7 +567,14 @@ struct PipelineTraining::Impl {
       return it != constants.end() ? it->second : Tensor();
     });
     std::vector<std::string> names = runtime->param_names();
-    if (dp_world > 1) {
+    if (zero) {
+      // Equal shares of the global batch; last parameter first, as buckets form.
+      zero->begin_micro_step(1.0 / static_cast<double>(dp_world));
+      for (auto it = names.rbegin(); it != names.rend(); ++it) {
+        zero->add_grad(*it, runtime->grad(*it));
+      }
+      zero->end_micro_step();
+    } else if (dp_world > 1) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
         dp_comm->all_reduce(g, ReduceOp::sum, o.dist.dp.collective);
@@ -502,12 +588,19 @@ struct PipelineTraining::Impl {
                      0.0};
     world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
     std::vector<ParamRef> refs;
-    for (const std::string& name : names) {
-      Tensor prm = runtime->param(name);
-      refs.push_back(ParamRef{name, prm, runtime->grad(name), prm.rank(), counted[name]});
+    if (zero) {
+      for (const ParamSlice& sl : zero->slices()) {
+        refs.push_back(ParamRef{sl.name, sl.param, sl.grad, sl.full_rank(), counted[sl.name]});
+      }
+    } else {
+      for (const std::string& name : names) {
+        Tensor prm = runtime->param(name);
+        refs.push_back(ParamRef{name, prm, runtime->grad(name), prm.rank(), counted[name]});
+      }
     }
     if (o.clip_grad_norm > 0) {
-      clip_grad_norm(refs, o.clip_grad_norm, [this](std::span<double> v) {
+      clip_grad_norm(refs, o.clip_grad_norm, [this, dpr = zero_reducer()](std::span<double> v) {
+        if (dpr) dpr(v);
         norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
                               o.dist.dp.collective);
         for (const auto& c : tensor_norm_comms) {
@@ -517,6 +610,7 @@ struct PipelineTraining::Impl {
       });
     }
     optimizer->step(refs, lr->lr_at(at));
+    if (zero) zero->finish_step();  // all-gathers the updated shards
     return red[0];
   }
 
