@@ -243,7 +243,7 @@ void DataParallel::add_grad(const std::string& name, const Tensor& grad) {
     throw ConfigError(fmt::format("data-parallel: add_grad('{}'): expected f32{}, got {}", name,
                                   e.shape.str(), grad.desc()));
   }
-  if (m.runs[idx(m.plan.bucket_of(p))].pending == 0) {
+  if (m.added[idx(p)]) {
     throw ConfigError(
         fmt::format("data-parallel step {}: add_grad('{}') twice in one micro-step", m.step, name));
   }
@@ -253,6 +253,7 @@ void DataParallel::add_grad(const std::string& name, const Tensor& grad) {
     throw ConfigError(fmt::format(
         "data-parallel: add_grad('{}') of full_grad() itself needs accumulation_steps 1", name));
   }
+  m.added[idx(p)] = true;
   m.take_grad(p, in_place ? nullptr : src);
 }
 
@@ -324,6 +325,7 @@ void DataParallel::begin_micro_step(double grad_weight) {
   }
   m.in_micro = true;
   m.weight = grad_weight;
+  m.added.assign(m.external ? m.plan.layout().size() : 0, false);
   for (size_t b = 0; b < m.runs.size(); ++b) m.runs[b].pending = m.grad_params[b];
   if (m.micro == 0) m.next_launch = 0;
 }

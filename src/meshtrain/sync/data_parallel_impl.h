@@ -84,7 +84,8 @@ struct DataParallel::Impl {
 
   std::vector<std::unique_ptr<DpAttachment>> attachments;
   DpAttachment* training = nullptr;
-  bool external = false;  // use_external_grads(): gradients come through add_grad()
+  bool external = false;    // use_external_grads(): gradients come through add_grad()
+  std::vector<bool> added;  // external: per layout index, given in this micro-step
   DataParallelStats stats;
 
   int world() const { return plan.world_size(); }
