@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -31,6 +32,7 @@
 #include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/pipeline_training.h"
+#include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
@@ -40,6 +42,7 @@ namespace {
 
 constexpr double kRel = 1e-4;
 constexpr int kSteps = 10;
+constexpr double kF16Rel = 1e-2;
 
 Communicator& world() {
   return test::mpi_world();
@@ -316,6 +319,112 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Handover{"dp_pp_zero2", "tp_pp"}, Handover{"dp_pp_zero1", "dp_zero0"},
                       Handover{"dp_zero2", "dp_pp_zero1"}, Handover{"tp_pp", "dp_pp_zero2"}),
     [](const ::testing::TestParamInfo<Handover>& p) { return p.param.from + "_to_" + p.param.to; });
+
+// train.precision f16 under dp 2 x pp 2 (plain and with ZeRO-1), dynamic
+// loss scaling from 2^10 doubling after every 3 good steps: the scale grows
+// three times in 10 steps, as in the single-process f16 run, and the run
+// equals that run within 1e-2 (f16 rounds activations and weight gradients
+// to 2^-11 relative, per micro-batch here and per batch there; measured
+// about 2e-3). The final scale comes from the checkpoint's metadata.
+class PipelineF16Mpi : public ::testing::TestWithParam<std::string> {};
+
+TrainerOptions f16_options(double init_scale) {
+  TrainerOptions o = base_options();
+  o.precision = DType::f16;
+  o.loss_scaler.init_scale = init_scale;
+  o.loss_scaler.growth_interval = 3;
+  return o;
+}
+
+TEST_P(PipelineF16Mpi, MatchesTheSingleProcessRunAsTheScaleGrows) {
+  const std::string kind = GetParam();
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  const ModelSpec spec = gpt_spec();
+  const TrainerOptions base = f16_options(1024.0);
+  const Reference ref = single_run(spec, base);
+  const std::string dir = shared_tmp_dir("ppf16");
+  TrainerOptions o = under(kind, spec, base);
+  o.checkpoint_path = dir + "/ck";
+  const RunResult got = run(spec, o, &ref);
+  ASSERT_EQ(got.losses.size(), ref.losses.size());
+  std::string where;
+  double worst = worst_loss(got.losses, ref, 0, &where);
+  if (got.worst_param > worst) worst = got.worst_param, where = "parameter " + got.where;
+  const double scale = std::stod(read_index(dir + "/ck").metadata.at("loss_scale"));
+  if (world().rank() == 0) {
+    std::printf("f16 %s, %d steps: worst relative error %.3g at %s; final loss scale %g\n",
+                kind.c_str(), kSteps, worst, where.c_str(), scale);
+  }
+  EXPECT_EQ(scale, 1024.0 * 8) << "three growths (every 3 good steps of 10)";
+  EXPECT_LE(worst, kF16Rel) << kind << " rank " << world().rank() << ": " << where;
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// From 2^24 the first steps overflow and are skipped: every rank must skip
+// the same ones, or the copies of a parameter (its dp replicas; a
+// parameter two stages share) drift apart. They stay bitwise equal, and
+// the scale backed off.
+TEST_P(PipelineF16Mpi, OverflowSkipsTheSameStepsOnEveryRank) {
+  const std::string kind = GetParam();
+  if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
+  const ModelSpec spec = gpt_spec();
+  const TrainerOptions base = f16_options(16777216.0);
+  const std::string dir = shared_tmp_dir("ppf16-skip");
+  TrainerOptions o = under(kind, spec, base);
+  o.checkpoint_path = dir + "/ck";
+  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
+  Trainer t(spec, data, nullptr, o, &world());
+  const TrainResult r = t.run();
+  ASSERT_TRUE(std::isfinite(r.losses.back()));
+  PipelineTraining* p = t.pipeline();
+  ASSERT_NE(p, nullptr);
+  // Per parameter of the model, a checksum of its values' bit patterns on
+  // every rank that holds it (dp replicas, and the tied wte's copies where
+  // two stages hold it): equal iff the copies are bitwise equal (up to a
+  // vanishing chance). Ranks that do not hold it contribute nothing.
+  std::map<std::string, double> held;
+  for (const std::string& n : p->param_names()) {
+    const Tensor v = p->param(n);
+    double s = 0;
+    for (int64_t k = 0; k < v.numel(); ++k) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, v.data<float>() + k, 4);
+      s += static_cast<double>(bits) * static_cast<double>(k % 7 + 1);
+    }
+    held[n] = s;
+  }
+  const ModelGraph whole = build_model(spec, 1);
+  std::vector<std::string> names;
+  for (ValueId v : whole.graph.params()) names.push_back(whole.graph.value(v).name);
+  std::vector<double> hi, neg_lo, count;
+  for (const std::string& n : names) {
+    auto it = held.find(n);
+    hi.push_back(it != held.end() ? it->second : -1e300);
+    neg_lo.push_back(it != held.end() ? -it->second : -1e300);
+    count.push_back(it != held.end() ? 1.0 : 0.0);
+  }
+  world().all_reduce(hi.data(), hi.data(), hi.size(), DType::f64, ReduceOp::max);
+  world().all_reduce(neg_lo.data(), neg_lo.data(), neg_lo.size(), DType::f64, ReduceOp::max);
+  world().all_reduce(count.data(), count.data(), count.size(), DType::f64, ReduceOp::sum);
+  int copies = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_GE(count[i], 2.0) << names[i] << ": every parameter has a dp replica";
+    EXPECT_EQ(hi[i], -neg_lo[i]) << names[i] << ": its " << count[i] << " copies differ";
+    copies = std::max(copies, static_cast<int>(count[i]));
+  }
+  const double scale = std::stod(read_index(dir + "/ck").metadata.at("loss_scale"));
+  if (world().rank() == 0) {
+    std::printf("f16 %s from 2^24: final loss scale %g; up to %d equal copies of a parameter\n",
+                kind.c_str(), scale, copies);
+  }
+  EXPECT_LT(scale, base.loss_scaler.init_scale) << "no step overflowed: the test tests nothing";
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, PipelineF16Mpi, ::testing::Values("dp_pp", "dp_pp_zero1"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 // ZeRO-3 is refused under a pipeline plan, naming the key, before any step.
 TEST(PipelineZeroMpiErrors, ZeroThreeRefusedNamingTheKey) {

@@ -13,6 +13,7 @@
 #include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/data/loader.h"
+#include "meshtrain/graph/builder.h"
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/pipeline_runtime.h"
@@ -53,8 +54,9 @@ void check_pipeline_options(const TrainerOptions& o) {
         "without it (docs/plan.md, \"Pipeline runtime\")",
         what));
   };
-  refuse(o.precision == DType::f16 || o.precision_auto || o.bf16_storage,
-         "train.precision f16 / auto / bf16_storage");
+  refuse(o.precision_auto || o.bf16_storage,
+         "train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's "
+         "stashes are the runtime's)");
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
@@ -95,6 +97,13 @@ struct PipelineTraining::Impl {
   // stage 2 its reduced gradients), the runtime's passes reading the buffer.
   Tensor zero_params;
   std::unique_ptr<DataParallel> zero;
+  // train.precision f16: dynamic loss scaling. Each micro-batch's loss is
+  // multiplied by loss_scale (an input of the last stage), the scaler's
+  // scale / (micro-batches x dp), so every backward tensor has the
+  // magnitude it has in the single-process run at the scaler's scale;
+  // overflow is agreed over the pipeline, tensor and (ZeRO) dp groups.
+  DynamicLossScaler scaler;
+  Tensor loss_scale;
   int64_t step = 0;         // optimizer steps completed (a resumed run starts later)
   int64_t saved_step = -1;  // the step of the last checkpoint written
   std::optional<TorchLoadReport> init_report;
@@ -171,7 +180,16 @@ struct PipelineTraining::Impl {
     model = build_rank_model(spec, micro_batch, o, rank, &lowered, /*whole_logits=*/false);
     tensor_parallel = needs_lowering(plan);
     for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
-    cut = cut_pipeline(model.graph, model.loss, plan.stages);
+    ValueId objective = model.loss;
+    if (o.precision == DType::f16) {
+      scaler = DynamicLossScaler(o.loss_scaler);
+      Builder bld(model.graph);
+      const ValueId in = bld.input("loss_scale", {}, DType::f32);
+      objective = bld.mul(model.loss, in);
+      loss_scale = Tensor::full({}, DType::f32, 1.0);
+      constants["loss_scale"] = loss_scale;  // a handle: set before each step
+    }
+    cut = cut_pipeline(model.graph, objective, plan.stages);
     schedule = plan_schedule(plan);
     PipelineOptions po;
     po.exec = o.exec;
@@ -304,6 +322,24 @@ struct PipelineTraining::Impl {
     }
   }
 
+  // Sums over every group whose ranks hold different pieces of the
+  // gradients: the pipeline, the tensor groups and (ZeRO) the dp group.
+  void reduce_over_pieces(std::span<double> v) {
+    if (zero) {
+      if (auto dpr = zero->norm_reducer()) dpr(v);
+    }
+    norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
+                          o.dist.dp.collective);
+    for (const auto& c : tensor_norm_comms) {
+      c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, o.dist.dp.collective);
+    }
+  }
+
+  // The factor the micro-batches' losses are multiplied by under f16.
+  double micro_loss_scale() const {
+    return scaler.scale() / static_cast<double>(plan.microbatches * dp_world);
+  }
+
   // Sums over the dp group where slices are ZeRO shards; empty otherwise.
   std::function<void(std::span<double>)> zero_reducer() {
     return zero ? zero->norm_reducer() : std::function<void(std::span<double>)>();
@@ -350,7 +386,7 @@ struct PipelineTraining::Impl {
     m["step"] = std::to_string(step);
     m["epoch"] = std::to_string(step / loader->steps_per_epoch());
     m["lr_step"] = std::to_string(step);
-    const LossScalerState ls = DynamicLossScaler(o.loss_scaler).state();  // f32 / bf16: unused
+    const LossScalerState ls = scaler.state();  // f32 / bf16: unused
     m["loss_scale"] = fmt::format("{}", ls.scale);
     m["loss_scale_good_steps"] = std::to_string(ls.good_steps);
     double updates = 0;
@@ -513,6 +549,18 @@ struct PipelineTraining::Impl {
     }
     optimizer->load_state(st);
     step = meta_int(idx.metadata, "step", path);
+    if (o.precision == DType::f16) {
+      LossScalerState ls;
+      auto it = idx.metadata.find("loss_scale");
+      try {
+        if (it != idx.metadata.end()) ls.scale = std::stod(it->second);
+      } catch (const std::exception&) {
+        throw CheckpointError(
+            fmt::format("checkpoint {}: metadata 'loss_scale' is not a number", path));
+      }
+      ls.good_steps = meta_int(idx.metadata, "loss_scale_good_steps", path);
+      scaler.load_state(ls);
+    }
     if (step >= total_steps) {
       notice(fmt::format(
           "the run is {} steps long (train.epochs, train.steps): nothing is left to train",
@@ -556,6 +604,9 @@ struct PipelineTraining::Impl {
     const Batch b = loader->batch(epoch, s);
     const int64_t y_per = b.y.numel() / local_batch;
     const Shape xs = model.graph.value(model.x).shape;
+    const bool f16 = o.precision == DType::f16;
+    const double used_scale = f16 ? micro_loss_scale() : 1.0;
+    if (f16) loss_scale.fill(used_scale);
     runtime->run_step([&](int i, const std::string& input) -> Tensor {
       if (input == model.graph.value(model.x).name) {
         return batch_rows(b.x, i * micro_batch, micro_batch).reshape(xs);
@@ -598,20 +649,25 @@ struct PipelineTraining::Impl {
         refs.push_back(ParamRef{name, prm, runtime->grad(name), prm.rank(), counted[name]});
       }
     }
-    if (o.clip_grad_norm > 0) {
-      clip_grad_norm(refs, o.clip_grad_norm, [this, dpr = zero_reducer()](std::span<double> v) {
-        if (dpr) dpr(v);
-        norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
-                              o.dist.dp.collective);
-        for (const auto& c : tensor_norm_comms) {
-          c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
-                        o.dist.dp.collective);
-        }
-      });
+    const auto over_pieces = [this](std::span<double> v) { reduce_over_pieces(v); };
+    bool apply = true;
+    if (f16) {
+      // The gradients carry used_scale (the scaler's scale over the
+      // micro-batches and replicas): divided by it, then checked; every
+      // rank of the world takes the same decision.
+      const auto inv = static_cast<float>(1.0 / used_scale);
+      for (ParamRef& r : refs) {
+        float* g = r.grad.data<float>();
+        for (int64_t k = 0, n = r.grad.numel(); k < n; ++k) g[k] *= inv;
+      }
+      apply = scaler.update(grads_finite(refs, over_pieces));
     }
-    optimizer->step(refs, lr->lr_at(at));
+    if (apply) {
+      if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, over_pieces);
+      optimizer->step(refs, lr->lr_at(at));
+    }
     if (zero) zero->finish_step();  // all-gathers the updated shards
-    return red[0];
+    return red[0] / used_scale;
   }
 
   // Joins the whole parameters on every rank of this model replica: each
@@ -775,7 +831,7 @@ struct PipelineTraining::Impl {
       }
       sent += runtime->bytes_sent();
       peak_stash = std::max(peak_stash, runtime->peak_stash_bytes());
-      if (!std::isfinite(loss)) {
+      if (!std::isfinite(loss) && o.precision != DType::f16) {
         throw Error(fmt::format("training diverged: loss is {} at step {}", loss, step));
       }
       r.losses.push_back(loss);
