@@ -92,9 +92,9 @@ int cmd_plan(const CommandOptions& opts) {
           ? fmt::format(", {} of the fitting slower than the best {} by a bound (not simulated)",
                         r.not_simulated, so.top)
           : std::string(),
-      r.dominated > 0 ? fmt::format(", {} not priced (a twin without recomputation or ZeRO fits)",
-                                    r.dominated)
-                      : std::string());
+      r.dominated > 0
+          ? fmt::format(", {} not priced (a twin without recomputation or ZeRO fits)", r.dominated)
+          : std::string());
   for (const std::string& why : r.refusals) fmt::print("  refused, e.g.: {}\n", why);
   if (r.unpriced > 0) {
     fmt::print("{} plans the cost model could not price (not proposed):\n", r.unpriced);
