@@ -64,11 +64,11 @@ TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
   EXPECT_EQ(all.unpriced, 0) << all.unpriced_reasons.front();
   SearchOptions every;
   every.top = 1000;
-  // Under pipelines recomputation and ZeRO-1 are priced only where their
+  // Under pipelines recomputation and ZeRO 1-2 are priced only where their
   // twin without them is over memory, so the roomy run would not hold the
   // plans the tight one prices: off here (PipelinesRecomputeOnlyWhereTheyWouldNotFit).
   every.recompute = false;
-  every.zero1_pipeline_projection = false;
+  every.zero_pipelines = false;
   const SearchResult wide = search_plans(spec, options(32), cluster(4, 1e12), every);
   int64_t lo = INT64_MAX, hi = 0;
   for (const PlanCandidate& p : wide.best) {
@@ -188,8 +188,8 @@ TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
   EXPECT_LT(uneven->estimate.step_s, even->estimate.step_s);
 }
 
-// Under pipelines the search adds recomputation (every stage) and ZeRO-1
-// (a projection) only where the plan without them is over memory: with
+// Under pipelines the search adds recomputation (every stage) and ZeRO 1-2
+// only where the plan without them is over memory: with
 // memory between a 2-stage GPT pipeline's peak with and without
 // recomputation, the pipeline is proposed recomputing, its plan file says
 // so (not exec.recompute), and where everything fits neither is priced.
@@ -230,7 +230,6 @@ TEST(PlanSearch, PipelinesRecomputeOnlyWhereTheyWouldNotFit) {
   ASSERT_EQ(found.size(), 1u) << nothing_fits_message(tight, cluster(2, middle, 1));
   const PlanCandidate& p = *found.front();
   EXPECT_TRUE(p.recompute);
-  EXPECT_FALSE(p.projection);
   EXPECT_LE(static_cast<double>(p.estimate.max_peak_memory_bytes()), middle);
   for (const StagePlan& st : p.plan.stages) EXPECT_TRUE(st.recompute);
   for (const std::string& set : p.settings(2))

@@ -12,6 +12,10 @@
 // - checkpoint pieces: saved pieces of all ranks cover every parameter and
 //   optimizer-state element exactly once; loading them into another world
 //   size and stage continues training exactly like the uninterrupted run;
+// - gradients from outside an executor (use_external_grads / add_grad, as
+//   the pipeline runtime hands them over): stages 0-2 reduce them to the
+//   weighted sum, in place where they are full_grad() itself; misuse is a
+//   ConfigError;
 // - errors: a stalled peer gives a TimeoutError naming step, bucket and
 //   parameters; ranks that disagree on buckets get a MismatchError; misuse of
 //   the micro-step protocol is a ConfigError.
@@ -480,6 +484,66 @@ TEST(DataParallelErrors, ProtocolMisuseIsAConfigError) {
     DataParallelOptions bad;
     bad.stage = 4;
     EXPECT_THROW(DataParallel(comm, layout_of(*t.store), t.store->flat_values(), bad), ConfigError);
+  });
+}
+
+// Gradients handed over without an executor: every rank's slice holds the
+// weighted sum over the ranks (ranks 0-2 give gradients k + 1 times a
+// ramp), whole at stage 0, its chunk at 1 and 2; at stage 1 a gradient
+// that is full_grad() itself is reduced where it lies.
+TEST(DataParallelExternalGrads, ReducedAsFromAnExecutor) {
+  const ParamLayout layout = {{"a", Shape{5, 3}, 0}, {"b", Shape{7}, 15}};
+  for (int stage = 0; stage <= 2; ++stage) {
+    for (bool in_place : {false, true}) {
+      if (in_place && stage == 2) continue;
+      LocalWorld::run(local(3), [&](Communicator& comm) {
+        Tensor flat = Tensor::zeros({22}, DType::f32);
+        DataParallelOptions o;
+        o.stage = stage;
+        o.bucket_bytes = 20;  // two buckets: b, then a
+        DataParallel dp(comm, layout, flat, o);
+        dp.use_external_grads();
+        const auto k = static_cast<float>(comm.rank() + 1);
+        dp.begin_micro_step(0.5);
+        for (const std::string name : {"b", "a"}) {
+          const ParamLayoutEntry& e = layout[name == "a" ? 0 : 1];
+          Tensor g = in_place ? dp.full_grad(name) : Tensor::empty(e.shape, DType::f32);
+          ASSERT_EQ(g.numel(), e.shape.numel());
+          for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = k * static_cast<float>(i);
+          dp.add_grad(name, g);
+        }
+        EXPECT_THROW(dp.add_grad("a", Tensor::zeros({5, 3}, DType::f32)), ConfigError)
+            << "twice in one micro-step";
+        dp.end_micro_step();
+        for (const ParamSlice& sl : dp.slices()) {
+          for (int64_t i = sl.begin; i < sl.end; ++i) {
+            // 0.5 x (1 + 2 + 3) x i
+            EXPECT_FLOAT_EQ(sl.grad.data<float>()[i - sl.begin], 3.0f * static_cast<float>(i))
+                << "stage " << stage << " in place " << in_place << " " << sl.name << "[" << i
+                << "]";
+          }
+        }
+        dp.finish_step();
+      });
+    }
+  }
+  LocalWorld::run(local(2), [&](Communicator& comm) {
+    DataParallelOptions o;
+    o.stage = 3;
+    DataParallel z3(comm, layout, Tensor::zeros({22}, DType::f32), o);
+    EXPECT_THROW(z3.use_external_grads(), ConfigError);
+    o.stage = 2;
+    DataParallel dp(comm, layout, Tensor::zeros({22}, DType::f32), o);
+    EXPECT_EQ(dp.full_grad("a").raw(), nullptr);  // stage 2 has no full gradient buffer
+    EXPECT_THROW(dp.add_grad("a", Tensor::zeros({5, 3}, DType::f32)), ConfigError)
+        << "before use_external_grads";
+    dp.use_external_grads();
+    dp.begin_micro_step(1.0);
+    EXPECT_THROW(dp.add_grad("c", Tensor::zeros({5, 3}, DType::f32)), ConfigError);
+    EXPECT_THROW(dp.add_grad("a", Tensor::zeros({4}, DType::f32)), ConfigError);
+    dp.add_grad("b", Tensor::zeros({7}, DType::f32));
+    EXPECT_THROW(dp.add_grad("b", Tensor::zeros({7}, DType::f32)), ConfigError);
+    EXPECT_THROW(dp.end_micro_step(), ConfigError) << "'a' never given";
   });
 }
 

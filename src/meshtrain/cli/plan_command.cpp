@@ -92,9 +92,9 @@ int cmd_plan(const CommandOptions& opts) {
           ? fmt::format(", {} of the fitting slower than the best {} by a bound (not simulated)",
                         r.not_simulated, so.top)
           : std::string(),
-      r.dominated > 0 ? fmt::format(", {} not priced (a twin without recomputation or ZeRO-1 fits)",
-                                    r.dominated)
-                      : std::string());
+      r.dominated > 0
+          ? fmt::format(", {} not priced (a twin without recomputation or ZeRO fits)", r.dominated)
+          : std::string());
   for (const std::string& why : r.refusals) fmt::print("  refused, e.g.: {}\n", why);
   if (r.unpriced > 0) {
     fmt::print("{} plans the cost model could not price (not proposed):\n", r.unpriced);
@@ -124,21 +124,7 @@ int cmd_plan(const CommandOptions& opts) {
   const planner::PlanCandidate& fastest = r.best.front();
   std::set<std::string> notes(fastest.estimate.notes.begin(), fastest.estimate.notes.end());
   for (const std::string& n : notes) fmt::print("note: {}\n", n);
-  // A projection (ZeRO-1 under a pipeline) is not what the runtime runs:
-  // the plan written is the fastest one it does run, where one fits.
-  const planner::PlanCandidate& best = r.best_runnable ? *r.best_runnable : fastest;
-  if (fastest.projection && r.best_runnable) {
-    fmt::print(
-        "\nplans marked (projection) are priced but not run by the runtime yet; the fastest it "
-        "runs: {}, {} per step, {:.1f} samples/s, MFU {:.1f}%\n",
-        best.describe(), seconds(best.estimate.step_s), best.estimate.samples_per_s,
-        best.estimate.mfu * 100);
-  } else if (fastest.projection) {
-    fmt::print(
-        "\nonly projections fit (plans the runtime does not run yet); the plan written is one, "
-        "and `meshtrain train --plan` refuses it until the pipeline runtime takes "
-        "dist.zero_stage = 1\n");
-  }
+  const planner::PlanCandidate& best = fastest;
   if (!best.devices.empty()) {
     fmt::print(
         "devices ({}): mesh rank m runs on world rank [{}][m] (the plan file's \"devices\")\n",

@@ -62,7 +62,9 @@ std::vector<size_t> even_counts(int64_t numel, int n) {
 }
 
 int64_t pipeline_stage_memory(const PipelineStageMemory& m) {
-  const int64_t state = m.param_bytes * 2 + m.param_bytes * m.state_kinds / std::max(1, m.zero_dp);
+  const int zdp = std::max(1, m.zero_dp);
+  const int64_t state = m.param_bytes * 2 + m.param_bytes * m.state_kinds / zdp +
+                        (m.zero_stage >= 2 && zdp > 1 ? m.param_bytes / zdp : 0);
   return state + m.kept_bytes * m.in_flight + (m.recompute ? m.stash_bytes : 0) + m.arena_bytes;
 }
 
@@ -499,16 +501,11 @@ PassTime pass_time(const DeviceKind& dev, double slow, const StagePass& pass,
 void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
                     const ClusterModel& cluster, const comm::CommCostModel& cm, Programs& out,
                     GroupTable& groups, BuildCache* cache) {
-  // ZeRO-1 on the data-parallel axis of a pipeline is a projection: the
-  // pipeline runtime refuses dist.zero_stage > 0 (check_pipeline_options),
-  // so it is priced here (optimizer state sharded over dp) but no measured
-  // run backs it; stages 2-3 stay refused.
-  const bool zero1 = o.dist.dp.stage == 1;
-  {
-    TrainerOptions checked = o;
-    if (zero1) checked.dist.dp.stage = 0;
-    check_pipeline_options(checked);
-  }
+  // ZeRO-1 / 2 on the data-parallel axis of a pipeline, as the pipeline
+  // runtime runs them (train/pipeline_training.h); stage 3 is refused there
+  // (check_pipeline_options), so here too.
+  check_pipeline_options(o);
+  const int zero = o.dist.dp.stage;
   const int world = cluster.world();
   const Plan& plan = *o.dist.plan;
   plan.mesh.check_world(world, "the plan's mesh");
@@ -562,9 +559,6 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
     }
     return std::shared_ptr<const PipelineBuilt>(std::move(b));
   };
-  if (zero1) {
-    out.notes.push_back(std::string(kZero1PipelineProjection));
-  }
   std::map<std::vector<int>, std::shared_ptr<const PipelineBuilt>> cuts;
   std::map<PpKey, int> programs;
   out.notes.push_back(
@@ -752,19 +746,24 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
           param_numel += val.shape.numel();
           param_bytes += val.shape.numel() * 4;
           stage_params.emplace_back(val.name, val.shape.numel());
-          if (dp_world > 1) {
+          if (dp_world > 1 && zero >= 2) {
+            comm::CollectiveShape cs{Collective::reduce_scatterv, 0,
+                                     even_counts(val.shape.numel(), dp_world), 4, 0};
+            b.collective(fmt::format("reduce_scatterv grad {}", val.name), "dp", cs, 0);
+          } else if (dp_world > 1) {
             comm::CollectiveShape cs{
                 Collective::all_reduce, static_cast<size_t>(val.shape.numel()), {}, 4, 0};
             b.collective(fmt::format("all_reduce grad {}", val.name), "dp", cs, 0);
           }
         }
       }
-      // ZeRO-1 (projection): each dp rank updates its 1/dp of every
-      // parameter, then the updated parameters are all-gathered.
-      const int64_t opt_numel =
-          zero1 && dp_world > 1 ? zero1_shard_elements(param_numel, dp_world) : param_numel;
+      // ZeRO-1 / 2: each dp rank updates its 1/dp of every parameter (its
+      // reduced shard of the gradient at 2), then the updated parameters are
+      // all-gathered.
+      const bool sharded = zero >= 1 && dp_world > 1;
+      const int64_t opt_numel = sharded ? zero1_shard_elements(param_numel, dp_world) : param_numel;
       b.compute("optimizer", "optimizer", optimizer_seconds(dev, opt_numel, kinds, slow), 0);
-      if (zero1 && dp_world > 1) {
+      if (sharded) {
         for (const auto& [name, numel] : stage_params) {
           comm::CollectiveShape cs{Collective::all_gatherv, 0, even_counts(numel, dp_world), 4, 0};
           b.collective(fmt::format("all_gatherv param {}", name), "dp", cs, 0);
@@ -777,7 +776,8 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       PipelineStageMemory pm;
       pm.param_bytes = param_bytes;
       pm.state_kinds = kinds;
-      pm.zero_dp = zero1 ? dp_world : 1;
+      pm.zero_dp = sharded ? dp_world : 1;
+      pm.zero_stage = sharded ? zero : 0;
       pm.in_flight = unit.peak_in_flight.at(static_cast<size_t>(stage));
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
@@ -790,10 +790,14 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       }
       b.p.peak_memory_bytes = pipeline_stage_memory(pm);
       b.p.memory_detail = fmt::format(
-          "parameters + gradients {} B, optimizer state {} B{}, activations kept {} B x {} in "
+          "parameters + gradients {} B{}, optimizer state {} B{}, activations kept {} B x {} in "
           "flight{}, largest pass arena {} B",
-          param_bytes * 2, param_bytes * kinds / pm.zero_dp,
-          pm.zero_dp > 1 ? fmt::format(" (1/{}: ZeRO-1)", pm.zero_dp) : std::string(),
+          param_bytes * 2,
+          pm.zero_stage >= 2 ? fmt::format(" + gradient shard {} B", param_bytes / pm.zero_dp)
+                             : std::string(),
+          param_bytes * kinds / pm.zero_dp,
+          pm.zero_dp > 1 ? fmt::format(" (1/{}: ZeRO-{})", pm.zero_dp, pm.zero_stage)
+                         : std::string(),
           pm.kept_bytes, pm.in_flight,
           pm.recompute ? fmt::format(" + one recomputed stash {} B", pm.stash_bytes)
                        : std::string(),

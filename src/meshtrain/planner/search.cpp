@@ -101,7 +101,6 @@ std::string PlanCandidate::describe() const {
   }
   s += fmt::format(" zero={}", zero_stage);
   if (recompute) s += " recompute";
-  if (projection) s += " (projection)";
   if (!shape.batch_shares.empty()) s += " shares=" + list(shape.batch_shares);
   if (!shape.tp_ratios.empty()) s += " tp_ratios=" + list(shape.tp_ratios);
   if (!shape.stage_layers.empty()) s += " stage_layers=" + list(shape.stage_layers);
@@ -174,9 +173,9 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
           std::map<std::pair<int, bool>, int> twin;  // (zero, recompute) -> shape index
           for (int zero : opt.zero_stages) {
             if (dp == 1 && zero > 0) continue;
-            // ZeRO under a pipeline: stage 1 only, and only as a projection
-            // (the pipeline runtime refuses it; PlanCandidate::projection).
-            if (pp > 1 && zero > 0 && !(zero == 1 && opt.zero1_pipeline_projection)) continue;
+            // ZeRO under a pipeline: stages 1 and 2 (the pipeline runtime
+            // refuses 3), where SearchOptions::zero_pipelines asks for them.
+            if (pp > 1 && zero > 0 && (zero > 2 || !opt.zero_pipelines)) continue;
             // Recomputation: exec.recompute without a pipeline; with one,
             // every stage's (parallel.recompute, StagePlan::recompute).
             for (int rc = 0; rc < (opt.recompute ? 2 : 1); ++rc) {
@@ -188,14 +187,15 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
               s.device_order = order_name, s.devices = order;
               if (pp > 1) {
                 // Recomputation only adds a forward per micro-batch (never
-                // faster); ZeRO-1 under a pipeline is a projection: each is
-                // priced only where its twin without it does not fit.
+                // faster); ZeRO under a pipeline adds the all-gather of the
+                // updated parameters: each is priced only where its twin
+                // without it does not fit.
                 auto at = [&](int z, bool r) {
                   auto it = twin.find({z, r});
                   return it == twin.end() ? -1 : it->second;
                 };
                 if (s.recompute) s.base_a = at(zero, false);
-                if (zero == 1) s.base_b = at(0, s.recompute);
+                if (zero >= 1) s.base_b = at(0, s.recompute);
               }
               twin[{zero, s.recompute}] = static_cast<int>(shapes.size());
               shapes.push_back(s);
@@ -223,10 +223,9 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
   // Stage passes shared by candidates that differ only in the schedule or
   // the micro-batch count (planner/cost_model.h).
   BuildCache cache;
-  // The `top` fastest runnable (not projection) steps priced so far, for
-  // the pipelines' lower-bound cut: a plan whose bound is above the
-  // top-th of them can be neither among the best nor the best runnable,
-  // whatever is priced later, so the result does not depend on the order.
+  // The `top` fastest steps priced so far, for the pipelines' lower-bound
+  // cut: a plan whose bound is above the top-th of them cannot be among the
+  // best, whatever is priced later, so the result does not depend on the order.
   std::mutex top_mutex;
   std::multiset<double> top_runnable;
   // One shape's entries (one per tensor coordinate, up to a node's ranks)
@@ -239,7 +238,6 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     TrainerOptions o = base;
     o.dist.dp.stage = c.zero_stage;
     o.exec.recompute = c.recompute && c.shape.pp <= 1;
-    c.projection = c.shape.pp > 1 && c.zero_stage == 1;
     o.dist.batch_shares = c.shape.batch_shares;
     o.dist.slowdown.clear();  // the cluster model carries the slowdown
     try {
@@ -257,11 +255,7 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
         o.dist.plan = nullptr;
       }
       // What the pipeline runtime refuses, refused before pricing (cheap).
-      if (c.plan.pipeline_stages() > 1) {
-        TrainerOptions checked = o;
-        if (c.projection) checked.dist.dp.stage = 0;  // priced as a projection
-        check_pipeline_options(checked);
-      }
+      if (c.plan.pipeline_stages() > 1) check_pipeline_options(o);
       // Memory before time: a plan over some rank's memory is never
       // proposed and needs no step time (only its memory, for the closest
       // miss), so it is not simulated -- exact, and most of a large
@@ -306,12 +300,10 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
           }
         } else {
           c.estimate = simulate(progs, mesh_cluster);
-          if (!c.projection) {
-            std::lock_guard<std::mutex> hold(top_mutex);
-            top_runnable.insert(c.estimate.step_s);
-            while (static_cast<int>(top_runnable.size()) > std::max(1, opt.top)) {
-              top_runnable.erase(std::prev(top_runnable.end()));
-            }
+          std::lock_guard<std::mutex> hold(top_mutex);
+          top_runnable.insert(c.estimate.step_s);
+          while (static_cast<int>(top_runnable.size()) > std::max(1, opt.top)) {
+            top_runnable.erase(std::prev(top_runnable.end()));
           }
         }
       }
@@ -597,12 +589,6 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
     if (a.estimate.step_s != b.estimate.step_s) return a.estimate.step_s < b.estimate.step_s;
     return a.describe() < b.describe();
   });
-  for (const PlanCandidate& c : fits) {
-    if (!c.projection) {
-      res.best_runnable = c;
-      break;
-    }
-  }
   if (static_cast<int>(fits.size()) > opt.top) fits.resize(static_cast<size_t>(opt.top));
   res.best = std::move(fits);
   res.refusals.assign(reasons.begin(), reasons.end());

@@ -43,11 +43,9 @@ struct SearchOptions {
   // Try recomputation both ways: exec.recompute without a pipeline, every
   // stage's recomputation (parallel.recompute) with one.
   bool recompute = true;
-  // Also price ZeRO-1 on a pipeline's data-parallel axis, which the
-  // pipeline runtime refuses yet: such plans are marked projections
-  // (PlanCandidate::projection), never written as the plan to run while a
-  // plan the runtime runs fits.
-  bool zero1_pipeline_projection = true;
+  // Also price ZeRO-1 and ZeRO-2 on a pipeline's data-parallel axis (where
+  // the plan without ZeRO does not fit: SearchResult::dominated).
+  bool zero_pipelines = true;
   // Tensor parallelism at most over one node's ranks (its collectives run
   // every layer; across nodes they are rarely worth it); false: any degree.
   bool tp_within_node = true;
@@ -72,9 +70,6 @@ struct PlanCandidate {
   // cluster's order) and the order's name ("fast-first", "slow-first").
   std::vector<int> devices;
   std::string device_order;
-  // Priced but not runnable yet (ZeRO-1 under a pipeline): what the cost
-  // model projects, not what `meshtrain train --plan` runs.
-  bool projection = false;
   Plan plan;  // what `meshtrain train --plan` runs
   StepEstimate estimate;
 
@@ -88,11 +83,8 @@ struct PlanCandidate {
 
 struct SearchResult {
   std::vector<PlanCandidate> best;  // at most `top`, fastest first
-  // The fastest fitting plan the runtime runs (not a projection), wherever
-  // it ranks; empty when only projections fit.
-  std::optional<PlanCandidate> best_runnable;
-  int candidates = 0;  // enumerated
-  int fitting = 0;     // within memory on every rank
+  int candidates = 0;               // enumerated
+  int fitting = 0;                  // within memory on every rank
   int over_memory = 0;
   int refused = 0;   // the runtime would refuse it (degree not dividing, ...)
   int unpriced = 0;  // the cost model failed on it (InternalError): reported, not proposed
@@ -106,9 +98,9 @@ struct SearchResult {
   };
   int no_effect = 0;  // of fitting: recomputation that changed neither time nor memory, dropped
   int pruned = 0;     // of over_memory: over by the parameter + gradient bound alone, not priced
-  // Not priced: under a pipeline, a plan with recomputation or ZeRO-1
-  // (projection) whose twin without it fits (recomputation is never
-  // faster; a projection is not proposed where a runnable twin fits).
+  // Not priced: under a pipeline, a plan with recomputation or ZeRO 1-2
+  // whose twin without it fits (recomputation is never faster; ZeRO adds
+  // the updated parameters' all-gather).
   int dominated = 0;
   // Of fitting: under pipelines (even devices), plans whose step is above
   // `top` runnable plans already priced by a lower bound (the sum of each

@@ -1014,6 +1014,34 @@ void PipelineRuntime::set_param(const std::string& name, const Tensor& value) {
   std::memcpy(p.raw(), value.raw(), p.nbytes());
 }
 
+void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor grad) {
+  Impl& m = *impl_;
+  Tensor old = param(name);
+  auto check = [&](const Tensor& t, const Tensor& want, const char* what) {
+    if (t.shape() != want.shape() || t.dtype() != want.dtype() || t.raw() == nullptr) {
+      throw ShapeError(fmt::format("pipeline: bind_storage '{}': {} must be {}, got {}", name, what,
+                                   want.desc(), t.desc()));
+    }
+  };
+  check(value, old, "the parameter");
+  if (value.raw() != old.raw()) std::memcpy(value.raw(), old.raw(), old.nbytes());
+  m.params[name] = value;
+  if (grad.raw() != nullptr) {
+    check(grad, m.grads.at(name), "the gradient");
+    m.grads[name] = grad;
+  }
+  // Every pass that reads the parameter reads the new memory from now on.
+  for (auto& [vs, r] : m.stages) {
+    for (Pass* ps : {&r.forward, &r.backward, &r.backward_input, &r.backward_weight}) {
+      if (!ps->exec) continue;
+      const Graph& g = ps->pass->graph;
+      for (ValueId pv : g.params()) {
+        if (g.value(pv).name == name) ps->exec->bind(pv, value);
+      }
+    }
+  }
+}
+
 const Tensor& PipelineRuntime::grad(const std::string& name) const {
   auto it = impl_->grads.find(name);
   if (it == impl_->grads.end()) {

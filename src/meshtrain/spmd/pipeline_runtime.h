@@ -152,6 +152,13 @@ class PipelineRuntime {
   Tensor param(const std::string& name) const;
   // Copies `value` into the parameter (ShapeError when shape or dtype differ).
   void set_param(const std::string& name, const Tensor& value);
+  // Moves the parameter into `value` (and, when `grad` is not empty, its
+  // gradient accumulator into `grad`): memory the caller owns, e.g. a flat
+  // buffer that data-parallel sync updates and reduces in place. The
+  // current values are copied over; the runtime's own tensors are freed.
+  // Both must outlive the runtime's use of them. ShapeError when a shape or
+  // dtype differs.
+  void bind_storage(const std::string& name, Tensor value, Tensor grad);
   // After run_step: d loss / d param, the loss being the mean over the
   // step's micro-batches, summed over the stages sharing the parameter.
   const Tensor& grad(const std::string& name) const;

@@ -175,20 +175,22 @@ void DataParallel::Impl::on_grad(DpAttachment& a, ValueId param) {
                     "begin_micro_step() before run() and end_micro_step() after",
                     plan.layout()[idx(p)].name));
   }
+  // Bound: the executor wrote straight into full_grads.
+  take_grad(p, bound_grads ? nullptr : a.exec->get(a.grad_value[idx(p)]).data<float>());
+}
+
+void DataParallel::Impl::take_grad(int p, const float* src) {
   const int64_t t0 = now_ns();
   const ParamLayoutEntry& e = plan.layout()[idx(p)];
   const int bucket = plan.bucket_of(p);
   const int64_t n = e.shape.numel();
   const float w = static_cast<float>(weight);
-  if (bound_grads) {
-    // The executor wrote straight into full_grads.
+  if (src == nullptr) {
     if (weight != 1.0) {
       float* g = full_grads.data<float>() + e.offset;
       for (int64_t i = 0; i < n; ++i) g[i] *= w;
     }
   } else {
-    const Tensor src_t = a.exec->get(a.grad_value[idx(p)]);
-    const float* src = src_t.data<float>();
     float* dst = grad_target(bucket) + (e.offset - plan.buckets()[idx(bucket)].begin);
     if (micro == 0) {
       for (int64_t i = 0; i < n; ++i) dst[i] = w * src[i];
@@ -206,6 +208,65 @@ void DataParallel::Impl::on_grad(DpAttachment& a, ValueId param) {
     launch_ready();
     stats.overlapped += stats.collectives - before;
   }
+}
+
+void DataParallel::use_external_grads() {
+  Impl& m = *impl_;
+  if (m.stage() == 3) {
+    throw ConfigError(
+        "data-parallel: ZeRO stage 3 gathers parameters through an executor's hooks; gradients "
+        "from outside an executor (use_external_grads) work with stages 0-2");
+  }
+  if (m.training != nullptr) {
+    throw ConfigError("data-parallel: use_external_grads() after a training executor was attached");
+  }
+  m.external = true;
+  m.bound_grads = false;
+  m.has_grad.assign(m.plan.layout().size(), true);
+  m.set_grad_params();
+}
+
+void DataParallel::add_grad(const std::string& name, const Tensor& grad) {
+  Impl& m = *impl_;
+  const int p = m.plan.find(name);
+  if (!m.external || p < 0) {
+    throw ConfigError(fmt::format(
+        "data-parallel: add_grad('{}'): {}", name,
+        !m.external ? "call use_external_grads() first" : "not a parameter of the layout"));
+  }
+  if (!m.in_micro) {
+    throw ConfigError(fmt::format(
+        "data-parallel: add_grad('{}') outside a micro-step; call begin_micro_step() first", name));
+  }
+  const ParamLayoutEntry& e = m.plan.layout()[idx(p)];
+  if (grad.dtype() != DType::f32 || grad.numel() != e.shape.numel()) {
+    throw ConfigError(fmt::format("data-parallel: add_grad('{}'): expected f32{}, got {}", name,
+                                  e.shape.str(), grad.desc()));
+  }
+  if (m.added[idx(p)]) {
+    throw ConfigError(
+        fmt::format("data-parallel step {}: add_grad('{}') twice in one micro-step", m.step, name));
+  }
+  const float* src = grad.data<float>();
+  const bool in_place = m.stage() <= 1 && src == m.full_grads.data<float>() + e.offset;
+  if (in_place && m.opt.accumulation_steps != 1) {
+    throw ConfigError(fmt::format(
+        "data-parallel: add_grad('{}') of full_grad() itself needs accumulation_steps 1", name));
+  }
+  m.added[idx(p)] = true;
+  m.take_grad(p, in_place ? nullptr : src);
+}
+
+Tensor DataParallel::full_grad(const std::string& name) {
+  Impl& m = *impl_;
+  const int p = m.plan.find(name);
+  if (p < 0) {
+    throw ConfigError(
+        fmt::format("data-parallel: full_grad('{}'): not a parameter of the layout", name));
+  }
+  if (m.stage() >= 2) return {};
+  const ParamLayoutEntry& e = m.plan.layout()[idx(p)];
+  return Tensor::wrap(m.full_grads.data<float>() + e.offset, e.shape, DType::f32);
 }
 
 // Buckets start strictly in index order, so that every rank issues the same
@@ -267,6 +328,7 @@ void DataParallel::begin_micro_step(double grad_weight) {
   }
   m.in_micro = true;
   m.weight = grad_weight;
+  m.added.assign(m.external ? m.plan.layout().size() : 0, false);
   for (size_t b = 0; b < m.runs.size(); ++b) m.runs[b].pending = m.grad_params[b];
   if (m.micro == 0) m.next_launch = 0;
 }
@@ -276,10 +338,10 @@ void DataParallel::end_micro_step() {
   if (!m.in_micro) throw ConfigError("data-parallel: end_micro_step() without begin_micro_step()");
   m.in_micro = false;
   const BucketPlan& p = m.plan;
-  if (m.training == nullptr) {
+  if (m.training == nullptr && !m.external) {
     throw ConfigError(
         "data-parallel: end_micro_step() but no executor with gradients is attached (attach() "
-        "the training graph's executor)");
+        "the training graph's executor, or use_external_grads())");
   }
   std::string missing;
   for (size_t b = 0; b < m.runs.size(); ++b) {
@@ -292,7 +354,7 @@ void DataParallel::end_micro_step() {
   if (!missing.empty()) {
     throw ConfigError(fmt::format(
         "data-parallel step {}: gradients never became ready for {} (did the micro-step call "
-        "run() on the attached training executor?)",
+        "run() on the attached training executor, or add_grad() for each?)",
         m.step, missing));
   }
   for (size_t b = 0; b < m.gathered.size(); ++b) {

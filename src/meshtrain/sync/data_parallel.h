@@ -225,6 +225,26 @@ class DataParallel {
   // parameters. Call once per executor, before its first run.
   void attach(Executor& exec, const Graph& graph);
 
+  // Gradients from outside an executor (the pipeline runtime's accumulators,
+  // summed over its micro-batches): instead of attaching a training
+  // executor, declare once that every layout parameter's gradient is handed
+  // over with add_grad() in each micro-step. Stages 0-2 (ZeRO-3 gathers
+  // parameters through an executor's hooks). ConfigError for stage 3 or
+  // after attach() of a training executor.
+  void use_external_grads();
+  // During a micro-step, after use_external_grads(): `grad` (f32, the
+  // layout's shape for `name`) scaled by the micro-step's weight into its
+  // bucket; a bucket whose gradients are all in starts its collective (with
+  // overlap on). Hand them over last parameter first, as backward makes
+  // them. A `grad` that is full_grad(name) itself is scaled in place (no
+  // copy; accumulation_steps 1). ConfigError for an unknown name, a shape
+  // that differs, or a gradient given twice in one micro-step.
+  void add_grad(const std::string& name, const Tensor& grad);
+  // Stages 0-1: `name`'s place in the full gradient buffer the all-reduce
+  // works on, so a caller that accumulates gradients itself can do so there
+  // and pass the view to add_grad(); an empty tensor for stages 2-3.
+  Tensor full_grad(const std::string& name);
+
   // Before each micro-step's backward: this rank's share of the global batch
   // for this micro-step (n_rk / N_global; the shares of all ranks and
   // micro-steps of one optimizer step sum to 1). ConfigError unless finite

@@ -71,16 +71,14 @@ void DataParallel::attach(Executor& exec, const Graph& graph) {
     }
   }
 
+  if (a->training && m.external) {
+    throw ConfigError(
+        "data-parallel attach: a training executor after use_external_grads() (its gradients "
+        "come through add_grad())");
+  }
   if (a->training) {
     for (size_t q = 0; q < L; ++q) m.has_grad[q] = a->grad_value[q] != kNoValue;
-    m.unwritten.clear();
-    for (size_t b = 0; b < p.buckets().size(); ++b) {
-      const BucketInfo& info = p.buckets()[b];
-      int n = 0;
-      for (int q = info.first_param; q <= info.last_param; ++q) n += m.has_grad[idx(q)] ? 1 : 0;
-      m.grad_params[b] = n;
-      m.unwritten.push_back(unwritten_ranges(p, static_cast<int>(b), m.has_grad));
-    }
+    m.set_grad_params();
     if (m.bound_grads) {
       exec.set_transient_grads(false);
       for (size_t q = 0; q < L; ++q) {
@@ -134,6 +132,17 @@ void DataParallel::attach(Executor& exec, const Graph& graph) {
     exec.set_param_hooks(std::move(hooks));
   }
   m.attachments.push_back(std::move(a));
+}
+
+void DataParallel::Impl::set_grad_params() {
+  unwritten.clear();
+  for (size_t b = 0; b < plan.buckets().size(); ++b) {
+    const BucketInfo& info = plan.buckets()[b];
+    int n = 0;
+    for (int q = info.first_param; q <= info.last_param; ++q) n += has_grad[idx(q)] ? 1 : 0;
+    grad_params[b] = n;
+    unwritten.push_back(unwritten_ranges(plan, static_cast<int>(b), has_grad));
+  }
 }
 
 void DataParallel::Impl::start_gather(DpAttachment& a, int bucket, int phase) {

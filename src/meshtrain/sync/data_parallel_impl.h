@@ -84,6 +84,8 @@ struct DataParallel::Impl {
 
   std::vector<std::unique_ptr<DpAttachment>> attachments;
   DpAttachment* training = nullptr;
+  bool external = false;    // use_external_grads(): gradients come through add_grad()
+  std::vector<bool> added;  // external: per layout index, given in this micro-step
   DataParallelStats stats;
 
   int world() const { return plan.world_size(); }
@@ -92,6 +94,10 @@ struct DataParallel::Impl {
   // data_parallel.cpp
   float* grad_target(int bucket);  // where bucket's gradients accumulate (flat index begin)
   void on_grad(DpAttachment& a, ValueId param);
+  // Scales parameter p's gradient (src; nullptr: already in full_grads) into its bucket.
+  void take_grad(int p, const float* src);
+  // Per bucket: how many of its parameters get a gradient, and the ranges none is written to.
+  void set_grad_params();
   void launch_ready();
   void launch(int bucket);
   void reclaim_staging(bool wait_one);

@@ -13,16 +13,19 @@
 #include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/data/loader.h"
+#include "meshtrain/graph/builder.h"
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/spmd/cross_mesh.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
+#include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
+#include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/checkpoint_match.h"
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/grad_clip.h"
@@ -52,12 +55,15 @@ void check_pipeline_options(const TrainerOptions& o) {
         "without it (docs/plan.md, \"Pipeline runtime\")",
         what));
   };
-  refuse(o.precision == DType::f16 || o.precision_auto || o.bf16_storage,
-         "train.precision f16 / auto / bf16_storage");
+  refuse(o.precision_auto || o.bf16_storage,
+         "train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's "
+         "stashes are the runtime's)");
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
-  refuse(o.dist.dp.stage != 0, "dist.zero_stage > 0");
+  refuse(o.dist.dp.stage == 3,
+         "dist.zero_stage 3 (ZeRO-3 gathers parameters through an executor's hooks; the "
+         "pipeline's passes read their stage's whole parameters: stages 1 and 2 work)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
   if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
     const std::string_view mode = async_name(o.dist.plan->async);
@@ -73,6 +79,8 @@ void check_pipeline_options(const TrainerOptions& o) {
                  fmt::format("a mesh with axes besides pp ({})", mesh.describe()));
     refuse_async(o.clip_grad_norm > 0,
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
+    refuse_async(o.precision == DType::f16,
+                 "train.precision = f16 (the loss scaler's skip decision is per step)");
   }
   if (o.dist.plan && o.dist.plan->stage_meshes()) {
     auto refuse_x = [](bool bad, const std::string& what) {
@@ -85,6 +93,7 @@ void check_pipeline_options(const TrainerOptions& o) {
     refuse_x(!o.checkpoint_path.empty(), "train.checkpoint");
     refuse_x(!o.resume_path.empty(), "train.resume");
     refuse_x(!o.init_path.empty(), "train.init");
+    refuse_x(o.precision == DType::f16, "train.precision = f16");
   }
 }
 
@@ -122,6 +131,18 @@ struct PipelineTraining::Impl {
   int trank = 0, my_stage = 0;
   std::unique_ptr<Communicator> stage_comm;
   std::vector<std::shared_ptr<CommCollectiveRunner>> stage_runners;
+  // dist.zero_stage 1-2: this rank's stage parameters in one flat buffer,
+  // sharded over the dp group by DataParallel (its optimizer state, and at
+  // stage 2 its reduced gradients), the runtime's passes reading the buffer.
+  Tensor zero_params;
+  std::unique_ptr<DataParallel> zero;
+  // train.precision f16: dynamic loss scaling. Each micro-batch's loss is
+  // multiplied by loss_scale (an input of the last stage), the scaler's
+  // scale / (micro-batches x dp), so every backward tensor has the
+  // magnitude it has in the single-process run at the scaler's scale;
+  // overflow is agreed over the pipeline, tensor and (ZeRO) dp groups.
+  DynamicLossScaler scaler;
+  Tensor loss_scale;
   int64_t step = 0;          // optimizer steps completed (a resumed run starts later)
   int64_t current_step = 0;  // the step running (its learning rate)
   int64_t saved_step = -1;   // the step of the last checkpoint written
@@ -247,10 +268,20 @@ struct PipelineTraining::Impl {
     } else {
       model = build_rank_model(spec, micro_batch, o, rank, &lowered, /*whole_logits=*/false);
       tensor_parallel = needs_lowering(plan);
-      cut = cut_pipeline(model.graph, model.loss, plan.stages);
+      ValueId objective = model.loss;
+      if (o.precision == DType::f16) {
+        scaler = DynamicLossScaler(o.loss_scaler);
+        Builder bld(model.graph);
+        const ValueId in = bld.input("loss_scale", {}, DType::f32);
+        objective = bld.mul(model.loss, in);
+        loss_scale = Tensor::full({}, DType::f32, 1.0);
+      }
+      cut = cut_pipeline(model.graph, objective, plan.stages);
       my_stage = plan.mesh.coord(rank, "pp");
     }
     for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
+    if (loss_scale.defined())
+      constants["loss_scale"] = loss_scale;  // a handle: set before each step
     if (tensor_parallel && !xmesh) {
       runner = std::make_shared<CommCollectiveRunner>(world, lowered.groups, co);
       po.exec.collectives = runner;
@@ -305,16 +336,20 @@ struct PipelineTraining::Impl {
       counted[name] = counted[name] && first == my_stage;
     }
 
+    if (o.dist.dp.stage > 0) attach_zero();
+
     // A parameter is whole on each rank that holds it (a shared one
     // identical on its holders), or under tensor axes split over its tensor
-    // group, whose ranks hold the same stages: LARS / LAMB norms sum over
-    // the tensor groups only; the global clipping norm also over the pipeline.
+    // group, whose ranks hold the same stages, or under ZeRO split over the
+    // dp group: LARS / LAMB norms sum over the tensor and (ZeRO) dp groups;
+    // the global clipping norm also over the pipeline.
     optimizer = make_optimizer(o.optimizer, o.optim);
-    if (tensor_parallel) {
+    if (tensor_parallel || zero) {
       std::vector<Communicator*> groups;
       for (const auto& c : tensor_norm_comms) groups.push_back(c.get());
       const CollectiveOptions c2 = co;
-      optimizer->set_norm_reducer([groups, c2](std::span<double> v) {
+      optimizer->set_norm_reducer([groups, c2, dpr = zero_reducer()](std::span<double> v) {
+        if (dpr) dpr(v);
         for (Communicator* g : groups) {
           g->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, c2);
         }
@@ -342,6 +377,60 @@ struct PipelineTraining::Impl {
 
   void notice(const std::string& msg) const {
     if (rank == 0 && o.on_notice) o.on_notice(msg);
+  }
+
+  // ZeRO-1 / 2 over the dp group (sync/data_parallel.h), the same sharded
+  // update the unpipelined trainer runs, over this stage's parameters: they
+  // move into one flat buffer (in the runtime's order) that the passes read
+  // and DataParallel updates in place. Stages 1: the runtime accumulates
+  // its micro-batches' gradients straight into DataParallel's full gradient
+  // buffer, all-reduced in place; 2: from the runtime's accumulators into
+  // buckets that are reduce-scattered, each rank keeping its shard.
+  void attach_zero() {
+    ParamLayout layout;
+    int64_t at = 0;
+    for (const std::string& name : runtime->param_names()) {
+      const Shape s = runtime->param(name).shape();
+      layout.push_back({name, s, at});
+      at += s.numel();
+    }
+    {
+      MemoryScope tag(MemoryCategory::params);
+      zero_params = Tensor::zeros({at}, DType::f32);
+    }
+    DataParallelOptions dpo = o.dist.dp;
+    dpo.accumulation_steps = 1;  // the pipeline's micro-batches accumulate
+    zero = std::make_unique<DataParallel>(*dp_comm, layout, zero_params, dpo);
+    zero->use_external_grads();
+    for (const ParamLayoutEntry& e : layout) {
+      runtime->bind_storage(e.name,
+                            Tensor::wrap(zero_params.data<float>() + e.offset, e.shape, DType::f32),
+                            zero->full_grad(e.name));
+    }
+  }
+
+  // Sums over every group whose ranks hold different pieces of the
+  // gradients: the pipeline, the tensor groups and (ZeRO) the dp group.
+  void reduce_over_pieces(std::span<double> v) {
+    if (zero) {
+      if (auto dpr = zero->norm_reducer()) dpr(v);
+    }
+    norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
+                          o.dist.dp.collective);
+    for (const auto& c : tensor_norm_comms) {
+      if (xmesh) break;  // norm_comm is the whole job: every piece counted once
+      c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, o.dist.dp.collective);
+    }
+  }
+
+  // The factor the micro-batches' losses are multiplied by under f16.
+  double micro_loss_scale() const {
+    return scaler.scale() / static_cast<double>(plan.microbatches * dp_world);
+  }
+
+  // Sums over the dp group where slices are ZeRO shards; empty otherwise.
+  std::function<void(std::span<double>)> zero_reducer() {
+    return zero ? zero->norm_reducer() : std::function<void(std::span<double>)>();
   }
 
   // Checkpoints: the sharded directory format of the unpipelined trainer
@@ -385,7 +474,7 @@ struct PipelineTraining::Impl {
     m["step"] = std::to_string(step);
     m["epoch"] = std::to_string(step / loader->steps_per_epoch());
     m["lr_step"] = std::to_string(step);
-    const LossScalerState ls = DynamicLossScaler(o.loss_scaler).state();  // f32 / bf16: unused
+    const LossScalerState ls = scaler.state();  // f32 / bf16: unused
     m["loss_scale"] = fmt::format("{}", ls.scale);
     m["loss_scale_good_steps"] = std::to_string(ls.good_steps);
     double updates = 0;
@@ -407,9 +496,21 @@ struct PipelineTraining::Impl {
       pieces.push_back(save_piece("param/" + name, name, runtime->param(name)));
       for (const std::string& kind : optimizer->state_kinds()) {
         auto it = st.tensors.find(name + "." + kind);
-        if (it != st.tensors.end()) {
+        if (it != st.tensors.end() && !zero) {
           pieces.push_back(save_piece("optim/" + it->first, name, it->second));
         }
+      }
+    }
+    if (zero) {
+      // Each dp rank writes its shard of the optimizer state (the counting
+      // holder's; the others name the tensor with an empty piece).
+      for (ShardPiece pc : zero->state_pieces(st.tensors, PieceUse::save)) {
+        const std::string param = pc.name.substr(0, pc.name.rfind('.'));
+        const TensorPlace pl = place_of(param);
+        pc = counted.at(param) ? in_box(std::move(pc), pl)
+                               : ShardPiece{pc.name, pl.whole, 0, 0, Tensor()};
+        pc.name = "optim/" + pc.name;
+        pieces.push_back(std::move(pc));
       }
     }
     SaveShardedOptions so;
@@ -494,29 +595,60 @@ struct PipelineTraining::Impl {
     std::vector<ShardPiece> wanted;
     OptimizerState st;
     const int64_t updates = meta_int(idx.metadata, "optimizer_updates", path);
+    // A kind the writer never created (no update yet, SGD without momentum) is not asked
+    // for; load_sharded names a tensor that only some parameters lack.
+    std::vector<std::string> stored_kinds;
+    for (const std::string& kind : optimizer->state_kinds()) {
+      bool stored_kind = false;
+      for (const auto& [tname, t] : idx.tensors) {
+        stored_kind |= tname.starts_with("optim/") && tname.ends_with("." + kind);
+      }
+      if (stored_kind) stored_kinds.push_back(kind);
+    }
     for (const std::string& name : runtime->param_names()) {
       const TensorPlace pl = place_of(name);
       wanted.push_back(piece_at("param/" + name, pl, runtime->param(name)));
-      for (const std::string& kind : optimizer->state_kinds()) {
+      for (const std::string& kind : stored_kinds) {
+        if (zero) break;  // its shards, below
         const std::string key = name + "." + kind;
-        // A kind the writer never created (no update yet, SGD without momentum) is not asked
-        // for; load_sharded names a tensor that only some parameters lack.
-        bool stored_kind = false;
-        for (const auto& [tname, t] : idx.tensors) {
-          stored_kind |= tname.starts_with("optim/") && tname.ends_with("." + kind);
-        }
-        if (!stored_kind) continue;
+        MemoryScope tag(MemoryCategory::optimizer);
         Tensor t = Tensor::empty(pl.box.shape(), DType::f32);
         st.tensors[key] = t;
         wanted.push_back(piece_at("optim/" + key, pl, t));
       }
-      if (updates > 0) st.steps[name] = updates;
+      if (updates > 0 && !zero) st.steps[name] = updates;
+    }
+    if (zero) {
+      // This rank's ZeRO shard of each state tensor, in the whole tensor.
+      for (ShardPiece pc : zero->new_state_pieces(stored_kinds)) {
+        pc = in_box(std::move(pc), place_of(pc.name.substr(0, pc.name.rfind('.'))));
+        pc.name = "optim/" + pc.name;
+        wanted.push_back(std::move(pc));
+      }
+      for (const ParamSlice& sl : zero->slices()) {
+        if (updates > 0 && sl.end > sl.begin) st.steps[sl.name] = updates;
+      }
     }
     LoadShardedOptions lo;
     lo.collective = o.dist.dp.collective;
     load_sharded(&world, path, wanted, lo);
+    for (const ShardPiece& pc : wanted) {
+      if (zero && pc.name.starts_with("optim/")) st.tensors[pc.name.substr(6)] = pc.data;
+    }
     optimizer->load_state(st);
     step = meta_int(idx.metadata, "step", path);
+    if (o.precision == DType::f16) {
+      LossScalerState ls;
+      auto it = idx.metadata.find("loss_scale");
+      try {
+        if (it != idx.metadata.end()) ls.scale = std::stod(it->second);
+      } catch (const std::exception&) {
+        throw CheckpointError(
+            fmt::format("checkpoint {}: metadata 'loss_scale' is not a number", path));
+      }
+      ls.good_steps = meta_int(idx.metadata, "loss_scale_good_steps", path);
+      scaler.load_state(ls);
+    }
     if (step >= total_steps) {
       notice(fmt::format(
           "the run is {} steps long (train.epochs, train.steps): nothing is left to train",
@@ -561,6 +693,9 @@ struct PipelineTraining::Impl {
     const Batch b = loader->batch(epoch, s);
     const int64_t y_per = b.y.numel() / local_batch;
     const Shape xs = model.graph.value(model.x).shape;
+    const bool f16 = o.precision == DType::f16;
+    const double used_scale = f16 ? micro_loss_scale() : 1.0;
+    if (f16) loss_scale.fill(used_scale);
     runtime->run_step([&](int i, const std::string& input) -> Tensor {
       if (input == model.graph.value(model.x).name) {
         return batch_rows(b.x, i * micro_batch, micro_batch).reshape(xs);
@@ -572,7 +707,14 @@ struct PipelineTraining::Impl {
       return it != constants.end() ? it->second : Tensor();
     });
     std::vector<std::string> names = runtime->param_names();
-    if (dp_world > 1) {
+    if (zero) {
+      // Equal shares of the global batch; last parameter first, as buckets form.
+      zero->begin_micro_step(1.0 / static_cast<double>(dp_world));
+      for (auto it = names.rbegin(); it != names.rend(); ++it) {
+        zero->add_grad(*it, runtime->grad(*it));
+      }
+      zero->end_micro_step();
+    } else if (dp_world > 1) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
         dp_comm->all_reduce(g, ReduceOp::sum, o.dist.dp.collective);
@@ -585,30 +727,44 @@ struct PipelineTraining::Impl {
     double red[2] = {runtime->has_loss() && tensor_leader() ? runtime->loss() / dp_world : 0.0,
                      0.0};
     world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
-    if (plan.async == AsyncMode::none) optimizer_step(at);
-    return red[0];
+    if (plan.async == AsyncMode::none) optimizer_step(at, used_scale);
+    return red[0] / used_scale;
   }
 
   // Clipping and the optimizer on this rank's parameters with their
   // gradients in the runtime.
-  void optimizer_step(int64_t at) {
+  // used_scale: what the gradients carry under f16 (1 otherwise).
+  void optimizer_step(int64_t at, double used_scale = 1.0) {
     std::vector<ParamRef> refs;
-    for (const std::string& name : runtime->param_names()) {
-      Tensor prm = runtime->param(name);
-      refs.push_back(ParamRef{name, prm, runtime->grad(name), prm.rank(), counted[name]});
+    const bool f16 = o.precision == DType::f16;
+    if (zero) {
+      for (const ParamSlice& sl : zero->slices()) {
+        refs.push_back(ParamRef{sl.name, sl.param, sl.grad, sl.full_rank(), counted[sl.name]});
+      }
+    } else {
+      for (const std::string& name : runtime->param_names()) {
+        Tensor prm = runtime->param(name);
+        refs.push_back(ParamRef{name, prm, runtime->grad(name), prm.rank(), counted[name]});
+      }
     }
-    if (o.clip_grad_norm > 0) {
-      clip_grad_norm(refs, o.clip_grad_norm, [this](std::span<double> v) {
-        norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
-                              o.dist.dp.collective);
-        for (const auto& c : tensor_norm_comms) {
-          if (xmesh) break;  // norm_comm is the whole job: every piece counted once
-          c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
-                        o.dist.dp.collective);
-        }
-      });
+    const auto over_pieces = [this](std::span<double> v) { reduce_over_pieces(v); };
+    bool apply = true;
+    if (f16) {
+      // The gradients carry used_scale (the scaler's scale over the
+      // micro-batches and replicas): divided by it, then checked; every
+      // rank of the world takes the same decision.
+      const auto inv = static_cast<float>(1.0 / used_scale);
+      for (ParamRef& r : refs) {
+        float* g = r.grad.data<float>();
+        for (int64_t k = 0, n = r.grad.numel(); k < n; ++k) g[k] *= inv;
+      }
+      apply = scaler.update(grads_finite(refs, over_pieces));
     }
-    optimizer->step(refs, lr->lr_at(at));
+    if (apply) {
+      if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, over_pieces);
+      optimizer->step(refs, lr->lr_at(at));
+    }
+    if (zero) zero->finish_step();  // all-gathers the updated shards
   }
 
   // Joins the whole parameters on every rank of this model replica: each
@@ -781,7 +937,7 @@ struct PipelineTraining::Impl {
       // still owed run (and update) after the run's last step, before its
       // evaluation and checkpoint.
       if (step + 1 == stop) runtime->drain();
-      if (!std::isfinite(loss)) {
+      if (!std::isfinite(loss) && o.precision != DType::f16) {
         throw Error(fmt::format("training diverged: loss is {} at step {}", loss, step));
       }
       r.losses.push_back(loss);
@@ -861,8 +1017,7 @@ struct PipelineTraining::Impl {
           {"async", std::string(async_name(plan.async))},
           {"peak_weight_stash_bytes", peak_weight_stash},
           {"peak_weight_versions", peak_weight_versions},
-          {"planned_peak_stash_bytes",
-           planned_stash_bytes(cut, schedule, my_stage)}}}};
+          {"planned_peak_stash_bytes", planned_stash_bytes(cut, schedule, my_stage)}}}};
     if (r.final_loss) summary["final_loss"] = *r.final_loss;
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
     if (r.test_loss) {

@@ -44,10 +44,26 @@
 // virtual stage per rank, no tied parameters across stages; checkpoints and
 // train.init are refused there yet.
 //
+// ZeRO on the dp axis (dist.zero_stage 1, 2): each stage's parameters
+// move into one flat buffer that sync/DataParallel shards over the stage's
+// dp group, the same sharded optimizer step and collectives as the
+// unpipelined trainer; the runtime hands it the step's gradients (summed
+// over the micro-batches) with add_grad(). Stage 1 all-reduces them in the
+// runtime's own accumulators, stage 2 reduce-scatters them into a shard
+// (the micro-batches still accumulate a full gradient first). Optimizer
+// state is 1/dp per rank; checkpoints hold each rank's shard of it.
+//
+// train.precision f16: dynamic loss scaling (train/loss_scaler.h); each
+// micro-batch's loss is multiplied by scale / (micro-batches x dp), so
+// backward tensors have the single-process run's magnitudes, and the
+// skip-on-overflow decision is agreed over every rank (pipeline, tensor and
+// ZeRO dp groups).
+//
 // Not yet (each refused with a ConfigError naming the key, before any step):
-// f16 loss scaling,
-// dist.batch_shares, ZeRO, accumulation steps (micro-batches are the
-// pipeline's).
+// ZeRO-3 (the passes read their stage's whole parameters), train.precision
+// auto / bf16_storage (the bf16 stash is the executor's; the pipeline's
+// stashes are the runtime's), dist.batch_shares, accumulation steps
+// (micro-batches are the pipeline's).
 //
 // Collective over the world communicator; one per process.
 #pragma once
