@@ -6,8 +6,12 @@ on GPU Clusters Using Megatron-LM", SC21 (arXiv:2104.04473), on Selene
 InfiniBand per node) -- the shipped configs/cluster/a100_ib200.toml with its
 node count set to the run's GPUs / 8. All models: vocabulary 51,200,
 sequence 2048, mixed precision (bf16 here; the same 312 TFLOP/s peak),
-activation recomputation on every stage (parallel.recompute = true), 1F1B
-without interleaving.
+activation recomputation on every stage (parallel.recompute = true).
+Priced as Megatron-LM ran them (MEGATRON_RUNTIME below: 16-bit
+activations, fused element-wise kernels; --runtime meshtrain prices
+meshtrain's own executor instead); Table 1's rows interleaved, as the
+paper's Section 5.1 says (v chunks per stage: interleave_chunks), Table 2's
+1F1B (--schedule 1f1b: every row 1F1B).
 
   t2_*  Table 2, the PTD-P rows: GPT-3 175B (96 layers, h 12288, 96 heads)
         and 530B (105 layers, h 20480, 128 heads), batch 1536 / 2240,
