@@ -836,6 +836,15 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         bool recompute = false;  // the forward runs again before the backward
       };
       std::vector<StageTimes> st(cut.stages.size());
+      // Values that are a cast of a parameter (a weight's 16-bit copy).
+      std::set<std::string> weight_copies;
+      for (const PipelineStage& ps : cut.stages) {
+        const Graph& fg = ps.forward.graph;
+        for (const Node& n : fg.nodes()) {
+          if (n.op == OpKind::cast && fg.value(n.inputs.at(0)).role == ValueRole::param)
+            weight_copies.insert(fg.value(n.outputs.at(0)).name);
+        }
+      }
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         const PipelineStage& ps = cut.stages[s];
@@ -846,10 +855,14 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         t.bi = pass_time(dev, slow, ps.backward_input, cm, lg, o.precision);
         t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg, o.precision);
         t.recompute = plan.stages.at(s).recompute;
-        // Sent as the runtime keeps them (Pricing::half: 16-bit).
-        auto sent = [&](const StageBoundary& sb) {
-          return static_cast<uint64_t>(sb.shape.numel()) *
-                 element_bytes(Pricing::of(dev, o.precision), sb.dtype);
+        // Sent as the runtime keeps them (Pricing::half: 16-bit, and a
+        // weight's 16-bit copy -- GPT's tied head reading wte -- is not
+        // sent: the stage that reads it keeps its own, as Megatron-LM's
+        // last stage keeps a replica of the embedding).
+        const Pricing pricing = Pricing::of(dev, o.precision);
+        auto sent = [&](const StageBoundary& sb) -> uint64_t {
+          if (pricing.half && weight_copies.count(sb.name)) return 0;
+          return static_cast<uint64_t>(sb.shape.numel()) * element_bytes(pricing, sb.dtype);
         };
         for (const StageBoundary& sb : ps.outputs) t.act_bytes += sent(sb);
         for (const StageBoundary& sb : ps.inputs) {
