@@ -836,9 +836,11 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         bool recompute = false;  // the forward runs again before the backward
       };
       std::vector<StageTimes> st(cut.stages.size());
-      // Values that are a cast of a parameter (a weight's 16-bit copy).
+      // Values that are a cast of a parameter (a weight's 16-bit copy);
+      // only Pricing::half reads them.
       std::set<std::string> weight_copies;
       for (const PipelineStage& ps : cut.stages) {
+        if (!Pricing::of(dev, o.precision).half) break;
         const Graph& fg = ps.forward.graph;
         for (const Node& n : fg.nodes()) {
           if (n.op == OpKind::cast && fg.value(n.inputs.at(0)).role == ValueRole::param)
