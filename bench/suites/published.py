@@ -6,8 +6,12 @@ on GPU Clusters Using Megatron-LM", SC21 (arXiv:2104.04473), on Selene
 InfiniBand per node) -- the shipped configs/cluster/a100_ib200.toml with its
 node count set to the run's GPUs / 8. All models: vocabulary 51,200,
 sequence 2048, mixed precision (bf16 here; the same 312 TFLOP/s peak),
-activation recomputation on every stage (parallel.recompute = true), 1F1B
-without interleaving.
+activation recomputation on every stage (parallel.recompute = true).
+Priced as Megatron-LM ran them (MEGATRON_RUNTIME below: 16-bit
+activations, fused element-wise kernels; --runtime meshtrain prices
+meshtrain's own executor instead); Table 1's rows interleaved, as the
+paper's Section 5.1 says (v chunks per stage: interleave_chunks), Table 2's
+1F1B (--schedule 1f1b: every row 1F1B).
 
   t2_*  Table 2, the PTD-P rows: GPT-3 175B (96 layers, h 12288, 96 heads)
         and 530B (105 layers, h 20480, 128 heads), batch 1536 / 2240,
@@ -62,8 +66,39 @@ PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU
          "Using Megatron-LM, SC21")
 
 
+# The runtime these runs used, as the cost model prices it (the cluster
+# file's [devices.a100_80gb.runtime], docs/cluster.md): fp16 mixed precision
+# keeps activations 16-bit, and Megatron-LM fuses bias+GeLU, bias+dropout+add
+# and scale+mask+softmax (the paper's Section 4.2, "Computation
+# Optimizations").
+MEGATRON_RUNTIME = f"""
+[devices.a100_80gb.runtime]
+half_activations = true
+fused_elementwise = true
+source = "Megatron-LM as in {PAPER}: fp16 mixed precision (16-bit activations), fused element-wise kernels (Section 4.2)"
+"""
+
+
+def interleave_chunks(layers, p):
+    """Model chunks per stage for Table 1's interleaved schedule: the paper
+    does not give v; the smallest v >= 2 dividing the layers per stage (the
+    fewest extra pipeline messages that interleave), one rule for every row."""
+    per = layers // p
+    for v in range(2, per + 1):
+        if per % v == 0:
+            return v
+    return 1
+
+
 def add_args(parser):
     parser.add_argument("--only", default="", help="comma-separated case names")
+    parser.add_argument("--runtime", choices=("megatron", "meshtrain"), default="megatron",
+                        help="megatron (default): price the runtime these runs used (16-bit "
+                             "activations, fused element-wise kernels); meshtrain: meshtrain's "
+                             "own executor (each operator one pass, activations at graph dtypes)")
+    parser.add_argument("--schedule", choices=("paper", "1f1b"), default="paper",
+                        help="paper (default): Table 1 rows interleaved (Section 5.1), Table 2 "
+                             "rows 1F1B; 1f1b: every row 1F1B without interleaving")
     parser.add_argument("--matmul-efficiency", type=float, default=None, metavar="E",
                         help="fraction of the bf16 peak every matmul reaches (default: the "
                              "cluster file's, 0.859 from its [MAMF] source)")
@@ -86,15 +121,23 @@ def run(ctx):
         if ctx.quick and not only and name not in QUICK:
             continue
         d = gpus // (t * p)
+        m = batch // d // mb
+        v = interleave_chunks(layers, p) if table == "Table 1" and ctx.args.schedule == "paper" else 1
+        schedule = "interleaved" if v > 1 else "1f1b"
+        if v > 1 and m % p != 0:
+            v, schedule = 1, "1f1b"
         line = {"name": name, "unit": "TFLOP/s per GPU", "peer": published,
                 "peer_name": f"{PAPER}, {table}",
                 "plan": {"tp": t, "pp": p, "dp": d, "gpus": gpus, "batch": batch,
-                         "micro_batch": mb, "microbatches": batch // d // mb,
-                         "schedule": "1f1b", "recompute": True, "layers": layers,
+                         "micro_batch": mb, "microbatches": m,
+                         "schedule": schedule, "virtual_stages": v, "recompute": True, "layers": layers,
                          "hidden": hidden, "heads": heads, "vocab": V, "seq": S},
-                "matmul_efficiency": eff if eff is not None else "a100_ib200.toml's (0.859)"}
+                "matmul_efficiency": eff if eff is not None else "a100_ib200.toml's (0.859)",
+                "runtime": ctx.args.runtime}
         if table == "Table 1":
-            line["assumed"] = "micro-batch size 1 (Table 1 does not state it)"
+            line["assumed"] = "micro-batch size 1 (Table 1 does not state it)" + (
+                f"; {v} model chunks per stage (the interleaved schedule's v is not stated)"
+                if v > 1 else "")
         if t * p * d != gpus or batch % (d * mb) != 0:
             line["error"] = "the published plan does not divide"
             ctx.emit(line)
@@ -110,6 +153,8 @@ def run(ctx):
                 line["error"] = "a100_ib200.toml has no `matmul =` efficiency line"
                 ctx.emit(line)
                 continue
+        if ctx.args.runtime == "megatron":
+            text += MEGATRON_RUNTIME
         cluster = ctx.workdir / f"{name}-cluster.toml"
         cluster.write_text(text)
         config = ctx.workdir / f"{name}.toml"
@@ -118,8 +163,8 @@ def run(ctx):
             f"seq_len = {S}\nvocab = {V}\n"
             f"[train]\nbatch_size = {batch}\nprecision = \"bf16\"\neval = false\n"
             "[optim]\nname = \"adamw\"\n"
-            f"[parallel]\ntp = {t}\npp = {p}\ndp = {d}\nmicrobatches = {batch // d // mb}\n"
-            "recompute = true\n")
+            f"[parallel]\ntp = {t}\npp = {p}\ndp = {d}\nmicrobatches = {m}\n"
+            f"schedule = \"{schedule}\"\nvirtual_stages = {v}\nrecompute = true\n")
         cmd = [exe, "simulate", "--config", config, "--cluster", cluster]
         ctx.log(f"{name}: {' '.join(str(c) for c in cmd[1:])}")
         r = ctx.run(cmd, name=name, timeout_s=900)

@@ -219,6 +219,48 @@ TEST(ClusterFile, BadDeviceKindsNameTheKey) {
       "defines several kinds");
 }
 
+// [devices.NAME.runtime] and the matmul tiling keys reach the device kind;
+// bad values name the key.
+TEST(ClusterFile, RuntimeSettingsAndMatmulTiling) {
+  const ClusterFile f = parse_cluster_file(R"(
+[[nodes]]
+ranks = [0]
+[devices.gpu]
+peak_tflops = 19.5
+peak_tflops_bf16 = 312
+memory_gb = 80
+compute_units = 108
+matmul_tile = [256, 128]
+[devices.gpu.runtime]
+half_activations = true
+fused_elementwise = true
+source = "Megatron-LM"
+)",
+                                           "t.toml");
+  const planner::ClusterModel m = cluster_model(f, 1);
+  const planner::DeviceKind& k = m.kinds.at(0);
+  EXPECT_TRUE(k.half_activations);
+  EXPECT_TRUE(k.fused_elementwise);
+  EXPECT_EQ(k.runtime_source, "Megatron-LM");
+  EXPECT_EQ(k.compute_units, 108);
+  EXPECT_EQ(k.matmul_tile[0], 256);
+  EXPECT_EQ(k.matmul_tile[1], 128);
+  expect_rejected("node_size = 1\n[devices.g.runtime]\nfused = true\n", 1,
+                  "devices.g.runtime.fused: unknown key (expected one of: half_activations, "
+                  "fused_elementwise, source)");
+  expect_rejected("node_size = 1\n[devices.g.runtime]\nhalf_activations = 1\nsource = \"x\"\n", 1,
+                  "devices.g.runtime.half_activations: expected true or false, got 1");
+  expect_rejected("node_size = 1\n[devices.g.runtime]\nfused_elementwise = true\n", 1,
+                  "devices.g.runtime.source: missing: say which runtime");
+  expect_rejected("node_size = 1\n[devices.g]\ncompute_units = 108\nmatmul_tile = [256]\n", 1,
+                  "devices.g.matmul_tile: expected [rows, columns] (2 integers), got 1 entries");
+  expect_rejected("node_size = 1\n[devices.g]\ncompute_units = 0\nmatmul_tile = [256, 128]\n", 1,
+                  "devices.g.compute_units: expected an integer >= 1, got 0");
+  expect_rejected("node_size = 1\n[devices.g]\nmatmul_tile = [256, 128]\n", 1,
+                  "devices.g.compute_units: missing: compute_units and matmul_tile are given "
+                  "together");
+}
+
 // The shipped real-system files (configs/cluster/, numbers from vendor
 // datasheets named in their comments) load as cluster models.
 TEST(ClusterFile, ShippedRealSystemFilesLoad) {

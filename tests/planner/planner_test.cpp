@@ -81,6 +81,126 @@ TEST(OpSeconds, FlopsOrBytesWhicheverIsLarger) {
   EXPECT_DOUBLE_EQ(op_seconds(k, h, h.node(0)), flops / (4e12 * 0.8));
 }
 
+// Without runtime settings every operator is its own pass: node_seconds is
+// op_seconds node by node, whatever the run's precision.
+TEST(NodeSeconds, WithoutRuntimeSettingsEachOperatorIsOp_seconds) {
+  Graph g;
+  Builder b(g);
+  const ValueId x = b.input("x", {64, 256}, DType::f32);
+  const ValueId w = b.param("w", {256, 256}, ParamInit{});
+  b.relu(b.scale(b.matmul(b.cast(x, DType::bf16), b.cast(w, DType::bf16)), 0.5));
+  const DeviceKind k = device(1e12, 1e11);
+  for (DType prec : {DType::f32, DType::bf16}) {
+    const std::vector<double> t = node_seconds(k, g, prec, 2.0);
+    ASSERT_EQ(t.size(), static_cast<size_t>(g.num_nodes()));
+    for (NodeId i = 0; i < g.num_nodes(); ++i) {
+      EXPECT_DOUBLE_EQ(t[static_cast<size_t>(i)], op_seconds(k, g, g.node(i), 2.0)) << i;
+    }
+  }
+}
+
+// half_activations under a bf16 run: floating-point tensors at 2 bytes an
+// element, casts between floating types free (the same 16-bit tensor, the
+// weights' copy written by the optimizer); under an f32 run nothing changes.
+TEST(NodeSeconds, HalfActivationsHandValues) {
+  Graph g;
+  Builder b(g);
+  const ValueId x = b.input("x", {64, 256}, DType::f32);
+  const ValueId w = b.param("w", {256, 128}, ParamInit{});
+  const ValueId r = b.relu(x);  // node 0
+  const ValueId y = b.matmul(b.cast(r, DType::bf16), b.cast(w, DType::bf16), false, false,
+                             DType::f32);  // casts 1, 2; matmul 3
+  b.scale(y, 2.0);                         // node 4
+  DeviceKind k = device(1e12, 1e9);        // slow memory: every operator memory-bound
+  k.half_activations = true;
+  const std::vector<double> t = node_seconds(k, g, DType::bf16);
+  EXPECT_DOUBLE_EQ(t[0], 2.0 * 64 * 256 * 2 / 1e9);  // relu: read + write, 2 bytes each
+  EXPECT_EQ(t[1], 0.0);                              // cast of an activation
+  EXPECT_EQ(t[2], 0.0);                              // cast of a weight
+  EXPECT_DOUBLE_EQ(t[3], (64.0 * 256 + 256.0 * 128 + 64.0 * 128) * 2 / 1e9);
+  EXPECT_DOUBLE_EQ(t[4], 2.0 * 64 * 128 * 2 / 1e9);  // f32 in the graph, 16-bit priced
+  const std::vector<double> f = node_seconds(k, g, DType::f32);
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    EXPECT_DOUBLE_EQ(f[static_cast<size_t>(i)], op_seconds(k, g, g.node(i))) << i;
+  }
+  const Pricing half = Pricing::of(k, DType::bf16);
+  EXPECT_EQ(element_bytes(half, DType::f32), 2u);
+  EXPECT_EQ(element_bytes(half, DType::i32), 4u);
+  EXPECT_EQ(element_bytes(Pricing::of(k, DType::f32), DType::f32), 4u);
+  // AdamW: parameter, gradient and two moments read and written in f32,
+  // plus the 16-bit copy written.
+  EXPECT_EQ(optimizer_bytes_per_element(half, 2), 4.0 * 2 * 4 + 2);
+  EXPECT_EQ(optimizer_bytes_per_element(Pricing::of(k, DType::f32), 2), 4.0 * 2 * 4);
+}
+
+// fused_elementwise: a run of consecutive element-wise operators is one
+// kernel that reads its outside inputs once and writes what is read after
+// it; a matmul ends the run.
+TEST(NodeSeconds, FusedElementwiseRunIsOnePass) {
+  Graph g;
+  Builder b(g);
+  const int64_t M = 64, N = 256;
+  const ValueId a = b.input("a", {M, N}, DType::f32);
+  const ValueId c = b.input("c", {M, N}, DType::f32);
+  const ValueId w = b.param("w", {N, N}, ParamInit{});
+  const ValueId s1 = b.add(a, c);                        // node 0: run 1
+  const ValueId s2 = b.scale(s1, 0.5);                   // node 1: run 1
+  const ValueId s3 = b.relu(b.reshape(s2, {N, M}));      // reshape 2 (joins), relu 3: run 1
+  const ValueId y = b.matmul(b.reshape(s3, {M, N}), w);  // reshape 4 (transparent), matmul 5
+  const ValueId z = b.add(y, s1);                        // node 6: run 2, reads s1 again
+  b.relu(z);                                             // node 7: run 2, output read by nothing
+  DeviceKind k = device(1e15, 1e9);                      // memory-bound
+  k.fused_elementwise = true;
+  const std::vector<double> t = node_seconds(k, g, DType::f32);
+  const double e = static_cast<double>(M * N) * 4;  // one tensor's bytes
+  // Run 1 reads a and c and writes s1 (read after the run) and s3; s2 and
+  // the reshape stay on chip. Charged to its last operator.
+  EXPECT_EQ(t[0], 0.0);
+  EXPECT_EQ(t[1], 0.0);
+  EXPECT_EQ(t[2], 0.0);
+  EXPECT_DOUBLE_EQ(t[3], 4 * e / 1e9);
+  EXPECT_DOUBLE_EQ(t[5], op_seconds(k, g, g.node(5)));
+  // Run 2 reads y and s1, writes relu's output (read by nothing: a result).
+  EXPECT_EQ(t[6], 0.0);
+  EXPECT_DOUBLE_EQ(t[7], 3 * e / 1e9);
+  // A value kept for later (a pipeline pass's stash) is written too.
+  const std::vector<std::string> kept = {g.value(z).name};
+  EXPECT_DOUBLE_EQ(node_seconds(k, g, DType::f32, 1.0, &kept)[7], 4 * e / 1e9);
+  // The slowdown scales the run; with both settings the bytes are 16-bit.
+  EXPECT_DOUBLE_EQ(node_seconds(k, g, DType::f32, 3.0)[3], 3 * 4 * e / 1e9);
+  k.half_activations = true;
+  EXPECT_DOUBLE_EQ(node_seconds(k, g, DType::bf16)[3], 4 * e / 2 / 1e9);
+}
+
+// Tile and wave quantization of matmuls on hand values (the A100 example
+// of NVIDIA's matmul guide: 108 SMs, 256x128 tiles).
+TEST(WaveEfficiency, HandValues) {
+  DeviceKind k = device(1e12, 1e15);
+  k.efficiency["matmul"] = 0.8;
+  auto eff = [&](int64_t M, int64_t N, int64_t K, int64_t batch = 1) {
+    Graph g;
+    Builder b(g);
+    const ValueId x = b.input("x", batch > 1 ? Shape{batch, M, K} : Shape{M, K}, DType::bf16);
+    const ValueId w = b.input("w", batch > 1 ? Shape{batch, K, N} : Shape{K, N}, DType::bf16);
+    b.matmul(x, w);
+    return std::make_pair(wave_efficiency(k, g, g.node(0)), op_seconds(k, g, g.node(0)));
+  };
+  EXPECT_EQ(eff(2048, 3840, 64).first, 1.0);  // no compute_units: not modelled
+  k.compute_units = 108;
+  k.matmul_tile = {256, 128};
+  // 8 x 30 = 240 tiles (16 x 15 turned): 3 waves of 108.
+  EXPECT_DOUBLE_EQ(eff(2048, 3840, 64).first, 240.0 / 324);
+  // [MAMF]'s best shape fills 32 waves exactly.
+  EXPECT_DOUBLE_EQ(eff(6912, 16384, 64).first, 1.0);
+  // 100 x 100: one partial tile of 128 x 256 in one wave.
+  EXPECT_DOUBLE_EQ(eff(100, 100, 64).first, 100.0 * 100 / (108.0 * 256 * 128));
+  // Batched: 12 x (8 x 16) = 1536 tiles, 15 waves (either orientation).
+  EXPECT_DOUBLE_EQ(eff(2048, 2048, 64, 12).first, 1536.0 / (15 * 108));
+  // op_seconds: the FLOP time at efficiency x fill.
+  EXPECT_DOUBLE_EQ(eff(2048, 3840, 64).second,
+                   2.0 * 2048 * 3840 * 64 / (4e12 * 0.8 * (240.0 / 324)));
+}
+
 // Programs of a pipeline schedule with forward f and backward b per stage,
 // in the form build_programs makes (sends on the comm lane).
 Programs pipeline_programs(const PipelineSchedule& s, double f, double b, uint64_t bytes,
@@ -547,6 +667,58 @@ TEST(CostModel, PipelineBytesAreTheRuntimesPrediction) {
           << schedule_name(kind) << " rank " << world.rank();
     });
   }
+}
+
+// Under half_activations a bf16 pipeline sends its f32 boundaries at 2
+// bytes an element (the runtime it models keeps them 16-bit) and no
+// weight copies, and fused
+// 16-bit pricing makes this memory-bound step faster.
+TEST(CostModel, HalfActivationsHalvePipelineMessages) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 4;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  TrainerOptions o = mlp_options(2);
+  o.batch_size = 8;
+  o.precision = DType::bf16;
+  ParallelShorthand sh;
+  sh.pp = 2;
+  sh.microbatches = 4;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  o.dist.plan = std::make_shared<Plan>(expand_shorthand(sh, ShorthandModel{"gpt", 8}, m.graph, 2));
+  ClusterModel c = cluster(2, 1e-5, 1e9);
+  c.kinds[0].memory_bandwidth = 1e9;
+  // Bytes of the stage messages (the tied embedding's gradient exchange is
+  // f32 parameter gradients, not activations: left out).
+  auto sent = [](const Programs& p) {
+    uint64_t bytes = 0;
+    for (const Task& t : p.programs[0].tasks) {
+      if (t.kind == Task::Kind::send && t.name.find("shared") == std::string::npos)
+        bytes += t.bytes;
+    }
+    return bytes;
+  };
+  // At f32 stage 0 sends the residual stream h (f32); at bf16 also the
+  // tied head's bf16 copy of wte (a cast the cut places in stage 0).
+  o.precision = DType::f32;
+  const uint64_t h_bytes = sent(build_programs(spec, o, c));
+  o.precision = DType::bf16;
+  const Programs plain = build_programs(spec, o, c);
+  const StepEstimate e_plain = estimate_step(spec, o, c);
+  ASSERT_GT(h_bytes, 0u);
+  ASSERT_GT(sent(plain), h_bytes);
+  c.kinds[0].half_activations = true;
+  c.kinds[0].fused_elementwise = true;
+  const StepEstimate e_half = estimate_step(spec, o, c);
+  // h at 2 bytes an element; the weight's 16-bit copy is not sent (the
+  // stage that reads it keeps its own).
+  EXPECT_EQ(sent(build_programs(spec, o, c)), h_bytes / 2);
+  EXPECT_LT(e_half.step_s, e_plain.step_s);
+  // An f32 run keeps 4-byte messages under the same device settings.
+  o.precision = DType::f32;
+  EXPECT_EQ(sent(build_programs(spec, o, c)), h_bytes);
 }
 
 // The pipeline memory terms on hand-computed values: f32 parameters and

@@ -72,6 +72,11 @@ class Reader {
     return v;
   }
 
+  bool boolean(const toml::node& n, const std::string& key) const {
+    if (!n.is_boolean()) fail(key, fmt::format("expected true or false, got {}", show(n)));
+    return *n.value<bool>();
+  }
+
   std::string string(const toml::node& n, const std::string& key) const {
     if (!n.is_string()) fail(key, fmt::format("expected a string, got {}", show(n)));
     return *n.value<std::string>();
@@ -135,7 +140,8 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       const toml::table& d = rd.table(v, p.substr(0, p.size() - 1));
       rd.only(d, p,
               {"peak_tflops", "peak_tflops_f32", "peak_tflops_tf32", "peak_tflops_bf16",
-               "memory_gb", "memory_bandwidth_gb_s", "efficiency", "default_efficiency", "source"});
+               "memory_gb", "memory_bandwidth_gb_s", "efficiency", "default_efficiency", "source",
+               "runtime", "compute_units", "matmul_tile"});
       ClusterFile::Device dev;
       if (d.get("peak_tflops") && d.get("peak_tflops_f32")) {
         rd.fail(p + "peak_tflops_f32", "give peak_tflops or peak_tflops_f32 (the same), not both");
@@ -170,6 +176,41 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
         dev.default_efficiency = fraction(*x, p + "default_efficiency");
       }
       if (const toml::node* x = d.get("source")) dev.source = rd.string(*x, p + "source");
+      if (const toml::node* x = d.get("compute_units")) {
+        dev.compute_units = rd.integer(*x, p + "compute_units", 1);
+      }
+      if (const toml::node* x = d.get("matmul_tile")) {
+        const toml::array& a = rd.array(*x, p + "matmul_tile");
+        if (a.size() != 2) {
+          rd.fail(p + "matmul_tile",
+                  fmt::format("expected [rows, columns] (2 integers), got {} entries", a.size()));
+        }
+        for (size_t i = 0; i < 2; ++i) {
+          dev.matmul_tile[i] = rd.integer(*a.get(i), fmt::format("{}matmul_tile[{}]", p, i), 1);
+        }
+      }
+      if ((dev.compute_units > 0) != (dev.matmul_tile[0] > 0)) {
+        rd.fail(p + (dev.compute_units > 0 ? "matmul_tile" : "compute_units"),
+                "missing: compute_units and matmul_tile are given together (matmul wave "
+                "quantization needs both)");
+      }
+      if (const toml::node* x = d.get("runtime")) {
+        const std::string q = p + "runtime.";
+        const toml::table& rt = rd.table(*x, p + "runtime");
+        rd.only(rt, q, {"half_activations", "fused_elementwise", "source"});
+        if (const toml::node* y = rt.get("half_activations")) {
+          dev.half_activations = rd.boolean(*y, q + "half_activations");
+        }
+        if (const toml::node* y = rt.get("fused_elementwise")) {
+          dev.fused_elementwise = rd.boolean(*y, q + "fused_elementwise");
+        }
+        if (const toml::node* y = rt.get("source"))
+          dev.runtime_source = rd.string(*y, q + "source");
+        if ((dev.half_activations || dev.fused_elementwise) && dev.runtime_source.empty()) {
+          rd.fail(q + "source",
+                  "missing: say which runtime these settings model and where they come from");
+        }
+      }
       f.devices[std::string(name.str())] = dev;
     }
   }
@@ -509,6 +550,11 @@ planner::ClusterModel cluster_model(const ClusterFile& f, int world) {
     k.efficiency = d.efficiency;
     if (d.default_efficiency) k.default_efficiency = *d.default_efficiency;
     k.source = d.source;
+    k.compute_units = d.compute_units;
+    k.matmul_tile = d.matmul_tile;
+    k.half_activations = d.half_activations;
+    k.fused_elementwise = d.fused_elementwise;
+    k.runtime_source = d.runtime_source;
     index[name] = static_cast<int>(m.kinds.size());
     m.kinds.push_back(std::move(k));
   }

@@ -10,6 +10,7 @@
 // > 0, got -1`.
 #pragma once
 
+#include <array>
 #include <map>
 #include <optional>
 #include <string>
@@ -51,7 +52,14 @@ struct ClusterFile {
     std::optional<double> memory_bandwidth_gb_s;
     std::map<std::string, double> efficiency;  // operator name -> fraction of peak
     std::optional<double> default_efficiency;
-    std::string source;  // where the numbers come from
+    int64_t compute_units = 0;                 // 0: not given
+    std::array<int64_t, 2> matmul_tile{0, 0};  // rows, columns; 0: not given
+    std::string source;                        // where the numbers come from
+    // [devices.NAME.runtime]: how the simulated runtime executes on this
+    // device (planner::DeviceKind's fields of the same names).
+    bool half_activations = false;
+    bool fused_elementwise = false;
+    std::string runtime_source;
   };
   std::map<std::string, Device> devices;
   std::string device;  // top-level `device`: the kind of nodes that name none

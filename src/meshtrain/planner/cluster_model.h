@@ -6,6 +6,7 @@
 // what the planner assumes and what the link emulation does are one record.
 #pragma once
 
+#include <array>
 #include <map>
 #include <string>
 #include <vector>
@@ -27,7 +28,32 @@ struct DeviceKind {
   // default_efficiency.
   std::map<std::string, double> efficiency;
   double default_efficiency = 0.5;
+  // Tile and wave quantization of matmuls (wave_efficiency in
+  // planner/cost_model.h): the device's parallel compute units (an A100's
+  // 108 SMs) and the matmul library's output tile (rows, columns); 0 = not
+  // modelled (every matmul at its efficiency).
+  int64_t compute_units = 0;
+  std::array<int64_t, 2> matmul_tile{0, 0};
   std::string source;  // where the numbers come from, for the report
+  // The runtime the cost model prices on this device (cluster file
+  // [devices.NAME.runtime]). Both false: meshtrain's own executor -- every
+  // operator its own pass over memory, each value at its graph dtype (under
+  // bf16 the matmul inputs and some activations are 16-bit, the residual
+  // stream, scores and normalisations f32).
+  //   half_activations: under a bf16 / f16 run, floating-point activations
+  //     are priced at 2 bytes per element (between operators, in tensor-
+  //     parallel collectives and pipeline sends) and weights have a 16-bit
+  //     copy the optimizer writes once per step (its casts cost nothing in
+  //     a pass) -- fp16 mixed precision as Megatron-LM runs it;
+  //   fused_elementwise: each run of consecutive element-wise operators
+  //     (add, sub, mul, scale, activations and their gradients, softmax and
+  //     its gradient, casts) between two other operators is one kernel: it
+  //     reads the run's inputs and writes the values read after it once,
+  //     intermediates stay on chip (Megatron-LM's fused bias+GeLU,
+  //     bias+dropout+add and scaled masked softmax; a fusing compiler).
+  bool half_activations = false;
+  bool fused_elementwise = false;
+  std::string runtime_source;  // which runtime, and where that comes from
 };
 
 struct ClusterModel {

@@ -33,18 +33,206 @@ bool half(DType t) {
 
 }  // namespace
 
-double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown) {
-  if (is_group_op(n.op)) return 0.0;
-  const OpCost c = op_cost(g, n);
-  if (c.flops <= 0 && c.bytes <= 0) return 0.0;
+double wave_efficiency(const DeviceKind& kind, const Graph& g, const Node& n) {
+  if (n.op != OpKind::matmul || kind.compute_units <= 0 || kind.matmul_tile[0] <= 0 ||
+      kind.matmul_tile[1] <= 0) {
+    return 1.0;
+  }
+  const Shape& c = g.value(n.outputs.at(0)).shape;
+  if (c.rank() < 2 || c.numel() <= 0) return 1.0;
+  const int64_t M = c[-2], N = c[-1];
+  const int64_t batch = c.numel() / (M * N);
+  auto fill = [&](int64_t tm, int64_t tn) {
+    const int64_t tiles = batch * ((M + tm - 1) / tm) * ((N + tn - 1) / tn);
+    const int64_t waves = (tiles + kind.compute_units - 1) / kind.compute_units;
+    return static_cast<double>(c.numel()) /
+           (static_cast<double>(waves) * static_cast<double>(kind.compute_units) *
+            static_cast<double>(tm * tn));
+  };
+  return std::max(fill(kind.matmul_tile[0], kind.matmul_tile[1]),
+                  fill(kind.matmul_tile[1], kind.matmul_tile[0]));
+}
+
+namespace {
+
+// The FLOP-bound time of node `n` (no slowdown).
+double flop_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double flops) {
+  if (flops <= 0) return 0.0;
   bool low = false;
   for (ValueId v : n.inputs) low = low || half(g.value(v).dtype);
   const double peak = low && kind.peak_flops_bf16 > 0 ? kind.peak_flops_bf16 : kind.peak_flops_f32;
   auto it = kind.efficiency.find(std::string(op_name(n.op)));
-  const double eff = it != kind.efficiency.end() ? it->second : kind.default_efficiency;
-  const double t_flops = peak > 0 && eff > 0 ? c.flops / (peak * eff) : 0.0;
+  const double eff = (it != kind.efficiency.end() ? it->second : kind.default_efficiency) *
+                     wave_efficiency(kind, g, n);
+  return peak > 0 && eff > 0 ? flops / (peak * eff) : 0.0;
+}
+
+}  // namespace
+
+double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown) {
+  if (is_group_op(n.op)) return 0.0;
+  const OpCost c = op_cost(g, n);
+  if (c.flops <= 0 && c.bytes <= 0) return 0.0;
+  const double t_flops = flop_seconds(kind, g, n, c.flops);
   const double t_bytes = kind.memory_bandwidth > 0 ? c.bytes / kind.memory_bandwidth : 0.0;
   return std::max(t_flops, t_bytes) * slowdown;
+}
+
+Pricing Pricing::of(const DeviceKind& kind, DType precision) {
+  Pricing p;
+  p.half = kind.half_activations && (precision == DType::bf16 || precision == DType::f16);
+  p.fused = kind.fused_elementwise;
+  return p;
+}
+
+double value_bytes(const Pricing& pricing, const Value& v) {
+  return static_cast<double>(v.shape.numel()) *
+         static_cast<double>(element_bytes(pricing, v.dtype));
+}
+
+size_t element_bytes(const Pricing& pricing, DType t) {
+  const size_t z = dtype_size(t);
+  return pricing.half && is_float(t) ? std::min<size_t>(z, 2) : z;
+}
+
+bool fusable_elementwise(OpKind op) {
+  switch (op) {
+    case OpKind::add:
+    case OpKind::sub:
+    case OpKind::mul:
+    case OpKind::scale:
+    case OpKind::relu:
+    case OpKind::gelu:
+    case OpKind::tanh:
+    case OpKind::sigmoid:
+    case OpKind::softmax:
+    case OpKind::cast:
+    case OpKind::unary_grad:
+    case OpKind::softmax_grad:
+    case OpKind::broadcast_to:
+      return true;
+    default:
+      return false;
+  }
+}
+
+double optimizer_bytes_per_element(const Pricing& pricing, int state_kinds) {
+  return 4.0 * 2.0 * (2 + state_kinds) + (pricing.half ? 2.0 : 0.0);
+}
+
+namespace {
+
+bool free_cast(const Pricing& pricing, const Graph& g, const Node& n) {
+  return pricing.half && n.op == OpKind::cast && is_float(g.value(n.inputs.at(0)).dtype) &&
+         is_float(g.value(n.outputs.at(0)).dtype);
+}
+
+}  // namespace
+
+std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
+                                 double slowdown, const std::vector<std::string>* kept) {
+  const Pricing pricing = Pricing::of(kind, precision);
+  const auto N = static_cast<size_t>(g.num_nodes());
+  std::vector<double> out(N, 0.0);
+  const double bw = kind.memory_bandwidth;
+  // One operator on its own.
+  auto single = [&](const Node& n) {
+    if (is_group_op(n.op)) return 0.0;
+    if (!pricing.half) return op_seconds(kind, g, n, slowdown);
+    if (free_cast(pricing, g, n)) return 0.0;
+    const OpDef& def = op_def(n.op);
+    const double flops = def.flops(g, n);
+    double bytes = 0;
+    if (!def.view) {
+      for (ValueId v : n.inputs) bytes += value_bytes(pricing, g.value(v));
+      for (ValueId v : n.outputs) bytes += value_bytes(pricing, g.value(v));
+    }
+    const double t_bytes = bw > 0 ? bytes / bw : 0.0;
+    return std::max(flop_seconds(kind, g, n, flops), t_bytes) * slowdown;
+  };
+  if (!pricing.fused) {
+    for (size_t i = 0; i < N; ++i) out[i] = single(g.node(static_cast<NodeId>(i)));
+    return out;
+  }
+  // Readers of each value (node ids, ascending), and the values read later.
+  std::vector<std::vector<NodeId>> readers(static_cast<size_t>(g.num_values()));
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    for (ValueId v : g.node(i).inputs) readers[static_cast<size_t>(v)].push_back(i);
+  }
+  std::vector<char> keep(static_cast<size_t>(g.num_values()), 0);
+  if (kept != nullptr) {
+    for (const std::string& name : *kept) {
+      if (auto v = g.find(name)) keep[static_cast<size_t>(*v)] = 1;
+    }
+  }
+  std::vector<char> member(N, 0);
+  std::vector<char> produced(static_cast<size_t>(g.num_values()), 0);
+  std::vector<NodeId> run;        // the current run's members, in order
+  auto close = [&](NodeId end) {  // nodes >= end are outside the run
+    if (run.empty()) return;
+    double t_flops = 0, bytes = 0;
+    std::set<ValueId> read;
+    NodeId last = -1;
+    for (NodeId i : run) {
+      const Node& n = g.node(i);
+      if (op_def(n.op).view) continue;
+      last = i;
+      t_flops += flop_seconds(kind, g, n, op_def(n.op).flops(g, n));
+      for (ValueId v : n.inputs) {
+        if (!produced[static_cast<size_t>(v)] && read.insert(v).second) {
+          bytes += value_bytes(pricing, g.value(v));
+        }
+      }
+      for (ValueId v : n.outputs) {
+        const auto& rd = readers[static_cast<size_t>(v)];
+        // Written when read after the run (a view of it inside the run is
+        // itself a member: its readers count through its own output).
+        bool later = keep[static_cast<size_t>(v)] || rd.empty();
+        for (NodeId r : rd) {
+          if (r >= end || !member[static_cast<size_t>(r)]) later = true;
+          if (member[static_cast<size_t>(r)] && op_def(g.node(r).op).view) {
+            const ValueId w = g.node(r).outputs.at(0);
+            const auto& rw = readers[static_cast<size_t>(w)];
+            if (keep[static_cast<size_t>(w)] || rw.empty()) later = true;
+            for (NodeId q : rw) later = later || q >= end || !member[static_cast<size_t>(q)];
+          }
+        }
+        if (later) bytes += value_bytes(pricing, g.value(v));
+      }
+    }
+    if (last >= 0) {
+      const double t_bytes = bw > 0 ? bytes / bw : 0.0;
+      out[static_cast<size_t>(last)] = std::max(t_flops, t_bytes) * slowdown;
+    }
+    for (NodeId i : run) {
+      member[static_cast<size_t>(i)] = 0;
+      for (ValueId v : g.node(i).outputs) produced[static_cast<size_t>(v)] = 0;
+    }
+    run.clear();
+  };
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    const Node& n = g.node(i);
+    const bool view = op_def(n.op).view;
+    bool joins = fusable_elementwise(n.op) && !free_cast(pricing, g, n);
+    if (view) {
+      joins = !n.inputs.empty() && produced[static_cast<size_t>(n.inputs[0])];
+      if (!joins) continue;  // a view of an outside value: transparent
+    } else if (free_cast(pricing, g, n)) {
+      // The same 16-bit tensor on both sides: an alias, like a view.
+      joins = produced[static_cast<size_t>(n.inputs[0])];
+      if (!joins) continue;
+    }
+    if (!joins) {
+      close(i);
+      out[static_cast<size_t>(i)] = single(n);
+      continue;
+    }
+    run.push_back(i);
+    member[static_cast<size_t>(i)] = 1;
+    for (ValueId v : n.outputs) produced[static_cast<size_t>(v)] = 1;
+  }
+  close(g.num_nodes());
+  return out;
 }
 
 int64_t zero1_shard_elements(int64_t numel, int dp) {
@@ -110,12 +298,15 @@ struct GroupTable {
 };
 
 // The shape of a collective node's call, as the CollectiveRunner makes it.
-comm::CollectiveShape node_shape(const Graph& g, const Node& n, int group_size) {
+// Under Pricing::half a floating-point payload moves at 2 bytes per element.
+comm::CollectiveShape node_shape(const Graph& g, const Node& n, int group_size,
+                                 const Pricing& pricing = {}) {
   comm::CollectiveShape s;
   const CollectiveAttrs a = CollectiveAttrs::of(n);
   const DType t = g.value(n.inputs.at(0)).dtype;
   s.elem_bytes = dtype_size(t);
   const size_t total = static_cast<size_t>(collective_payload_bytes(g, n)) / s.elem_bytes;
+  s.elem_bytes = element_bytes(pricing, t);
   const int nranks = std::max(1, group_size);
   auto split = [&](std::vector<int64_t> sizes) {
     if (sizes.empty()) sizes.assign(static_cast<size_t>(nranks), 1);
@@ -213,8 +404,10 @@ struct ProgramBuilder {
 
 // The optimizer's update of `numel` f32 elements: memory-bound, reading and
 // writing the parameter, the gradient and each state tensor.
-double optimizer_seconds(const DeviceKind& kind, int64_t numel, int state_kinds, double slowdown) {
-  const double bytes = static_cast<double>(numel) * 4.0 * 2.0 * (2 + state_kinds);
+double optimizer_seconds(const DeviceKind& kind, int64_t numel, int state_kinds, double slowdown,
+                         const Pricing& pricing) {
+  const double bytes =
+      static_cast<double>(numel) * optimizer_bytes_per_element(pricing, state_kinds);
   const double flops = static_cast<double>(numel) * (4.0 + 4.0 * state_kinds);
   const double t_bytes = kind.memory_bandwidth > 0 ? bytes / kind.memory_bandwidth : 0.0;
   const double t_flops =
@@ -225,11 +418,11 @@ double optimizer_seconds(const DeviceKind& kind, int64_t numel, int state_kinds,
 // Time of a collective node folded into a pass (pipeline passes), on the
 // group of the rank the pass was built for.
 double folded_collective_s(const comm::CommCostModel& cm, const Graph& g, const Node& n,
-                           const std::vector<std::vector<int>>& groups) {
+                           const std::vector<std::vector<int>>& groups, const Pricing& pricing) {
   if (!communicates(n.op)) return 0.0;
   const CollectiveAttrs a = CollectiveAttrs::of(n);
   const std::vector<int>& ranks = groups.at(static_cast<size_t>(a.group));
-  return cm.collective(node_shape(g, n, static_cast<int>(ranks.size())), ranks).seconds;
+  return cm.collective(node_shape(g, n, static_cast<int>(ranks.size()), pricing), ranks).seconds;
 }
 
 // ---- data parallel / ZeRO / tensor parallel (no pipeline) --------------------
@@ -288,6 +481,8 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
       const Graph& g = built->tg.model.graph;
       const DeviceKind& dev = cluster.device(r);
       const double slow = cluster.slowdown_of(r);
+      const Pricing pricing = Pricing::of(dev, o.precision);
+      const std::vector<double> seconds = node_seconds(dev, g, o.precision, slow);
       ProgramBuilder b;
       b.p.signature = fmt::format(
           "rank {}: {}micro-batch {}, device {}, slowdown {}", r,
@@ -393,10 +588,10 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
                   n.name, built->rank, fmt::join(ranks, ", ")));
             }
             b.collective(fmt::format("{} {}", op_name(n.op), n.name), axis,
-                         node_shape(g, n, static_cast<int>(ranks.size())), 0);
+                         node_shape(g, n, static_cast<int>(ranks.size()), pricing), 0);
             continue;
           }
-          run_s += op_seconds(dev, g, n, slow);
+          run_s += seconds[static_cast<size_t>(i)];
           run_flops += op_cost(g, n).flops;
           auto c = completes.find(i);
           if (last_micro && c != completes.end() && dp_world > 1) {
@@ -430,8 +625,9 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
       std::vector<int> before_opt = synced;
       if (last_backward >= 0) before_opt.push_back(last_backward);
       const int64_t opt_numel = dp.stage >= 1 ? buckets.shard_numel() : buckets.param_numel();
-      const int opt = b.compute("optimizer", "optimizer",
-                                optimizer_seconds(dev, opt_numel, kinds, slow), 0, before_opt);
+      const int opt =
+          b.compute("optimizer", "optimizer",
+                    optimizer_seconds(dev, opt_numel, kinds, slow, pricing), 0, before_opt);
       // Stages 1-2 gather the updated parameters; stage 3 gathers each
       // bucket before its use in forward and again in backward (modelled as
       // two gathers of every bucket per micro-step, on the comm lane).
@@ -488,11 +684,13 @@ struct PassTime {
 };
 
 PassTime pass_time(const DeviceKind& dev, double slow, const StagePass& pass,
-                   const comm::CommCostModel& cm, const std::vector<std::vector<int>>& groups) {
+                   const comm::CommCostModel& cm, const std::vector<std::vector<int>>& groups,
+                   DType precision) {
   PassTime t;
+  const Pricing pricing = Pricing::of(dev, precision);
+  for (double s : node_seconds(dev, pass.graph, precision, slow, &pass.stash)) t.compute += s;
   for (const Node& n : pass.graph.nodes()) {
-    t.compute += op_seconds(dev, pass.graph, n, slow);
-    t.comm += folded_collective_s(cm, pass.graph, n, groups);
+    t.comm += folded_collective_s(cm, pass.graph, n, groups, pricing);
     t.flops += op_cost(pass.graph, n).flops;
   }
   return t;
@@ -632,19 +830,39 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         bool recompute = false;  // the forward runs again before the backward
       };
       std::vector<StageTimes> st(cut.stages.size());
+      // Values that are a cast of a parameter (a weight's 16-bit copy);
+      // only Pricing::half reads them.
+      std::set<std::string> weight_copies;
+      for (const PipelineStage& ps : cut.stages) {
+        if (!Pricing::of(dev, o.precision).half) break;
+        const Graph& fg = ps.forward.graph;
+        for (const Node& n : fg.nodes()) {
+          if (n.op == OpKind::cast && fg.value(n.inputs.at(0)).role == ValueRole::param)
+            weight_copies.insert(fg.value(n.outputs.at(0)).name);
+        }
+      }
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         const PipelineStage& ps = cut.stages[s];
         const auto& lg = built->lowered.groups;
         StageTimes& t = st[s];
-        t.f = pass_time(dev, slow, ps.forward, cm, lg);
-        t.b = pass_time(dev, slow, ps.backward, cm, lg);
-        t.bi = pass_time(dev, slow, ps.backward_input, cm, lg);
-        t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg);
+        t.f = pass_time(dev, slow, ps.forward, cm, lg, o.precision);
+        t.b = pass_time(dev, slow, ps.backward, cm, lg, o.precision);
+        t.bi = pass_time(dev, slow, ps.backward_input, cm, lg, o.precision);
+        t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg, o.precision);
         t.recompute = plan.stages.at(s).recompute;
-        for (const StageBoundary& sb : ps.outputs) t.act_bytes += static_cast<uint64_t>(sb.bytes());
+        // Sent as the runtime keeps them (Pricing::half: 16-bit, and a
+        // weight's 16-bit copy -- GPT's tied head reading wte -- is not
+        // sent: the stage that reads it keeps its own, as Megatron-LM's
+        // last stage keeps a replica of the embedding).
+        const Pricing pricing = Pricing::of(dev, o.precision);
+        auto sent = [&](const StageBoundary& sb) -> uint64_t {
+          if (pricing.half && weight_copies.count(sb.name)) return 0;
+          return static_cast<uint64_t>(sb.shape.numel()) * element_bytes(pricing, sb.dtype);
+        };
+        for (const StageBoundary& sb : ps.outputs) t.act_bytes += sent(sb);
         for (const StageBoundary& sb : ps.inputs) {
-          if (sb.has_grad) t.grad_bytes += static_cast<uint64_t>(sb.bytes());
+          if (sb.has_grad) t.grad_bytes += sent(sb);
         }
       }
       // A pass: its operators, then its folded tensor collectives (a
@@ -762,7 +980,7 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       // all-gathered.
       const bool sharded = zero >= 1 && dp_world > 1;
       const int64_t opt_numel = sharded ? zero1_shard_elements(param_numel, dp_world) : param_numel;
-      b.compute("optimizer", "optimizer", optimizer_seconds(dev, opt_numel, kinds, slow), 0);
+      b.compute("optimizer", "optimizer", optimizer_seconds(dev, opt_numel, kinds, slow, Pricing::of(dev, o.precision)), 0);
       if (sharded) {
         for (const auto& [name, numel] : stage_params) {
           comm::CollectiveShape cs{Collective::all_gatherv, 0, even_counts(numel, dp_world), 4, 0};

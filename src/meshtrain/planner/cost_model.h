@@ -50,6 +50,57 @@ namespace mt::planner {
 // or f16 (and that peak is set), else peak_flops_f32.
 double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown = 1.0);
 
+// The fraction of a matmul's peak rate its tiling leaves (tile and wave
+// quantization): with DeviceKind::compute_units C and matmul_tile (tm, tn),
+// a matmul of output [..., M, N] (batch b) runs b * ceil(M/tm) * ceil(N/tn)
+// tiles in ceil(tiles / C) waves of C tiles, so it reaches
+// b*M*N / (waves * C * tm * tn) of the rate of full waves of full tiles --
+// the better of the tile's two orientations. 1 for other operators and
+// where the device states no compute_units or matmul_tile. op_seconds
+// multiplies the operator's efficiency by it.
+double wave_efficiency(const DeviceKind& kind, const Graph& g, const Node& n);
+
+// How a device kind's runtime (DeviceKind::half_activations /
+// fused_elementwise) runs the graphs of a run at `precision`.
+struct Pricing {
+  bool half = false;   // floating-point tensors at 2 bytes per element
+  bool fused = false;  // consecutive element-wise operators as one pass
+  static Pricing of(const DeviceKind& kind, DType precision);
+};
+
+// Bytes value `v` occupies as the runtime keeps it: its graph dtype's, or
+// under Pricing::half 2 per element of a floating-point tensor.
+double value_bytes(const Pricing& pricing, const Value& v);
+// The element size a collective or a pipeline message of dtype `t` moves.
+size_t element_bytes(const Pricing& pricing, DType t);
+
+// Whether `op` joins a fused element-wise run (Pricing::fused): add, sub,
+// mul, scale, relu, gelu, tanh, sigmoid, softmax, cast, unary_grad,
+// softmax_grad, broadcast_to.
+bool fusable_elementwise(OpKind op);
+
+// Seconds of every node of `g` (indexed by NodeId) on `kind` at `slowdown`
+// for a run at `precision`. With neither runtime setting: op_seconds of
+// each node. Under Pricing::half a cast between floating-point types costs
+// nothing (both sides are the same 16-bit tensor; weights' 16-bit copies
+// are written by the optimizer, optimizer_bytes_per_element) and every
+// other operator's bytes are value_bytes. Under Pricing::fused each
+// maximal run of consecutive fusable operators (views of values the run
+// produced join it; other views neither join nor end it; any other
+// operator ends it) is one kernel: max(the sum of its operators' FLOP
+// times, (the bytes of the distinct values it reads from outside + of the
+// values it produces that are read after it, in `kept` or read by nothing)
+// / bandwidth), charged to the run's last operator, 0 to the others.
+// `kept`: names of values read after the graph (a pipeline pass's stash).
+std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
+                                 double slowdown = 1.0,
+                                 const std::vector<std::string>* kept = nullptr);
+
+// Bytes per parameter element the optimizer step moves: parameter,
+// gradient and `state_kinds` state tensors in f32, read and written; under
+// Pricing::half also the write of the weights' 16-bit copy.
+double optimizer_bytes_per_element(const Pricing& pricing, int state_kinds);
+
 // Peak bytes of one pipeline rank (one physical stage), as the pipeline
 // runtime plans them (spmd/pipeline_stage.h planned_stash_bytes): f32
 // parameters and gradients, optimizer state (state_kinds tensors of the
