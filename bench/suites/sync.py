@@ -6,8 +6,12 @@ cosine over the run, 100 warm-up steps) on Fashion-MNIST, global batch 120
 (so that 4 replicas and a parameter server's 3 workers split it evenly),
 STEPS = 600 optimizer steps (1.2 epochs; --quick: 120), train.threads=1,
 the whole test split evaluated every EVAL_EVERY = 50 steps (--quick: 40;
-outside the step clock), checkpoints off. Estimated 45 min on a quiet 2-core
-machine for everything (`--only` / `--runs` / `--networks` select parts).
+outside the step clock), checkpoints off. Time (estimates from runs under
+load, not a measured full suite): about 45 min for everything but the 100
+Mbit/s grid on a quiet 2-core machine; that grid alone takes over an hour,
+its per-step latencies dominating (dense all-reduce about 1.1 s a step, the
+top-k all-gather 1.8 s): `--networks free,1gbit` keeps the suite near 45
+min. `--only` / `--runs` / `--networks` / `--steps` select.
 
 Parts (--only, comma-separated; default all but `report`):
 
@@ -30,9 +34,13 @@ Parts (--only, comma-separated; default all but `report`):
            and PowerSGD (rank 4) communication hooks, post-local SGD
            (PeriodicModelAverager, period 8 after 100 synchronous steps),
            next to meshtrain's dense / f16 / powersgd:4 / local_sgd runs
-  unified  plain DP, ZeRO-3, PS BSP and PS ASP on the CNN and the GPT
-           (configs/gpt_text.toml, batch 12, GPT_STEPS steps): throughput,
-           peak RSS of the largest rank, bytes per step, final accuracy
+  unified  plain DP, ZeRO-3, PS BSP and PS ASP (ASP with staleness-scaled
+           learning rates) on the CNN (200 steps; --quick 120) and the GPT
+           (configs/gpt_text.toml, batch 12, GPT_STEPS = 60 steps, --quick
+           15; no gradient clipping, 10 warm-up steps, the first 10 test
+           batches): throughput (global examples or tokens per second:
+           steps x batch over rank 0's step times), peak RSS of the largest
+           process (the ranks' ru_maxrss), bytes per step, final accuracy
   report   (with --from FILE...) the markdown tables and the plot from
            saved lines instead of running anything
 
@@ -52,13 +60,16 @@ Goal lines (goal_*) check the figures against issue 11's goals.
 """
 
 import json
+import os
 import re
 import socket
 import sys
 import time
 from pathlib import Path
 
-from common import PEERS, REPO, BenchError, mpi_env, thread_env
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+from common import PEERS, REPO, BenchError, mpi_env, thread_env  # noqa: E402
 
 CONFIG = REPO / "configs" / "cnn_fashion.toml"
 GPT_CONFIG = REPO / "configs" / "gpt_text.toml"
@@ -71,6 +82,7 @@ SLOW = [1, 1, 3, 1]
 # One run's limit: dense all-reduce over the 100 Mbit/s, 50 ms links takes
 # about 1.1 s a step here (2.5 MB and 6 latencies per step), 600 steps 11 min.
 RUN_TIMEOUT_S = 1800
+UNIFIED_TIMEOUT_S = 240
 PS = ["sync.servers=1"]
 
 # Schemes, dense gradients.
@@ -153,7 +165,8 @@ def cluster_file(ctx, net):
     return path
 
 
-def train(ctx, name, sets, steps, eval_every, config=CONFIG, batch=BATCH):
+def train(ctx, name, sets, steps, eval_every, config=CONFIG, batch=BATCH,
+          timeout_s=None):
     """Runs meshtrain; returns dict(steps=[step lines], evals=[eval lines],
     summary=..., result=ChildResult) or dict(error=..., refused=...)."""
     exe = ctx.ensure_built("meshtrain")
@@ -169,7 +182,8 @@ def train(ctx, name, sets, steps, eval_every, config=CONFIG, batch=BATCH):
     env = thread_env(1)
     env.update(mpi_env())
     ctx.log(f"{name}: {' '.join(str(c) for c in cmd[1:])}")
-    r = ctx.run(cmd, env, name, timeout_s=RUN_TIMEOUT_S)
+    timeout_s = timeout_s or RUN_TIMEOUT_S
+    r = ctx.run(cmd, env, name, timeout_s=timeout_s)
     lines = []
     if metrics.exists():
         for text in metrics.read_text(errors="replace").splitlines():
@@ -179,6 +193,15 @@ def train(ctx, name, sets, steps, eval_every, config=CONFIG, batch=BATCH):
                 continue
     step_lines = [ln for ln in lines if "loss" in ln and "samples_per_s" in ln
                   and not ln.get("summary")]
+    summary = [ln for ln in lines if ln.get("summary")]
+    if r.timed_out and summary and len(step_lines) >= steps:
+        # Every step and the summary written, then no exit (seen with the
+        # GPT under a parameter server: the ranks' teardown waits in
+        # MPI_Win_free): the figures, and an error that says so.
+        evals = [ln for ln in lines if "test_accuracy" in ln and not ln.get("summary")]
+        return {"steps": step_lines, "evals": evals, "summary": summary[-1], "result": r,
+                "hang": f"meshtrain wrote its summary but did not exit within {timeout_s} s "
+                        "(killed)"}
     if not r.ok:
         msg = f"meshtrain: {r.failure()}"
         # Refused before training: no step taken, meshtrain's message names
@@ -187,7 +210,6 @@ def train(ctx, name, sets, steps, eval_every, config=CONFIG, batch=BATCH):
         if not step_lines and not r.timed_out and m:
             return {"refused": m.group(1).strip(), "result": r}
         return {"error": msg, "result": r}
-    summary = [ln for ln in lines if ln.get("summary")]
     if len(step_lines) < steps or not summary:
         return {"error": f"meshtrain: {len(step_lines)} step lines of {steps}, "
                          f"{'a' if summary else 'no'} summary", "result": r}
@@ -231,11 +253,9 @@ def run_grid(ctx, runs, networks, steps, eval_every, results):
     for net in networks:
         cluster = [f'dist.cluster="{cluster_file(ctx, net)}"'] if NETWORKS[net] else []
         base = None
-        for name in ["dense"] + [r for r in runs if r != "dense"]:
-            if name not in runs and name != "dense":
-                continue
-            if name == "dense" and "dense" not in runs and (net, "dense") in results:
-                base = results[(net, "dense")]
+        # Dense first: the others' baseline (a run without it gets its
+        # relative figures in `--only report` from a file that has it).
+        for name in (["dense"] if "dense" in runs else []) + [r for r in runs if r != "dense"]:
             line = {"name": f"cnn_np4_{net}_{name}", "unit": "s to 88%", "model": "cnn",
                     "network": net, "run": name, "batch": BATCH, "steps": steps,
                     "eval_every": eval_every, "target_accuracy": TARGET,
@@ -250,6 +270,8 @@ def run_grid(ctx, runs, networks, steps, eval_every, results):
                 ctx.emit(line)
                 continue
             f = figures(got)
+            if got.get("hang"):
+                line["error"] = got["hang"]
             line.update({"meshtrain": f["time_to_target_s"], **f,
                          "wall_s": got["result"].wall_s,
                          "others_cpu": got["result"].others_cpu})
@@ -397,7 +419,7 @@ def run_peers(ctx, runs, steps, eval_every, results):
 
 def run_unified(ctx, quick):
     for model, config, batch, steps in (
-            ("cnn", CONFIG, BATCH, QUICK_STEPS if quick else 300),
+            ("cnn", CONFIG, BATCH, QUICK_STEPS if quick else 200),
             ("gpt", GPT_CONFIG, GPT_BATCH, QUICK_GPT_STEPS if quick else GPT_STEPS)):
         base = None
         for name, sets in UNIFIED:
@@ -405,10 +427,13 @@ def run_unified(ctx, quick):
             line = {"name": f"{model}_np4_unified_{name}", "unit": unit, "model": model,
                     "run": name, "batch": batch, "steps": steps, "sets": sets}
             # (The GPT config clips the global gradient norm, which a
-            # parameter server does not offer yet: off for all four runs.)
-            extra = ["optim.clip_grad_norm=0"] if model == "gpt" else []
+            # parameter server does not offer yet: off for all four runs;
+            # 10 warm-up steps instead of 100 for the short run; the first
+            # 10 test batches of 64 sequences evaluated.)
+            extra = (["optim.clip_grad_norm=0", "optim.warmup_steps=10", "train.eval_batches=10"]
+                     if model == "gpt" else [])
             got = train(ctx, f"sync-unified-{model}-{name}", sets + extra, steps, 0, config,
-                        batch)
+                        batch, timeout_s=UNIFIED_TIMEOUT_S)
             if "error" in got or "refused" in got:
                 line["error"] = got.get("error") or got.get("refused")
                 ctx.emit(line)
@@ -432,6 +457,8 @@ def run_unified(ctx, quick):
                          "test_accuracy": f["test_accuracy"], "final_loss": s.get("final_loss"),
                          "wall_s": got["result"].wall_s,
                          "others_cpu": got["result"].others_cpu})
+            if got.get("hang"):
+                line["error"] = got["hang"]
             if name == "dp":
                 base = thr
             elif base:
@@ -493,6 +520,41 @@ def goals(lines):
                  accuracy_delta=ln.get("accuracy_delta"),
                  wanted=">= 1.8x BSP's examples/s of a fast worker, rank 2 slowed 3x")
     return out
+
+
+def fill_relative(lines):
+    """Relative figures a line could not have when its baseline ran in
+    another invocation: grid lines against dense all-reduce on the same
+    network, peer lines against meshtrain's run of their scheme."""
+    d = by_name(lines)
+    for ln in lines:
+        if ln.get("error") or ln.get("refused"):
+            continue
+        net, run = ln.get("network"), ln.get("run")
+        if net and run and run != "dense" and "hook" not in ln and ln.get("peer") is None:
+            base = d.get(f"cnn_np4_{net}_dense")
+            if base and not base.get("error"):
+                ln.update({"peer": base.get("meshtrain"),
+                           "peer_name": "meshtrain dense all-reduce (same network; "
+                                        "another invocation)",
+                           "ratio": ratio_of(base.get("meshtrain"), ln.get("meshtrain")),
+                           "accuracy_delta": pts(ln.get("test_accuracy"),
+                                                 base.get("test_accuracy")),
+                           "bytes_ratio": ratio_of(base.get("bytes_per_rank_step"),
+                                                   ln.get("bytes_per_rank_step"))})
+        if "hook" in ln and ln.get("meshtrain") is None and ln.get("test_accuracy") is None:
+            mine = d.get(f"cnn_np4_free_{ln.get('meshtrain_run')}")
+            if mine and not mine.get("error"):
+                ln.pop("note", None)
+                ln.update({"meshtrain": mine.get("meshtrain"),
+                           "ratio": ratio_of(ln.get("peer"), mine.get("meshtrain")),
+                           "test_accuracy": mine.get("test_accuracy"),
+                           "steps_per_s": mine.get("steps_per_s"),
+                           "speed_ratio": ratio_of(mine.get("steps_per_s"),
+                                                   ln.get("peer_steps_per_s")),
+                           "accuracy_delta": pts(mine.get("test_accuracy"),
+                                                 ln.get("peer_test_accuracy"))})
+    return lines
 
 
 def fmt(v, spec=".3g"):
@@ -591,16 +653,39 @@ def markdown(lines):
     return "\n".join(out)
 
 
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+
 def plot(lines, path):
     """Accuracy against train time and against bytes, one line per run, one
-    row per network."""
+    row per network. Needs matplotlib (Debian: python3-matplotlib); when the
+    python running bench/run has none (a pyenv one), Debian's python3 draws
+    it (this file run as a script)."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
+        if Path(DEBIAN_PYTHON).exists() and Path(sys.executable).resolve() != \
+                Path(DEBIAN_PYTHON).resolve():
+            import subprocess
+            import tempfile
+            with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+                f.write("\n".join(json.dumps(ln) for ln in lines))
+            r = subprocess.run([DEBIAN_PYTHON, __file__, "--plot", path, f.name],
+                               capture_output=True, text=True)
+            os.unlink(f.name)
+            if r.returncode == 0:
+                return path if r.stdout.strip() else None
+            raise BenchError(f"the plot: {DEBIAN_PYTHON} {__file__} failed: "
+                             f"{r.stderr.strip()[-400:]}")
         raise BenchError("the plot needs matplotlib: apt-get install python3-matplotlib "
                          "(Debian package), or --plot ''")
+    return draw(lines, path)
+
+
+def draw(lines, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     nets = [n for n in NETWORKS if any(ln.get("network") == n and ln.get("curve")
                                         for ln in lines)]
     if not nets:
@@ -683,6 +768,7 @@ def run(ctx):
         if "refused" in parts:
             run_refused(ctx, runs)
         lines = list(ctx.lines)
+    fill_relative(lines)
     for g in goals(lines):
         ctx.emit(g)
     print("\n" + markdown(lines + [g for g in ctx.lines if g.get("unit") == "goal"]) + "\n",
@@ -691,3 +777,11 @@ def run(ctx):
         where = plot(lines, ctx.args.plot)
         if where:
             ctx.log(f"plot: {where}")
+
+
+if __name__ == "__main__":
+    # sync.py --plot OUT.png FILE...: the plot from saved lines (see plot()).
+    if len(sys.argv) < 4 or sys.argv[1] != "--plot":
+        sys.exit("usage: sync.py --plot OUT.png LINES.jsonl... (bench/run sync runs the suite)")
+    got = draw(read_lines(sys.argv[3:]), sys.argv[2])
+    print(got or "")
