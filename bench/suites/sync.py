@@ -433,7 +433,7 @@ def run_unified(ctx, quick):
             extra = (["optim.clip_grad_norm=0", "optim.warmup_steps=10", "train.eval_batches=10"]
                      if model == "gpt" else [])
             got = train(ctx, f"sync-unified-{model}-{name}", sets + extra, steps, 0, config,
-                        batch, timeout_s=UNIFIED_TIMEOUT_S)
+                        batch, timeout_s=UNIFIED_TIMEOUT_S // (2 if quick else 1))
             if "error" in got or "refused" in got:
                 line["error"] = got.get("error") or got.get("refused")
                 ctx.emit(line)
