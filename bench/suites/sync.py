@@ -697,15 +697,16 @@ def draw(lines, path):
             if ln.get("network") != net or not ln.get("curve") or "hook" in ln:
                 continue
             c = ln["curve"]
-            ax_t.plot([p[1] for p in c], [100 * p[3] for p in c], marker=".", label=ln["run"])
+            # The load the run saw: times on a shared machine move with it.
+            label = f"{ln['run']} (load {ln.get('loadavg_1m', 0):.0f})"
+            ax_t.plot([p[1] for p in c], [100 * p[3] for p in c], marker=".", label=label)
             if all(p[2] for p in c):
-                ax_b.plot([p[2] for p in c], [100 * p[3] for p in c], marker=".",
-                          label=ln["run"])
+                ax_b.plot([p[2] for p in c], [100 * p[3] for p in c], marker=".", label=label)
         for ln in lines:
             if net == "free" and ln.get("peer_curve") and not ln.get("error"):
                 c = ln["peer_curve"]
                 ax_t.plot([p[1] for p in c], [100 * p[3] for p in c], linestyle="--",
-                          label=f"torch {ln['hook']}")
+                          label=f"torch {ln['hook']} (load {ln.get('loadavg_1m', 0):.0f})")
         for ax in (ax_t, ax_b):
             ax.axhline(100 * TARGET, color="grey", linewidth=0.6)
             ax.set_ylabel("test accuracy (%)")
