@@ -105,6 +105,8 @@ const std::vector<KeyMeaning> kMeanings = {
      "casts measure <= 2% of the matmul time or the f32 run would not fit in memory, else f32 "
      "(docs/engines.md)"},
     {"train.eval", "evaluate on the test split after every epoch and at the end"},
+    {"train.eval_every",
+     "> 0: with train.eval, also evaluate every this-many optimizer steps; 0 = per epoch only"},
     {"train.log_every", "steps between metrics lines"},
     {"train.checkpoint",
      "checkpoint path written at the end (.safetensors file or a directory); \"\" = none"},

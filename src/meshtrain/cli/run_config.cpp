@@ -146,6 +146,7 @@ TrainerOptions read_train(const Config& c) {
   t.precision = t.precision_auto || t.bf16_storage ? DType::f32 : parse_dtype(precision);
   t.eval = c.get_bool("train.eval", true);
   t.eval_batches = c.get_int("train.eval_batches", 0, Bounds<int64_t>::non_negative());
+  t.eval_every = c.get_int("train.eval_every", 0, Bounds<int64_t>::non_negative());
   t.log_every = c.get_int("train.log_every", 50, Bounds<int64_t>::positive());
   t.checkpoint_path = c.get_string("train.checkpoint", "");
   t.tensorboard_dir = c.get_string("train.tensorboard", "");

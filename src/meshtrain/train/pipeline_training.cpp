@@ -951,8 +951,10 @@ struct PipelineTraining::Impl {
       if ((step + 1) % o.log_every == 0 || step + 1 == total_steps) metrics.write(line);
       progress.update(ProgressUpdate{step + 1, epoch + 1, (total_steps + spe - 1) / spe, loss, rate,
                                      rate * tokens_per_sample, lr->lr_at(step)});
-      // Evaluation after each whole epoch and at the end of the run.
-      if (o.eval && ((step + 1) % spe == 0 || step + 1 == total_steps)) {
+      // Evaluation after each whole epoch (and every train.eval_every steps)
+      // and at the end of the run.
+      if (o.eval && ((step + 1) % spe == 0 || step + 1 == total_steps ||
+                     (o.eval_every > 0 && (step + 1) % o.eval_every == 0))) {
         const auto [tl, ta, n] = evaluate();
         metrics.write({{"step", step + 1},
                        {"epoch", static_cast<double>(step + 1) / static_cast<double>(spe)},

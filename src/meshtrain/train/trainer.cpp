@@ -1567,8 +1567,9 @@ struct Trainer::Impl {
         r.stop_signal = std::max(1, static_cast<int>(sig));
         break;
       }
-      if (o.eval && (step % spe == 0)) {
-        record_eval(r, metrics, tensorboard, &progress, epoch + 1);
+      if (o.eval && (step % spe == 0 || (o.eval_every > 0 && step % o.eval_every == 0))) {
+        // (The progress message only after a whole epoch.)
+        record_eval(r, metrics, tensorboard, step % spe == 0 ? &progress : nullptr, epoch + 1);
         evaluated_last = true;
       }
       if (o.checkpoint_every > 0 && step % o.checkpoint_every == 0) checkpoint_now(r);

@@ -96,6 +96,9 @@ struct TrainerOptions {
   double bf16_rate_factor_for_testing = 1.0;
   double storage_cost_factor_for_testing = 1.0;
   bool eval = true;  // evaluate on the test split after each epoch
+  // > 0 (with eval): also evaluate every this-many optimizer steps (the
+  // time-to-accuracy figures of bench/run sync); 0 = after epochs only.
+  int64_t eval_every = 0;
   // > 0: evaluate on only the first this-many test batches of
   // eval_batch_size (the split in file order, so the same examples every
   // time, on every rank); 0 = the whole test split.
