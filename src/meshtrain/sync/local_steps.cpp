@@ -14,6 +14,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
 #include "meshtrain/sync/codecs.h"
+#include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/outer_quant.h"
 #include "meshtrain/tensor/memory_stats.h"
 
@@ -47,6 +48,7 @@ class LocalStepsSync : public ReplicaSync {
     }
     if (o_.scheme == "partial") plan_layer_groups();
     if (o_.scheme == "adpsgd" && group_.size() > 1) setup_adpsgd();
+    if (parse_codec_spec(o_.codec).kind != CodecKind::none) setup_codecs();
   }
 
   ~LocalStepsSync() override {
@@ -99,7 +101,13 @@ class LocalStepsSync : public ReplicaSync {
     } else if (o_.scheme == "adpsgd") {
       adpsgd_step();
     } else if (o_.scheme == "local_sgd") {
-      if (steps_ <= o_.sync_until || steps_ % o_.period == 0) average_in_place();
+      if (steps_ <= o_.sync_until || steps_ % o_.period == 0) {
+        if (codecs_.empty()) {
+          average_in_place();
+        } else {
+          compressed_average();
+        }
+      }
     } else if (o_.scheme == "diloco") {
       streaming_step();
     } else {
@@ -157,11 +165,11 @@ class LocalStepsSync : public ReplicaSync {
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
-    const int64_t extra =
-        4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() + stage_.numel() +
-             published_.numel() + pending_sum_.numel() + outer_stage_.numel()) +
-        static_cast<int64_t>(payload_.size() + gathered_.size() + slots_out_.size() +
-                             slots_in_.size());
+    const int64_t extra = 4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() +
+                               stage_.numel() + published_.numel() + pending_sum_.numel() +
+                               outer_stage_.numel() + anchor_.numel() + codec_residual_numel()) +
+                          static_cast<int64_t>(payload_.size() + gathered_.size() +
+                                               slots_out_.size() + slots_in_.size());
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;
@@ -169,8 +177,21 @@ class LocalStepsSync : public ReplicaSync {
   }
   DataParallelStats stats() const override { return local_.stats(); }
   void reset_stats() override { local_.reset_stats(); }
-  std::string name() const override { return o_.scheme; }
+  std::string name() const override {
+    if (codecs_.empty()) return o_.scheme;
+    return fmt::format("{}+{}", o_.scheme, codecs_.front()->options().codec.to_string());
+  }
   bool replicas_identical() const override { return group_.size() == 1; }
+  std::vector<float> codec_residual() const override {
+    std::vector<float> r;
+    if (codecs_.empty()) return r;
+    r.assign(n_, 0.0F);
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      const std::span<const float> x = codecs_[k]->residual();
+      std::copy(x.begin(), x.end(), r.begin() + layout_[k].offset);
+    }
+    return r;
+  }
   // adpsgd: no per-step collective may tie the ranks together.
   bool lock_step() const override { return o_.scheme != "adpsgd" || group_.size() == 1; }
   // The scheme's own traffic: measurements (consensus, the averages taken
@@ -240,6 +261,11 @@ class LocalStepsSync : public ReplicaSync {
   double share_ = 1;
   int64_t steps_ = 0;
   Tensor start_, momentum_;  // diloco
+  // sync.codec (local_sgd, diloco): one compressed all-reduce per parameter
+  // (layout order) for the pseudo-gradients, each with its own residual;
+  // local_sgd's parameters as of the last synchronization (diloco's start_).
+  std::vector<std::unique_ptr<CompressedAllReduce>> codecs_;
+  Tensor anchor_;
   // diloco: fragments (one for plain DiLoCo), the exchanges in flight, and
   // their buffers: outer_stage_ (with overlap; flat-sized f32: each fragment's summed
   // pseudo-gradient at its offset); 4-bit: payload_ (each fragment's own
@@ -552,6 +578,52 @@ class LocalStepsSync : public ReplicaSync {
 
   void average_in_place() { weighted_sum(flat_, flat_); }
 
+  void setup_codecs() {
+    CompressedAllReduceOptions co;
+    co.codec = parse_codec_spec(o_.codec);
+    co.codec.error_feedback = o_.codec_error_feedback;
+    co.collective = opts();
+    for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
+      codecs_.push_back(std::make_unique<CompressedAllReduce>(group_, e.name, e.shape, co));
+    }
+    MemoryScope tag(MemoryCategory::comm);
+    if (o_.scheme == "local_sgd") anchor_ = flat_.clone();
+  }
+
+  int64_t codec_residual_numel() const {
+    int64_t n = 0;
+    for (const auto& c : codecs_) n += static_cast<int64_t>(c->residual().size());
+    return n;
+  }
+
+  // Each parameter of the flat buffer `d` averaged in place over the ranks
+  // through its codec (the average of what each rank sent).
+  void run_codecs(float* d) {
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      const std::span<float> x(d + layout_[k].offset,
+                               static_cast<size_t>(layout_[k].shape.numel()));
+      codecs_[k]->run(x, x);
+    }
+  }
+
+  // local_sgd with a codec: the pseudo-gradient d_r = n s_r (anchor -
+  // theta_r) (the parameters' change since the last synchronization,
+  // weighted so the average over ranks is the batch-weighted mean) is
+  // averaged through the codec, with its residual; theta = anchor - that
+  // average, which is sum_r s_r theta_r when nothing is held back, and
+  // becomes the next anchor.
+  void compressed_average() {
+    float* theta = flat_.data<float>();
+    float* a = anchor_.data<float>();
+    const auto w = static_cast<float>(share_ * static_cast<double>(group_.size()));
+    for (size_t i = 0; i < n_; ++i) theta[i] = w * (a[i] - theta[i]);
+    run_codecs(theta);
+    for (size_t i = 0; i < n_; ++i) {
+      theta[i] = a[i] - theta[i];
+      a[i] = theta[i];
+    }
+  }
+
   void plan_fragments() {
     for (const DilocoFragment& d : diloco_fragments(flat_.numel(), o_.fragments, o_.period)) {
       Fragment f;
@@ -615,7 +687,10 @@ class LocalStepsSync : public ReplicaSync {
 
   Flight launch(size_t f) {
     const Fragment& fr = frags_[f];
-    const auto s = static_cast<float>(share_);
+    // With a codec each rank sends n s_r (start - theta_r) and the exchange
+    // averages: sum_r s_r (start - theta_r), as the f32 sum below.
+    const auto s =
+        static_cast<float>(codecs_.empty() ? share_ : share_ * static_cast<double>(group_.size()));
     const float* theta = flat_.data<float>() + fr.offset;  // may alias d
     const float* start = start_.data<float>() + fr.offset;
     float* d = pseudo_gradient(fr);
@@ -649,6 +724,11 @@ class LocalStepsSync : public ReplicaSync {
       return fl;
     }
     const auto t0 = std::chrono::steady_clock::now();
+    if (!codecs_.empty()) {  // one fragment, no overlap (validate_sync_options)
+      run_codecs(d);
+      outer_wait_s_ += seconds_since(t0);
+      return fl;
+    }
     if (o_.outer_bits == 32) {
       if (wait) {
         group_.all_reduce(d, d, n, DType::f32, ReduceOp::sum, opts());

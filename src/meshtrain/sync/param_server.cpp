@@ -13,6 +13,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
+#include "meshtrain/sync/codecs.h"
 #include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
@@ -70,11 +71,12 @@ class ParamServerSync : public ReplicaSync {
       shard_elems_[static_cast<size_t>(shard_of_[i])] += layout_[i].shape.numel();
     }
     if (o_.ps_switch.starts_with("after:")) switch_after_ = std::stoll(o_.ps_switch.substr(6));
+    setup_codecs();
     MemoryScope tag(MemoryCategory::comm);
     if (is_server()) {
       const int j = server_index();
       const size_t msg = message_bytes(j);
-      inbox_ = Tensor::empty({static_cast<int64_t>(msg) * workers_}, DType::u8);
+      inbox_ = Tensor::empty({static_cast<int64_t>(push_bytes(j)) * workers_}, DType::u8);
       outbox_ = Tensor::empty({static_cast<int64_t>(msg) * workers_}, DType::u8);
       acc_ =
           Tensor::zeros({std::max<int64_t>(shard_elems_[static_cast<size_t>(j)], 1)}, DType::f32);
@@ -93,9 +95,12 @@ class ParamServerSync : public ReplicaSync {
         server_params_.push_back(i);
       }
     } else {
-      size_t total = 0;
-      for (int j = 0; j < servers_; ++j) total += message_bytes(j);
-      push_ = Tensor::empty({static_cast<int64_t>(total)}, DType::u8);
+      size_t total = 0, pushed = 0;
+      for (int j = 0; j < servers_; ++j) {
+        total += message_bytes(j);
+        pushed += push_bytes(j);
+      }
+      push_ = Tensor::empty({static_cast<int64_t>(pushed)}, DType::u8);
       pull_ = Tensor::empty({static_cast<int64_t>(total)}, DType::u8);
       seen_.assign(static_cast<size_t>(servers_), 0);
     }
@@ -155,8 +160,19 @@ class ParamServerSync : public ReplicaSync {
     exchange_seconds_ = 0;
   }
   std::string name() const override {
-    return o_.ps_switch.empty() ? fmt::format("ps+{}", o_.ps_mode)
-                                : fmt::format("ps+bsp/switch={}", o_.ps_switch);
+    const std::string mode = o_.ps_switch.empty() ? o_.ps_mode : "bsp/switch=" + o_.ps_switch;
+    if (codecs_.empty()) return fmt::format("ps+{}", mode);
+    return fmt::format("ps+{}+{}", mode, parse_codec_spec(o_.codec).to_string());
+  }
+  std::vector<float> codec_residual() const override {
+    std::vector<float> r;
+    if (encoders_.empty()) return r;
+    r.assign(static_cast<size_t>(flat_.numel()), 0.0F);
+    for (size_t i = 0; i < layout_.size(); ++i) {
+      const std::span<const float> x = encoders_[i]->residual();
+      std::copy(x.begin(), x.end(), r.begin() + layout_[i].offset);
+    }
+    return r;
   }
   // Workers hold the parameters of their last pull, which differ under ASP
   // and SSP; after finish() every worker holds the servers' final ones.
@@ -200,6 +216,49 @@ class ParamServerSync : public ReplicaSync {
   Tensor inbox_, outbox_, acc_;  // server: one message per worker; BSP's sum
   std::vector<ParamSlice> server_slices_;
   std::vector<size_t> server_params_;  // layout indices of this server's shard
+  // sync.codec: each parameter's payload codec (pure; both sides) and, on a
+  // worker, its error-feedback encoder (layout order). Empty: f32 pushes.
+  std::vector<std::unique_ptr<PayloadCodec>> codecs_;
+  std::vector<std::unique_ptr<FeedbackEncoder>> encoders_;
+
+  void setup_codecs() {
+    CodecSpec spec = parse_codec_spec(o_.codec);
+    if (spec.kind == CodecKind::none) return;
+    spec.error_feedback = o_.codec_error_feedback;
+    for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
+      const auto n = static_cast<size_t>(e.shape.numel());
+      codecs_.push_back(make_payload_codec(spec, n));
+      if (!is_server()) {
+        encoders_.push_back(
+            std::make_unique<FeedbackEncoder>(make_payload_codec(spec, n), spec.error_feedback));
+      }
+    }
+  }
+  // Bytes of parameter i's gradient in a push.
+  size_t push_param_bytes(size_t i) const {
+    return codecs_.empty() ? 4 * static_cast<size_t>(layout_[i].shape.numel())
+                           : codecs_[i]->payload_bytes();
+  }
+  // A push to server j: header, then its parameters' gradients (f32 or the
+  // codec's payloads), layout order.
+  size_t push_bytes(int j) const {
+    size_t b = kHeaderBytes;
+    for (size_t i = 0; i < layout_.size(); ++i) {
+      if (shard_of_[i] == j) b += push_param_bytes(i);
+    }
+    return b;
+  }
+  // Server, with a codec: acc = (add ? acc : 0) + scale x the decoded push.
+  void decode_push(const std::byte* payloads, float scale, bool add) {
+    float* acc = acc_.data<float>();
+    for (size_t i : server_params_) {
+      const auto n = static_cast<size_t>(layout_[i].shape.numel());
+      if (!add) std::fill(acc, acc + n, 0.0F);
+      codecs_[i]->decode_add({payloads, push_param_bytes(i)}, scale, {acc, n});
+      payloads += push_param_bytes(i);
+      acc += n;
+    }
+  }
 
   int server_index() const { return group_.rank() - workers_; }
   int server_rank(int j) const { return workers_ + j; }
@@ -213,8 +272,9 @@ class ParamServerSync : public ReplicaSync {
     return c;
   }
 
-  // Packs server j's part of `grads` (layout order) after a header.
-  void pack(std::byte* out, int j, std::span<ParamSlice> grads, int64_t kind) const {
+  // Packs server j's part of `grads` (layout order) after a header: f32, or
+  // each parameter's codec payload (its residual kept for the next push).
+  void pack(std::byte* out, int j, std::span<ParamSlice> grads, int64_t kind) {
     int64_t h[kHeader] = {kind,
                           steps_,
                           seen_[static_cast<size_t>(j)],
@@ -222,6 +282,24 @@ class ParamServerSync : public ReplicaSync {
                           straggler_seen_ ? kFlagStraggler : 0,
                           0};
     std::memcpy(out, h, kHeaderBytes);
+    if (!codecs_.empty()) {
+      std::byte* p = out + kHeaderBytes;
+      const uint64_t base = parse_codec_spec(o_.codec).seed;
+      for (size_t i = 0; i < layout_.size(); ++i) {
+        if (shard_of_[i] != j) continue;
+        const auto n = static_cast<size_t>(layout_[i].shape.numel());
+        const std::span<std::byte> payload(p, push_param_bytes(i));
+        if (kind == kGrad) {
+          encoders_[i]->encode({grads[i].grad.data<float>(), n},
+                               codec_seed(base + i, group_.rank(), static_cast<uint64_t>(steps_)),
+                               payload);
+        } else {
+          std::fill(payload.begin(), payload.end(), std::byte{0});
+        }
+        p += payload.size();
+      }
+      return;
+    }
     float* g = reinterpret_cast<float*>(out + kHeaderBytes);
     for (size_t i = 0; i < layout_.size(); ++i) {
       if (shard_of_[i] != j) continue;
@@ -245,8 +323,8 @@ class ParamServerSync : public ReplicaSync {
     for (int j = 0; j < servers_; ++j) {
       pack(out, j, grads, kind);
       sends.push_back(
-          group_.send_async(out, message_bytes(j), DType::u8, server_rank(j), p2p(kPushTag, wait)));
-      out += message_bytes(j);
+          group_.send_async(out, push_bytes(j), DType::u8, server_rank(j), p2p(kPushTag, wait)));
+      out += push_bytes(j);
     }
     std::byte* in = static_cast<std::byte*>(pull_.raw());
     PsStepLog entry;
@@ -291,10 +369,11 @@ void ParamServerSync::serve(const ServerUpdate& update) {
   MT_CHECK(is_server(), "serve() on worker rank {}", group_.rank());
   const int j = server_index();
   const size_t msg = message_bytes(j);
+  const size_t push = push_bytes(j);
   const auto n_elems = static_cast<size_t>(shard_elems_[static_cast<size_t>(j)]);
   std::byte* inbox = static_cast<std::byte*>(inbox_.raw());
   std::byte* outbox = static_cast<std::byte*>(outbox_.raw());
-  auto in_of = [&](int w) { return inbox + static_cast<size_t>(w) * msg; };
+  auto in_of = [&](int w) { return inbox + static_cast<size_t>(w) * push; };
   auto out_of = [&](int w) { return outbox + static_cast<size_t>(w) * msg; };
   using Clock = std::chrono::steady_clock;
 
@@ -312,7 +391,7 @@ void ParamServerSync::serve(const ServerUpdate& update) {
   bool switch_requested = false;
   const auto reply_timeout = timeout_ + std::chrono::seconds(2);
   for (int w = 0; w < workers_; ++w)
-    group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
+    group_.post_recv(in_of(w), push, DType::u8, w, p2p(kPushTag, timeout_));
 
   auto active = [&](const Worker& x) { return !x.done && !x.dropped; };
   auto slowest = [&] {
@@ -437,21 +516,29 @@ void ParamServerSync::serve(const ServerUpdate& update) {
     if (mode_ == kBsp) {
       const auto s = static_cast<float>(as_double(h[3]));
       float* acc = acc_.data<float>();
-      for (size_t i = 0; i < n_elems; ++i) acc[i] += s * g[i];
+      if (codecs_.empty()) {
+        for (size_t i = 0; i < n_elems; ++i) acc[i] += s * g[i];
+      } else {
+        decode_push(in_of(w) + kHeaderBytes, s, true);
+      }
       x.arrived = true;
       x.held = true;
-      group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
+      group_.post_recv(in_of(w), push, DType::u8, w, p2p(kPushTag, timeout_));
       if (bsp_complete()) finish_bsp_step();
       continue;
     }
     // ASP / SSP: one optimizer step on this worker's gradient, now.
-    std::memcpy(acc_.raw(), g, n_elems * sizeof(float));
+    if (codecs_.empty()) {
+      std::memcpy(acc_.raw(), g, n_elems * sizeof(float));
+    } else {
+      decode_push(in_of(w) + kHeaderBytes, 1.0F, false);
+    }
     const int64_t staleness = version - h[2];
     const double scale =
         o_.staleness_lr && staleness > 1 ? 1.0 / static_cast<double>(staleness) : 1.0;
     update(server_slices_, h[1], scale);
     ++version;
-    group_.post_recv(in_of(w), msg, DType::u8, w, p2p(kPushTag, timeout_));
+    group_.post_recv(in_of(w), push, DType::u8, w, p2p(kPushTag, timeout_));
     x.held = true;
     release_ssp();
   }
