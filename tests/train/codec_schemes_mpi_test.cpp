@@ -16,7 +16,9 @@
 //   residual on the worker), the server decodes and sums them: BSP with
 //   topk:1.0 is plain BSP bit for bit, and the bytes are the header plus
 //   the payloads, exactly; BSP with topk:0.1 and ASP with qsgd:4 learn;
-// - combinations that do not compose are refused, naming the key and why.
+// - combinations that do not compose are refused, naming the key and why
+//   (gossip, adpsgd, partial, ps + PowerSGD, Streaming DiLoCo's options,
+//   ZeRO 1-2).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -336,6 +338,17 @@ TEST(CodecSchemesMpi, CombinationsThatDoNotComposeAreRefused) {
   EXPECT_NE(error_of(s).find("does not fit tensor"), std::string::npos) << error_of(s);
   s = scheme("ps", 1, "topk:100000");
   EXPECT_NE(error_of(s).find("does not fit"), std::string::npos) << error_of(s);
+  // ZeRO 1-2: no compressed reduce-scatter yet, said so.
+  for (int zero : {1, 2}) {
+    s = scheme("allreduce", 1, "topk:0.01");
+    EXPECT_NE(error_of(s, zero).find(fmt::format(
+                  "sync.codec = \"topk:0.01\" with dist.zero_stage = {}: the compressed exchange "
+                  "leaves the whole averaged gradient on every rank (no compressed reduce-scatter "
+                  "yet)",
+                  zero)),
+              std::string::npos)
+        << error_of(s, zero);
+  }
   EXPECT_EQ(error_of(scheme("local_sgd", 4, "qsgd:4")), "no error");
 }
 
