@@ -165,11 +165,12 @@ class LocalStepsSync : public ReplicaSync {
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
-    const int64_t extra = 4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() +
-                               stage_.numel() + published_.numel() + pending_sum_.numel() +
-                               outer_stage_.numel() + anchor_.numel() + codec_residual_numel()) +
-                          static_cast<int64_t>(payload_.size() + gathered_.size() +
-                                               slots_out_.size() + slots_in_.size());
+    const int64_t extra =
+        4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() + stage_.numel() +
+             published_.numel() + pending_sum_.numel() + outer_stage_.numel() + anchor_.numel() +
+             2 * codec_residual_numel()) +  // a codec's residual, its scratch e
+        static_cast<int64_t>(payload_.size() + gathered_.size() + slots_out_.size() +
+                             slots_in_.size());
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;

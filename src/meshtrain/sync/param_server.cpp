@@ -142,8 +142,10 @@ class ParamServerSync : public ReplicaSync {
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
-    const int64_t extra = static_cast<int64_t>(inbox_.nbytes() + outbox_.nbytes() + acc_.nbytes() +
-                                               push_.nbytes() + pull_.nbytes());
+    int64_t extra = static_cast<int64_t>(inbox_.nbytes() + outbox_.nbytes() + acc_.nbytes() +
+                                         push_.nbytes() + pull_.nbytes());
+    // sync.codec: each encoder's residual and its scratch (e = grad + residual)
+    for (const auto& e : encoders_) extra += 8 * static_cast<int64_t>(e->residual().size());
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;
