@@ -226,9 +226,11 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<std::string> notices() const override {
     if (o_.scheme == "diloco" && group_.size() > 1) {
       return {fmt::format(
-          "sync.scheme = \"diloco\": rank {} ran {} fragment exchanges ({} fragment{}, {}-bit{}, "
+          "sync.scheme = \"diloco\": rank {} ran {} fragment exchanges ({} fragment{}, {}{}, "
           "overlapping {} inner step{}) and waited {:.3g} s for them",
-          group_.rank(), outer_syncs_, frags_.size(), frags_.size() == 1 ? "" : "s", o_.outer_bits,
+          group_.rank(), outer_syncs_, frags_.size(), frags_.size() == 1 ? "" : "s",
+          codecs_.empty() ? fmt::format("{}-bit", o_.outer_bits)
+                          : fmt::format("sync.codec = \"{}\"", o_.codec),
           reduce_scatter() ? " by reduce-scatter + all-gather" : "", o_.overlap_steps,
           o_.overlap_steps == 1 ? "" : "s", outer_wait_s_)};
     }
