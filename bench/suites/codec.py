@@ -21,7 +21,10 @@ Nesterov lr 0.7, momentum 0.9):
   dp_dense            sync.scheme = "allreduce" (the baseline)
   diloco_h50          period 50, the pseudo-gradient in f32
   diloco_h50_topk1pct ... through topk:0.01 with error feedback
+  diloco_h50_topk10pct ... through topk:0.1
   diloco_h50_qsgd4    ... through qsgd:4 (512-element buckets)
+  diloco_h50_qsgd8    ... through qsgd:8
+  diloco_h50_bf16     ... through bf16
   diloco_h50_powersgd4 ... through powersgd:4
 
 Lines: mlp_np4_pseudo_<run>_bytes_per_rank: rank 0's synchronization bytes
@@ -48,7 +51,11 @@ PSEUDO_RUNS = [
     ("dp_dense", ['sync.scheme="allreduce"']),
     ("diloco_h50", ['sync.scheme="diloco"', "sync.period=50"]),
     ("diloco_h50_topk1pct", ['sync.scheme="diloco"', "sync.period=50", 'sync.codec="topk:0.01"']),
+    ("diloco_h50_topk10pct", ['sync.scheme="diloco"', "sync.period=50",
+                              'sync.codec="topk:0.1"']),
     ("diloco_h50_qsgd4", ['sync.scheme="diloco"', "sync.period=50", 'sync.codec="qsgd:4"']),
+    ("diloco_h50_qsgd8", ['sync.scheme="diloco"', "sync.period=50", 'sync.codec="qsgd:8"']),
+    ("diloco_h50_bf16", ['sync.scheme="diloco"', "sync.period=50", 'sync.codec="bf16"']),
     ("diloco_h50_powersgd4", ['sync.scheme="diloco"', "sync.period=50",
                               'sync.codec="powersgd:4"']),
 ]
