@@ -232,7 +232,8 @@ const std::vector<KeyMeaning> kMeanings = {
     {"sync.codec",
      "codec on the exchange: none, f16, bf16, topk:K, randk:K (K a count or a fraction), "
      "qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK; on the gradients (allreduce), the "
-     "pseudo-gradients (local_sgd, diloco) or the pushes (ps, not powersgd) (docs/codecs.md)"},
+     "pseudo-gradients (local_sgd, diloco, partial) or the pushes (ps, not powersgd) "
+     "(docs/codecs.md)"},
     {"sync.codec_error_feedback",
      "keep what a codec did not send and add it to the next exchange's input"},
     {"sync.consensus_every",

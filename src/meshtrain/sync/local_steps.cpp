@@ -97,7 +97,12 @@ class LocalStepsSync : public ReplicaSync {
     ++steps_;
     if (group_.size() == 1) return;
     if (o_.scheme == "partial") {
-      start_partial(static_cast<int>((steps_ - 1) % o_.period));
+      const int g = static_cast<int>((steps_ - 1) % o_.period);
+      if (codecs_.empty()) {
+        start_partial(g);
+      } else {
+        compressed_average(g);
+      }
     } else if (o_.scheme == "adpsgd") {
       adpsgd_step();
     } else if (o_.scheme == "local_sgd") {
@@ -105,7 +110,7 @@ class LocalStepsSync : public ReplicaSync {
         if (codecs_.empty()) {
           average_in_place();
         } else {
-          compressed_average();
+          compressed_average(-1);
         }
       }
     } else if (o_.scheme == "diloco") {
@@ -590,7 +595,7 @@ class LocalStepsSync : public ReplicaSync {
       codecs_.push_back(std::make_unique<CompressedAllReduce>(group_, e.name, e.shape, co));
     }
     MemoryScope tag(MemoryCategory::comm);
-    if (o_.scheme == "local_sgd") anchor_ = flat_.clone();
+    if (o_.scheme == "local_sgd" || o_.scheme == "partial") anchor_ = flat_.clone();
   }
 
   int64_t codec_residual_numel() const {
@@ -609,21 +614,27 @@ class LocalStepsSync : public ReplicaSync {
     }
   }
 
-  // local_sgd with a codec: the pseudo-gradient d_r = n s_r (anchor -
-  // theta_r) (the parameters' change since the last synchronization,
-  // weighted so the average over ranks is the batch-weighted mean) is
-  // averaged through the codec, with its residual; theta = anchor - that
-  // average, which is sum_r s_r theta_r when nothing is held back, and
-  // becomes the next anchor.
-  void compressed_average() {
-    float* theta = flat_.data<float>();
-    float* a = anchor_.data<float>();
+  // local_sgd (group -1: every parameter) and partial (layer group
+  // `group`) with a codec: each parameter's pseudo-gradient d_r = n s_r
+  // (anchor - theta_r) (its change since its last synchronization, weighted
+  // so the average over ranks is the batch-weighted mean) is averaged
+  // through its codec, with its residual; theta = anchor - that average,
+  // which is sum_r s_r theta_r when nothing is held back, and becomes the
+  // next anchor. Blocking (partial's overlap is for its f32 all-reduce).
+  void compressed_average(int group) {
     const auto w = static_cast<float>(share_ * static_cast<double>(group_.size()));
-    for (size_t i = 0; i < n_; ++i) theta[i] = w * (a[i] - theta[i]);
-    run_codecs(theta);
-    for (size_t i = 0; i < n_; ++i) {
-      theta[i] = a[i] - theta[i];
-      a[i] = theta[i];
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      const ParamLayoutEntry& e = layout_[k];
+      if (group >= 0 && group_of_name_.at(e.name) != group) continue;
+      float* theta = flat_.data<float>() + e.offset;
+      float* a = anchor_.data<float>() + e.offset;
+      const auto n = static_cast<size_t>(e.shape.numel());
+      for (size_t i = 0; i < n; ++i) theta[i] = w * (a[i] - theta[i]);
+      codecs_[k]->run({theta, n}, {theta, n});
+      for (size_t i = 0; i < n; ++i) {
+        theta[i] = a[i] - theta[i];
+        a[i] = theta[i];
+      }
     }
   }
 

@@ -70,16 +70,9 @@ void validate_codec_scheme(const SyncOptions& o, const CodecSpec& spec) {
   if (o.scheme == "gossip" || o.scheme == "adpsgd") {
     throw ConfigError(fmt::format(
         "sync.codec = \"{}\": codecs compress a gradient or a pseudo-gradient that is averaged "
-        "over all replicas (sync.scheme = allreduce, ps, local_sgd, diloco); \"{}\" mixes "
-        "neighbours' parameters, which have no such difference to compress",
+        "over all replicas (sync.scheme = allreduce, ps, local_sgd, diloco, partial); \"{}\" "
+        "mixes neighbours' parameters, which have no such difference to compress",
         o.codec, o.scheme));
-  }
-  if (o.scheme == "partial") {
-    throw ConfigError(fmt::format(
-        "sync.codec = \"{}\": sync.scheme = \"partial\" overlaps each layer group's average "
-        "with the next step (an asynchronous all-reduce) and the compressed exchange is blocking; "
-        "use local_sgd or diloco for compressed pseudo-gradients",
-        o.codec));
   }
   if (o.scheme == "ps" && spec.kind == CodecKind::powersgd) {
     throw ConfigError(fmt::format(

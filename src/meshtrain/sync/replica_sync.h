@@ -89,8 +89,9 @@ struct SyncOptions {
   // The codec on the exchange (sync/codec_spec.h: none | f16 | bf16 |
   // topk:K | randk:K | qsgd:BITS[:BUCKET] | sign[:CHUNK] | powersgd:RANK),
   // with error feedback unless codec_error_feedback is off: allreduce on
-  // every step's gradients; local_sgd and diloco on the pseudo-gradient of
-  // each synchronization (the parameters' change since the last one);
+  // every step's gradients; local_sgd, diloco and partial on the
+  // pseudo-gradient of each synchronization (the parameters' change since
+  // the last one);
   // ps on the workers' gradient pushes (payload codecs only).
   std::string codec = "none";
   bool codec_error_feedback = true;
