@@ -15,7 +15,7 @@
 //   residual is not zero;
 // - ps: workers push their gradients through the codec (payloads, with the
 //   residual on the worker), the server decodes and sums them: BSP with
-//   topk:1.0 is plain BSP bit for bit, and the bytes are the header plus
+//   topk:1.0 is plain BSP within 1e-6 relative, and the bytes are the header plus
 //   the payloads, exactly; BSP with topk:0.1 and ASP with qsgd:4 learn;
 // - combinations that do not compose are refused, naming the key and why
 //   (gossip, adpsgd, ps + PowerSGD, Streaming DiLoCo's options,
