@@ -134,31 +134,39 @@ ParamLayout layout_of_model() {
 // and server holding part of it, the first with the header): the same
 // bytes as one message per server, and the same run bit for bit as pushing
 // after the backward (dist.overlap = false; BSP sums in worker order).
+// With sync.codec each parameter is encoded into its place in its piece as
+// its bucket is final: the same again (seeds follow the step).
 TEST(ParamServerMpi, PushesPerBucketOverlapTheBackward) {
-  for (int64_t servers : {1, 2}) {
-    SCOPED_TRACE(fmt::format("{} server(s)", servers));
-    const Outcome on = train(ps("bsp", servers));
-    TrainerOptions o = options(ps("bsp", servers));
-    o.dist.dp.overlap = false;
-    const Outcome off = train(ps("bsp", servers), o);
-    EXPECT_EQ(on.losses, off.losses);
-    EXPECT_EQ(on.params, off.params);
-    EXPECT_EQ(on.bytes, off.bytes);
-    if (!on.server) {
-      // 1 KiB buckets: the MLP's parameters fill several, so each server
-      // gets several pieces per step.
-      const int64_t steps = on.stats.steps;  // counted after the warm-up steps
-      ASSERT_GT(steps, 0);
-      // 2 buckets (fc2 and the head; fc1), so at least 2 pieces per step.
-      EXPECT_GE(on.stats.collectives, 2 * steps) << "pieces pushed";
-      EXPECT_EQ(on.stats.overlapped, on.stats.collectives) << "every piece left during backward";
-      EXPECT_EQ(off.stats.overlapped, 0);
-      EXPECT_EQ(off.stats.collectives, on.stats.collectives);
-      if (world().rank() == 0) {
-        std::printf(
-            "ps bsp (%lld server(s)): %lld pushes per step per worker, %lld during backward\n",
-            static_cast<long long>(servers), static_cast<long long>(on.stats.collectives / steps),
-            static_cast<long long>(on.stats.overlapped / steps));
+  for (const std::string codec : {"none", "topk:0.1"}) {
+    for (int64_t servers : {1, 2}) {
+      SCOPED_TRACE(fmt::format("{} server(s), sync.codec = {}", servers, codec));
+      SyncOptions s = ps("bsp", servers);
+      s.codec = codec;
+      const Outcome on = train(s);
+      TrainerOptions o = options(s);
+      o.dist.dp.overlap = false;
+      const Outcome off = train(s, o);
+      EXPECT_EQ(on.losses, off.losses);
+      EXPECT_EQ(on.params, off.params);
+      EXPECT_EQ(on.bytes, off.bytes);
+      if (!on.server) {
+        // 1 KiB buckets: the MLP's parameters fill several, so each server
+        // gets several pieces per step.
+        const int64_t steps = on.stats.steps;  // counted after the warm-up steps
+        ASSERT_GT(steps, 0);
+        // 2 buckets (fc2 and the head; fc1), so at least 2 pieces per step.
+        EXPECT_GE(on.stats.collectives, 2 * steps) << "pieces pushed";
+        EXPECT_EQ(on.stats.overlapped, on.stats.collectives) << "every piece left during backward";
+        EXPECT_EQ(off.stats.overlapped, 0);
+        EXPECT_EQ(off.stats.collectives, on.stats.collectives);
+        if (world().rank() == 0) {
+          std::printf(
+              "ps bsp (%lld server(s), codec %s): %lld pushes per step per worker, %lld during "
+              "backward\n",
+              static_cast<long long>(servers), codec.c_str(),
+              static_cast<long long>(on.stats.collectives / steps),
+              static_cast<long long>(on.stats.overlapped / steps));
+        }
       }
     }
   }

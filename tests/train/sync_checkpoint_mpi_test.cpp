@@ -275,6 +275,40 @@ void expect_refused(const TrainerOptions& o, const std::string& needle,
   }
 }
 
+// sync.codec: each replica's error-feedback residuals (PowerSGD's Q too),
+// its codecs' run counts (stochastic codecs' seeds) and the anchor of its
+// next change are its own rows; resumed runs are bitwise the uninterrupted
+// ones. Stopped between synchronizations, with residuals held back.
+TEST(SyncCheckpointMpi, CodecStateResumesExactly) {
+  SyncOptions l = scheme("local_sgd", 3);
+  l.codec = "topk:0.1";
+  expect_resume_is_exact(options(l), 5, "local_sgd period 3, topk:0.1");
+  SyncOptions d = scheme("diloco", 2);
+  d.codec = "qsgd:4";  // stochastic: its seeds follow the runs so far
+  expect_resume_is_exact(options(d), 5, "diloco period 2, qsgd:4");
+  d.codec = "powersgd:2";
+  expect_resume_is_exact(options(d), 5, "diloco period 2, powersgd:2");
+  SyncOptions p = scheme("partial", 2);
+  p.codec = "topk:0.1";
+  expect_resume_is_exact(options(p), 5, "partial period 2, topk:0.1");
+  SyncOptions q = ps("bsp", 2);
+  q.codec = "topk:0.1";
+  expect_resume_is_exact(options(q), 5, "ps bsp, 2 servers, topk:0.1");
+  q.codec = "randk:0.2";
+  expect_resume_is_exact(options(q), 5, "ps bsp, 2 servers, randk:0.2");
+
+  // Another codec's residuals have no place: refused naming the key.
+  const std::string dir = temp_dir("refuse_codec");
+  TrainerOptions a = options(l);
+  a.halt_after = 4;
+  a.checkpoint_path = dir;
+  train(a);
+  TrainerOptions b = options(scheme("local_sgd", 3));
+  b.resume_path = dir;
+  expect_refused<CheckpointError>(b, "written with sync.codec = \"topk:0.1\"");
+  remove_dir(dir);
+}
+
 TEST(SyncCheckpointMpi, MismatchedResumesAreRefusedNamingTheKey) {
   const std::string dir = temp_dir("refuse");
   SyncOptions d = scheme("diloco", 4);

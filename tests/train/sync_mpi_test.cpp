@@ -575,20 +575,11 @@ TEST(SyncSchemesMpi, BadSettingsAreRefusedNamingTheKey) {
   s.codec = "topk:0.01";
   EXPECT_NE(error_of(s, 1).find("dist.zero_stage must be 0 (got 1)"), std::string::npos)
       << error_of(s, 1);
-  s = scheme("local_sgd");
-  s.codec = "sign";
-  EXPECT_NE(error_of(s).find("codecs ride on the gradient exchange of sync.scheme = "
-                             "\"allreduce\" so far"),
-            std::string::npos)
-      << error_of(s);
+  // Codecs under the other schemes: tests/train/codec_schemes_mpi_test.cpp.
   for (const char* name : {"partial", "adpsgd"}) {
     EXPECT_NE(error_of(scheme(name), 1).find("dist.zero_stage must be 0 (got 1)"),
               std::string::npos)
         << name;
-    s = scheme(name);
-    s.codec = "f16";
-    EXPECT_NE(error_of(s).find("not \"" + std::string(name) + "\""), std::string::npos)
-        << error_of(s);
   }
   s = diloco(4, 0);
   EXPECT_NE(error_of(s).find("sync.fragments: Streaming DiLoCo's fragments must be >= 1"),

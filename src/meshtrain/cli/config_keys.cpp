@@ -237,10 +237,12 @@ const std::vector<KeyMeaning> kMeanings = {
      "gossip: the graph replicas average over (uniform weights 1 / (degree + 1)); adpsgd: an "
      "active (even) rank picks its partner among its odd neighbours on it"},
     {"sync.codec",
-     "gradient codec on the all-reduce exchange: none, f16, bf16, topk:K, randk:K (K a count or a "
-     "fraction), qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK (docs/codecs.md)"},
+     "codec on the exchange: none, f16, bf16, topk:K, randk:K (K a count or a fraction), "
+     "qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK; on the gradients (allreduce), the "
+     "pseudo-gradients (local_sgd, diloco, partial) or the pushes (ps, not powersgd) "
+     "(docs/codecs.md)"},
     {"sync.codec_error_feedback",
-     "keep what a codec did not send and add it to the next step's gradient"},
+     "keep what a codec did not send and add it to the next exchange's input"},
     {"sync.consensus_every",
      "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
     {"sync.servers",

@@ -171,6 +171,29 @@ std::span<const float> CompressedAllReduce::residual() const {
   return residual_;
 }
 
+size_t CompressedAllReduce::state_numel() const {
+  return residual().size() + q_.size();
+}
+
+void CompressedAllReduce::save_state(std::span<float> out) const {
+  MT_CHECK_EQ(out.size(), state_numel());
+  const std::span<const float> r = residual();
+  std::copy(r.begin(), r.end(), out.begin());
+  std::copy(q_.begin(), q_.end(), out.begin() + static_cast<std::ptrdiff_t>(r.size()));
+}
+
+void CompressedAllReduce::load_state(std::span<const float> in, uint64_t steps) {
+  MT_CHECK_EQ(in.size(), state_numel());
+  const size_t nr = residual().size();
+  if (encoder_) {
+    encoder_->set_residual(in.first(nr));
+  } else {
+    std::copy(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(nr), residual_.begin());
+  }
+  std::copy(in.begin() + static_cast<std::ptrdiff_t>(nr), in.end(), q_.begin());
+  step_ = steps;
+}
+
 CodecTraffic CompressedAllReduce::predicted_traffic() const {
   return predict_traffic(comm_, plan_, options_.collective);
 }

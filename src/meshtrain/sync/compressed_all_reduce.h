@@ -147,6 +147,11 @@ class CompressedAllReduce {
   std::span<const float> residual() const;
   // Completed run() calls.
   uint64_t steps() const { return step_; }
+  // Checkpoints: what run() carries from one call to the next on this
+  // rank besides steps() (the residual, PowerSGD's Q), state_numel() floats.
+  size_t state_numel() const;
+  void save_state(std::span<float> out) const;
+  void load_state(std::span<const float> in, uint64_t steps);
   const std::vector<PlannedCollective>& plan() const { return plan_; }
   CodecTraffic predicted_traffic() const;
 

@@ -94,10 +94,19 @@ std::unique_ptr<ReplicaSync> make_compressed_sync(const SyncOptions& o, Communic
                                                   ParamLayout layout, Tensor flat_params,
                                                   DataParallelOptions dp, double local_share) {
   if (dp.stage != 0) {
-    throw ConfigError(
-        fmt::format("sync.codec = \"{}\": the compressed exchange works on whole gradients, so "
-                    "dist.zero_stage must be 0 (got {})",
-                    o.codec, dp.stage));
+    // ZeRO 1-2 reduce-scatter each bucket's gradient so a rank holds only
+    // its shard of the sum; the codecs' exchanges (an all-gather of
+    // payloads, PowerSGD's two all-reduces) leave the whole average on every
+    // rank and the residual is a whole-gradient buffer, so sharding would
+    // save nothing. A compressed reduce-scatter (each piece encoded for its
+    // owner, exchanged all-to-all, as ZeRO++'s quantized gradients) is not
+    // implemented.
+    throw ConfigError(fmt::format(
+        "sync.codec = \"{}\" with dist.zero_stage = {}: the compressed exchange leaves the "
+        "whole averaged gradient on every rank (no compressed reduce-scatter yet), so ZeRO's "
+        "sharded gradients would save nothing; dist.zero_stage must be 0 (got {}), or drop "
+        "sync.codec",
+        o.codec, dp.stage, dp.stage));
   }
   if (layout.empty()) throw ConfigError("sync.codec: the model has no parameters");
   return std::make_unique<CompressedSync>(o, group, std::move(layout), std::move(flat_params),

@@ -15,6 +15,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
 #include "meshtrain/sync/codecs.h"
+#include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/outer_quant.h"
 #include "meshtrain/tensor/memory_stats.h"
 
@@ -48,6 +49,7 @@ class LocalStepsSync : public ReplicaSync {
     }
     if (o_.scheme == "partial") plan_layer_groups();
     if (o_.scheme == "adpsgd" && group_.size() > 1) setup_adpsgd();
+    if (parse_codec_spec(o_.codec).kind != CodecKind::none) setup_codecs();
   }
 
   ~LocalStepsSync() override {
@@ -96,11 +98,22 @@ class LocalStepsSync : public ReplicaSync {
     ++steps_;
     if (group_.size() == 1) return;
     if (o_.scheme == "partial") {
-      start_partial(static_cast<int>((steps_ - 1) % o_.period));
+      const int g = static_cast<int>((steps_ - 1) % o_.period);
+      if (codecs_.empty()) {
+        start_partial(g);
+      } else {
+        compressed_average(g);
+      }
     } else if (o_.scheme == "adpsgd") {
       adpsgd_step();
     } else if (o_.scheme == "local_sgd") {
-      if (steps_ <= o_.sync_until || steps_ % o_.period == 0) average_in_place();
+      if (steps_ <= o_.sync_until || steps_ % o_.period == 0) {
+        if (codecs_.empty()) {
+          average_in_place();
+        } else {
+          compressed_average(-1);
+        }
+      }
     } else if (o_.scheme == "diloco") {
       streaming_step();
     } else {
@@ -160,7 +173,8 @@ class LocalStepsSync : public ReplicaSync {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
     const int64_t extra =
         4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() + stage_.numel() +
-             published_.numel() + pending_sum_.numel() + outer_stage_.numel()) +
+             published_.numel() + pending_sum_.numel() + outer_stage_.numel() + anchor_.numel() +
+             2 * codec_residual_numel()) +  // a codec's residual, its scratch e
         static_cast<int64_t>(payload_.size() + gathered_.size() + slots_out_.size() +
                              slots_in_.size());
     m.world_size = group_.size();
@@ -170,8 +184,21 @@ class LocalStepsSync : public ReplicaSync {
   }
   DataParallelStats stats() const override { return local_.stats(); }
   void reset_stats() override { local_.reset_stats(); }
-  std::string name() const override { return o_.scheme; }
+  std::string name() const override {
+    if (codecs_.empty()) return o_.scheme;
+    return fmt::format("{}+{}", o_.scheme, codecs_.front()->options().codec.to_string());
+  }
   bool replicas_identical() const override { return group_.size() == 1; }
+  std::vector<float> codec_residual() const override {
+    std::vector<float> r;
+    if (codecs_.empty()) return r;
+    r.assign(n_, 0.0F);
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      const std::span<const float> x = codecs_[k]->residual();
+      std::copy(x.begin(), x.end(), r.begin() + layout_[k].offset);
+    }
+    return r;
+  }
   // adpsgd: no per-step collective may tie the ranks together.
   bool lock_step() const override { return o_.scheme != "adpsgd" || group_.size() == 1; }
   // The scheme's own traffic: measurements (consensus, the averages taken
@@ -205,9 +232,11 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<std::string> notices() const override {
     if (o_.scheme == "diloco" && group_.size() > 1) {
       return {fmt::format(
-          "sync.scheme = \"diloco\": rank {} ran {} fragment exchanges ({} fragment{}, {}-bit{}, "
+          "sync.scheme = \"diloco\": rank {} ran {} fragment exchanges ({} fragment{}, {}{}, "
           "overlapping {} inner step{}) and waited {:.3g} s for them",
-          group_.rank(), outer_syncs_, frags_.size(), frags_.size() == 1 ? "" : "s", o_.outer_bits,
+          group_.rank(), outer_syncs_, frags_.size(), frags_.size() == 1 ? "" : "s",
+          codecs_.empty() ? fmt::format("{}-bit", o_.outer_bits)
+                          : fmt::format("sync.codec = \"{}\"", o_.codec),
           reduce_scatter() ? " by reduce-scatter + all-gather" : "", o_.overlap_steps,
           o_.overlap_steps == 1 ? "" : "s", outer_wait_s_)};
     }
@@ -246,6 +275,16 @@ class LocalStepsSync : public ReplicaSync {
       c.push_back(fl != nullptr ? fl->started : -1);
     }
     std::memcpy(counters().raw(), c.data(), c.size() * sizeof(int64_t));
+    if (!codecs_.empty()) {
+      float* x = codec_state().data<float>();
+      int64_t* runs = codec_runs().data<int64_t>();
+      for (size_t k = 0; k < codecs_.size(); ++k) {
+        const size_t m = codecs_[k]->state_numel();
+        codecs_[k]->save_state({x, m});
+        x += m;
+        runs[k] = static_cast<int64_t>(codecs_[k]->steps());
+      }
+    }
   }
 
   std::vector<StatePiece> checkpoint_state() override {
@@ -257,6 +296,13 @@ class LocalStepsSync : public ReplicaSync {
       // Exchanges in flight: their summed pseudo-gradients (prepare_checkpoint).
       if (outer_stage_.defined()) out.push_back({"diloco.in_flight", r, n, outer_stage_});
     }
+    // sync.codec: each replica's residuals (and PowerSGD's Q), its codecs'
+    // run counts (their seeds), and the anchor its next change is taken from.
+    if (!codecs_.empty()) {
+      out.push_back({"codec.state", r, n, codec_state()});
+      out.push_back({"codec.runs", r, n, codec_runs()});
+      if (anchor_.defined()) out.push_back({"codec.anchor", r, n, anchor_});
+    }
     return out;
   }
 
@@ -267,6 +313,7 @@ class LocalStepsSync : public ReplicaSync {
       // parameters (DiLoCo's start is them, its momentum zero).
       steps_ = step;
       if (o_.scheme == "diloco") std::memcpy(start_.raw(), flat_.raw(), n_ * sizeof(float));
+      if (anchor_.defined()) std::memcpy(anchor_.raw(), flat_.raw(), n_ * sizeof(float));
       return;
     }
     const int64_t* c = counters().data<int64_t>();
@@ -277,6 +324,15 @@ class LocalStepsSync : public ReplicaSync {
           o_.scheme, c[0], step));
     }
     steps_ = c[0];
+    if (!codecs_.empty()) {
+      const float* x = codec_state().data<float>();
+      const int64_t* runs = codec_runs().data<int64_t>();
+      for (size_t k = 0; k < codecs_.size(); ++k) {
+        const size_t m = codecs_[k]->state_numel();
+        codecs_[k]->load_state({x, m}, static_cast<uint64_t>(runs[k]));
+        x += m;
+      }
+    }
     for (size_t f = 0; f < frags_.size(); ++f) {
       const int64_t* e = c + 1 + 3 * f;
       if (e[0] < 0) continue;
@@ -305,6 +361,11 @@ class LocalStepsSync : public ReplicaSync {
   double share_ = 1;
   int64_t steps_ = 0;
   Tensor start_, momentum_;  // diloco
+  // sync.codec (local_sgd, diloco): one compressed all-reduce per parameter
+  // (layout order) for the pseudo-gradients, each with its own residual;
+  // local_sgd's parameters as of the last synchronization (diloco's start_).
+  std::vector<std::unique_ptr<CompressedAllReduce>> codecs_;
+  Tensor anchor_;
   // diloco: fragments (one for plain DiLoCo), the exchanges in flight, and
   // their buffers: outer_stage_ (with overlap; flat-sized f32: each fragment's summed
   // pseudo-gradient at its offset); 4-bit: payload_ (each fragment's own
@@ -375,6 +436,21 @@ class LocalStepsSync : public ReplicaSync {
       counters_ = Tensor::zeros({1 + 3 * static_cast<int64_t>(frags_.size())}, DType::i64);
     }
     return counters_;
+  }
+  Tensor codec_state_, codec_runs_;  // checkpoints with sync.codec
+  Tensor& codec_state() {
+    if (!codec_state_.defined()) {
+      size_t m = 0;
+      for (const auto& c : codecs_) m += c->state_numel();
+      codec_state_ = Tensor::zeros({static_cast<int64_t>(m)}, DType::f32);
+    }
+    return codec_state_;
+  }
+  Tensor& codec_runs() {
+    if (!codec_runs_.defined()) {
+      codec_runs_ = Tensor::zeros({static_cast<int64_t>(codecs_.size())}, DType::i64);
+    }
+    return codec_runs_;
   }
 
   const Flight* flight_of(size_t f) const {
@@ -633,6 +709,58 @@ class LocalStepsSync : public ReplicaSync {
 
   void average_in_place() { weighted_sum(flat_, flat_); }
 
+  void setup_codecs() {
+    CompressedAllReduceOptions co;
+    co.codec = parse_codec_spec(o_.codec);
+    co.codec.error_feedback = o_.codec_error_feedback;
+    co.collective = opts();
+    for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
+      codecs_.push_back(std::make_unique<CompressedAllReduce>(group_, e.name, e.shape, co));
+    }
+    MemoryScope tag(MemoryCategory::comm);
+    if (o_.scheme == "local_sgd" || o_.scheme == "partial") anchor_ = flat_.clone();
+  }
+
+  int64_t codec_residual_numel() const {
+    int64_t n = 0;
+    for (const auto& c : codecs_) n += static_cast<int64_t>(c->residual().size());
+    return n;
+  }
+
+  // Each parameter of the flat buffer `d` averaged in place over the ranks
+  // through its codec (the average of what each rank sent).
+  void run_codecs(float* d) {
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      const std::span<float> x(d + layout_[k].offset,
+                               static_cast<size_t>(layout_[k].shape.numel()));
+      codecs_[k]->run(x, x);
+    }
+  }
+
+  // local_sgd (group -1: every parameter) and partial (layer group
+  // `group`) with a codec: each parameter's pseudo-gradient d_r = n s_r
+  // (anchor - theta_r) (its change since its last synchronization, weighted
+  // so the average over ranks is the batch-weighted mean) is averaged
+  // through its codec, with its residual; theta = anchor - that average,
+  // which is sum_r s_r theta_r when nothing is held back, and becomes the
+  // next anchor. Blocking (partial's overlap is for its f32 all-reduce).
+  void compressed_average(int group) {
+    const auto w = static_cast<float>(share_ * static_cast<double>(group_.size()));
+    for (size_t k = 0; k < layout_.size(); ++k) {
+      const ParamLayoutEntry& e = layout_[k];
+      if (group >= 0 && group_of_name_.at(e.name) != group) continue;
+      float* theta = flat_.data<float>() + e.offset;
+      float* a = anchor_.data<float>() + e.offset;
+      const auto n = static_cast<size_t>(e.shape.numel());
+      for (size_t i = 0; i < n; ++i) theta[i] = w * (a[i] - theta[i]);
+      codecs_[k]->run({theta, n}, {theta, n});
+      for (size_t i = 0; i < n; ++i) {
+        theta[i] = a[i] - theta[i];
+        a[i] = theta[i];
+      }
+    }
+  }
+
   void plan_fragments() {
     for (const DilocoFragment& d : diloco_fragments(flat_.numel(), o_.fragments, o_.period)) {
       Fragment f;
@@ -696,7 +824,10 @@ class LocalStepsSync : public ReplicaSync {
 
   Flight launch(size_t f) {
     const Fragment& fr = frags_[f];
-    const auto s = static_cast<float>(share_);
+    // With a codec each rank sends n s_r (start - theta_r) and the exchange
+    // averages: sum_r s_r (start - theta_r), as the f32 sum below.
+    const auto s =
+        static_cast<float>(codecs_.empty() ? share_ : share_ * static_cast<double>(group_.size()));
     const float* theta = flat_.data<float>() + fr.offset;  // may alias d
     const float* start = start_.data<float>() + fr.offset;
     float* d = pseudo_gradient(fr);
@@ -730,6 +861,11 @@ class LocalStepsSync : public ReplicaSync {
       return fl;
     }
     const auto t0 = std::chrono::steady_clock::now();
+    if (!codecs_.empty()) {  // one fragment, no overlap (validate_sync_options)
+      run_codecs(d);
+      outer_wait_s_ += seconds_since(t0);
+      return fl;
+    }
     if (o_.outer_bits == 32) {
       if (wait) {
         group_.all_reduce(d, d, n, DType::f32, ReduceOp::sum, opts());

@@ -60,6 +60,19 @@
 //              together per step (lock_step() is false: the trainer reports
 //              each rank's own loss).
 //
+// sync.codec (local_sgd, diloco, partial): the averaged quantity is the
+// pseudo-gradient, the parameters' change since the last synchronization
+// (local_sgd, partial: anchor - theta_r with the anchor the parameters the
+// last synchronization of that parameter left; diloco: start - theta_r). Each rank sends n s_r x
+// that change through one CompressedAllReduce per parameter
+// (sync/compressed_all_reduce.h, its own error-feedback residual), which
+// averages what the ranks sent; local_sgd takes theta = anchor - average
+// (sum_r s_r theta_r when nothing is held back), diloco's outer step takes
+// the average as its pseudo-gradient. Blocking, one fragment, 32 bits
+// (validate_sync_options refuses the Streaming options with a codec);
+// partial's group exchange is then blocking, right after the update; gossip
+// and adpsgd refuse codecs (replica_sync.cpp says why).
+//
 // Gradients are handled by a DataParallel over a one-rank communicator (its
 // buckets, accumulation and gradient memory), scaled so each replica's
 // gradient is the mean over its own examples. Memory beyond DataParallel's:

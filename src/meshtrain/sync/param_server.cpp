@@ -13,6 +13,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
+#include "meshtrain/sync/codecs.h"
 #include "meshtrain/tensor/memory_stats.h"
 
 namespace mt {
@@ -70,12 +71,13 @@ class ParamServerSync : public ReplicaSync {
       shard_elems_[static_cast<size_t>(shard_of_[i])] += layout_[i].shape.numel();
     }
     if (o_.ps_switch.starts_with("after:")) switch_after_ = std::stoll(o_.ps_switch.substr(6));
+    setup_codecs();  // before plan_pieces: a piece's bytes are its parameters' push bytes
     plan_pieces();
     MemoryScope tag(MemoryCategory::comm);
     if (is_server()) {
       const int j = server_index();
       const size_t msg = message_bytes(j);
-      inbox_ = Tensor::empty({static_cast<int64_t>(msg) * workers_}, DType::u8);
+      inbox_ = Tensor::empty({static_cast<int64_t>(push_bytes(j)) * workers_}, DType::u8);
       outbox_ = Tensor::empty({static_cast<int64_t>(msg) * workers_}, DType::u8);
       acc_ =
           Tensor::zeros({std::max<int64_t>(shard_elems_[static_cast<size_t>(j)], 1)}, DType::f32);
@@ -94,9 +96,12 @@ class ParamServerSync : public ReplicaSync {
         server_params_.push_back(i);
       }
     } else {
-      size_t total = 0;
-      for (int j = 0; j < servers_; ++j) total += message_bytes(j);
-      push_ = Tensor::empty({static_cast<int64_t>(total)}, DType::u8);
+      size_t total = 0, pushed = 0;
+      for (int j = 0; j < servers_; ++j) {
+        total += message_bytes(j);
+        pushed += push_bytes(j);
+      }
+      push_ = Tensor::empty({static_cast<int64_t>(pushed)}, DType::u8);
       pull_ = Tensor::empty({static_cast<int64_t>(total)}, DType::u8);
       seen_.assign(static_cast<size_t>(servers_), 0);
     }
@@ -169,12 +174,22 @@ class ParamServerSync : public ReplicaSync {
     } else {
       c = {steps_, mode_, straggler_seen_ ? 1 : 0};
       c.insert(c.end(), seen_.begin(), seen_.end());
+      float* r = residuals().data<float>();
+      for (const auto& e : encoders_) {
+        std::copy(e->residual().begin(), e->residual().end(), r);
+        r += e->residual().size();
+      }
     }
     std::memcpy(counters().raw(), c.data(), c.size() * sizeof(int64_t));
   }
+  // With sync.codec a worker's error-feedback residuals (layout order) are
+  // its row "ps.worker.residual" (its codecs' seeds follow its steps).
   std::vector<StatePiece> checkpoint_state() override {
     if (is_server()) return {{"ps.server", server_index(), servers_, counters()}};
-    return {{"ps.worker", group_.rank(), workers_, counters()}};
+    std::vector<StatePiece> out = {{"ps.worker", group_.rank(), workers_, counters()}};
+    if (!encoders_.empty())
+      out.push_back({"ps.worker.residual", group_.rank(), workers_, residuals()});
+    return out;
   }
   void restore_checkpoint(int64_t step, bool with_state) override {
     if (!with_state) {
@@ -204,11 +219,19 @@ class ParamServerSync : public ReplicaSync {
     mode_ = c[1];
     straggler_seen_ = c[2] != 0;
     seen_.assign(c + 3, c + 3 + servers_);
+    const float* r = residuals().data<float>();
+    for (const auto& e : encoders_) {
+      const size_t n = e->residual().size();
+      e->set_residual({r, n});
+      r += n;
+    }
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
-    const int64_t extra = static_cast<int64_t>(inbox_.nbytes() + outbox_.nbytes() + acc_.nbytes() +
-                                               push_.nbytes() + pull_.nbytes());
+    int64_t extra = static_cast<int64_t>(inbox_.nbytes() + outbox_.nbytes() + acc_.nbytes() +
+                                         push_.nbytes() + pull_.nbytes());
+    // sync.codec: each encoder's residual and its scratch (e = grad + residual)
+    for (const auto& e : encoders_) extra += 8 * static_cast<int64_t>(e->residual().size());
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;
@@ -228,8 +251,19 @@ class ParamServerSync : public ReplicaSync {
     pushed_pieces_ = overlapped_pieces_ = 0;
   }
   std::string name() const override {
-    return o_.ps_switch.empty() ? fmt::format("ps+{}", o_.ps_mode)
-                                : fmt::format("ps+bsp/switch={}", o_.ps_switch);
+    const std::string mode = o_.ps_switch.empty() ? o_.ps_mode : "bsp/switch=" + o_.ps_switch;
+    if (codecs_.empty()) return fmt::format("ps+{}", mode);
+    return fmt::format("ps+{}+{}", mode, parse_codec_spec(o_.codec).to_string());
+  }
+  std::vector<float> codec_residual() const override {
+    std::vector<float> r;
+    if (encoders_.empty()) return r;
+    r.assign(static_cast<size_t>(flat_.numel()), 0.0F);
+    for (size_t i = 0; i < layout_.size(); ++i) {
+      const std::span<const float> x = encoders_[i]->residual();
+      std::copy(x.begin(), x.end(), r.begin() + layout_[i].offset);
+    }
+    return r;
   }
   // Workers hold the parameters of their last pull, which differ under ASP
   // and SSP; after finish() every worker holds the servers' final ones.
@@ -273,12 +307,13 @@ class ParamServerSync : public ReplicaSync {
   Tensor inbox_, outbox_, acc_;  // server: one message per worker; BSP's sum
   std::vector<ParamSlice> server_slices_;
   std::vector<size_t> server_params_;  // layout indices of this server's shard (message order)
-  // Messages: server j's shard in message order (buckets in index order,
-  // layout order inside a bucket); its pieces, one per bucket holding part
-  // of it (offset and elements in message order, the parameters), sent as
-  // one message each, the first with the header in front.
+  // Pushes: server j's shard in message order (buckets in index order,
+  // layout order inside a bucket), each parameter as its push bytes (f32,
+  // or its codec's payload); its pieces, one per bucket holding part of it
+  // (byte offset after the header and bytes, the parameters), sent as one
+  // message each, the first with the header in front.
   struct Piece {
-    int64_t offset = 0, numel = 0;
+    size_t offset = 0, bytes = 0;
     std::vector<size_t> params;
   };
   std::vector<std::vector<size_t>> order_;
@@ -309,29 +344,28 @@ class ParamServerSync : public ReplicaSync {
         if (piece_of_bucket_[j][b] < 0) {
           piece_of_bucket_[j][b] = static_cast<int>(pieces_[j].size());
           Piece pc;
-          for (size_t x : order_[j]) pc.offset += layout_[x].shape.numel();
+          for (size_t x : order_[j]) pc.offset += push_param_bytes(x);
           pieces_[j].push_back(pc);
         }
         Piece& pc = pieces_[j].back();
         pc.params.push_back(i);
-        pc.numel += layout_[i].shape.numel();
+        pc.bytes += push_param_bytes(i);
         order_[j].push_back(i);
       }
     }
     size_t at = 0;
     for (int j = 0; j < servers_; ++j) {
       push_at_.push_back(at);
-      at += message_bytes(j);
+      at += push_bytes(j);
       total_pieces_ += pieces_[static_cast<size_t>(j)].size();
     }
   }
 
-  // Piece k of server j's message: {byte offset in the message, bytes}.
+  // Piece k of a push to server j: {byte offset in the push, bytes}.
   std::pair<size_t, size_t> piece_bytes(int j, int k) const {
     const Piece& pc = pieces_[static_cast<size_t>(j)][static_cast<size_t>(k)];
-    const size_t data = 4 * static_cast<size_t>(pc.numel);
-    if (k == 0) return {0, kHeaderBytes + data};
-    return {kHeaderBytes + 4 * static_cast<size_t>(pc.offset), data};
+    if (k == 0) return {0, kHeaderBytes + pc.bytes};
+    return {kHeaderBytes + pc.offset, pc.bytes};
   }
   // Server: optimizer updates of this shard, BSP steps taken, a switch to
   // ASP asked for, each worker's pushes (kept across serve() for checkpoints).
@@ -347,6 +381,59 @@ class ParamServerSync : public ReplicaSync {
     }
     return counters_;
   }
+  Tensor residuals_;  // worker, sync.codec: checkpoints' copy of the residuals
+  Tensor& residuals() {
+    if (!residuals_.defined()) {
+      size_t n = 0;
+      for (const auto& e : encoders_) n += e->residual().size();
+      residuals_ = Tensor::zeros({std::max<int64_t>(static_cast<int64_t>(n), 1)}, DType::f32);
+    }
+    return residuals_;
+  }
+  // sync.codec: each parameter's payload codec (pure; both sides) and, on a
+  // worker, its error-feedback encoder (layout order). Empty: f32 pushes.
+  std::vector<std::unique_ptr<PayloadCodec>> codecs_;
+  std::vector<std::unique_ptr<FeedbackEncoder>> encoders_;
+
+  void setup_codecs() {
+    CodecSpec spec = parse_codec_spec(o_.codec);
+    if (spec.kind == CodecKind::none) return;
+    spec.error_feedback = o_.codec_error_feedback;
+    for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
+      const auto n = static_cast<size_t>(e.shape.numel());
+      codecs_.push_back(make_payload_codec(spec, n));
+      if (!is_server()) {
+        encoders_.push_back(
+            std::make_unique<FeedbackEncoder>(make_payload_codec(spec, n), spec.error_feedback));
+      }
+    }
+  }
+  // Bytes of parameter i's gradient in a push.
+  size_t push_param_bytes(size_t i) const {
+    return codecs_.empty() ? 4 * static_cast<size_t>(layout_[i].shape.numel())
+                           : codecs_[i]->payload_bytes();
+  }
+  // A push to server j: header, then its parameters' gradients (f32 or the
+  // codec's payloads), message order.
+  size_t push_bytes(int j) const {
+    size_t b = kHeaderBytes;
+    for (size_t i = 0; i < layout_.size(); ++i) {
+      if (shard_of_[i] == j) b += push_param_bytes(i);
+    }
+    return b;
+  }
+  // Server, with a codec: acc = (add ? acc : 0) + scale x the decoded push
+  // (both in message order).
+  void decode_push(const std::byte* payloads, float scale, bool add) {
+    float* acc = acc_.data<float>();
+    for (size_t i : server_params_) {
+      const auto n = static_cast<size_t>(layout_[i].shape.numel());
+      if (!add) std::fill(acc, acc + n, 0.0F);
+      codecs_[i]->decode_add({payloads, push_param_bytes(i)}, scale, {acc, n});
+      payloads += push_param_bytes(i);
+      acc += n;
+    }
+  }
 
   int server_index() const { return group_.rank() - workers_; }
   int server_rank(int j) const { return workers_ + j; }
@@ -360,7 +447,8 @@ class ParamServerSync : public ReplicaSync {
     return c;
   }
 
-  // Packs server j's part of `grads` (layout order) after a header.
+  // Packs the header of a push to server j; a "done" push's gradients are
+  // zeros (a gradient push's follow bucket by bucket, push_bucket).
   void pack(std::byte* out, int j, int64_t kind) const {
     int64_t h[kHeader] = {kind,
                           steps_,
@@ -369,34 +457,43 @@ class ParamServerSync : public ReplicaSync {
                           straggler_seen_ ? kFlagStraggler : 0,
                           0};
     std::memcpy(out, h, kHeaderBytes);
-    if (kind == kGrad) return;  // the gradients follow bucket by bucket (push_bucket)
-    std::memset(out + kHeaderBytes, 0, message_bytes(j) - kHeaderBytes);
+    if (kind == kGrad) return;
+    std::memset(out + kHeaderBytes, 0, push_bytes(j) - kHeaderBytes);
   }
 
   // The DataParallel hook: bucket b's gradients are final, so each server's
   // part of them goes now, while the backward goes on with the next
   // buckets (a piece's first message carries the header, packed then).
+  // Each parameter goes into its place in the push as f32, or encoded by
+  // its codec (the residual kept on this worker for the next push).
   void push_bucket(int b, bool during_backward) {
     if (!pushing_) {
       pushing_ = true;
       std::byte* out = static_cast<std::byte*>(push_.raw());
       for (int j = 0; j < servers_; ++j) {
         pack(out, j, kGrad);
-        out += message_bytes(j);
+        out += push_bytes(j);
       }
     }
     std::span<ParamSlice> grads = local_.slices();
     std::byte* base = static_cast<std::byte*>(push_.raw());
+    const uint64_t seed = codecs_.empty() ? 0 : parse_codec_spec(o_.codec).seed;
     for (int j = 0; j < servers_; ++j) {
       const int k = piece_of_bucket_[static_cast<size_t>(j)][static_cast<size_t>(b)];
       if (k < 0) continue;
       const Piece& pc = pieces_[static_cast<size_t>(j)][static_cast<size_t>(k)];
-      float* g = reinterpret_cast<float*>(base + push_at_[static_cast<size_t>(j)] + kHeaderBytes) +
-                 pc.offset;
+      std::byte* p = base + push_at_[static_cast<size_t>(j)] + kHeaderBytes + pc.offset;
       for (const size_t i : pc.params) {
         const auto n = static_cast<size_t>(layout_[i].shape.numel());
-        std::memcpy(g, grads[i].grad.raw(), n * sizeof(float));
-        g += n;
+        const size_t bytes = push_param_bytes(i);
+        if (codecs_.empty()) {
+          std::memcpy(p, grads[i].grad.raw(), bytes);
+        } else {
+          encoders_[i]->encode({grads[i].grad.data<float>(), n},
+                               codec_seed(seed + i, group_.rank(), static_cast<uint64_t>(steps_)),
+                               {p, bytes});
+        }
+        p += bytes;
       }
       send_piece(j, k);
       ++pushed_pieces_;
@@ -413,7 +510,7 @@ class ParamServerSync : public ReplicaSync {
 
   // The pushes went out per bucket during the backward (push_bucket); a
   // "done" push goes now, all pieces of zeros. Then each server's reply:
-  // its shard of the parameters.
+  // its shard of the parameters (f32).
   void exchange(int64_t kind) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto wait = timeout_ + std::chrono::seconds(2);
@@ -424,7 +521,7 @@ class ParamServerSync : public ReplicaSync {
         for (size_t k = 0; k < pieces_[static_cast<size_t>(j)].size(); ++k) {
           send_piece(j, static_cast<int>(k));
         }
-        out += message_bytes(j);
+        out += push_bytes(j);
       }
     } else {
       MT_CHECK(pushing_ && sends_.size() == total_pieces_,
@@ -475,10 +572,11 @@ void ParamServerSync::serve(const ServerUpdate& update) {
   MT_CHECK(is_server(), "serve() on worker rank {}", group_.rank());
   const int j = server_index();
   const size_t msg = message_bytes(j);
+  const size_t push = push_bytes(j);
   const auto n_elems = static_cast<size_t>(shard_elems_[static_cast<size_t>(j)]);
   std::byte* inbox = static_cast<std::byte*>(inbox_.raw());
   std::byte* outbox = static_cast<std::byte*>(outbox_.raw());
-  auto in_of = [&](int w) { return inbox + static_cast<size_t>(w) * msg; };
+  auto in_of = [&](int w) { return inbox + static_cast<size_t>(w) * push; };
   auto out_of = [&](int w) { return outbox + static_cast<size_t>(w) * msg; };
   using Clock = std::chrono::steady_clock;
 
@@ -577,8 +675,12 @@ void ParamServerSync::serve(const ServerUpdate& update) {
       int64_t hw[kHeader];
       std::memcpy(hw, in_of(w), kHeaderBytes);
       const auto share = static_cast<float>(as_double(hw[3]));
-      const float* gw = reinterpret_cast<const float*>(in_of(w) + kHeaderBytes);
-      for (size_t i = 0; i < n_elems; ++i) acc[i] += share * gw[i];
+      if (codecs_.empty()) {
+        const float* gw = reinterpret_cast<const float*>(in_of(w) + kHeaderBytes);
+        for (size_t i = 0; i < n_elems; ++i) acc[i] += share * gw[i];
+      } else {
+        decode_push(in_of(w) + kHeaderBytes, share, true);
+      }
       post_piece(w);
     }
     update(server_slices_, bsp_steps, 1.0);
@@ -664,7 +766,11 @@ void ParamServerSync::serve(const ServerUpdate& update) {
       continue;
     }
     // ASP / SSP: one optimizer step on this worker's gradient, now.
-    std::memcpy(acc_.raw(), g, n_elems * sizeof(float));
+    if (codecs_.empty()) {
+      std::memcpy(acc_.raw(), g, n_elems * sizeof(float));
+    } else {
+      decode_push(in_of(w) + kHeaderBytes, 1.0F, false);
+    }
     const int64_t staleness = version - h[2];
     const double scale =
         o_.staleness_lr && staleness > 1 ? 1.0 / static_cast<double>(staleness) : 1.0;

@@ -42,6 +42,15 @@
 // the servers' shards and optimizer state as whole tensors, each server's
 // and worker's counters as rows, written after finish().
 //
+// sync.codec (payload codecs: f16, bf16, topk, randk, qsgd, sign): a push
+// carries each of server j's parameters as the codec's payload instead of
+// f32 (sizes fixed by codec and shape, so receives still name them), encoded
+// on the worker with an error-feedback residual per parameter
+// (sync/codecs.h, FeedbackEncoder); the server decodes it and adds share x
+// the decoded gradient (BSP) or steps on it (ASP / SSP). Replies stay f32
+// parameters. PowerSGD is refused: its factors are all-reduced among the
+// compressing ranks, which a server that takes pushes one by one is not.
+//
 // How a server serves: it posts one receive per worker (Communicator::
 // post_recv) and handles whichever completes first (wait_any), re-posting
 // that worker's receive once the message is consumed. A worker sends one push

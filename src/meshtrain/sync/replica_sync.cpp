@@ -63,6 +63,42 @@ uint64_t sync_bytes_sent(const Communicator& c) {
   return n;
 }
 
+namespace {
+
+// Which schemes a codec composes with, and why the others refuse it.
+void validate_codec_scheme(const SyncOptions& o, const CodecSpec& spec) {
+  if (o.scheme == "gossip" || o.scheme == "adpsgd") {
+    throw ConfigError(fmt::format(
+        "sync.codec = \"{}\": codecs compress a gradient or a pseudo-gradient that is averaged "
+        "over all replicas (sync.scheme = allreduce, ps, local_sgd, diloco, partial); \"{}\" "
+        "mixes neighbours' parameters, which have no such difference to compress",
+        o.codec, o.scheme));
+  }
+  if (o.scheme == "ps" && spec.kind == CodecKind::powersgd) {
+    throw ConfigError(fmt::format(
+        "sync.codec = \"{}\": PowerSGD all-reduces its factors among the ranks that compress, "
+        "and a parameter server takes each worker's push on its own; with sync.scheme = \"ps\" "
+        "use f16, bf16, topk, randk, qsgd or sign",
+        o.codec));
+  }
+  if (o.scheme == "diloco") {
+    const char* key = o.fragments != 1       ? "sync.fragments"
+                      : o.overlap_steps != 0 ? "sync.overlap_steps"
+                      : o.outer_bits != 32   ? "sync.outer_bits"
+                                             : nullptr;
+    if (key != nullptr) {
+      throw ConfigError(fmt::format(
+          "sync.codec = \"{}\" with {}: the codec compresses DiLoCo's whole pseudo-gradient "
+          "with one blocking exchange per parameter, so it needs sync.fragments = 1, "
+          "sync.overlap_steps = 0 and sync.outer_bits = 32 (the 4-bit outer exchange is a codec "
+          "of its own)",
+          o.codec, key));
+    }
+  }
+}
+
+}  // namespace
+
 void validate_sync_options(const SyncOptions& o) {
   static const std::set<std::string> schemes = {"allreduce", "local_sgd", "diloco", "gossip",
                                                 "ps",        "partial",   "adpsgd"};
@@ -174,12 +210,7 @@ void validate_sync_options(const SyncOptions& o) {
   }
   {
     const CodecSpec spec = parse_codec_spec(o.codec);  // ConfigError naming sync.codec
-    if (spec.kind != CodecKind::none && o.scheme != "allreduce") {
-      throw ConfigError(
-          fmt::format("sync.codec = \"{}\": codecs ride on the gradient exchange of sync.scheme = "
-                      "\"allreduce\" so far, not \"{}\"",
-                      o.codec, o.scheme));
-    }
+    if (spec.kind != CodecKind::none) validate_codec_scheme(o, spec);
   }
   if (o.consensus_every < 0) {
     throw ConfigError(fmt::format("sync.consensus_every: must be >= 0 (0 = at the end), got {}",

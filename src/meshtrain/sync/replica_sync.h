@@ -86,9 +86,13 @@ struct SyncOptions {
   std::string topology = "ring";
   // Steps between consensus-distance reports (0: only at the end).
   int64_t consensus_every = 0;
-  // allreduce: the gradient codec on the exchange (sync/codec_spec.h:
-  // none | f16 | bf16 | topk:K | randk:K | qsgd:BITS[:BUCKET] | sign[:CHUNK]
-  // | powersgd:RANK), with error feedback unless codec_error_feedback is off.
+  // The codec on the exchange (sync/codec_spec.h: none | f16 | bf16 |
+  // topk:K | randk:K | qsgd:BITS[:BUCKET] | sign[:CHUNK] | powersgd:RANK),
+  // with error feedback unless codec_error_feedback is off: allreduce on
+  // every step's gradients; local_sgd, diloco and partial on the
+  // pseudo-gradient of each synchronization (the parameters' change since
+  // the last one);
+  // ps on the workers' gradient pushes (payload codecs only).
   std::string codec = "none";
   bool codec_error_feedback = true;
   // ps (sync/param_server.h): the last `servers` ranks hold the parameter
@@ -163,6 +167,10 @@ class ReplicaSync {
   // Bytes this rank sent for synchronization so far (the communicator's
   // counters), for the summary's bytes per step.
   virtual uint64_t bytes_sent() const = 0;
+  // sync.codec: what this rank's codecs hold back for their next exchange
+  // (the error-feedback residual), at the parameters' flat offsets (the
+  // layout's flat size; padding zero). Empty without a codec.
+  virtual std::vector<float> codec_residual() const { return {}; }
 
   // Parameter-server schemes (sync/param_server.h). A server rank computes
   // nothing: the trainer calls serve() instead of its step loop, and serve()

@@ -22,6 +22,7 @@
 #include "meshtrain/graph/builder.h"
 #include "meshtrain/graph/collective.h"
 #include "meshtrain/spmd/collective_runner.h"
+#include "meshtrain/sync/codec_spec.h"
 #include "meshtrain/sync/consistency.h"
 #include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/sync/straggler.h"
@@ -832,6 +833,7 @@ struct Trainer::Impl {
          dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kReplicas ? "replicas" : "servers"},
         {"sync.ranks", std::to_string(s.scheme == "ps" ? world : dp_world)}};
     if (s.scheme == "ps") m["sync.servers"] = std::to_string(s.servers);
+    m["sync.codec"] = parse_codec_spec(s.codec).to_string();
     if (s.scheme == "diloco") {
       m["sync.fragments"] = std::to_string(s.fragments);
       m["sync.overlap_steps"] = std::to_string(s.overlap_steps);
@@ -1033,6 +1035,16 @@ struct Trainer::Impl {
           path, key, get(key), key, value, key, get(key)));
     };
     if (s.scheme == "ps") same("sync.servers", s.servers);
+    // Each rank's codec state (residuals, PowerSGD's Q) is the saved codec's.
+    const std::string codec = parse_codec_spec(s.codec).to_string();
+    const std::string saved = get("sync.codec").empty() ? "none" : get("sync.codec");
+    if (codec != saved) {
+      throw CheckpointError(fmt::format(
+          "checkpoint {}: written with sync.codec = \"{}\", this run has sync.codec = \"{}\": "
+          "each rank's saved codec state (its error-feedback residual) belongs to that codec; "
+          "resume with sync.codec = \"{}\"",
+          path, saved, codec, saved));
+    }
     if (s.scheme == "diloco") {
       same("sync.fragments", s.fragments);
       same("sync.overlap_steps", s.overlap_steps);
