@@ -311,6 +311,22 @@ TEST(MpiComm, MismatchRaisesTheSameErrorOnEveryRank) {
   EXPECT_EQ(lo, hi);
 }
 
+// A rank that reaches a communicator's teardown long before the others
+// gives up freeing its shared window; the late ones must then give up too
+// rather than wait in MPI_Win_free for it (the parameter server's hang at
+// exit: servers finish while the workers still evaluate).
+TEST(MpiComm, TeardownWithOneRankFarAheadEndsOnEveryRank) {
+  auto w = world();
+  CommOptions o;
+  MpiOptions m;
+  m.shm_bytes_per_rank = 64 * 1024;
+  m.teardown_timeout = std::chrono::milliseconds(200);
+  auto c = make_mpi_communicator(o, m);
+  if (c->rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  c.reset();
+  w->barrier();  // every rank is out of the destructor
+}
+
 // Last: the communicators it times out on become unusable.
 TEST(MpiComm, TimeoutNamesTheRankThatNeverCalls) {
   for (bool shm : {true, false}) {

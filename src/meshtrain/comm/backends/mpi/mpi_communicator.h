@@ -17,7 +17,9 @@ struct MpiOptions {
   // Data bytes per rank of that window (two slots of this size / 2).
   size_t shm_bytes_per_rank = size_t{1} << 20;
   // How long a communicator's destructor waits for the other ranks before it
-  // gives up freeing the window (MPI_Win_free synchronises).
+  // gives up freeing the window (MPI_Win_free synchronises). Ranks that come
+  // later than that then wait as long again and leave the window to MPI too
+  // (no rank frees it unless every rank does).
   std::chrono::milliseconds teardown_timeout{10'000};
 };
 

@@ -186,10 +186,20 @@ MpiTransport::~MpiTransport() {
   MpiRuntime& rt = MpiRuntime::instance();
   if (rt.peer_lost()) return;  // freeing would synchronise with the dead
   try {
-    // MPI_Win_free synchronises; free only once every rank is here.
+    // MPI_Win_free synchronises; free only once every rank is here. One
+    // barrier is not enough to know that: a rank that gives up on it (it
+    // came more than teardown_timeout before the others) leaves its
+    // MPI_Ibarrier posted, so the late ranks' barrier completes and they
+    // would wait in MPI_Win_free for a rank already in MPI_Finalize (the
+    // parameter server's hang at exit, where the servers finish long before
+    // the workers). A second barrier that only ranks which completed the
+    // first enter: when one gave up, the others time out on it and leave
+    // the window to MPI as well.
     if (win_ != MPI_WIN_NULL) {
       barrier(comm_, CommClock::now() + options_.teardown_timeout, "communicator teardown", rank_,
               size_);
+      barrier(comm_, CommClock::now() + options_.teardown_timeout,
+              "communicator teardown (every rank there)", rank_, size_);
       auto lock = rt.lock();
       MPI_Win_free(&win_);
     }
