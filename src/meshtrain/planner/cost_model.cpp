@@ -980,7 +980,8 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       // all-gathered.
       const bool sharded = zero >= 1 && dp_world > 1;
       const int64_t opt_numel = sharded ? zero1_shard_elements(param_numel, dp_world) : param_numel;
-      b.compute("optimizer", "optimizer", optimizer_seconds(dev, opt_numel, kinds, slow, Pricing::of(dev, o.precision)), 0);
+      b.compute("optimizer", "optimizer",
+                optimizer_seconds(dev, opt_numel, kinds, slow, Pricing::of(dev, o.precision)), 0);
       if (sharded) {
         for (const auto& [name, numel] : stage_params) {
           comm::CollectiveShape cs{Collective::all_gatherv, 0, even_counts(numel, dp_world), 4, 0};
