@@ -96,6 +96,8 @@ SCHEMES = [
     ("adpsgd_ring", ['sync.scheme="adpsgd"', 'sync.topology="ring"']),
     ("local_sgd_h8", ['sync.scheme="local_sgd"', "sync.period=8", "sync.sync_until=100"]),
     ("diloco_h50_4bit", ['sync.scheme="diloco"', "sync.period=50", "sync.outer_bits=4"]),
+    ("diloco_h50_4bit_rs", ['sync.scheme="diloco"', "sync.period=50", "sync.outer_bits=4",
+                            'sync.outer_exchange="reduce_scatter"']),
     ("partial_p4", ['sync.scheme="partial"', "sync.period=4"]),
 ]
 # Codecs on the all-reduce exchange (error feedback: the default, on).
