@@ -224,7 +224,8 @@ TEST(LinkEmulation, CollectivesAndObserverShowEmulatedTime) {
   const auto [observed, counted] = run(L, W);
   const double expected = 3 * L + static_cast<double>(count * 4) / W;
   EXPECT_GE(observed, expected * 0.95);
-  // Sensitive to a fourth latency (+14%) where the work is small.
+  // The slack: 10% of the emulated time and twice that work (the old fixed
+  // 25% failed a sanitizer build, whose copies and sums are slower).
   EXPECT_LE(observed, expected * 1.1 + 2 * work)
       << "observed " << observed << " expected " << expected << " work " << work;
   EXPECT_GE(counted, expected * 0.95);
