@@ -1,12 +1,14 @@
 // The machine description (machine.h), the OpenBLAS core-type advice, and
 // the matmul engines' correctness probe: a wrong engine (injected through
 // FastBackendOptions' test hook) is dropped with its reason, the other one
-// serves every call, and pinning the wrong one is a ConfigError.
+// serves every call, and pinning the wrong one is a ConfigError; the clock
+// the engines time their trials on sees a trial of tens of microseconds.
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/base/timer.h"
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
 #include "meshtrain/tensor/backends/fast/matmul_engine.h"
 #include "meshtrain/tensor/kernels.h"
@@ -114,6 +116,22 @@ CpuInfo cpu_with(bool avx2, bool avx512) {
   c.avx2 = avx2;
   c.avx512 = avx512;
   return c;
+}
+
+// Where the thread CPU clock advances only at the scheduler's tick, a short
+// trial read 0 s on it (train.precision = "auto" then priced the bf16 casts
+// at nothing); the trial clock falls back to the wall clock there.
+TEST(TrialClock, SeesATrialOfFiftyMicroseconds) {
+  for (int threads : {1, 2}) {
+    const double t0 = trial_clock_s(threads);
+    const int64_t until = now_ns() + 50'000;
+    while (now_ns() < until) {
+    }
+    const double t = trial_clock_s(threads) - t0;
+    EXPECT_GT(t, 0.0) << threads
+                      << " thread(s); thread CPU clock fine: " << thread_cpu_clock_is_fine();
+    EXPECT_LT(t, 1.0) << threads << " thread(s)";
+  }
 }
 
 TEST(OpenBlasCoretype, LevelsOfKnownCoreTypes) {

@@ -20,10 +20,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "meshtrain/base/error.h"
@@ -231,11 +233,17 @@ TEST(ParamServerMpi, BspEqualsAllReduceStepByStepAndCountsItsBytes) {
   }
 }
 
-// Rank 2 (a worker) computes 4x slower: a larger hidden layer so compute,
-// not messaging, sets the pace.
+// Rank 2 (a worker) computes 4x slower (a larger hidden layer so compute,
+// not messaging, sets the pace) and also sleeps 40 ms after every step: a
+// relative slowdown alone left the ranks' pace to the machine's load (on a
+// crowded 2-core machine the fast workers' messaging can take as long as
+// the slowed compute), a fixed pause does not.
 TrainerOptions slowed(const SyncOptions& s, int64_t steps) {
   TrainerOptions o = options(s, steps);
   o.dist.slowdown = {1.0, 1.0, 4.0, 1.0};
+  o.dist.after_step = [](int64_t, int rank) {
+    if (rank == 2) std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  };
   o.optim.sgd.momentum = 0;
   return o;
 }

@@ -1,4 +1,6 @@
-// Monotonic wall-clock helpers used for per-operator timing and metrics.
+// Clocks: the monotonic wall clock for per-operator timing and metrics, the
+// calling thread's CPU time, and the clock that measured choices (engine
+// trials, train.precision = "auto") time their trials on.
 #pragma once
 
 #include <chrono>
@@ -22,5 +24,19 @@ class Stopwatch {
  private:
   int64_t start_;
 };
+
+// CPU time of the calling thread, in nanoseconds.
+int64_t thread_cpu_ns();
+
+// Whether the calling thread's CPU clock advances in steps of at most 20 us.
+// Some virtual machines advance it only at the scheduler's tick (1-10 ms),
+// where a trial of tens of microseconds reads 0. Probed once per process.
+bool thread_cpu_clock_is_fine();
+
+// A clock in seconds for timing alternative ways to do the same work: with
+// one thread the work runs on the calling thread, whose CPU time ignores
+// preemption by other processes on a shared machine (where that clock is
+// fine); otherwise the wall clock, since helpers' time counts too.
+double trial_clock_s(int threads);
 
 }  // namespace mt

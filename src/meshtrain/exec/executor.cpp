@@ -74,12 +74,6 @@ const char* role_name(ValueRole r) {
   return "value";
 }
 
-// CPU time of the calling thread.
-int64_t thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
 }  // namespace
 
 struct Executor::Impl {

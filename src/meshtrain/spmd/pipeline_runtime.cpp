@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <time.h>
-
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -23,12 +21,6 @@ namespace {
 // them: early enough that the message lands while the compute before it
 // runs, late enough that a 1F1B stage holds about p received buffers, not m.
 constexpr size_t kRecvLookahead = 6;
-
-int64_t thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
 
 size_t ix(int v) {
   return static_cast<size_t>(v);

@@ -1,10 +1,7 @@
 // The start-up precision decision (see precision.h).
 #include "meshtrain/train/precision.h"
 
-#include <time.h>
-
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -12,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/base/timer.h"
 #include "meshtrain/tensor/backends/fast/fast_backend.h"
 #include "meshtrain/tensor/kernels.h"
 #include "meshtrain/tensor/machine.h"
@@ -19,18 +17,6 @@
 namespace mt {
 
 namespace {
-
-// As the engines' trials (fast_common.h): the calling thread's CPU time at
-// one thread (robust to neighbours on a shared machine), wall time otherwise.
-double clock_s(int threads) {
-  if (threads == 1) {
-    timespec ts{};
-    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
-      return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-    }
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 Tensor filled(const Shape& s, DType t, float v) {
   Tensor x = Tensor::full(s, DType::f32, v);
@@ -48,9 +34,9 @@ double time_matmul(KernelBackend& k, const MatmulUse& u, DType t, int threads) {
   k.matmul(a, b, c, p);  // primitive creation, first touch
   double best = 1e300;
   for (int i = 0; i < 3; ++i) {
-    const double t0 = clock_s(threads);
+    const double t0 = trial_clock_s(threads);
     k.matmul(a, b, c, p);
-    best = std::min(best, clock_s(threads) - t0);
+    best = std::min(best, trial_clock_s(threads) - t0);
   }
   return std::max(best, 1e-9);
 }
@@ -77,12 +63,12 @@ double time_stash_casts(KernelBackend& k, const std::vector<int64_t>& sizes, int
   if (timed == 0) return 0.0;
   double best = 1e300;
   for (int round = 0; round < 4; ++round) {
-    const double t0 = clock_s(threads);
+    const double t0 = trial_clock_s(threads);
     for (size_t i = 0; i < x.size(); ++i) k.cast(x[i], low[i]);
     for (size_t i = 0; i < x.size(); ++i) k.cast(low[i], back[i]);
-    if (round > 0) best = std::min(best, clock_s(threads) - t0);
+    if (round > 0) best = std::min(best, trial_clock_s(threads) - t0);
   }
-  return best * static_cast<double>(total) / static_cast<double>(timed);
+  return std::max(best, 1e-9) * static_cast<double>(total) / static_cast<double>(timed);
 }
 
 // Whether AMX did the bf16 work, for the rates line.
@@ -224,7 +210,7 @@ PrecisionDecision decide_precision(const std::string& requested, const std::vect
     const std::unique_ptr<KernelBackend> owned = make_fast_backend(kernels("reference"), fast);
     KernelBackend& k = *owned;
     const int threads = 1;
-    const double t0 = clock_s(0);
+    const double t0 = trial_clock_s(0);
     double flops = 0, f32_s = 0, bf16_s = 0;
     for (const MatmulUse& u : uses) {
       const auto calls = static_cast<double>(u.calls);
@@ -245,7 +231,7 @@ PrecisionDecision decide_precision(const std::string& requested, const std::vect
       d.storage_cast_s =
           time_stash_casts(k, stash_sizes, threads) * storage_cost_factor_for_testing;
     }
-    d.seconds = clock_s(0) - t0;
+    d.seconds = trial_clock_s(0) - t0;
   }
   apply_precision_policy(d);
   return d;

@@ -1,7 +1,5 @@
 #include "meshtrain/train/trainer.h"
 
-#include <time.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -57,13 +55,6 @@ constexpr int64_t kWarmupSteps = 5;
 // A measured value, or JSON null where nothing was measured (never 0).
 nlohmann::json or_null(const std::optional<double>& v) {
   return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
-}
-
-// CPU time of the calling thread.
-int64_t thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
 ParamLayout layout_of(const ParamStore& store) {

@@ -5,6 +5,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "meshtrain/base/timer.h"
 #include "meshtrain/tensor/backends/fast/fast_common.h"
 
 namespace mt::fast {
@@ -164,9 +165,9 @@ void ConvEngine::run(const Key& key, const std::vector<std::pair<int, void*>>& b
     execute(v, ptrs);
     return;
   }
-  const double t0 = trial_clock(key.threads);
+  const double t0 = trial_clock_s(key.threads);
   execute(v, ptrs);
-  const double t = trial_clock(key.threads) - t0;
+  const double t = trial_clock_s(key.threads) - t0;
   double& best = plan.best[static_cast<size_t>(pick)];
   best = std::min(best, t);
   if (++plan.trials == 2 * kTrials) plan.chosen = plan.best[0] <= plan.best[1] ? 0 : 1;

@@ -8,7 +8,7 @@
 // picks its preferred (channel-blocked) layouts and the engine reorders
 // between those and the caller's buffers. Like MatmulEngine, the first
 // 2 * kTrials calls alternate between the variants, timing each whole call
-// (reorders included, on trial_clock); the faster one serves the signature
+// (reorders included, on trial_clock_s); the faster one serves the signature
 // afterwards.
 // ConvLayoutChoice::plain / blocked skip the measurement.
 // Primitives, reorders and the blocked buffers are cached per signature.

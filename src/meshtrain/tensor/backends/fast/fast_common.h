@@ -4,10 +4,7 @@
 // meshtrain/tensor/kernel_checks.h; these throw the same mt::ShapeError form.
 #pragma once
 
-#include <time.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -55,20 +52,6 @@ void parallel_for(int64_t n, int64_t grain, int threads, F&& f) {
 // kMinElemsPerThread elements.
 inline int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, kMinElemsPerThread / std::max<int64_t>(cols, 1));
-}
-
-// A clock in seconds for timing alternative ways to do the same work (the
-// engines' measured choices): with one thread the work runs on the calling
-// thread, whose CPU time ignores preemption by other processes on a shared
-// machine; with more, the wall clock, since the helpers' time counts too.
-inline double trial_clock(int threads) {
-  if (threads == 1) {
-    timespec ts{};
-    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
-      return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-    }
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace mt::fast

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "meshtrain/base/timer.h"
 #include "meshtrain/tensor/backends/fast/fast_common.h"
 #include "meshtrain/tensor/backends/fast/fast_kernels.h"
 
@@ -171,13 +172,13 @@ void MatmulEngine::run(const Tensor& a, const Tensor& b, Tensor& c, const Matmul
   // Undecided: alternate engines and keep each one's best time. Primitive
   // creation happens outside the timed region (plan_for made it already).
   const bool use_onednn = plan.trials % 2 == 0;
-  const double t0 = trial_clock(threads);
+  const double t0 = trial_clock_s(threads);
   if (use_onednn) {
     run_onednn(plan, a, b, c);
   } else {
     run_openblas(d, a, b, c, p);
   }
-  const double t = trial_clock(threads) - t0;
+  const double t = trial_clock_s(threads) - t0;
   inject_fault(use_onednn ? Engine::onednn : Engine::openblas, c);
   double& best = use_onednn ? plan.best_onednn : plan.best_openblas;
   best = std::min(best, t);

@@ -15,7 +15,7 @@
 // while OpenBLAS's own thread pool spins after each call and competes with
 // them for cores. Times are the calling thread's CPU time at one thread
 // (robust to other processes on a shared machine) and wall time otherwise
-// (trial_clock in fast_common.h). oneDNN primitives are created once per
+// (trial_clock_s in base/timer.h). oneDNN primitives are created once per
 // signature and cached.
 //
 // Trust (MatmulTrust, probe_matmul_engines): before an engine serves any
