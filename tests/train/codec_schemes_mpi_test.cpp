@@ -38,6 +38,7 @@
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
+#include "train/sync_scheme_harness.h"
 
 namespace mt {
 namespace {
@@ -49,30 +50,12 @@ Communicator& world() {
 }
 
 ModelSpec spec() {
-  ModelSpec s;
-  s.kind = "mlp";
-  s.image_size = 8;
-  s.classes = 6;
-  s.hidden = {32, 16};
-  return s;
+  return test::sync_mlp();
 }
 
 TrainerOptions options(const SyncOptions& sync, int64_t steps) {
-  TrainerOptions o;
-  o.batch_size = 16;
-  o.max_steps = steps;
-  o.epochs = 100;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 5;
-  o.exec.backend = "reference";
-  o.optimizer = "sgd";
-  o.optim.sgd.momentum = 0;
-  o.optim.sgd.nesterov = false;
-  o.schedule.lr = 0.1;
-  o.dist.dp.bucket_bytes = 1 << 10;
+  TrainerOptions o = test::sync_options(sync, {.steps = steps});
   o.dist.consistency_every = 0;
-  o.dist.sync = sync;
   return o;
 }
 

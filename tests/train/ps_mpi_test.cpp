@@ -33,6 +33,7 @@
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
+#include "train/sync_scheme_harness.h"
 
 namespace mt {
 namespace {
@@ -43,31 +44,15 @@ Communicator& world() {
   return test::mpi_world();
 }
 
-ModelSpec spec(int64_t hidden = 32, int64_t image = 8) {
-  ModelSpec s;
-  s.kind = "mlp";
-  s.image_size = image;
-  s.classes = 6;
-  s.hidden = {hidden, 16};
-  return s;
+ModelSpec spec(int64_t hidden = 32) {
+  return test::sync_mlp(hidden);
 }
 
+// A global batch of 12: 3 per rank under all-reduce, 4 (or 6) per worker under ps.
 TrainerOptions options(const SyncOptions& sync, int64_t steps = kSteps) {
-  TrainerOptions o;
-  o.batch_size = 12;  // 3 per rank under all-reduce, 4 (or 6) per worker under ps
-  o.max_steps = steps;
-  o.epochs = 100;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 5;
-  o.exec.backend = "reference";
-  o.optimizer = "sgd";
-  o.optim.sgd.momentum = 0.9;
-  o.optim.sgd.nesterov = false;
-  o.schedule.lr = 0.05;
-  o.dist.dp.bucket_bytes = 1 << 10;
+  TrainerOptions o =
+      test::sync_options(sync, {.batch = 12, .steps = steps, .lr = 0.05, .momentum = 0.9});
   o.dist.consistency_every = 0;
-  o.dist.sync = sync;
   return o;
 }
 

@@ -32,6 +32,7 @@
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
+#include "train/sync_scheme_harness.h"
 
 namespace mt {
 namespace {
@@ -43,30 +44,13 @@ Communicator& world() {
 }
 
 ModelSpec spec() {
-  ModelSpec s;
-  s.kind = "mlp";
-  s.image_size = 8;
-  s.classes = 6;
-  s.hidden = {32, 16};
-  return s;
+  return test::sync_mlp();
 }
 
 TrainerOptions options(const SyncOptions& sync) {
-  TrainerOptions o;
-  o.batch_size = 12;
-  o.max_steps = kSteps;
-  o.epochs = 100;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 5;
-  o.exec.backend = "reference";
-  o.optimizer = "sgd";
-  o.optim.sgd.momentum = 0.9;
-  o.optim.sgd.nesterov = false;
-  o.schedule.lr = 0.05;
-  o.dist.dp.bucket_bytes = 1 << 10;
+  TrainerOptions o =
+      test::sync_options(sync, {.batch = 12, .steps = kSteps, .lr = 0.05, .momentum = 0.9});
   o.dist.consistency_every = 0;
-  o.dist.sync = sync;
   return o;
 }
 

@@ -41,6 +41,7 @@
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
+#include "train/sync_scheme_harness.h"
 
 namespace mt {
 namespace {
@@ -52,30 +53,11 @@ Communicator& world() {
 }
 
 ModelSpec spec() {
-  ModelSpec s;
-  s.kind = "mlp";
-  s.image_size = 8;
-  s.classes = 6;
-  s.hidden = {32, 16};
-  return s;
+  return test::sync_mlp();
 }
 
 TrainerOptions options(const SyncOptions& sync) {
-  TrainerOptions o;
-  o.batch_size = 16;
-  o.max_steps = kSteps;
-  o.epochs = 1;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 5;
-  o.exec.backend = "reference";
-  o.optimizer = "sgd";
-  o.optim.sgd.momentum = 0;
-  o.optim.sgd.nesterov = false;
-  o.schedule.lr = 0.1;
-  o.dist.dp.bucket_bytes = 1 << 10;
-  o.dist.sync = sync;
-  return o;
+  return test::sync_options(sync, {.steps = kSteps});
 }
 
 struct Outcome {
