@@ -98,6 +98,7 @@ struct PipelineRuntime::Impl {
   double loss_sum = 0;
   int losses = 0;
   int64_t stash_now = 0, stash_peak = 0;
+  int64_t copied = 0;  // bytes cloned out of the arenas this step
   uint64_t sent = 0;
   size_t posted = 0;  // actions whose receives are posted
   // Per action of this rank's list: a forward whose stash may stay in its
@@ -656,6 +657,7 @@ struct PipelineRuntime::Impl {
         if (auto id = g.find(name);
             id && std::ranges::find(pass.pass->stash, name) != pass.pass->stash.end()) {
           put(s, name, pass.exec->get(*id).clone());
+          copied += static_cast<int64_t>(s.at(name).nbytes());
         }
       }
       send_action(*then_send);
@@ -666,6 +668,7 @@ struct PipelineRuntime::Impl {
       Tensor t = pass.exec->get(*g.find(name));
       const bool output = std::ranges::any_of(
           st(vs).outputs, [&](const StageBoundary& b) { return b.name == name; });
+      if (!views || output) copied += static_cast<int64_t>(t.nbytes());
       put(s, name, views && !output ? std::move(t) : t.clone());
     }
     if (!g.grads().empty()) {
@@ -861,6 +864,7 @@ struct PipelineRuntime::Impl {
     wversions_peak = static_cast<int>(versions.size());
     loss_sum = 0;
     losses = 0;
+    copied = 0;
     if (async) {
       for (auto& [name, g] : grads) g.zero_();
     }
@@ -1161,6 +1165,10 @@ uint64_t PipelineRuntime::bytes_sent() const {
 uint64_t PipelineRuntime::predicted_bytes_sent() const {
   return impl_->predicted();
 }
+int64_t PipelineRuntime::stash_copied_bytes() const {
+  return impl_->copied;
+}
+
 int64_t PipelineRuntime::peak_stash_bytes() const {
   return impl_->stash_peak;
 }
