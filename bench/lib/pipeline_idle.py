@@ -15,7 +15,13 @@ splits it, per step after the warm-up, into fractions of p x makespan:
   rest      what is left (0 up to rounding when the lanes are complete).
 and measures the transfer time: the receiving rank's recv completing minus
 the sending pass's end (activations F(i) on rank 0 -> rank 1, gradients B(i)
-on rank 1 -> rank 0). Two ranks, one virtual stage each (gpipe, 1f1b)."""
+on rank 1 -> rank 0). Two ranks, one virtual stage each (gpipe, 1f1b).
+
+The formula (p-1)/(m+p-1) assumes equal stages. `idle_replay` is the formula
+with the measured stage times: each rank's pass order of the step replayed
+with that rank's median forward / backward wall time (over the steps after
+`skip`), no transfer time and no runtime overhead; with equal stages it is the
+formula. `stage_ms` gives those medians ([forward, backward] per rank)."""
 
 import json
 import re
@@ -30,6 +36,34 @@ def _steps(events):
     return [steps[n] for n in sorted(steps, key=lambda n: int(n.split()[1]))]
 
 
+def replay(orders, dur):
+    """Makespan-based idle fraction of running each rank's pass names
+    (`orders[pid]`, "F<i>@<s>" / "B<i>@<s>") in order with `dur[pid][kind]`
+    ms per pass: F(i)@s waits for F(i)@s-1, B(i)@s for B(i)@s+1; nothing
+    else costs time."""
+    p = len(orders)
+    done, pos, clock, busy = {}, [0] * p, [0.0] * p, [0.0] * p
+    while any(pos[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                name = orders[r][pos[r]]
+                kind, mb = name[0], int(name[1:].split("@")[0])
+                dep = (f"F{mb}@{r - 1}" if kind == "F" and r > 0 else
+                       f"B{mb}@{r + 1}" if kind == "B" and r + 1 < p else None)
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[r], done.get(dep, 0.0))
+                clock[r] = start + dur[r][kind]
+                busy[r] += dur[r][kind]
+                done[f"{kind}{mb}@{r}"] = clock[r]
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise ValueError("replay: the pass orders deadlock")
+    return 1 - sum(busy) / (p * max(clock))
+
+
 def analyse(trace_path, skip=5):
     """{"idle", "overhead", "bubble", "inflight", "edges", "rest" (medians over
     the steps after `skip`), "transfer_act_ms", "transfer_grad_ms" (medians),
@@ -37,6 +71,7 @@ def analyse(trace_path, skip=5):
     data = json.load(open(trace_path))
     events = data["traceEvents"] if isinstance(data, dict) else data
     rows, lat = [], {"act": [], "grad": []}
+    orders, pass_ms = None, {(pid, k): [] for pid in (0, 1) for k in "FB"}
     for bounds in _steps(events)[skip:]:
         lo = min(b[0] for b in bounds)
         hi = max(b[1] for b in bounds)
@@ -46,6 +81,12 @@ def analyse(trace_path, skip=5):
             continue
         first = min(e["ts"] for e in spans)
         last = max(e["ts"] + e["dur"] for e in spans)
+        if orders is None:
+            orders = [[e["name"] for e in sorted((e for e in spans if e["pid"] == pid),
+                                                 key=lambda e: e["ts"])] for pid in (0, 1)]
+        for e in spans:
+            if e["name"][:1] in ("F", "B"):
+                pass_ms[(e["pid"], e["name"][0])].append(e["dur"] / 1e3)
         cap = 2 * (last - first)
         busy = sum(e["dur"] for e in spans)
         overhead = sum(e.get("args", {}).get("overhead_ms", 0) * 1e3 for e in spans)
@@ -92,6 +133,11 @@ def analyse(trace_path, skip=5):
     for kind, v in lat.items():
         out[f"transfer_{kind}_ms"] = round(statistics.median(v) / 1e3, 3) if v else None
     out["steps"] = len(rows)
+    stage = [[round(statistics.median(pass_ms[(pid, k)]), 3) if pass_ms[(pid, k)] else None
+              for k in "FB"] for pid in (0, 1)]
+    out["stage_ms"] = stage
+    if all(v is not None for row in stage for v in row):
+        out["idle_replay"] = round(replay(orders, [dict(zip("FB", row)) for row in stage]), 4)
     return out
 
 

@@ -38,7 +38,11 @@ configs/gpt_medium.toml, GPT-2-small sized):
                               V-shaped zero-bubble, 2 chunks per rank); the line
                               carries the measured pipeline idle fraction and the
                               formula, the passes' CPU / wall time (below 1: the
-                              cores were shared) and the runtime's overhead
+                              cores were shared) and the runtime's overhead;
+                              GPipe and 1F1B also pipeline_idle_split
+                              (bench/lib/pipeline_idle.py: overhead, bubble,
+                              in flight, edges, and idle_replay: the formula
+                              with the measured stage times)
 Every meshtrain line carries the tensor groups' bytes per step as counted and
 as the lowering predicts, and peak RSS per rank.
 """

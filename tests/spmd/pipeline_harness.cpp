@@ -302,9 +302,14 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
       comm.rank(), pipe.param_names().size(), worst_rel,
       static_cast<long long>(pipe.peak_stash_bytes()),
       static_cast<long long>(cut.stages[static_cast<size_t>(comm.rank())].stash_bytes));
+  int64_t outputs = 0;
+  for (const StageBoundary& b : cut.stages[static_cast<size_t>(comm.rank())].outputs) {
+    outputs += b.shape.numel() * static_cast<int64_t>(dtype_size(b.dtype));
+  }
   return PipeMemory{pipe.peak_stash_bytes(),
                     cut.stages[static_cast<size_t>(comm.rank())].stash_bytes,
-                    cut.stages[static_cast<size_t>(comm.rank())].recompute_stash_bytes};
+                    cut.stages[static_cast<size_t>(comm.rank())].recompute_stash_bytes,
+                    pipe.stash_copied_bytes(), outputs};
 }
 
 void check_gpipe_idle_fraction(Communicator& comm, int microbatches) {

@@ -27,6 +27,8 @@ struct PipeMemory {
   int64_t peak_stash = 0;
   int64_t planned_per_microbatch = 0;
   int64_t planned_per_microbatch_recomputed = 0;  // what recomputation keeps
+  int64_t copied = 0;                  // copied out of the arenas into the stash, last step
+  int64_t outputs_per_microbatch = 0;  // the stage's boundary outputs, one micro-batch
 };
 
 // 10 SGD steps under the pipeline (comm.size() stages) and in one process

@@ -22,6 +22,13 @@ namespace {
 // runs, late enough that a 1F1B stage holds about p received buffers, not m.
 constexpr size_t kRecvLookahead = 6;
 
+// At most this many executors per stage run its forward (plan_views()):
+// each keeps the stash of a micro-batch in flight in its arena until that
+// micro-batch's backward, so the forward copies nothing. 3 covers 1F1B's
+// first stage at p = 2 (2 micro-batches in flight plus one arena free for
+// the next forward); beyond it forwards copy their stash out, as before.
+constexpr size_t kForwardArenas = 3;
+
 size_t ix(int v) {
   return static_cast<size_t>(v);
 }
@@ -36,6 +43,9 @@ struct Pass {
 struct StageRt {
   const PipelineStage* st = nullptr;
   Pass forward, backward, backward_input, backward_weight;
+  std::vector<Pass> forward_more;  // the forward's arenas 1, 2, ... (plan_views())
+
+  Pass& forward_in(size_t slot) { return slot == 0 ? forward : forward_more[slot - 1]; }
 };
 
 void add_into(Tensor& acc, const Tensor& g, const std::string& name) {
@@ -62,6 +72,11 @@ struct PipelineRuntime::Impl {
   std::map<int, StageRt> stages;
   std::vector<std::string> param_names;
   std::map<std::string, Tensor> params, grads;
+  // Per accumulator: whether a pass of this step has written it yet. The
+  // first pass copies its gradient in instead of adding it to zeros, so a
+  // step neither zeroes the accumulators first nor reads them in its first
+  // addition (flush_grads()); the ones no pass wrote are zeroed at the end.
+  std::map<std::string, bool> written;
 
   // Per step.
   std::map<std::pair<int, int>, Stash> stash;  // (virtual stage, micro-batch)
@@ -83,12 +98,16 @@ struct PipelineRuntime::Impl {
   double loss_sum = 0;
   int losses = 0;
   int64_t stash_now = 0, stash_peak = 0;
+  int64_t copied = 0;  // bytes cloned out of the arenas this step
   uint64_t sent = 0;
   size_t posted = 0;  // actions whose receives are posted
   // Per action of this rank's list: a forward whose stash may stay in its
   // executor's arena (views, no copies), because every pass that reads that
   // micro-batch's stash runs before the executor runs again (plan_views()).
   std::vector<bool> keep_views;
+  // Per action of this rank's list: which of its stage's forward executors
+  // runs it (0 for any other action).
+  std::vector<size_t> fwd_slot;
   // Backward passes whose parameter gradients are still in their
   // executor's arena, to be added into the accumulators (flush_grads()).
   std::vector<Pass*> pending_grads;
@@ -196,6 +215,7 @@ struct PipelineRuntime::Impl {
         }
         MemoryScope as_grads(MemoryCategory::grads);
         grads[name] = Tensor::zeros(v.shape, DType::f32);
+        written[name] = true;
         param_names.push_back(name);
       }
     }
@@ -217,6 +237,11 @@ struct PipelineRuntime::Impl {
     }
     shared = comm.split(0, me, comm.name() + "/pp_shared");
     plan_views();
+    for (size_t i = 0; i < fwd_slot.size(); ++i) {
+      StageRt& r = stages.at(sched.actions[ix(rank)][i].stage);
+      while (r.forward_more.size() < fwd_slot[i])
+        r.forward_more.push_back(make_pass(r.st->forward));
+    }
     if (opts.async != AsyncMode::none) check_async_setup();
   }
 
@@ -229,9 +254,21 @@ struct PipelineRuntime::Impl {
   // outputs are copied still (a send may be in flight when the arena is
   // reused). This takes the copies off 1F1B's critical path at p = 2
   // (the last stage's F -> B -> gradient send).
+  // Where another forward of the stage runs before the backward (1F1B's
+  // first stages, GPipe), the forward runs in one of up to kForwardArenas
+  // executors of its own, each an arena whose views stay until their last
+  // reader: a forward takes the lowest arena whose views are all read, and
+  // keeps views in it when its views die before the stage's next forward or
+  // another arena is left free for that forward (so one always is);
+  // otherwise it copies, as before. Asynchronous pipelining: one arena,
+  // copies (its list is a window of an endless stream).
   void plan_views() {
     const auto& list = sched.actions[ix(rank)];
     keep_views.assign(list.size(), false);
+    fwd_slot.assign(list.size(), 0);
+    if (opts.async != AsyncMode::none) return;
+    // Per stage, per arena: the last action reading the views it holds.
+    std::map<int, std::vector<size_t>> held;
     for (size_t i = 0; i < list.size(); ++i) {
       const PipelineAction& a = list[i];
       if (a.kind != ActionKind::forward || st(a.stage).recompute) continue;
@@ -252,7 +289,18 @@ struct PipelineRuntime::Impl {
              b.kind == ActionKind::forward);
         if (reads) last_read = j;
       }
-      keep_views[i] = last_read < next_run;
+      std::vector<size_t>& arenas = held[vs];
+      size_t slot = arenas.size(), free = kForwardArenas - arenas.size();
+      for (size_t k = 0; k < arenas.size(); ++k) {
+        if (arenas[k] >= i) continue;  // views still to be read
+        slot = std::min(slot, k);
+        ++free;
+      }
+      MT_CHECK(free >= 1, "pipeline: stage {} has no free forward arena at action {}", vs, i);
+      if (slot == arenas.size()) arenas.push_back(0);
+      keep_views[i] = last_read < next_run || free >= 2;
+      fwd_slot[i] = slot;
+      arenas[slot] = keep_views[i] ? last_read : i;
     }
   }
 
@@ -314,6 +362,7 @@ struct PipelineRuntime::Impl {
   // Before B(mb): zero the accumulators; pipedream: the forward's version.
   void async_backward(int mb) {
     for (auto& [name, g] : grads) g.zero_();
+    for (auto& [name, w] : written) w = true;
     if (opts.async != AsyncMode::pipedream) return;
     const int v = fwd_version.at(mb);
     if (v != version) swap_in(versions.at(v));
@@ -526,7 +575,18 @@ struct PipelineRuntime::Impl {
       const Graph& g = pass->pass->graph;
       for (const auto& [pv, gv] : g.grads()) {
         const std::string& name = g.value(pv).name;
-        add_into(grads.at(name), pass->exec->get(gv), name);
+        bool& w = written.at(name);
+        Tensor& acc = grads.at(name);
+        if (w) {
+          add_into(acc, pass->exec->get(gv), name);
+          continue;
+        }
+        const Tensor src = pass->exec->get(gv);
+        MT_CHECK(acc.numel() == src.numel() && src.dtype() == DType::f32,
+                 "pipeline: gradient of '{}' is {}, its accumulator {}", name, src.desc(),
+                 acc.desc());
+        std::memcpy(acc.raw(), src.raw(), acc.nbytes());
+        w = true;
       }
     }
     pending_grads.clear();
@@ -597,6 +657,7 @@ struct PipelineRuntime::Impl {
         if (auto id = g.find(name);
             id && std::ranges::find(pass.pass->stash, name) != pass.pass->stash.end()) {
           put(s, name, pass.exec->get(*id).clone());
+          copied += static_cast<int64_t>(s.at(name).nbytes());
         }
       }
       send_action(*then_send);
@@ -607,6 +668,7 @@ struct PipelineRuntime::Impl {
       Tensor t = pass.exec->get(*g.find(name));
       const bool output = std::ranges::any_of(
           st(vs).outputs, [&](const StageBoundary& b) { return b.name == name; });
+      if (!views || output) copied += static_cast<int64_t>(t.nbytes());
       put(s, name, views && !output ? std::move(t) : t.clone());
     }
     if (!g.grads().empty()) {
@@ -802,7 +864,11 @@ struct PipelineRuntime::Impl {
     wversions_peak = static_cast<int>(versions.size());
     loss_sum = 0;
     losses = 0;
-    for (auto& [name, g] : grads) g.zero_();
+    copied = 0;
+    if (async) {
+      for (auto& [name, g] : grads) g.zero_();
+    }
+    for (auto& [name, w] : written) w = async;
     std::vector<Communicator*> all;
     for (auto& c : act) all.push_back(c.get());
     for (auto& c : grad) all.push_back(c.get());
@@ -843,7 +909,8 @@ struct PipelineRuntime::Impl {
           wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
           if (async) async_forward(mb);
-          run_pass(r.forward, vs, mb, a.kind, data, then_send, !async && keep_views[i]);
+          run_pass(r.forward_in(async ? 0 : fwd_slot[i]), vs, mb, a.kind, data, then_send,
+                   !async && keep_views[i]);
           swap_back();
           if (async) keep_backward_data(r, vs, mb, data);
           if (!r.st->loss.empty()) {
@@ -897,6 +964,10 @@ struct PipelineRuntime::Impl {
     // Async: grads hold the last micro-batch's gradients, already applied.
     const float inv = opts.async == AsyncMode::none ? 1.0f / static_cast<float>(m) : 1.0f;
     for (auto& [name, g] : grads) {
+      if (!written.at(name)) {
+        g.zero_();
+        continue;
+      }
       float* d = g.data<float>();
       const int64_t n = g.numel();
       for (int64_t i = 0; i < n; ++i) d[i] *= inv;
@@ -1024,7 +1095,9 @@ void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor
   }
   // Every pass that reads the parameter reads the new memory from now on.
   for (auto& [vs, r] : m.stages) {
-    for (Pass* ps : {&r.forward, &r.backward, &r.backward_input, &r.backward_weight}) {
+    std::vector<Pass*> passes = {&r.forward, &r.backward, &r.backward_input, &r.backward_weight};
+    for (Pass& f : r.forward_more) passes.push_back(&f);
+    for (Pass* ps : passes) {
       if (!ps->exec) continue;
       const Graph& g = ps->pass->graph;
       for (ValueId pv : g.params()) {
@@ -1092,6 +1165,10 @@ uint64_t PipelineRuntime::bytes_sent() const {
 uint64_t PipelineRuntime::predicted_bytes_sent() const {
   return impl_->predicted();
 }
+int64_t PipelineRuntime::stash_copied_bytes() const {
+  return impl_->copied;
+}
+
 int64_t PipelineRuntime::peak_stash_bytes() const {
   return impl_->stash_peak;
 }

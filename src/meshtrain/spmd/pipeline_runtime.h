@@ -19,7 +19,9 @@
 // reader of a forward's stash before that forward's next run (1F1B's last
 // stage: F(i) then B(i)), the stash keeps views of the arena instead of
 // copies (the stage's outputs, which sends read, are copied still); it
-// counts them as stashed all the same.
+// counts them as stashed all the same. Where another forward runs first
+// (1F1B's first stage, GPipe), the forward runs in one of up to 3 arenas
+// of its own, so up to 2 micro-batches in flight keep views as well.
 //
 // Communication is asynchronous. Each receive is posted a few actions
 // before the one that waits for it (into the stash buffer the pass will
@@ -201,6 +203,9 @@ class PipelineRuntime {
   uint64_t predicted_bytes_sent() const;
   // The largest total of stashed tensors this rank held during the last step.
   int64_t peak_stash_bytes() const;
+  // The bytes the last step's passes copied out of their arenas into the
+  // stashes (the rest of the stash is views of the arenas or received).
+  int64_t stash_copied_bytes() const;
   // Async pipedream: the most bytes of stashed weight versions this rank
   // held at once during the last step (0 otherwise), and how many versions.
   int64_t peak_weight_stash_bytes() const;
