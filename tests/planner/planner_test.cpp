@@ -883,6 +883,23 @@ TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
     EXPECT_EQ(e.peak_memory_bytes - d.peak_memory_bytes, param_bytes / dp) << "rank " << r;
     EXPECT_EQ(e.bytes_sent, d.bytes_sent) << "rank " << r;
   }
+  // Asynchronous pipelining updates per micro-batch, on a plain pipeline:
+  // no ZeRO stage with it, refused naming both keys.
+  TrainerOptions a = pipeline_options(spec, 1, false);
+  Plan ap = *a.dist.plan;
+  ap.async = AsyncMode::pipedream;
+  a.dist.plan = std::make_shared<Plan>(ap);
+  check_pipeline_options(a);
+  for (int stage : {1, 3}) {
+    a.dist.dp.stage = stage;
+    try {
+      check_pipeline_options(a);
+      ADD_FAILURE() << "ZeRO-" << stage << " with parallel.async was not refused";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("parallel.async"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("dist.zero_stage"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Simulator, Deterministic) {

@@ -78,8 +78,8 @@ void check_pipeline_options(const TrainerOptions& o) {
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
     refuse_async(o.precision == DType::f16,
                  "train.precision = f16 (the loss scaler's skip decision is per step)");
-    refuse_async(o.dist.dp.stage == 3,
-                 "dist.zero_stage 3 (its stage parameters are gathered once per step)");
+    refuse_async(o.dist.dp.stage > 0,
+                 "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
   }
   if (o.dist.plan && o.dist.plan->stage_meshes()) {
     auto refuse_x = [](bool bad, const std::string& what) {
