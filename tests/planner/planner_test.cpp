@@ -722,7 +722,8 @@ TEST(CostModel, HalfActivationsHalvePipelineMessages) {
 }
 
 // The pipeline memory terms on hand-computed values: f32 parameters and
-// gradients, AdamW's two moments (1/dp of them under ZeRO-1), the kept
+// gradients, AdamW's two moments (1/dp of them under ZeRO-1; ZeRO-2 and
+// -3 add the gradient and parameter shards), the kept
 // bytes per micro-batch in flight, one whole stash while a recomputed
 // forward is live, the arena.
 TEST(CostModel, PipelineStageMemoryHandValues) {
@@ -736,6 +737,11 @@ TEST(CostModel, PipelineStageMemoryHandValues) {
   EXPECT_EQ(pipeline_stage_memory(m), 2000 + 2000 + 300 + 50);
   m.zero_dp = 4;  // ZeRO-1: the moments over 4 ranks
   EXPECT_EQ(pipeline_stage_memory(m), 2000 + 500 + 300 + 50);
+  m.zero_stage = 2;  // + the reduced gradient shard
+  EXPECT_EQ(pipeline_stage_memory(m), 2000 + 500 + 250 + 300 + 50);
+  m.zero_stage = 3;  // + the parameter shard next to the whole copy gathered for the step
+  EXPECT_EQ(pipeline_stage_memory(m), 2000 + 500 + 250 + 250 + 300 + 50);
+  m.zero_stage = 0;
   m.zero_dp = 1;
   m.recompute = true;  // keeps 10 bytes of inputs per micro-batch, one whole stash
   m.kept_bytes = 10;
@@ -817,7 +823,8 @@ TEST(CostModel, PipelineRecomputationAddsAForwardAndKeepsOnlyInputs) {
 // shard, 1/dp of the gradients), each parameter's updated shards are
 // all-gathered (one block per rank on a ring of 2) and at ZeRO-2 its
 // gradient reduce-scattered instead of all-reduced; no note says it is
-// anything but a plan the runtime runs; ZeRO-3 stays refused.
+// anything but a plan the runtime runs; ZeRO-3 as ZeRO-2 plus the
+// parameter shard.
 TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
   const ModelSpec spec = tiny_gpt();
   const int dp = 2;
@@ -861,8 +868,38 @@ TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
     // A reduce-scatter sends half an all-reduce's bytes on a ring.
     EXPECT_LT(d.bytes_sent, b.bytes_sent) << "rank " << r;
   }
+  // ZeRO-3 (the runtime gathers the stage's whole parameters once per
+  // step): ZeRO-2's bytes, and its peak plus the parameter shard.
   o.dist.dp.stage = 3;
-  EXPECT_THROW(build_programs(spec, o, c), ConfigError);
+  check_pipeline_options(o);
+  const StepEstimate z3 = estimate_step(spec, o, c);
+  for (int r = 0; r < 4; ++r) {
+    const int stage = o.dist.plan->mesh.coord(r, "pp");
+    const Graph& fg = cut.stages[static_cast<size_t>(stage)].forward.graph;
+    int64_t param_bytes = 0;
+    for (ValueId v : fg.params()) param_bytes += fg.value(v).shape.numel() * 4;
+    const RankEstimate& d = z2.ranks[static_cast<size_t>(r)];
+    const RankEstimate& e = z3.ranks[static_cast<size_t>(r)];
+    EXPECT_EQ(e.peak_memory_bytes - d.peak_memory_bytes, param_bytes / dp) << "rank " << r;
+    EXPECT_EQ(e.bytes_sent, d.bytes_sent) << "rank " << r;
+  }
+  // Asynchronous pipelining updates per micro-batch, on a plain pipeline:
+  // no ZeRO stage with it, refused naming both keys.
+  TrainerOptions a = pipeline_options(spec, 1, false);
+  Plan ap = *a.dist.plan;
+  ap.async = AsyncMode::pipedream;
+  a.dist.plan = std::make_shared<Plan>(ap);
+  check_pipeline_options(a);
+  for (int stage : {1, 3}) {
+    a.dist.dp.stage = stage;
+    try {
+      check_pipeline_options(a);
+      ADD_FAILURE() << "ZeRO-" << stage << " with parallel.async was not refused";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("parallel.async"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("dist.zero_stage"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Simulator, Deterministic) {

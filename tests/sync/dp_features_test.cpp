@@ -13,8 +13,9 @@
 //   optimizer-state element exactly once; loading them into another world
 //   size and stage continues training exactly like the uninterrupted run;
 // - gradients from outside an executor (use_external_grads / add_grad, as
-//   the pipeline runtime hands them over): stages 0-2 reduce them to the
-//   weighted sum, in place where they are full_grad() itself; misuse is a
+//   the pipeline runtime hands them over): stages 0-3 reduce them to the
+//   weighted sum, in place where they are full_grad() itself, the bytes
+//   moved equal step_cost() (stage 3 gathering once per step); misuse is a
 //   ConfigError;
 // - errors: a stalled peer gives a TimeoutError naming step, bucket and
 //   parameters; ranks that disagree on buckets get a MismatchError; misuse of
@@ -489,20 +490,31 @@ TEST(DataParallelErrors, ProtocolMisuseIsAConfigError) {
 
 // Gradients handed over without an executor: every rank's slice holds the
 // weighted sum over the ranks (ranks 0-2 give gradients k + 1 times a
-// ramp), whole at stage 0, its chunk at 1 and 2; at stage 1 a gradient
-// that is full_grad() itself is reduced where it lies.
+// ramp), whole at stage 0, its chunk at 1, 2 and 3; at stage 1 a gradient
+// that is full_grad() itself is reduced where it lies. Stage 3 (as a
+// pipeline stage runs it) first gathers the whole parameters once with
+// gather_params(); the bytes the group's communicator moved in the step
+// equal step_cost() at every stage.
 TEST(DataParallelExternalGrads, ReducedAsFromAnExecutor) {
   const ParamLayout layout = {{"a", Shape{5, 3}, 0}, {"b", Shape{7}, 15}};
-  for (int stage = 0; stage <= 2; ++stage) {
+  for (int stage = 0; stage <= 3; ++stage) {
     for (bool in_place : {false, true}) {
-      if (in_place && stage == 2) continue;
+      if (in_place && stage >= 2) continue;
       LocalWorld::run(local(3), [&](Communicator& comm) {
         Tensor flat = Tensor::zeros({22}, DType::f32);
+        for (int64_t i = 0; i < 22; ++i) flat.data<float>()[i] = static_cast<float>(i) - 7.0f;
         DataParallelOptions o;
         o.stage = stage;
         o.bucket_bytes = 20;  // two buckets: b, then a
         DataParallel dp(comm, layout, flat, o);
         dp.use_external_grads();
+        if (stage == 3) {
+          Tensor whole = Tensor::zeros({22}, DType::f32);
+          dp.gather_params(whole);
+          for (int64_t i = 0; i < 22; ++i) {
+            EXPECT_EQ(whole.data<float>()[i], static_cast<float>(i) - 7.0f) << i;
+          }
+        }
         const auto k = static_cast<float>(comm.rank() + 1);
         dp.begin_micro_step(0.5);
         for (const std::string name : {"b", "a"}) {
@@ -524,14 +536,16 @@ TEST(DataParallelExternalGrads, ReducedAsFromAnExecutor) {
           }
         }
         dp.finish_step();
+        const CollectiveCost cost = dp.step_cost();
+        EXPECT_GT(cost.bytes_sent, 0u);
+        EXPECT_EQ(collective_bytes(comm.counters(), true), cost.bytes_sent) << "stage " << stage;
+        EXPECT_EQ(collective_bytes(comm.counters(), false), cost.bytes_received)
+            << "stage " << stage;
       });
     }
   }
   LocalWorld::run(local(2), [&](Communicator& comm) {
     DataParallelOptions o;
-    o.stage = 3;
-    DataParallel z3(comm, layout, Tensor::zeros({22}, DType::f32), o);
-    EXPECT_THROW(z3.use_external_grads(), ConfigError);
     o.stage = 2;
     DataParallel dp(comm, layout, Tensor::zeros({22}, DType::f32), o);
     EXPECT_EQ(dp.full_grad("a").raw(), nullptr);  // stage 2 has no full gradient buffer

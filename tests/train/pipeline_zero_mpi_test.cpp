@@ -1,10 +1,11 @@
-// ZeRO-1 / ZeRO-2 on the dp axis of pipeline plans under mpirun (4 ranks:
+// ZeRO-1 / 2 / 3 on the dp axis of pipeline plans under mpirun (4 ranks:
 // dp 2 x pp 2; 8 ranks: dp 2 x tp 2 x pp 2), through the Trainer:
 //   - 10 steps equal the single-process run: the loss of every step and
 //     every parameter piece each rank holds at the end;
 //   - the optimizer state and gradients each rank allocates (the allocator's
 //     counters, not a component's report) are what the sharding predicts
-//     against the same plan without ZeRO;
+//     against the same plan without ZeRO; under ZeRO-3 the parameters too,
+//     after every step (only the shard is held between steps);
 //   - a checkpoint written under dp x pp with ZeRO resumes under another
 //     plan (and one written elsewhere resumes under dp x pp with ZeRO), the
 //     resumed steps continuing the uninterrupted single-process run.
@@ -133,6 +134,7 @@ RunResult run(const ModelSpec& spec, const TrainerOptions& o, const Reference* r
   std::vector<std::pair<std::string, Tensor>> held;
   const LoweredProgram* lp = nullptr;
   if (PipelineTraining* p = t.pipeline()) {
+    p->gather_params();  // ZeRO-3: whole again (collective); a no-op otherwise
     for (const std::string& n : p->param_names()) held.emplace_back(n, p->param(n));
     lp = p->lowered();
   } else {
@@ -198,8 +200,8 @@ TEST_P(PipelineZeroMpi, MatchesTheSingleProcessRun) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, PipelineZeroMpi,
-                         ::testing::Values("dp_pp_zero1", "dp_pp_zero2", "dp_tp_pp_zero1",
-                                           "dp_tp_pp_zero2"),
+                         ::testing::Values("dp_pp_zero1", "dp_pp_zero2", "dp_pp_zero3",
+                                           "dp_tp_pp_zero1", "dp_tp_pp_zero2", "dp_tp_pp_zero3"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 // Memory per rank, from the allocator's counters at the end of the run
@@ -209,18 +211,30 @@ INSTANTIATE_TEST_SUITE_P(Plans, PipelineZeroMpi,
 // evenly over dp 2) at stages 1 and 2; gradients stay one full copy at
 // stage 1 (the runtime accumulates into the flat buffer that is all-reduced)
 // and at stage 2 gain the reduced shard: the micro-batches still accumulate
-// a full gradient before the reduce-scatter. Each allocation is counted
-// rounded up to 64 bytes (tensor.cpp; an empty one as 64).
+// a full gradient before the reduce-scatter. At stage 3 the whole
+// parameters and gradients exist only during a step: after each step (the
+// trainer's after_step hook) the rank holds exactly its shard of the
+// parameters, and its shard of the gradients, while the step's peak shows
+// the whole parameters were gathered. Each allocation is counted rounded up
+// to 64 bytes (tensor.cpp; an empty one as 64).
 TEST(PipelineZeroMemoryMpi, OptimizerStateAndGradientsAsPredicted) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
   const ModelSpec spec = gpt_spec();
   TrainerOptions base = base_options();
-  base.max_steps = 2;
-  RunResult by_stage[3];
+  base.max_steps = 3;
+  RunResult by_stage[4];
+  std::vector<int64_t> params_after_step, grads_after_step;
   int dp_rank = 0;
-  for (int stage = 0; stage <= 2; ++stage) {
-    const TrainerOptions o = under(fmt::format("dp_pp_zero{}", stage), spec, base);
+  for (int stage = 0; stage <= 3; ++stage) {
+    TrainerOptions o = under(fmt::format("dp_pp_zero{}", stage), spec, base);
     dp_rank = o.dist.plan->mesh.coord(world().rank(), "dp");
+    if (stage == 3) {
+      o.dist.after_step = [&](int64_t, int) {
+        const MemoryCounters c = memory_counters();
+        params_after_step.push_back(c.live_of(MemoryCategory::params));
+        grads_after_step.push_back(c.live_of(MemoryCategory::grads));
+      };
+    }
     by_stage[stage] = run(spec, o, nullptr);
   }
   const std::vector<int64_t>& numels = by_stage[0].param_numels;
@@ -256,11 +270,34 @@ TEST(PipelineZeroMemoryMpi, OptimizerStateAndGradientsAsPredicted) {
   // Nothing else holds optimizer state or gradients at the end of a run.
   EXPECT_EQ(live(0, MemoryCategory::optimizer), opt_full);
   EXPECT_EQ(live(0, MemoryCategory::grads), grads_full);
-  for (int stage = 1; stage <= 2; ++stage) {
+  for (int stage = 1; stage <= 3; ++stage) {
     EXPECT_EQ(live(stage, MemoryCategory::optimizer), opt_shard) << "ZeRO-" << stage;
   }
   EXPECT_EQ(live(1, MemoryCategory::grads), counted(P));
   EXPECT_EQ(live(2, MemoryCategory::grads), grads_full + counted(end - begin));
+  // ZeRO-3: between steps only the shards; the whole copies (P elements
+  // each of parameters and gradients) only during the step.
+  if (world().rank() == 0) {
+    std::printf(
+        "rank 0 ZeRO-3: parameters %lld bytes after each step (shard %lld, ZeRO-2 %lld), peak "
+        "%lld; gradients %lld after each step\n",
+        static_cast<long long>(params_after_step.front()),
+        static_cast<long long>(counted(end - begin)),
+        static_cast<long long>(live(2, MemoryCategory::params)),
+        static_cast<long long>(by_stage[3].allocated.peak_of(MemoryCategory::params)),
+        static_cast<long long>(grads_after_step.front()));
+  }
+  ASSERT_EQ(params_after_step.size(), static_cast<size_t>(base.max_steps));
+  for (size_t k = 0; k < params_after_step.size(); ++k) {
+    EXPECT_EQ(params_after_step[k], counted(end - begin)) << "after step " << k + 1;
+    EXPECT_EQ(grads_after_step[k], counted(end - begin)) << "after step " << k + 1;
+  }
+  EXPECT_EQ(live(3, MemoryCategory::params), counted(end - begin));
+  EXPECT_EQ(live(3, MemoryCategory::grads), counted(end - begin));
+  EXPECT_EQ(live(2, MemoryCategory::params), counted(P)) << "ZeRO-2 holds the whole parameters";
+  EXPECT_GE(by_stage[3].allocated.peak_of(MemoryCategory::params),
+            counted(P) + counted(end - begin))
+      << "the step gathers the whole parameters next to the shard";
   // The state falls to about half (AdamW: 8 bytes an element).
   EXPECT_LT(std::abs(static_cast<double>(opt_shard) - 4.0 * static_cast<double>(P)),
             0.1 * 4.0 * static_cast<double>(P));
@@ -317,10 +354,11 @@ TEST_P(PipelineZeroCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
 INSTANTIATE_TEST_SUITE_P(
     Plans, PipelineZeroCheckpointMpi,
     ::testing::Values(Handover{"dp_pp_zero2", "tp_pp"}, Handover{"dp_pp_zero1", "dp_zero0"},
-                      Handover{"dp_zero2", "dp_pp_zero1"}, Handover{"tp_pp", "dp_pp_zero2"}),
+                      Handover{"dp_zero2", "dp_pp_zero1"}, Handover{"tp_pp", "dp_pp_zero2"},
+                      Handover{"dp_pp_zero3", "dp_zero3"}, Handover{"tp_pp", "dp_pp_zero3"}),
     [](const ::testing::TestParamInfo<Handover>& p) { return p.param.from + "_to_" + p.param.to; });
 
-// train.precision f16 under dp 2 x pp 2 (plain and with ZeRO-1), dynamic
+// train.precision f16 under dp 2 x pp 2 (plain, ZeRO-1 and ZeRO-3), dynamic
 // loss scaling from 2^10 doubling after every 3 good steps: the scale grows
 // three times in 10 steps, as in the single-process f16 run, and the run
 // equals that run within 1e-2 (f16 rounds activations and weight gradients
@@ -379,6 +417,7 @@ TEST_P(PipelineF16Mpi, OverflowSkipsTheSameStepsOnEveryRank) {
   ASSERT_TRUE(std::isfinite(r.losses.back()));
   PipelineTraining* p = t.pipeline();
   ASSERT_NE(p, nullptr);
+  p->gather_params();  // ZeRO-3: whole from the shards (the shards are the copies' source)
   // Per parameter of the model, a checksum of its values' bit patterns on
   // every rank that holds it (dp replicas, and the tied wte's copies where
   // two stages hold it): equal iff the copies are bitwise equal (up to a
@@ -423,19 +462,33 @@ TEST_P(PipelineF16Mpi, OverflowSkipsTheSameStepsOnEveryRank) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, PipelineF16Mpi, ::testing::Values("dp_pp", "dp_pp_zero1"),
+INSTANTIATE_TEST_SUITE_P(Plans, PipelineF16Mpi,
+                         ::testing::Values("dp_pp", "dp_pp_zero1", "dp_pp_zero3"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
-// ZeRO-3 is refused under a pipeline plan, naming the key, before any step.
-TEST(PipelineZeroMpiErrors, ZeroThreeRefusedNamingTheKey) {
+// Under ZeRO-3 a rank holds only its shard between steps: reading a whole
+// parameter then is a ConfigError naming the setting and the remedy, and
+// after gather_params() it reads the values.
+TEST(PipelineZeroMpiErrors, ZeroThreeParamNeedsGather) {
   if (world().size() != 4) GTEST_SKIP() << "runs at 4 ranks";
   const ModelSpec spec = gpt_spec();
+  TrainerOptions o = under("dp_pp_zero3", spec, base_options());
+  o.max_steps = 1;
+  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
+  Trainer t(spec, data, nullptr, o, &world());
+  t.run();
+  PipelineTraining* p = t.pipeline();
+  ASSERT_NE(p, nullptr);
+  const std::string name = p->param_names().front();
   try {
-    run(spec, under("dp_pp_zero3", spec, base_options()), nullptr);
-    ADD_FAILURE() << "ZeRO-3 under a pipeline was not refused";
+    (void)p->param(name);
+    ADD_FAILURE() << "param() read a parameter that is not held";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("dist.zero_stage 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("gather_params"), std::string::npos) << e.what();
   }
+  p->gather_params();
+  EXPECT_GT(p->param(name).numel(), 0);
 }
 
 }  // namespace

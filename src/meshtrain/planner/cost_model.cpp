@@ -252,7 +252,8 @@ std::vector<size_t> even_counts(int64_t numel, int n) {
 int64_t pipeline_stage_memory(const PipelineStageMemory& m) {
   const int zdp = std::max(1, m.zero_dp);
   const int64_t state = m.param_bytes * 2 + m.param_bytes * m.state_kinds / zdp +
-                        (m.zero_stage >= 2 && zdp > 1 ? m.param_bytes / zdp : 0);
+                        (m.zero_stage >= 2 && zdp > 1 ? m.param_bytes / zdp : 0) +
+                        (m.zero_stage >= 3 && zdp > 1 ? m.param_bytes / zdp : 0);
   return state + m.kept_bytes * m.in_flight + (m.recompute ? m.stash_bytes : 0) + m.arena_bytes;
 }
 
@@ -977,7 +978,8 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       }
       // ZeRO-1 / 2: each dp rank updates its 1/dp of every parameter (its
       // reduced shard of the gradient at 2), then the updated parameters are
-      // all-gathered.
+      // all-gathered. ZeRO-3 gathers the same bytes at the start of the
+      // next step instead (one step's time is the same).
       const bool sharded = zero >= 1 && dp_world > 1;
       const int64_t opt_numel = sharded ? zero1_shard_elements(param_numel, dp_world) : param_numel;
       b.compute("optimizer", "optimizer",

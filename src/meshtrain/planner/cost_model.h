@@ -104,9 +104,10 @@ double optimizer_bytes_per_element(const Pricing& pricing, int state_kinds);
 // Peak bytes of one pipeline rank (one physical stage), as the pipeline
 // runtime plans them (spmd/pipeline_stage.h planned_stash_bytes): f32
 // parameters and gradients, optimizer state (state_kinds tensors of the
-// parameters' size, divided by zero_dp under ZeRO-1 / 2; ZeRO-2 adds the
-// reduced gradient shard, 1/zero_dp of the gradients, to the full gradient
-// the micro-batches accumulate into), kept_bytes per micro-batch chunk in
+// parameters' size, divided by zero_dp under ZeRO-1 / 2 / 3; ZeRO-2 adds
+// the reduced gradient shard, 1/zero_dp of the gradients, to the full
+// gradient the micro-batches accumulate into; ZeRO-3 also the parameter
+// shard next to the whole parameters gathered for the step), kept_bytes per micro-batch chunk in
 // flight (the whole stash, or under recomputation only the received
 // inputs), plus one whole stash while a recomputed forward is live, plus
 // the largest pass arena.
@@ -114,8 +115,8 @@ double optimizer_bytes_per_element(const Pricing& pricing, int state_kinds);
 struct PipelineStageMemory {
   int64_t param_bytes = 0;  // f32 bytes of the stage's parameters
   int state_kinds = 0;      // optimizer state tensors per parameter (AdamW: 2)
-  int zero_dp = 1;          // ZeRO-1 / 2: the data-parallel degree; else 1
-  int zero_stage = 0;       // 2: gradients also keep the reduced shard
+  int zero_dp = 1;          // ZeRO-1 / 2 / 3: the data-parallel degree; else 1
+  int zero_stage = 0;       // 2: gradients also keep the reduced shard; 3: parameters too
   int64_t kept_bytes = 0;   // per micro-batch chunk in flight
   int64_t in_flight = 0;    // the schedule's peak chunks in flight on the stage
   bool recompute = false;   // some stage of the rank recomputes

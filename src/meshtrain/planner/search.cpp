@@ -173,8 +173,11 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
           std::map<std::pair<int, bool>, int> twin;  // (zero, recompute) -> shape index
           for (int zero : opt.zero_stages) {
             if (dp == 1 && zero > 0) continue;
-            // ZeRO under a pipeline: stages 1 and 2 (the pipeline runtime
-            // refuses 3), where SearchOptions::zero_pipelines asks for them.
+            // ZeRO under a pipeline: stages 1 and 2, where
+            // SearchOptions::zero_pipelines asks for them. 3 is not searched:
+            // the stage holds its whole parameters through the step (plus
+            // the shard), at 2's bytes, so it never fits where 2 does not
+            // nor runs faster; it saves memory only between steps.
             if (pp > 1 && zero > 0 && (zero > 2 || !opt.zero_pipelines)) continue;
             // Recomputation: exec.recompute without a pipeline; with one,
             // every stage's (parallel.recompute, StagePlan::recompute).

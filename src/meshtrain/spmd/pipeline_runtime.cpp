@@ -1077,7 +1077,8 @@ void PipelineRuntime::set_param(const std::string& name, const Tensor& value) {
   std::memcpy(p.raw(), value.raw(), p.nbytes());
 }
 
-void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor grad) {
+void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor grad,
+                                   bool copy_values) {
   Impl& m = *impl_;
   Tensor old = param(name);
   auto check = [&](const Tensor& t, const Tensor& want, const char* what) {
@@ -1087,7 +1088,7 @@ void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor
     }
   };
   check(value, old, "the parameter");
-  if (value.raw() != old.raw()) std::memcpy(value.raw(), old.raw(), old.nbytes());
+  if (copy_values && value.raw() != old.raw()) std::memcpy(value.raw(), old.raw(), old.nbytes());
   m.params[name] = value;
   if (grad.raw() != nullptr) {
     check(grad, m.grads.at(name), "the gradient");

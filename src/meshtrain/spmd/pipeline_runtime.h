@@ -157,10 +157,12 @@ class PipelineRuntime {
   // Moves the parameter into `value` (and, when `grad` is not empty, its
   // gradient accumulator into `grad`): memory the caller owns, e.g. a flat
   // buffer that data-parallel sync updates and reduces in place. The
-  // current values are copied over; the runtime's own tensors are freed.
-  // Both must outlive the runtime's use of them. ShapeError when a shape or
-  // dtype differs.
-  void bind_storage(const std::string& name, Tensor value, Tensor grad);
+  // current values are copied over unless copy_values is false (the caller
+  // filled `value` itself, e.g. ZeRO-3 gathering a stage's parameters into
+  // a fresh buffer each step while the previous one is already freed); the
+  // runtime's own tensors are freed. Both must outlive the runtime's use of
+  // them. ShapeError when a shape or dtype differs.
+  void bind_storage(const std::string& name, Tensor value, Tensor grad, bool copy_values = true);
   // After run_step: d loss / d param, the loss being the mean over the
   // step's micro-batches, summed over the stages sharing the parameter.
   const Tensor& grad(const std::string& name) const;

@@ -212,11 +212,6 @@ void DataParallel::Impl::take_grad(int p, const float* src) {
 
 void DataParallel::use_external_grads() {
   Impl& m = *impl_;
-  if (m.stage() == 3) {
-    throw ConfigError(
-        "data-parallel: ZeRO stage 3 gathers parameters through an executor's hooks; gradients "
-        "from outside an executor (use_external_grads) work with stages 0-2");
-  }
   if (m.training != nullptr) {
     throw ConfigError("data-parallel: use_external_grads() after a training executor was attached");
   }
@@ -500,6 +495,11 @@ CollectiveCost DataParallel::step_cost() const {
   for (const BucketInfo& b : buckets) {
     add(m.stage() <= 1 ? Collective::all_reduce : Collective::reduce_scatterv, b);
     if (m.stage() == 1 || m.stage() == 2) add(Collective::all_gatherv, b);
+  }
+  // Stage 3 with external gradients: the caller gathers the whole
+  // parameters once per optimizer step (gather_params()).
+  if (m.stage() == 3 && m.external) {
+    for (const BucketInfo& b : buckets) add(Collective::all_gatherv, b);
   }
   if (m.stage() == 3 && m.training != nullptr) {
     for (int k = 0; k < m.opt.accumulation_steps; ++k) {

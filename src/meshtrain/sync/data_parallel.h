@@ -228,9 +228,12 @@ class DataParallel {
   // Gradients from outside an executor (the pipeline runtime's accumulators,
   // summed over its micro-batches): instead of attaching a training
   // executor, declare once that every layout parameter's gradient is handed
-  // over with add_grad() in each micro-step. Stages 0-2 (ZeRO-3 gathers
-  // parameters through an executor's hooks). ConfigError for stage 3 or
-  // after attach() of a training executor.
+  // over with add_grad() in each micro-step. Under stage 3 nothing gathers
+  // parameters for the caller's passes: it gathers the whole parameters
+  // itself with gather_params() (a pipeline stage: once per optimizer step,
+  // kept through its micro-batches, freed after the update), and the
+  // gradients are reduce-scattered into the shard as at stage 2.
+  // ConfigError after attach() of a training executor.
   void use_external_grads();
   // During a micro-step, after use_external_grads(): `grad` (f32, the
   // layout's shape for `name`) scaled by the micro-step's weight into its
@@ -311,7 +314,8 @@ class DataParallel {
   // transient (consumed into buckets as they become ready).
   static GradMemory grad_memory(const DataParallelOptions& options);
   // Bytes this rank sends and receives on the group per optimizer step
-  // (stage 3: per micro-step's gathers times K), by the communicator's own
+  // (stage 3: per micro-step's gathers times K; with external gradients one
+  // gather_params() per step), by the communicator's own
   // cost functions for the algorithms it will pick; the byte counters must
   // agree.
   CollectiveCost step_cost() const;

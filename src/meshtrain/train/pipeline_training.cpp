@@ -61,9 +61,6 @@ void check_pipeline_options(const TrainerOptions& o) {
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
-  refuse(o.dist.dp.stage == 3,
-         "dist.zero_stage 3 (ZeRO-3 gathers parameters through an executor's hooks; the "
-         "pipeline's passes read their stage's whole parameters: stages 1 and 2 work)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
   if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
     const std::string_view mode = async_name(o.dist.plan->async);
@@ -81,6 +78,8 @@ void check_pipeline_options(const TrainerOptions& o) {
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
     refuse_async(o.precision == DType::f16,
                  "train.precision = f16 (the loss scaler's skip decision is per step)");
+    refuse_async(o.dist.dp.stage > 0,
+                 "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
   }
   if (o.dist.plan && o.dist.plan->stage_meshes()) {
     auto refuse_x = [](bool bad, const std::string& what) {
@@ -134,8 +133,14 @@ struct PipelineTraining::Impl {
   // dist.zero_stage 1-2: this rank's stage parameters in one flat buffer,
   // sharded over the dp group by DataParallel (its optimizer state, and at
   // stage 2 its reduced gradients), the runtime's passes reading the buffer.
+  // Stage 3: DataParallel holds the parameters' shard; zero_params (and
+  // zero_grads, the runtime's accumulators) exist only during a step (or a
+  // checkpoint, an evaluation), gathered whole at its start.
   Tensor zero_params;
   std::unique_ptr<DataParallel> zero;
+  bool zero3 = false;
+  Tensor zero_grads;
+  ParamLayout zero_layout;
   // train.precision f16: dynamic loss scaling. Each micro-batch's loss is
   // multiplied by loss_scale (an input of the last stage), the scaler's
   // scale / (micro-batches x dp), so every backward tensor has the
@@ -373,6 +378,10 @@ struct PipelineTraining::Impl {
     } else if (!o.init_path.empty()) {
       init_from(o.init_path);
     }
+    if (zero3) {
+      scatter_whole();
+      drop_whole();
+    }
   }
 
   void notice(const std::string& msg) const {
@@ -386,12 +395,20 @@ struct PipelineTraining::Impl {
   // its micro-batches' gradients straight into DataParallel's full gradient
   // buffer, all-reduced in place; 2: from the runtime's accumulators into
   // buckets that are reduce-scattered, each rank keeping its shard.
+  //
+  // Stage 3, as torchtitan composes FSDP with pipelining (FSDP's
+  // reshard_after_forward off inside a stage): DataParallel keeps this
+  // rank's shard of the stage's parameters (and of their gradients and
+  // optimizer state); each step gathers the whole parameters once into a
+  // fresh flat buffer that all the step's micro-batches read, the
+  // runtime accumulates their gradients into another, which is
+  // reduce-scattered as at stage 2, each rank updates its shard, and both
+  // buffers are freed: between steps a rank holds only its shards.
   void attach_zero() {
-    ParamLayout layout;
     int64_t at = 0;
     for (const std::string& name : runtime->param_names()) {
       const Shape s = runtime->param(name).shape();
-      layout.push_back({name, s, at});
+      zero_layout.push_back({name, s, at});
       at += s.numel();
     }
     {
@@ -400,12 +417,72 @@ struct PipelineTraining::Impl {
     }
     DataParallelOptions dpo = o.dist.dp;
     dpo.accumulation_steps = 1;  // the pipeline's micro-batches accumulate
-    zero = std::make_unique<DataParallel>(*dp_comm, layout, zero_params, dpo);
+    zero3 = dpo.stage == 3;
+    if (zero3) {
+      // The runtime's initial values move into the flat buffer first;
+      // DataParallel copies its shard out of it. The whole buffers stay
+      // until the end of construction (train.resume / train.init write
+      // whole parameters into them), then scatter_whole() and drop_whole().
+      MemoryScope tag(MemoryCategory::grads);
+      zero_grads = Tensor::zeros({at}, DType::f32);
+      bind_whole(/*copy_values=*/true);
+    }
+    zero = std::make_unique<DataParallel>(*dp_comm, zero_layout, zero_params, dpo);
     zero->use_external_grads();
-    for (const ParamLayoutEntry& e : layout) {
+    if (zero3) return;
+    for (const ParamLayoutEntry& e : zero_layout) {
       runtime->bind_storage(e.name,
                             Tensor::wrap(zero_params.data<float>() + e.offset, e.shape, DType::f32),
                             zero->full_grad(e.name));
+    }
+  }
+
+  // ZeRO-3: the runtime's passes read zero_params (and add into
+  // zero_grads, when it exists).
+  void bind_whole(bool copy_values) {
+    const bool grads = zero_grads.raw() != nullptr;
+    for (const ParamLayoutEntry& e : zero_layout) {
+      runtime->bind_storage(
+          e.name, Tensor::wrap(zero_params.data<float>() + e.offset, e.shape, DType::f32),
+          grads ? Tensor::wrap(zero_grads.data<float>() + e.offset, e.shape, DType::f32) : Tensor(),
+          copy_values);
+    }
+  }
+
+  // ZeRO-3 (collective over the dp group): the stage's whole parameters
+  // gathered from the shards into a fresh buffer the runtime reads, and
+  // with `grads` a gradient buffer it accumulates into (zeroed by the
+  // step); a no-op when they are there already or without ZeRO-3.
+  void gather_whole(bool grads) {
+    if (!zero3) return;
+    const int64_t F = zero->plan().flat_numel();
+    if (zero_params.raw() == nullptr) {
+      MemoryScope tag(MemoryCategory::params);
+      zero_params = Tensor::empty({F}, DType::f32);
+      zero->gather_params(zero_params);
+    }
+    if (grads && zero_grads.raw() == nullptr) {
+      MemoryScope tag(MemoryCategory::grads);
+      zero_grads = Tensor::empty({F}, DType::f32);
+    }
+    bind_whole(/*copy_values=*/false);
+  }
+
+  // ZeRO-3: frees the whole copies; the runtime's handles on them are not
+  // read until gather_whole() binds new ones.
+  void drop_whole() {
+    if (!zero3) return;
+    zero_params = Tensor();
+    zero_grads = Tensor();
+  }
+
+  // ZeRO-3: the whole parameters (as train.resume / train.init wrote them)
+  // into this rank's shard.
+  void scatter_whole() {
+    for (ShardPiece pc : zero->param_pieces(PieceUse::load)) {
+      const ParamLayoutEntry& e = zero_layout[static_cast<size_t>(zero->plan().find(pc.name))];
+      std::copy_n(zero_params.data<float>() + e.offset + pc.begin, pc.end - pc.begin,
+                  pc.data.data<float>());
     }
   }
 
@@ -490,6 +567,7 @@ struct PipelineTraining::Impl {
   }
 
   void save(const std::string& path) {
+    gather_whole(false);  // ZeRO-3: the pieces below read whole parameters
     std::vector<ShardPiece> pieces;
     const OptimizerState st = optimizer->state();
     for (const std::string& name : runtime->param_names()) {
@@ -517,6 +595,7 @@ struct PipelineTraining::Impl {
     so.mode = "pp+" + plan.mesh.describe();
     so.collective = o.dist.dp.collective;
     save_sharded(&world, path, pieces, state_metadata(), so);
+    drop_whole();
   }
 
   void checkpoint_now(TrainResult& r) {
@@ -696,6 +775,7 @@ struct PipelineTraining::Impl {
     const bool f16 = o.precision == DType::f16;
     const double used_scale = f16 ? micro_loss_scale() : 1.0;
     if (f16) loss_scale.fill(used_scale);
+    gather_whole(/*grads=*/true);  // ZeRO-3: once per step, for every micro-batch
     runtime->run_step([&](int i, const std::string& input) -> Tensor {
       if (input == model.graph.value(model.x).name) {
         return batch_rows(b.x, i * micro_batch, micro_batch).reshape(xs);
@@ -714,6 +794,7 @@ struct PipelineTraining::Impl {
         zero->add_grad(*it, runtime->grad(*it));
       }
       zero->end_micro_step();
+      if (zero3) zero_grads = Tensor();  // reduce-scattered into DataParallel's shard
     } else if (dp_world > 1) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
@@ -728,6 +809,7 @@ struct PipelineTraining::Impl {
                      0.0};
     world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
     if (plan.async == AsyncMode::none) optimizer_step(at, used_scale);
+    drop_whole();  // ZeRO-3: the shards were updated; the whole copy goes
     return red[0] / used_scale;
   }
 
@@ -764,7 +846,7 @@ struct PipelineTraining::Impl {
       if (o.clip_grad_norm > 0) clip_grad_norm(refs, o.clip_grad_norm, over_pieces);
       optimizer->step(refs, lr->lr_at(at));
     }
-    if (zero) zero->finish_step();  // all-gathers the updated shards
+    if (zero) zero->finish_step();  // stages 1-2: all-gathers the updated shards
   }
 
   // Joins the whole parameters on every rank of this model replica: each
@@ -792,7 +874,9 @@ struct PipelineTraining::Impl {
   // {loss, accuracy, examples} on the test split (or its first eval_batches
   // batches), every data-parallel replica a slice of each batch.
   std::tuple<double, double, int64_t> evaluate() {
+    gather_whole(false);
     join_whole_params();
+    drop_whole();
     LoaderOptions lo;
     lo.batch_size = std::min<int64_t>(o.eval_batch_size, test_data->size());
     lo.shuffle = false;
@@ -1050,7 +1134,17 @@ std::vector<std::string> PipelineTraining::param_names() const {
 }
 
 Tensor PipelineTraining::param(const std::string& name) const {
+  if (impl_->zero3 && impl_->zero_params.raw() == nullptr) {
+    throw ConfigError(fmt::format(
+        "PipelineTraining::param('{}'): under dist.zero_stage 3 a rank holds only its shard "
+        "between steps; call gather_params() first",
+        name));
+  }
   return impl_->runtime->param(name);
+}
+
+void PipelineTraining::gather_params() {
+  impl_->gather_whole(false);
 }
 
 uint64_t PipelineTraining::pipeline_bytes_sent() const {

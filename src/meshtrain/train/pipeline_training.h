@@ -44,7 +44,7 @@
 // virtual stage per rank, no tied parameters across stages; checkpoints and
 // train.init are refused there yet.
 //
-// ZeRO on the dp axis (dist.zero_stage 1, 2): each stage's parameters
+// ZeRO on the dp axis (dist.zero_stage 1, 2, 3): each stage's parameters
 // move into one flat buffer that sync/DataParallel shards over the stage's
 // dp group, the same sharded optimizer step and collectives as the
 // unpipelined trainer; the runtime hands it the step's gradients (summed
@@ -52,6 +52,14 @@
 // runtime's own accumulators, stage 2 reduce-scatters them into a shard
 // (the micro-batches still accumulate a full gradient first). Optimizer
 // state is 1/dp per rank; checkpoints hold each rank's shard of it.
+// Stage 3 (as torchtitan runs FSDP inside a pipeline stage, without
+// resharding after forward): between steps a rank holds only its shard of
+// its stage's parameters, gradients and optimizer state; each step
+// all-gathers the stage's whole parameters once (gather_params()), all its
+// micro-batches read them and accumulate a whole gradient, which is
+// reduce-scattered as at stage 2; after the shard's update both whole
+// copies are freed. Checkpoints and evaluation gather the whole
+// parameters for their duration.
 //
 // train.precision f16: dynamic loss scaling (train/loss_scaler.h); each
 // micro-batch's loss is multiplied by scale / (micro-batches x dp), so
@@ -60,8 +68,7 @@
 // ZeRO dp groups).
 //
 // Not yet (each refused with a ConfigError naming the key, before any step):
-// ZeRO-3 (the passes read their stage's whole parameters), train.precision
-// auto / bf16_storage (the bf16 stash is the executor's; the pipeline's
+// train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's
 // stashes are the runtime's), dist.batch_shares, accumulation steps
 // (micro-batches are the pipeline's).
 //
@@ -88,9 +95,15 @@ class PipelineTraining {
 
   TrainResult run();
 
-  // This rank's parameters (its stages'), by name, and their values.
+  // This rank's parameters (its stages'), by name, and their values. Under
+  // dist.zero_stage 3 the values exist only after gather_params() (until
+  // the next step); param() throws ConfigError otherwise.
   std::vector<std::string> param_names() const;
   Tensor param(const std::string& name) const;
+  // dist.zero_stage 3: gathers this rank's stage parameters whole from the
+  // dp group's shards (collective over the world: every rank calls it); a
+  // no-op under the other stages.
+  void gather_params();
   // Under tensor axes, this rank's program (which box of each parameter it
   // holds); nullptr otherwise.
   const struct LoweredProgram* lowered() const;
