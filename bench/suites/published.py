@@ -7,8 +7,11 @@ InfiniBand per node) -- the shipped configs/cluster/a100_ib200.toml with its
 node count set to the run's GPUs / 8. All models: vocabulary 51,200,
 sequence 2048, mixed precision (bf16 here; the same 312 TFLOP/s peak),
 activation recomputation on every stage (parallel.recompute = true).
-Priced as Megatron-LM ran them (MEGATRON_RUNTIME below: 16-bit
-activations, fused element-wise kernels; --runtime meshtrain prices
+Priced as Megatron-LM ran them (megatron_runtime below: 16-bit
+activations, fused element-wise kernels, attention dropout, blocking
+pipeline p2p; NCCL's achieved bus bandwidth, nccl_collectives; the A100's
+achieved memory bandwidth, ACHIEVED_HBM_GB_S; --without leaves any of the
+four out; --runtime meshtrain prices
 meshtrain's own executor instead); Table 1's rows interleaved, as the
 paper's Section 5.1 says (v chunks per stage: interleave_chunks), Table 2's
 1F1B (--schedule 1f1b: every row 1F1B).
@@ -70,13 +73,60 @@ PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU
 # file's [devices.a100_80gb.runtime], docs/cluster.md): fp16 mixed precision
 # keeps activations 16-bit, and Megatron-LM fuses bias+GeLU, bias+dropout+add
 # and scale+mask+softmax (the paper's Section 4.2, "Computation
-# Optimizations").
-MEGATRON_RUNTIME = f"""
-[devices.a100_80gb.runtime]
-half_activations = true
-fused_elementwise = true
-source = "Megatron-LM as in {PAPER}: fp16 mixed precision (16-bit activations), fused element-wise kernels (Section 4.2)"
-"""
+# Optimizations"); its attention dropout (0.1 in its GPT defaults) is a
+# kernel of its own after the fused softmax; its pipeline exchange
+# (megatron/p2p_communication.py, `_communicate`: batch_isend_irecv, every
+# request waited, then torch.cuda.synchronize()) blocks the stage until its
+# messages are through.
+def megatron_runtime(without):
+    lines = ["", "[devices.a100_80gb.runtime]", "half_activations = true",
+             "fused_elementwise = true"]
+    what = ["fp16 mixed precision (16-bit activations), fused element-wise kernels (Section 4.2)"]
+    if "dropout" not in without:
+        lines.append("attention_dropout = true")
+        what.append("attention dropout after the fused softmax")
+    if "p2p" not in without:
+        lines.append("blocking_p2p = true")
+        what.append("blocking pipeline p2p (megatron/p2p_communication.py)")
+    lines.append(f'source = "Megatron-LM as in {PAPER}: {"; ".join(what)}"')
+    return "\n".join(lines) + "\n"
+
+
+# NCCL's achieved bus bandwidth on the links these runs used, as the
+# cluster file's measured collective fits ([collectives.ALGORITHM.KIND],
+# docs/cluster.md; the bus bandwidth of nccl-tests is the per-link rate of
+# the ring model the cost model uses): inside a DGX A100 (NVLink 3 through
+# NVSwitch) ~230 GB/s all-reduce bus bandwidth -- S. Jeaugey (NCCL), NVIDIA/
+# nccl-tests issue #149 (2023-07-05): each NVLink's 25 GB/s line rate is ~20
+# GB/s effective with NCCL's 128-byte payloads, 240 GB/s for 12 links, "~230
+# GB/s" with other bottlenecks; between nodes 24 GB/s per 200 Gbit/s HDR port
+# -- S. Jeaugey, NVIDIA/nccl issue #412 (2023-04-24): "~24 GB/s inter-node"
+# bus bandwidth at 8 GB; and NCCL's @AddyLaddy in NVIDIA/nccl issue #812
+# (quoted in #1576): 192 GB/s all-reduce bus bandwidth measured on a DGX
+# A100's 8 x 200 Gbit/s IB cards, 24 per card. Every algorithm the cost model may pick over a link kind is priced
+# at NCCL's rate (the runs' collectives were NCCL's); latency the file's.
+NCCL_GBIT = {"intra_node": (230 * 8, 0.002), "inter_node": (24 * 8, 0.0006)}
+NCCL_ALGORITHMS = {"intra_node": ("ring", "halving_doubling", "tree", "pairwise", "shared_memory"),
+                   "inter_node": ("ring", "halving_doubling", "tree", "pairwise")}
+
+
+def nccl_collectives():
+    out = [""]
+    for kind, algs in NCCL_ALGORITHMS.items():
+        gbit, lat = NCCL_GBIT[kind]
+        for a in algs:
+            out += [f"[collectives.{a}.{kind}]", f"bandwidth_gbit_s = {gbit}",
+                    f"latency_ms = {lat}"]
+    return "\n".join(out) + "\n"
+
+
+# A100 80GB HBM2e bandwidth achieved by a streaming read kernel: 1.80 of the
+# datasheet's 2.039 TB/s (88%, Nsight Compute agreeing), NVIDIA developer
+# forums, "Trouble to Reach Peak Bandwidth of A100" (topic 339083), citing a GTC
+# talk's best kernels at ~90% of peak. The cost model's memory-bound
+# operators (layer norms, the fused element-wise runs, softmax, dropout, the
+# optimizer) are priced at it.
+ACHIEVED_HBM_GB_S = 1800
 
 
 def interleave_chunks(layers, p):
@@ -99,6 +149,10 @@ def add_args(parser):
     parser.add_argument("--schedule", choices=("paper", "1f1b"), default="paper",
                         help="paper (default): Table 1 rows interleaved (Section 5.1), Table 2 "
                              "rows 1F1B; 1f1b: every row 1F1B without interleaving")
+    parser.add_argument("--without", default="", metavar="LIST",
+                        help="comma-separated priced overheads to leave out (megatron runtime): "
+                             "nccl (links at line rate), hbm (datasheet memory bandwidth), "
+                             "dropout, p2p (sends overlapped)")
     parser.add_argument("--matmul-efficiency", type=float, default=None, metavar="E",
                         help="fraction of the bf16 peak every matmul reaches (default: the "
                              "cluster file's, 0.859 from its [MAMF] source)")
@@ -115,6 +169,11 @@ def run(ctx):
     base = (REPO / "configs" / "cluster" / "a100_ib200.toml").read_text()
     only = {s for s in ctx.args.only.split(",") if s}
     eff = ctx.args.matmul_efficiency
+    without = {w for w in ctx.args.without.split(",") if w}
+    unknown = without - {"nccl", "hbm", "dropout", "p2p"}
+    if unknown:
+        raise SystemExit(f"bench/run published: --without: unknown {sorted(unknown)} "
+                         "(expected nccl, hbm, dropout, p2p)")
     for (name, layers, hidden, heads, t, p, gpus, batch, mb, published, table) in CASES:
         if only and name not in only:
             continue
@@ -133,7 +192,9 @@ def run(ctx):
                          "schedule": schedule, "virtual_stages": v, "recompute": True, "layers": layers,
                          "hidden": hidden, "heads": heads, "vocab": V, "seq": S},
                 "matmul_efficiency": eff if eff is not None else "a100_ib200.toml's (0.859)",
-                "runtime": ctx.args.runtime}
+                "runtime": ctx.args.runtime,
+                "priced_overheads": [] if ctx.args.runtime != "megatron" else
+                [o for o in ("nccl", "hbm", "dropout", "p2p") if o not in without]}
         if table == "Table 1":
             line["assumed"] = "micro-batch size 1 (Table 1 does not state it)" + (
                 f"; {v} model chunks per stage (the interleaved schedule's v is not stated)"
@@ -154,7 +215,16 @@ def run(ctx):
                 ctx.emit(line)
                 continue
         if ctx.args.runtime == "megatron":
-            text += MEGATRON_RUNTIME
+            if "hbm" not in without:
+                text, n = re.subn(r"(?m)^memory_bandwidth_gb_s = [0-9.]+",
+                                  f"memory_bandwidth_gb_s = {ACHIEVED_HBM_GB_S}", text)
+                if n != 1:
+                    line["error"] = "a100_ib200.toml has no `memory_bandwidth_gb_s =` line"
+                    ctx.emit(line)
+                    continue
+            text += megatron_runtime(without)
+            if "nccl" not in without:
+                text += nccl_collectives()
         cluster = ctx.workdir / f"{name}-cluster.toml"
         cluster.write_text(text)
         config = ctx.workdir / f"{name}.toml"

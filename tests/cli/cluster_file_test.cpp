@@ -234,6 +234,8 @@ matmul_tile = [256, 128]
 [devices.gpu.runtime]
 half_activations = true
 fused_elementwise = true
+attention_dropout = true
+blocking_p2p = true
 source = "Megatron-LM"
 )",
                                            "t.toml");
@@ -241,13 +243,17 @@ source = "Megatron-LM"
   const planner::DeviceKind& k = m.kinds.at(0);
   EXPECT_TRUE(k.half_activations);
   EXPECT_TRUE(k.fused_elementwise);
+  EXPECT_TRUE(k.attention_dropout);
+  EXPECT_TRUE(k.blocking_p2p);
   EXPECT_EQ(k.runtime_source, "Megatron-LM");
   EXPECT_EQ(k.compute_units, 108);
   EXPECT_EQ(k.matmul_tile[0], 256);
   EXPECT_EQ(k.matmul_tile[1], 128);
   expect_rejected("node_size = 1\n[devices.g.runtime]\nfused = true\n", 1,
                   "devices.g.runtime.fused: unknown key (expected one of: half_activations, "
-                  "fused_elementwise, source)");
+                  "fused_elementwise, attention_dropout, blocking_p2p, source)");
+  expect_rejected("node_size = 1\n[devices.g.runtime]\nblocking_p2p = true\n", 1,
+                  "devices.g.runtime.source: missing: say which runtime");
   expect_rejected("node_size = 1\n[devices.g.runtime]\nhalf_activations = 1\nsource = \"x\"\n", 1,
                   "devices.g.runtime.half_activations: expected true or false, got 1");
   expect_rejected("node_size = 1\n[devices.g.runtime]\nfused_elementwise = true\n", 1,

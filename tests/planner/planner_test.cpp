@@ -14,6 +14,7 @@
 #include "common/temp_dir.h"
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/local/local_world.h"
+#include "meshtrain/graph/autodiff.h"
 #include "meshtrain/graph/builder.h"
 #include "meshtrain/graph/collective.h"
 #include "meshtrain/graph/cost.h"
@@ -170,6 +171,56 @@ TEST(NodeSeconds, FusedElementwiseRunIsOnePass) {
   EXPECT_DOUBLE_EQ(node_seconds(k, g, DType::f32, 3.0)[3], 3 * 4 * e / 1e9);
   k.half_activations = true;
   EXPECT_DOUBLE_EQ(node_seconds(k, g, DType::bf16)[3], 4 * e / 2 / 1e9);
+}
+
+// attention_dropout: each softmax (forward) and softmax_grad (backward)
+// carries a dropout kernel of its own, E x (2 x element + 1) bytes over the
+// bandwidth, outside any fused run; other operators are unchanged.
+TEST(NodeSeconds, AttentionDropoutHandValues) {
+  Graph g;
+  Builder b(g);
+  const int64_t H = 4, T = 32;
+  const ValueId x = b.input("x", {H, T, T}, DType::f32);
+  const ValueId w = b.param("w", {H, T, T}, ParamInit{});
+  const ValueId p = b.softmax(b.scale(b.mul(x, w), 0.5), /*causal=*/true);
+  build_backward(g, b.sum_to(p, Shape{}));
+  DeviceKind k = device(1e15, 1e9);
+  k.attention_dropout = true;
+  const std::vector<double> t = node_seconds(k, g, DType::f32);
+  const double e = static_cast<double>(H * T * T);
+  int softmaxes = 0, grads = 0;
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    const Node& n = g.node(i);
+    const double extra = n.op == OpKind::softmax || n.op == OpKind::softmax_grad
+                             ? e * (2 * 4 + 1) / 1e9  // f32: read 4, write 4, mask 1
+                             : 0.0;
+    softmaxes += n.op == OpKind::softmax;
+    grads += n.op == OpKind::softmax_grad;
+    EXPECT_DOUBLE_EQ(t[static_cast<size_t>(i)], op_seconds(k, g, n) + extra) << i;
+    EXPECT_DOUBLE_EQ(dropout_seconds(k, Pricing::of(k, DType::f32), g, n, 2.0), 2 * extra) << i;
+  }
+  EXPECT_EQ(softmaxes, 1);
+  EXPECT_EQ(grads, 1);
+  // Under 16-bit activations and fusion: 2 x 2 + 1 bytes an element, added
+  // to whatever the fused run charges the softmax node.
+  k.half_activations = true;
+  k.fused_elementwise = true;
+  const std::vector<double> fused = node_seconds(k, g, DType::bf16);
+  k.attention_dropout = false;
+  const std::vector<double> fused_plain = node_seconds(k, g, DType::bf16);
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    const Node& n = g.node(i);
+    const double extra =
+        n.op == OpKind::softmax || n.op == OpKind::softmax_grad ? e * (2 * 2 + 1) / 1e9 : 0.0;
+    EXPECT_DOUBLE_EQ(fused[static_cast<size_t>(i)], fused_plain[static_cast<size_t>(i)] + extra)
+        << i;
+  }
+  // No memory bandwidth stated: nothing to price it by.
+  k.attention_dropout = true;
+  k.memory_bandwidth = 0;
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    EXPECT_EQ(dropout_seconds(k, Pricing::of(k, DType::f32), g, g.node(i)), 0.0) << i;
+  }
 }
 
 // Tile and wave quantization of matmuls on hand values (the A100 example
@@ -719,6 +770,55 @@ TEST(CostModel, HalfActivationsHalvePipelineMessages) {
   // An f32 run keeps 4-byte messages under the same device settings.
   o.precision = DType::f32;
   EXPECT_EQ(sent(build_programs(spec, o, c)), h_bytes);
+}
+
+// blocking_p2p: a stage's activation and gradient sends go on its compute
+// lane, so each one's transfer (L + bytes / W) is added to the rank's busy
+// time (step - idle) and the step grows.
+TEST(CostModel, BlockingP2pSendsOccupyTheComputeLane) {
+  ModelSpec spec;
+  spec.kind = "gpt";
+  spec.layers = 2;
+  spec.d_model = 32;
+  spec.heads = 4;
+  spec.seq_len = 8;
+  TrainerOptions o = mlp_options(2);
+  o.batch_size = 8;
+  ParallelShorthand sh;
+  sh.pp = 2;
+  sh.microbatches = 4;
+  const ModelGraph m = build_model(spec, o.batch_size);
+  o.dist.plan = std::make_shared<Plan>(expand_shorthand(sh, ShorthandModel{"gpt", 8}, m.graph, 2));
+  const double L = 1e-5, W = 1e9;
+  ClusterModel c = cluster(2, L, W);
+  const StepEstimate plain = estimate_step(spec, o, c);
+  c.kinds[0].blocking_p2p = true;
+  const Programs progs = build_programs(spec, o, c);
+  const StepEstimate blocking = estimate_step(spec, o, c);
+  ASSERT_EQ(progs.programs.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    double transfer = 0;
+    int stage_sends = 0;
+    const Program& prog =
+        progs.programs[static_cast<size_t>(progs.ranks[static_cast<size_t>(r)].program)];
+    for (const Task& t : prog.tasks) {
+      if (t.kind != Task::Kind::send) continue;
+      EXPECT_EQ(t.lane, 0) << t.name;
+      if (t.name.find("shared") != std::string::npos) continue;  // on lane 0 either way
+      ++stage_sends;
+      transfer += L + static_cast<double>(t.bytes) / W;
+    }
+    EXPECT_EQ(stage_sends, sh.microbatches) << r;
+    // Busy = step - idle = compute + communication on the compute lane:
+    // grows by exactly the sends' transfers; the total communication does
+    // not change (the sends were counted on the comm lane before).
+    const RankEstimate& eb = blocking.ranks[static_cast<size_t>(r)];
+    const RankEstimate& ep = plain.ranks[static_cast<size_t>(r)];
+    EXPECT_DOUBLE_EQ(eb.compute_s, ep.compute_s) << r;
+    EXPECT_NEAR((blocking.step_s - eb.idle_s) - (plain.step_s - ep.idle_s), transfer, 1e-12) << r;
+    EXPECT_NEAR(eb.comm_s, ep.comm_s, 1e-12) << r;
+  }
+  EXPECT_GT(blocking.step_s, plain.step_s);
 }
 
 // The pipeline memory terms on hand-computed values: f32 parameters and

@@ -197,16 +197,26 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       if (const toml::node* x = d.get("runtime")) {
         const std::string q = p + "runtime.";
         const toml::table& rt = rd.table(*x, p + "runtime");
-        rd.only(rt, q, {"half_activations", "fused_elementwise", "source"});
+        rd.only(rt, q,
+                {"half_activations", "fused_elementwise", "attention_dropout", "blocking_p2p",
+                 "source"});
         if (const toml::node* y = rt.get("half_activations")) {
           dev.half_activations = rd.boolean(*y, q + "half_activations");
         }
         if (const toml::node* y = rt.get("fused_elementwise")) {
           dev.fused_elementwise = rd.boolean(*y, q + "fused_elementwise");
         }
+        if (const toml::node* y = rt.get("attention_dropout")) {
+          dev.attention_dropout = rd.boolean(*y, q + "attention_dropout");
+        }
+        if (const toml::node* y = rt.get("blocking_p2p")) {
+          dev.blocking_p2p = rd.boolean(*y, q + "blocking_p2p");
+        }
         if (const toml::node* y = rt.get("source"))
           dev.runtime_source = rd.string(*y, q + "source");
-        if ((dev.half_activations || dev.fused_elementwise) && dev.runtime_source.empty()) {
+        if ((dev.half_activations || dev.fused_elementwise || dev.attention_dropout ||
+             dev.blocking_p2p) &&
+            dev.runtime_source.empty()) {
           rd.fail(q + "source",
                   "missing: say which runtime these settings model and where they come from");
         }
@@ -554,6 +564,8 @@ planner::ClusterModel cluster_model(const ClusterFile& f, int world) {
     k.matmul_tile = d.matmul_tile;
     k.half_activations = d.half_activations;
     k.fused_elementwise = d.fused_elementwise;
+    k.attention_dropout = d.attention_dropout;
+    k.blocking_p2p = d.blocking_p2p;
     k.runtime_source = d.runtime_source;
     index[name] = static_cast<int>(m.kinds.size());
     m.kinds.push_back(std::move(k));

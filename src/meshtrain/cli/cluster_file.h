@@ -59,6 +59,8 @@ struct ClusterFile {
     // device (planner::DeviceKind's fields of the same names).
     bool half_activations = false;
     bool fused_elementwise = false;
+    bool attention_dropout = false;
+    bool blocking_p2p = false;
     std::string runtime_source;
   };
   std::map<std::string, Device> devices;

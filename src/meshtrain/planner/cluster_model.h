@@ -51,8 +51,20 @@ struct DeviceKind {
   //     reads the run's inputs and writes the values read after it once,
   //     intermediates stay on chip (Megatron-LM's fused bias+GeLU,
   //     bias+dropout+add and scaled masked softmax; a fusing compiler).
+  //   attention_dropout: each softmax's output (the attention
+  //     probabilities) goes through a dropout kernel of its own after the
+  //     softmax: the forward reads the probabilities and writes them and a
+  //     1-byte mask, the backward (at the softmax's gradient) reads the
+  //     gradient and the mask and writes the gradient -- Megatron-LM's
+  //     attention dropout, outside its fused scale-mask-softmax kernel;
+  //   blocking_p2p: a pipeline stage's sends occupy its compute lane (the
+  //     stage computes on only once its send has been transferred) instead
+  //     of the communication lane -- Megatron-LM's 2021 p2p exchange
+  //     (batch_isend_irecv, every request waited, then a device synchronize).
   bool half_activations = false;
   bool fused_elementwise = false;
+  bool attention_dropout = false;
+  bool blocking_p2p = false;
   std::string runtime_source;  // which runtime, and where that comes from
 };
 

@@ -129,8 +129,21 @@ bool free_cast(const Pricing& pricing, const Graph& g, const Node& n) {
 
 }  // namespace
 
-std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
-                                 double slowdown, const std::vector<std::string>* kept) {
+double dropout_seconds(const DeviceKind& kind, const Pricing& pricing, const Graph& g,
+                       const Node& n, double slowdown) {
+  if (!kind.attention_dropout || kind.memory_bandwidth <= 0) return 0.0;
+  if (n.op != OpKind::softmax && n.op != OpKind::softmax_grad) return 0.0;
+  // Forward: read p, write the dropped p and a 1-byte mask; backward: read
+  // the gradient and the mask, write the gradient. Both 2 x element + 1.
+  const Value& v = g.value(n.outputs.at(0));
+  const double per = 2.0 * static_cast<double>(element_bytes(pricing, v.dtype)) + 1.0;
+  return static_cast<double>(v.shape.numel()) * per / kind.memory_bandwidth * slowdown;
+}
+
+namespace {
+
+std::vector<double> node_seconds_no_dropout(const DeviceKind& kind, const Graph& g, DType precision,
+                                            double slowdown, const std::vector<std::string>* kept) {
   const Pricing pricing = Pricing::of(kind, precision);
   const auto N = static_cast<size_t>(g.num_nodes());
   std::vector<double> out(N, 0.0);
@@ -232,6 +245,19 @@ std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType p
     for (ValueId v : n.outputs) produced[static_cast<size_t>(v)] = 1;
   }
   close(g.num_nodes());
+  return out;
+}
+
+}  // namespace
+
+std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
+                                 double slowdown, const std::vector<std::string>* kept) {
+  std::vector<double> out = node_seconds_no_dropout(kind, g, precision, slowdown, kept);
+  if (!kind.attention_dropout) return out;
+  const Pricing pricing = Pricing::of(kind, precision);
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    out[static_cast<size_t>(i)] += dropout_seconds(kind, pricing, g, g.node(i), slowdown);
+  }
   return out;
 }
 
@@ -874,7 +900,10 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         return last;
       };
       // The schedule's actions, in order. Sends go on the comm lane once
-      // the pass that produced them is done; receives wait on the compute lane.
+      // the pass that produced them is done (under DeviceKind::blocking_p2p
+      // on the compute lane: the stage computes on once the send is
+      // transferred); receives wait on the compute lane.
+      const int send_lane = dev.blocking_p2p ? 0 : 1;
       std::map<std::pair<int, int>, int> done;  // (microbatch, virtual stage) -> last compute task
       auto tag = [](int kind, int mb, int s) {
         return (static_cast<int64_t>(kind) << 40) | (static_cast<int64_t>(mb) << 20) | s;
@@ -898,12 +927,12 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
             pass(where, "backward", t.bw);
             break;
           case ActionKind::send_activation:
-            b.p2p(Task::Kind::send, where, a.peer, tag(0, a.microbatch, a.stage), t.act_bytes, 1,
-                  {done.at({a.microbatch, a.stage})});
+            b.p2p(Task::Kind::send, where, a.peer, tag(0, a.microbatch, a.stage), t.act_bytes,
+                  send_lane, {done.at({a.microbatch, a.stage})});
             break;
           case ActionKind::send_grad:
-            b.p2p(Task::Kind::send, where, a.peer, tag(1, a.microbatch, a.stage), t.grad_bytes, 1,
-                  {done.at({a.microbatch, a.stage})});
+            b.p2p(Task::Kind::send, where, a.peer, tag(1, a.microbatch, a.stage), t.grad_bytes,
+                  send_lane, {done.at({a.microbatch, a.stage})});
             break;
           case ActionKind::recv_activation:
             // The matching send is tagged with the sending (previous) stage.

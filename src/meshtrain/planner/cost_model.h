@@ -92,9 +92,20 @@ bool fusable_elementwise(OpKind op);
 // values it produces that are read after it, in `kept` or read by nothing)
 // / bandwidth), charged to the run's last operator, 0 to the others.
 // `kept`: names of values read after the graph (a pipeline pass's stash).
+// With DeviceKind::attention_dropout each softmax and softmax_grad node
+// also carries dropout_seconds (a kernel of its own, outside any fused run).
 std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
                                  double slowdown = 1.0,
                                  const std::vector<std::string>* kept = nullptr);
+
+// The dropout kernel DeviceKind::attention_dropout adds at node `n`: for a
+// softmax or softmax_grad node with output of E elements of dtype t,
+// E x (2 x element_bytes(pricing, t) + 1) / memory_bandwidth x slowdown
+// (forward: read the probabilities, write them dropped and a 1-byte mask;
+// backward: read the gradient and the mask, write the gradient); 0 for
+// other nodes, without the setting or without a memory bandwidth.
+double dropout_seconds(const DeviceKind& kind, const Pricing& pricing, const Graph& g,
+                       const Node& n, double slowdown = 1.0);
 
 // Bytes per parameter element the optimizer step moves: parameter,
 // gradient and `state_kinds` state tensors in f32, read and written; under
