@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <limits>
@@ -63,7 +64,8 @@ TEST(CodecSpec, ParsesEveryCodecAndRoundTrips) {
         Case{"randk:0.25", CodecKind::randk}, Case{"randk:1e-3", CodecKind::randk},
         Case{"qsgd:4", CodecKind::qsgd}, Case{"qsgd:8:0", CodecKind::qsgd},
         Case{"sign", CodecKind::sign}, Case{"sign:256", CodecKind::sign},
-        Case{"powersgd:4", CodecKind::powersgd}}) {
+        Case{"powersgd:4", CodecKind::powersgd}, Case{"topk:0.01:compact", CodecKind::topk},
+        Case{"randk:50:compact", CodecKind::randk}}) {
     SCOPED_TRACE(c.text);
     const CodecSpec s = parse_codec_spec(c.text);
     EXPECT_EQ(s.kind, c.kind);
@@ -73,6 +75,8 @@ TEST(CodecSpec, ParsesEveryCodecAndRoundTrips) {
     EXPECT_EQ(back.k_count, s.k_count);
     EXPECT_EQ(back.bits, s.bits);
     EXPECT_EQ(back.chunk, s.chunk);
+    EXPECT_EQ(back.compact, s.compact);
+    EXPECT_EQ(s.compact, std::string(c.text).ends_with(":compact"));
     EXPECT_EQ(back.rank, s.rank);
   }
   EXPECT_EQ(parse_codec_spec("topk:0.01").k_fraction, 0.01);
@@ -98,7 +102,12 @@ TEST(CodecSpec, BadTextIsAConfigErrorNamingTheKeyAndWhatWasExpected) {
   for (const Case& c : {
            Case{"zip", "unknown codec \"zip\"; expected one of none, f16"},
            Case{"", "unknown codec \"\""},
-           Case{"topk", "expected topk:K with K a fraction in (0, 1] or an element count"},
+           Case{"topk",
+                "expected topk:K[:compact] with K a fraction in (0, 1] or an element count"},
+           Case{"randk:0.01:bf16",
+                "the third field must be \"compact\" (bf16 values, "
+                "Elias-Fano indices), got \"bf16\""},
+           Case{"topk:0.01:compact:x", "expected topk:K[:compact]"},
            Case{"topk:0",
                 "k must be a fraction in (0, 1] (such as 0.01) or an element count >= "
                 "1, got \"0\""},
@@ -229,6 +238,153 @@ TEST(TopK, APayloadIndexOutsideTheTensorIsACommError) {
   }
 }
 
+// ---- the compact sparse format (bf16 values, Elias-Fano indices)
+
+// e with value v(j) at idx[j] and zero elsewhere, so top-k with k =
+// idx.size() keeps exactly idx.
+std::vector<float> spikes(size_t n, const std::vector<uint32_t>& idx) {
+  std::vector<float> e(n, 0.0f);
+  for (size_t j = 0; j < idx.size(); ++j) {
+    // Not representable in bf16 (rounding happens), distinct, both signs.
+    e[idx[j]] = static_cast<float>((j % 2 ? -1.0 : 1.0) * (1.0 + 0.0013 * static_cast<double>(j)));
+  }
+  return e;
+}
+
+// Encodes spikes(n, idx) with topk:K:compact and checks the decoded tensor:
+// exactly the indices, each value bf16-rounded (nearest even).
+void expect_compact_round_trip(size_t n, const std::vector<uint32_t>& idx) {
+  SCOPED_TRACE(fmt::format("n {} k {} first {} last {}", n, idx.size(), idx.front(), idx.back()));
+  const std::vector<float> e = spikes(n, idx);
+  auto codec = make_payload_codec(parse_codec_spec(fmt::format("topk:{}:compact", idx.size())), n);
+  // Garbage in the buffer must not leak into the payload (it is reused).
+  std::vector<std::byte> p(codec->payload_bytes(), std::byte{0xa5});
+  codec->encode(e, 0, p);
+  const std::vector<float> out = decode(*codec, p);
+  size_t nonzero = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float want = e[i] == 0.0f ? 0.0f : bf16_to_f32(f32_to_bf16(e[i]));
+    ASSERT_EQ(out[i], want) << "element " << i;
+    nonzero += out[i] != 0.0f;
+  }
+  EXPECT_EQ(nonzero, idx.size());
+  // The size is the Elias-Fano bound: 2 bytes a value, L + 1 bits an index
+  // plus (n - 1) >> L bits of high part, L = floor(log2(n / k)).
+  const size_t k = idx.size();
+  size_t L = 0;
+  while ((size_t{2} << L) <= n / k) ++L;
+  EXPECT_EQ(codec->payload_bytes(), 2 * k + (k * (L + 1) + ((n - 1) >> L) + 7) / 8);
+}
+
+TEST(CompactSparse, RoundTripsIndicesExactlyAndValuesRoundedToBf16) {
+  // Gaps 1..127 (one byte as a varint would be), 128, and beyond 2^14 and
+  // 2^21; index 0 and index n - 1; k = n; k = 1; a run at the very end.
+  std::vector<uint32_t> small_gaps = {0};
+  for (uint32_t g = 1; g <= 127; ++g) small_gaps.push_back(small_gaps.back() + g);
+  expect_compact_round_trip(small_gaps.back() + 1, small_gaps);
+  expect_compact_round_trip(100000, small_gaps);
+  std::vector<uint32_t> gap128;
+  for (uint32_t i = 0; i < 50; ++i) gap128.push_back(128 * i);
+  expect_compact_round_trip(128 * 49 + 1, gap128);
+  expect_compact_round_trip(10000, gap128);
+  const uint32_t n_big = 5'000'000;
+  expect_compact_round_trip(
+      n_big, {0, (1u << 14) + 1, (1u << 14) + 2 + (1u << 21), (1u << 22) + 7, n_big - 1});
+  expect_compact_round_trip(n_big, {n_big - 1});  // one index, at the end: L = 22
+  expect_compact_round_trip(n_big, {0});
+  expect_compact_round_trip(1, {0});
+  expect_compact_round_trip(2, {1});
+  std::vector<uint32_t> all(1000);
+  std::iota(all.begin(), all.end(), 0u);
+  expect_compact_round_trip(1000, all);  // k == n: L = 0, every gap 0
+  expect_compact_round_trip(1000, {995, 996, 997, 998, 999});
+  // Random index sets at densities from 0.05% to 90%.
+  Rng rng(77);
+  for (double density : {0.0005, 0.01, 0.1, 0.5, 0.9}) {
+    const size_t n = 100003;
+    std::vector<uint32_t> idx;
+    for (uint32_t i = 0; i < n; ++i) {
+      if (rng.uniform() < density) idx.push_back(i);
+    }
+    expect_compact_round_trip(n, idx);
+  }
+}
+
+TEST(CompactSparse, KeepsTheKLargestAndSendsUnderFourBytesAnElementAtOnePercent) {
+  const size_t n = 1 << 20;
+  std::vector<float> e = normal_vector(n, 8);
+  for (size_t i = 0; i < n; i += 97) e[i] = 2.5f;  // ties, broken toward the lower index
+  const CodecSpec spec = parse_codec_spec("topk:0.01:compact");
+  auto codec = make_payload_codec(spec, n);
+  const size_t k = spec.k_for(n);
+  std::vector<std::byte> p(codec->payload_bytes());
+  codec->encode(e, 0, p);
+  const std::vector<float> out = decode(*codec, p);
+  std::vector<uint32_t> got;
+  for (size_t i = 0; i < n; ++i) {
+    if (out[i] != 0.0f) {
+      got.push_back(static_cast<uint32_t>(i));
+      ASSERT_EQ(out[i], bf16_to_f32(f32_to_bf16(e[i])));
+    }
+  }
+  EXPECT_EQ(got, top_k_indices(e, k));
+  // 2 bytes of value + (L + 2) / 8 bytes of index, L = 6: 3.07 (the
+  // uncompact format sends 8).
+  const double per = static_cast<double>(codec->payload_bytes()) / static_cast<double>(k);
+  std::printf("topk:0.01:compact on %zu elements: %.3f bytes per kept element\n", n, per);
+  EXPECT_LT(per, 3.1);
+  // randk shares the format: same size, its own draw, the same bits for
+  // the same seed.
+  auto rk = make_payload_codec(parse_codec_spec("randk:0.01:compact"), n);
+  ASSERT_EQ(rk->payload_bytes(), codec->payload_bytes());
+  std::vector<std::byte> a(p.size()), b(p.size());
+  rk->encode(e, 3, a);
+  rk->encode(e, 3, b);
+  EXPECT_EQ(a, b);
+  const std::vector<float> ra = decode(*rk, a);
+  EXPECT_EQ(
+      static_cast<size_t>(std::count_if(ra.begin(), ra.end(), [](float v) { return v != 0; })), k);
+}
+
+TEST(CompactSparse, SaturatesAtTheLargestBf16AndKeepsTheExcess) {
+  FeedbackEncoder enc(make_payload_codec(parse_codec_spec("topk:3:compact"), 4), true);
+  std::vector<std::byte> payload(enc.codec().payload_bytes());
+  const float big = std::numeric_limits<float>::max();
+  const std::vector<float> g = {big, -big, 1.0f + 0x1p-12f, 0.0f};
+  enc.encode(g, 0, payload);
+  const std::vector<float> sent = decode(enc.codec(), payload);
+  const float bf16_max = bf16_to_f32(bf16{0x7f7f});
+  EXPECT_EQ(sent, (std::vector<float>{bf16_max, -bf16_max, 1.0f, 0.0f}));
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(enc.residual()[i] + sent[i], g[i]) << i;
+  EXPECT_EQ(enc.residual()[2], 0x1p-12f);
+}
+
+TEST(CompactSparse, AMalformedIndexStreamIsACommError) {
+  // n 100, k 1: L = 6, one value (2 bytes), then 6 low bits and a 2-bit
+  // high part in one byte.
+  auto codec = make_payload_codec(parse_codec_spec("topk:1:compact"), 100);
+  ASSERT_EQ(codec->payload_bytes(), 3u);
+  std::vector<float> out(100, 0.0f);
+  auto message = [&](std::byte bits) {
+    const std::vector<std::byte> p = {std::byte{0x80}, std::byte{0x3f}, bits};
+    try {
+      codec->decode_add(p, 1.0f, out);
+    } catch (const CommError& err) {
+      return std::string(err.what());
+    }
+    return std::string();
+  };
+  // No high bit set: the stream ends before the entry.
+  EXPECT_NE(message(std::byte{0x3f}).find("the index stream ends before entry 0 of 1"),
+            std::string::npos);
+  // Low 63, high 1: index 127 of a 100-element tensor.
+  EXPECT_NE(message(std::byte{0xbf}).find("index 127 of entry 0 is outside the tensor's 100"),
+            std::string::npos);
+  // Low 35, high 1 (bit 7): index 99, value 1.0.
+  EXPECT_EQ(message(std::byte{0xa3}), "");
+  EXPECT_EQ(out[99], 1.0f);
+}
+
 TEST(RandK, DrawsKDistinctIndicesDependingOnTheSeed) {
   const size_t n = 1000;
   const std::vector<float> e = normal_vector(n, 3);
@@ -270,8 +426,9 @@ TEST(RandK, DrawsKDistinctIndicesDependingOnTheSeed) {
 
 TEST(ErrorFeedback, ResidualPlusWhatWasSentIsTheInput) {
   const size_t n = 3001;
-  for (const char* text : {"topk:0.01", "topk:1", "randk:0.05", "f16", "bf16", "qsgd:4", "qsgd:2:0",
-                           "sign", "sign:64"}) {
+  for (const char* text :
+       {"topk:0.01", "topk:1", "randk:0.05", "f16", "bf16", "qsgd:4", "qsgd:2:0", "sign", "sign:64",
+        "topk:0.01:compact", "topk:1:compact", "randk:0.05:compact"}) {
     SCOPED_TRACE(text);
     const CodecSpec spec = parse_codec_spec(text);
     const bool exact = spec.kind == CodecKind::topk || spec.kind == CodecKind::randk ||

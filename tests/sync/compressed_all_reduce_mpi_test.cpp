@@ -31,8 +31,8 @@ TEST(CompressedAllReduceMpi, EveryCodecAgreesOnEveryRankAndCountsWhatItPredicts)
   for (bool shm : {true, false}) {
     auto c = world(shm);
     const int n = c->size();
-    for (const char* codec :
-         {"none", "f16", "bf16", "topk:0.01", "randk:50", "qsgd:4", "sign", "powersgd:4"}) {
+    for (const char* codec : {"none", "f16", "bf16", "topk:0.01", "randk:50", "qsgd:4", "sign",
+                              "powersgd:4", "topk:0.01:compact", "randk:50:compact"}) {
       const std::string where = fmt::format("{} shm {} rank {}/{}", codec, shm, c->rank(), n);
       SCOPED_TRACE(where);
       const Shape shape{96, 64};

@@ -49,8 +49,19 @@ std::vector<float> gather(Communicator& c, std::span<const float> v) {
   return all;
 }
 
-const char* const kCodecs[] = {"none",   "f16",      "bf16", "topk:0.01", "topk:37",   "randk:0.02",
-                               "qsgd:4", "qsgd:2:0", "sign", "sign:100",  "powersgd:2"};
+const char* const kCodecs[] = {"none",
+                               "f16",
+                               "bf16",
+                               "topk:0.01",
+                               "topk:37",
+                               "randk:0.02",
+                               "qsgd:4",
+                               "qsgd:2:0",
+                               "sign",
+                               "sign:100",
+                               "powersgd:2",
+                               "topk:0.01:compact",
+                               "randk:0.02:compact"};
 
 TEST(CompressedAllReduce, NoneEqualsThePlainAllReduce) {
   for (bool shm : {false, true}) {
@@ -226,14 +237,23 @@ TEST(CompressedAllReduce, CountedBytesEqualThePrediction) {
                   want.bytes_sent, want.bytes_received, want.handshake_bytes_sent));
             }
             // The sparse codecs travel as (index, value) pairs in an
-            // all-gather unless the densified all-reduce was asked for.
+            // all-gather unless the densified all-reduce was asked for: 8k
+            // bytes a rank, or in the compact format 2k for the bf16 values
+            // and the Elias-Fano bound for the indices (L = floor(log2(numel
+            // / k)): k (L + 1) + (numel - 1) >> L bits).
             const CodecKind k = o.codec.kind;
             if ((k == CodecKind::topk || k == CodecKind::randk) &&
                 v.sparse == SparseExchange::all_gather) {
+              const size_t kk = o.codec.k_for(numel);
+              size_t L = 0;
+              while ((size_t{2} << L) <= numel / kk) ++L;
+              const size_t per_rank =
+                  o.codec.compact ? 2 * kk + (kk * (L + 1) + ((numel - 1) >> L) + 7) / 8 : 8 * kk;
               if (got.by_collective.count("all_reduce") != 0 ||
                   got.by_collective.at("all_gather").payload_bytes !=
-                      2 * 8 * o.codec.k_for(numel) * static_cast<uint64_t>(n)) {
-                throw std::runtime_error(where + ": not an all-gather of 8k bytes per rank");
+                      2 * per_rank * static_cast<uint64_t>(n)) {
+                throw std::runtime_error(
+                    fmt::format("{}: not an all-gather of {} bytes per rank", where, per_rank));
               }
             }
             if (n > 1 && k != CodecKind::none && o.codec.to_string() != "powersgd:40" &&
@@ -274,6 +294,8 @@ TEST(CompressedAllReduce, PlansWhatEachCodecSends) {
   EXPECT_TRUE(eq(plan("none", s), one(Collective::all_reduce, 3000, DType::f32)));
   EXPECT_TRUE(eq(plan("bf16", s), one(Collective::all_reduce, 3000, DType::bf16)));
   EXPECT_TRUE(eq(plan("topk:0.01", s), one(Collective::all_gather, 8 * 30, DType::u8)));
+  // 30 of 3000: 60 bytes of bf16 values, L = 6, 30 x 7 + 2999 >> 6 = 256 bits.
+  EXPECT_TRUE(eq(plan("topk:0.01:compact", s), one(Collective::all_gather, 60 + 32, DType::u8)));
   EXPECT_TRUE(eq(plan("qsgd:4", s), one(Collective::all_gather, 6 * 4 + 1500, DType::u8)));
   EXPECT_TRUE(eq(plan("sign", s), one(Collective::all_gather, 4 + 375, DType::u8)));
   EXPECT_TRUE(eq(plan("powersgd:4", s),

@@ -237,7 +237,8 @@ const std::vector<KeyMeaning> kMeanings = {
      "gossip: the graph replicas average over (uniform weights 1 / (degree + 1)); adpsgd: an "
      "active (even) rank picks its partner among its odd neighbours on it"},
     {"sync.codec",
-     "codec on the exchange: none, f16, bf16, topk:K, randk:K (K a count or a fraction), "
+     "codec on the exchange: none, f16, bf16, topk:K[:compact], randk:K[:compact] (K a count or "
+     "a fraction; compact: bf16 values, Elias-Fano indices), "
      "qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK; on the gradients (allreduce), the "
      "pseudo-gradients (local_sgd, diloco, partial) or the pushes (ps, not powersgd) "
      "(docs/codecs.md)"},

@@ -13,7 +13,8 @@ namespace {
 
 constexpr std::string_view kKey = "sync.codec";
 constexpr std::string_view kExpected =
-    "one of none, f16, bf16, topk:K, randk:K, qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK "
+    "one of none, f16, bf16, topk:K[:compact], randk:K[:compact], qsgd:BITS[:BUCKET], "
+    "sign[:CHUNK], powersgd:RANK "
     "(K a fraction in (0, 1] such as 0.01 or an element count >= 1)";
 
 [[noreturn]] void bad(std::string_view text, const std::string& why) {
@@ -98,10 +99,19 @@ CodecSpec parse_codec_spec(std::string_view text) {
     spec.kind = name == "none" ? CodecKind::none : name == "f16" ? CodecKind::f16 : CodecKind::bf16;
     spec.error_feedback = spec.kind != CodecKind::none;
   } else if (name == "topk" || name == "randk") {
-    want_fields(2, 2,
-                fmt::format("{}:K with K a fraction in (0, 1] or an element count", name).c_str());
+    want_fields(2, 3,
+                fmt::format("{}:K[:compact] with K a fraction in (0, 1] or an element count", name)
+                    .c_str());
     spec.kind = name == "topk" ? CodecKind::topk : CodecKind::randk;
     parse_k(text, f[1], spec);
+    if (f.size() == 3) {
+      if (f[2] != "compact") {
+        bad(text, fmt::format("the third field must be \"compact\" (bf16 values, Elias-Fano "
+                              "indices), got \"{}\"",
+                              f[2]));
+      }
+      spec.compact = true;
+    }
   } else if (name == "qsgd") {
     want_fields(2, 3, "qsgd:BITS or qsgd:BITS:BUCKET");
     spec.kind = CodecKind::qsgd;
@@ -171,14 +181,14 @@ void CodecSpec::check_fits(size_t numel, std::string_view what) const {
 std::string CodecSpec::to_string() const {
   switch (kind) {
     case CodecKind::topk:
-    case CodecKind::randk:
-      if (k_count > 0) return fmt::format("{}:{}", codec_kind_name(kind), k_count);
-      {
-        // A fraction keeps a '.' or an exponent, so it parses back as one.
-        std::string f = fmt::format("{}", k_fraction);
-        if (f.find_first_of(".eE") == std::string::npos) f += ".0";
-        return fmt::format("{}:{}", codec_kind_name(kind), f);
-      }
+    case CodecKind::randk: {
+      const std::string_view tail = compact ? ":compact" : "";
+      if (k_count > 0) return fmt::format("{}:{}{}", codec_kind_name(kind), k_count, tail);
+      // A fraction keeps a '.' or an exponent, so it parses back as one.
+      std::string f = fmt::format("{}", k_fraction);
+      if (f.find_first_of(".eE") == std::string::npos) f += ".0";
+      return fmt::format("{}:{}{}", codec_kind_name(kind), f, tail);
+    }
     case CodecKind::qsgd:
       return chunk == kQsgdDefaultBucket ? fmt::format("qsgd:{}", bits)
                                          : fmt::format("qsgd:{}:{}", bits, chunk);

@@ -1,6 +1,7 @@
 #include "meshtrain/sync/codecs.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -104,39 +105,141 @@ class CastCodec final : public PayloadCodec {
   bool half_;
 };
 
-// ---- top-k / rand-k: k u32 indices, then k f32 values
+// ---- top-k / rand-k: k u32 indices, then k f32 values; or compact: k bf16
+// values, then the indices Elias-Fano coded
+
+// bf16 bits of v, a finite v that would round to inf saturating at the
+// largest finite bf16 (the excess stays in the residual, as f16 does).
+inline uint16_t bf16_bits_saturated(float v) {
+  uint16_t b = bf16_bits(v);
+  if ((b & 0x7fffu) == 0x7f80u && std::isfinite(v))
+    b = static_cast<uint16_t>((b & 0x8000u) | 0x7f7fu);
+  return b;
+}
+
+// ORs the `width` (<= 32) low bits of v into buf at bit `pos` (LSB first).
+void or_bits(std::byte* buf, size_t pos, uint32_t v, int width) {
+  for (int b = 0; b < width;) {
+    const int off = static_cast<int>((pos + static_cast<size_t>(b)) % 8);
+    const int take = std::min(8 - off, width - b);
+    const uint32_t part = (v >> b) & ((1u << take) - 1u);
+    buf[(pos + static_cast<size_t>(b)) / 8] |= static_cast<std::byte>(part << off);
+    b += take;
+  }
+}
+uint32_t read_bits(const std::byte* buf, size_t pos, int width) {
+  uint32_t v = 0;
+  for (int b = 0; b < width;) {
+    const int off = static_cast<int>((pos + static_cast<size_t>(b)) % 8);
+    const int take = std::min(8 - off, width - b);
+    const auto byte = static_cast<uint32_t>(buf[(pos + static_cast<size_t>(b)) / 8]);
+    v |= ((byte >> off) & ((1u << take) - 1u)) << b;
+    b += take;
+  }
+  return v;
+}
 
 class SparseCodec final : public PayloadCodec {
  public:
-  SparseCodec(size_t numel, size_t k, bool random) : PayloadCodec(numel), k_(k), random_(random) {}
-  size_t payload_bytes() const override { return 8 * k_; }
+  SparseCodec(size_t numel, size_t k, bool random, bool compact)
+      : PayloadCodec(numel),
+        k_(k),
+        random_(random),
+        compact_(compact),
+        // floor(log2(numel / k)): the Elias-Fano split minimizing the bound
+        // k * (2 + log2(numel / k)) bits.
+        low_(k == 0 ? 0 : std::bit_width(numel / k) - 1) {}
+  size_t payload_bytes() const override {
+    if (!compact_) return 8 * k_;
+    // The high part: k ones and (numel - 1) >> low zeros at most (the
+    // unary gaps of index >> low); its bound, not the data, sizes the
+    // payload, so every rank's payload has the same size.
+    const size_t high = k_ == 0 ? 0 : k_ + ((numel_ - 1) >> low_);
+    return 2 * k_ + ceil_div(k_ * static_cast<size_t>(low_) + high, 8);
+  }
   void encode(std::span<const float> e, uint64_t seed,
               std::span<std::byte> payload) const override {
     if (k_ == 0) return;  // an empty tensor (memcpy from a null pointer is undefined)
     const std::vector<uint32_t> idx = random_ ? random_indices(seed) : top_k_indices(e, k_);
+    if (compact_) {
+      encode_compact(e, idx, payload);
+      return;
+    }
     std::memcpy(payload.data(), idx.data(), 4 * k_);
     std::byte* values = payload.data() + 4 * k_;
     for (size_t j = 0; j < k_; ++j) store_f32(values + 4 * j, e[idx[j]]);
   }
   void decode_add(std::span<const std::byte> payload, float scale,
                   std::span<float> out) const override {
+    if (compact_) {
+      decode_add_compact(payload, scale, out);
+      return;
+    }
     const std::byte* values = payload.data() + 4 * k_;
     for (size_t j = 0; j < k_; ++j) {
       uint32_t i;
       std::memcpy(&i, payload.data() + 4 * j, 4);
-      // A payload from a peer that disagrees on the tensor must not write
-      // out of bounds (the handshake checks sizes, not contents).
-      if (i >= numel_) {
-        throw CommError(
-            fmt::format("sparse codec payload: index {} of entry {} is outside "
-                        "the tensor's {} elements (ranks disagree on the tensor?)",
-                        i, j, numel_));
-      }
+      check_index(i, j);
       out[i] += scale * load_f32(values + 4 * j);
     }
   }
 
  private:
+  // A payload from a peer that disagrees on the tensor must not write out
+  // of bounds (the handshake checks sizes, not contents).
+  void check_index(uint64_t i, size_t j) const {
+    if (i >= numel_) {
+      throw CommError(
+          fmt::format("sparse codec payload: index {} of entry {} is outside "
+                      "the tensor's {} elements (ranks disagree on the tensor?)",
+                      i, j, numel_));
+    }
+  }
+
+  // Layout: k bf16 values (index order), then one bit stream (LSB first):
+  // k fields of `low_` bits (index & (2^low - 1)), then the high part, where
+  // entry j sets bit (index_j >> low) + j; zero bits pad it to the bound.
+  void encode_compact(std::span<const float> e, const std::vector<uint32_t>& idx,
+                      std::span<std::byte> payload) const {
+    std::byte* bits = payload.data() + 2 * k_;
+    std::memset(bits, 0, payload_bytes() - 2 * k_);
+    const uint32_t mask = low_ == 0 ? 0u : static_cast<uint32_t>((uint64_t{1} << low_) - 1);
+    const size_t high_at = k_ * static_cast<size_t>(low_);
+    for (size_t j = 0; j < k_; ++j) {
+      const uint16_t v = bf16_bits_saturated(e[idx[j]]);
+      std::memcpy(payload.data() + 2 * j, &v, 2);
+      or_bits(bits, j * static_cast<size_t>(low_), idx[j] & mask, low_);
+      const size_t h = high_at + (static_cast<size_t>(idx[j]) >> low_) + j;
+      bits[h / 8] |= static_cast<std::byte>(1u << (h % 8));
+    }
+  }
+  void decode_add_compact(std::span<const std::byte> payload, float scale,
+                          std::span<float> out) const {
+    MT_CHECK_GE(payload.size(), payload_bytes());
+    const std::byte* bits = payload.data() + 2 * k_;
+    size_t pos = k_ * static_cast<size_t>(low_);
+    const size_t end = (payload_bytes() - 2 * k_) * 8;
+    uint64_t high = 0;
+    for (size_t j = 0; j < k_; ++j) {
+      while (pos < end && (static_cast<unsigned>(bits[pos / 8]) >> (pos % 8) & 1u) == 0) {
+        ++pos;
+        ++high;
+      }
+      if (pos >= end) {
+        throw CommError(
+            fmt::format("sparse codec payload: the index stream ends before entry {} of {} "
+                        "(ranks disagree on the tensor?)",
+                        j, k_));
+      }
+      ++pos;
+      const uint64_t i = (high << low_) | read_bits(bits, j * static_cast<size_t>(low_), low_);
+      check_index(i, j);
+      uint16_t v;
+      std::memcpy(&v, payload.data() + 2 * j, 2);
+      out[i] += scale * bf16_value(v);
+    }
+  }
+
   // k distinct uniform indices, ascending: Floyd's algorithm (exactly k
   // draws, each index equally likely) over a bitmap of the tensor, which
   // then yields the indices in order in one pass over numel / 64 words.
@@ -167,6 +270,8 @@ class SparseCodec final : public PayloadCodec {
 
   size_t k_;
   bool random_;
+  bool compact_;
+  int low_;
 };
 
 // ---- bit streams for qsgd and sign (LSB first)
@@ -340,7 +445,7 @@ std::unique_ptr<PayloadCodec> make_payload_codec(const CodecSpec& spec, size_t n
     case CodecKind::topk:
     case CodecKind::randk:
       return std::make_unique<SparseCodec>(numel, numel == 0 ? 0 : spec.k_for(numel),
-                                           spec.kind == CodecKind::randk);
+                                           spec.kind == CodecKind::randk, spec.compact);
     case CodecKind::qsgd:
       return std::make_unique<QsgdCodec>(numel, spec.bits, spec.chunk);
     case CodecKind::sign:

@@ -19,6 +19,17 @@
 //               replacement from Rng(seed) (Floyd's algorithm), values not
 //               rescaled (error feedback keeps the rest; an unbiased d/k
 //               rescaling would blow up the residual).
+//   topk / randk with `compact` (the same k indices): k bf16 values
+//               (e[index] rounded to nearest even, a finite value beyond
+//               bf16's range saturating at +-3.39e38), then one bit stream
+//               (LSB first) of the ascending indices, Elias-Fano coded with
+//               L = floor(log2(numel / k)): k fields of L bits (index mod
+//               2^L), then a high part in which entry j sets bit
+//               (index_j >> L) + j, padded with zeros to its bound of k +
+//               ((numel - 1) >> L) bits. So the size is fixed by (numel, k),
+//               equal on every rank (no size exchange), and at most 2k + k(L
+//               + 2) / 8 + 1 bytes: at 1% (L = 6) about 3.07 bytes per
+//               element instead of 8.
 //   qsgd:b      one f32 L2 norm per bucket, then numel codes of b bits
 //               packed LSB first (bit 0 sign, bits 1..b-1 the level in
 //               0..s, s = 2^(b-1) - 1). Level = floor(l) + Bernoulli(l -
@@ -32,7 +43,9 @@
 // FeedbackEncoder wraps a PayloadCodec with the residual r (zero at first):
 // e = grad + r; payload = encode(e); r = e - decode(payload). So r + decoded
 // == e: exactly (bitwise) for topk and randk, whose sent values are e's own
-// and whose residual is e with those entries zeroed, and for f16/bf16 within
+// and whose residual is e with those entries zeroed; for compact topk/randk
+// too (the residual keeps e - bf16(e) at the sent entries, exact in f32, and
+// adding bf16(e) back gives e); for f16/bf16 within
 // rounding (e - cast(e) is exact in f32 unless f16 saturates); for qsgd and
 // sign within one f32 rounding of the subtraction.
 //

@@ -24,7 +24,9 @@
 //               sums in f32 and does not).
 //   topk, randk SparseExchange::all_gather (default): all_gather of each
 //               rank's k (u32 index, f32 value) pairs (8k bytes; every rank
-//               sends the same k), then a local f32 sum in rank order, / n.
+//               sends the same k), or with `compact` of its bf16 values and
+//               Elias-Fano-coded indices (a size fixed by (numel, k), so
+//               still equal blocks), then a local f32 sum in rank order, / n.
 //               Never a silent dense all-reduce: SparseExchange::dense_
 //               all_reduce (the densified k values, all_reduce(avg) in f32)
 //               exists for the measured comparison and only when asked for.
