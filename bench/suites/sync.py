@@ -9,9 +9,10 @@ the whole test split evaluated every EVAL_EVERY = 50 steps (--quick: 40;
 outside the step clock), checkpoints off. Time (estimates from runs under
 load, not a measured full suite): about 45 min for everything but the 100
 Mbit/s grid on a quiet 2-core machine; that grid alone takes over an hour,
-its per-step latencies dominating (dense all-reduce about 1.1 s a step, the
-top-k all-gather 1.8 s): `--networks free,1gbit` keeps the suite near 45
-min. `--only` / `--runs` / `--networks` / `--steps` select.
+its per-step latencies dominating (measured wall times of one run: dense
+all-reduce 13 min at 1.17 s a step, DiLoCo H=50 2 min, local SGD H=8 5
+min; PowerSGD rank 4 about 35 min at 3.5 s a step, top-k 1% about 18 min
+at 1.8 s): `--networks free,1gbit` keeps the suite near 45 min. `--only` / `--runs` / `--networks` / `--steps` select.
 
 Parts (--only, comma-separated; default all but `report`):
 
