@@ -76,6 +76,12 @@ Outcome train(const SyncOptions& sync, int64_t steps = kSteps, double momentum =
   Trainer t(spec(), data, nullptr, o, &world());
   Outcome out;
   out.losses = t.run().losses;
+  if (t.replica_sync().agreement_period() > 1) {
+    // Between agreements each rank reports its own mean loss: the mean of
+    // the ranks' (equal batches) is the global one the checks read.
+    world().all_reduce(out.losses.data(), out.losses.data(), out.losses.size(), DType::f64);
+    for (double& x : out.losses) x /= world().size();
+  }
   out.server = t.replica_sync().is_server();
   const Tensor own = t.params().flat_values();
   out.own.assign(own.data<float>(), own.data<float>() + own.numel());

@@ -21,6 +21,8 @@
 //   equal on every rank; one fragment's exchange is 1/F of the full one's
 //   bytes); the 4-bit quantizer stays within its bound and is unbiased;
 //   overlapped runs learn and send exactly the predicted bytes;
+// - local SGD and DiLoCo agree on the loss once a period (step lines between
+//   are each rank's own);
 // - bad settings are refused before any step, naming the key.
 #include <gtest/gtest.h>
 
@@ -86,6 +88,16 @@ Outcome train(const SyncOptions& sync, int64_t steps = kSteps) {
   return out;
 }
 
+// The global mean loss of every step: local SGD and DiLoCo report each
+// rank's own between their agreements (ReplicaSync::agreement_period); the
+// ranks' batches are equal, so the mean of their means is the global one.
+std::vector<double> global_losses(const Outcome& o) {
+  std::vector<double> l = o.losses;
+  world().all_reduce(l.data(), l.data(), l.size(), DType::f64);
+  for (double& x : l) x /= world().size();
+  return l;
+}
+
 double divergence(const Outcome& want, const Outcome& got) {
   double worst = 0;
   for (size_t i = 0; i < want.losses.size(); ++i) {
@@ -149,6 +161,29 @@ TEST(SyncSchemesMpi, LocalSgdSendsOnceEveryPeriod) {
   EXPECT_EQ(b.consensus.distance, 0.0);
   // Between synchronizations replicas differ; the losses show it differs from period 1.
   EXPECT_NE(a.losses.back(), b.losses.back());
+}
+
+// Periodic schemes agree on the loss (and a stop request) only once a
+// period (ReplicaSync::agreement_period), so that a slow link's latency is
+// not paid by every step: at the steps that end a period every rank
+// reports the same global mean loss; between them each rank its own.
+TEST(SyncSchemesMpi, PeriodicSchemesAgreeOnTheLossOncePerPeriod) {
+  for (const char* name : {"local_sgd", "diloco"}) {
+    SyncOptions s = scheme(name);
+    s.period = 4;
+    const Outcome o = train(s);
+    ASSERT_EQ(o.losses.size(), static_cast<size_t>(kSteps));
+    for (int i = 0; i < kSteps; ++i) {
+      double lo = o.losses[static_cast<size_t>(i)], hi = lo;
+      world().all_reduce(&lo, &lo, 1, DType::f64, ReduceOp::min);
+      world().all_reduce(&hi, &hi, 1, DType::f64, ReduceOp::max);
+      if ((i + 1) % 4 == 0) {
+        EXPECT_EQ(lo, hi) << name << ": step " << i + 1 << " ends a period";
+      } else {
+        EXPECT_NE(lo, hi) << name << ": step " << i + 1 << " is inside a period";
+      }
+    }
+  }
 }
 
 // Layer-wise partial synchronization: the MLP's layers fc1, fc2, head
@@ -481,7 +516,8 @@ TEST(StreamingDilocoMpi, FourBitReduceScatterSendsFewerBytesAndKeepsFragmentsEqu
   const uint64_t want =
       4 * predicted_exchange(f[0].numel, 4, true) + 4 * predicted_exchange(f[1].numel, 4, true);
   EXPECT_EQ(o.bytes, want);
-  EXPECT_LT(o.losses[13] + o.losses[14] + o.losses[15], o.losses[0] + o.losses[1] + o.losses[2]);
+  const std::vector<double> l = global_losses(o);
+  EXPECT_LT(l[13] + l[14] + l[15], l[0] + l[1] + l[2]);
 }
 
 TEST(StreamingDilocoMpi, OverlappedExchangesLearnAndSendThePredictedBytes) {
@@ -503,7 +539,8 @@ TEST(StreamingDilocoMpi, OverlappedExchangesLearnAndSendThePredictedBytes) {
     const auto mean3 = [](const std::vector<double>& v, size_t from) {
       return (v[from] + v[from + 1] + v[from + 2]) / 3;
     };
-    const double early = mean3(o.losses, 0), late = mean3(o.losses, o.losses.size() - 3);
+    const std::vector<double> l = global_losses(o);
+    const double early = mean3(l, 0), late = mean3(l, l.size() - 3);
     if (world().rank() == 0) {
       std::printf("diloco 2 fragments, overlap 1, %lld-bit: loss %.4f -> %.4f, %llu bytes\n",
                   static_cast<long long>(bits), early, late,

@@ -201,6 +201,9 @@ class LocalStepsSync : public ReplicaSync {
   }
   // adpsgd: no per-step collective may tie the ranks together.
   bool lock_step() const override { return o_.scheme != "adpsgd" || group_.size() == 1; }
+  int64_t agreement_period() const override {
+    return (o_.scheme == "local_sgd" || o_.scheme == "diloco") && group_.size() > 1 ? o_.period : 1;
+  }
   // The scheme's own traffic: measurements (consensus, the averages taken
   // for evaluation) left out.
   uint64_t bytes_sent() const override {

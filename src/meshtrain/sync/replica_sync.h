@@ -184,6 +184,12 @@ class ReplicaSync {
   // among them (the loss all-reduce, the straggler report) cannot stall one
   // on another's progress.
   virtual bool lock_step() const { return true; }
+  // Steps between the trainer's own agreements among lock-step replicas
+  // (the global mean loss, a stop request, the straggler report's times):
+  // 1 where the scheme exchanges every step anyway; its period where it
+  // exchanges only then (local_sgd, diloco), so that a slow link's latency
+  // is paid once a period rather than by every step.
+  virtual int64_t agreement_period() const { return 1; }
   // The straggler report saw a persistent straggler (ps_switch "straggler").
   virtual void persistent_straggler() {}
   // After the last step, before evaluation: a worker tells the servers it is

@@ -387,6 +387,7 @@ struct Trainer::Impl {
     if (world > 1 && o.dist.straggler_report) {
       StragglerOptions so2;
       so2.threshold = o.dist.straggler_threshold;
+      so2.every_steps = dp->agreement_period();
       // Parameter servers compute nothing: the workers compare themselves.
       if (o.dist.sync.scheme != "ps") {
         straggler = std::make_unique<StragglerDetector>(*comm, so2);
@@ -1353,15 +1354,18 @@ struct Trainer::Impl {
     double reduced[2] = {tensor_leader() ? loss : 0.0,
                          o.stop_signal ? static_cast<double>(o.stop_signal->load()) : 0.0};
     if (o.dist.sync.scheme == "ps") return ps_worker_step(reduced, epoch);
-    if (dp->lock_step()) {
+    if (dp->lock_step() && (step + 1) % dp->agreement_period() == 0) {
       comm->all_reduce(reduced, reduced, 2, DType::f64);
       loss = reduced[0];
+      stop_requested = reduced[1] > 0;
     } else {
-      // Asynchronous replicas (sync.scheme = "adpsgd"): no collective per
-      // step; each rank reports the mean loss over its own examples.
+      // Asynchronous replicas (sync.scheme = "adpsgd"), or a periodic
+      // scheme between its agreements (local_sgd, diloco): no collective;
+      // each rank reports the mean loss over its own examples, and a stop
+      // request waits for the next agreement, where every rank sees it.
       loss = loss * static_cast<double>(o.batch_size) / static_cast<double>(local_batch);
+      stop_requested = !dp->lock_step() && reduced[1] > 0;
     }
-    stop_requested = reduced[1] > 0;
     if (!std::isfinite(loss) && o.precision != DType::f16) {
       throw Error(
           fmt::format("training diverged: loss is {} at step {} (epoch {}); lower "
