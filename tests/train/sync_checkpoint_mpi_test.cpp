@@ -208,12 +208,16 @@ TEST(SyncCheckpointMpi, ParameterServerBspResumesExactly) {
 
 TEST(SyncCheckpointMpi, AsynchronousParameterServerResumesAndTrains) {
   const std::string dir = temp_dir("asp");
-  TrainerOptions o = options(ps("asp", 1));
+  // Staleness-scaled learning rates: unscaled ASP with momentum 0.9 could
+  // blow up on a loaded machine (how stale a push is depends on timing).
+  SyncOptions asp = ps("asp", 1);
+  asp.staleness_lr = true;
+  TrainerOptions o = options(asp);
   o.max_steps = 30;
   o.halt_after = 10;
   o.checkpoint_path = dir;
   const Outcome first = train(o);
-  TrainerOptions b = options(ps("asp", 1));
+  TrainerOptions b = options(asp);
   b.max_steps = 30;
   b.resume_path = dir;
   const Outcome second = train(b);
@@ -224,8 +228,13 @@ TEST(SyncCheckpointMpi, AsynchronousParameterServerResumesAndTrains) {
     ASSERT_EQ(second.losses.size(), 20u);
     for (double l : second.losses) EXPECT_TRUE(std::isfinite(l));
     // Training went on from where it stopped, not from the start: the
-    // resumed losses are below the first steps' ones.
-    EXPECT_LT(second.losses.back(), first.losses.front()) << "rank " << world().rank();
+    // resumed run's last 5 losses (each one worker's own batch of 4) are
+    // on average below the first run's first 5.
+    const auto mean5 = [](auto from) {
+      return (from[0] + from[1] + from[2] + from[3] + from[4]) / 5;
+    };
+    EXPECT_LT(mean5(second.losses.end() - 5), mean5(first.losses.begin()))
+        << "rank " << world().rank();
   }
 }
 
