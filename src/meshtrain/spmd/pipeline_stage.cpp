@@ -165,6 +165,26 @@ PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<S
     node_stage[ix(i)] = s == n ? n - 1 : s;
     for (ValueId o : forward.node(i).outputs) value_stage[ix(o)] = node_stage[ix(i)];
   }
+  // Narrowing casts of parameters: the first stage reading the copy
+  // (CutOptions::param_casts_join_consumers).
+  if (options.param_casts_join_consumers) {
+    for (NodeId i = num_nodes - 1; i >= 0; --i) {
+      const Node& nd = forward.node(i);
+      if (nd.op != OpKind::cast || nd.inputs.size() != 1 || nd.outputs.size() != 1) continue;
+      const Value& in = forward.value(nd.inputs.front());
+      const Value& out = forward.value(nd.outputs.front());
+      if (in.role != ValueRole::param || dtype_size(out.dtype) >= dtype_size(in.dtype)) continue;
+      int first = n;
+      for (NodeId j = i + 1; j < num_nodes; ++j) {
+        for (ValueId v : forward.node(j).inputs) {
+          if (v == nd.outputs.front()) first = std::min(first, node_stage[ix(j)]);
+        }
+      }
+      if (first == n || first <= node_stage[ix(i)]) continue;
+      node_stage[ix(i)] = first;
+      value_stage[ix(nd.outputs.front())] = first;
+    }
+  }
   // Stages on different meshes: a collective the lowering inserted runs
   // with its first consumer (so a stage's inputs and outputs are the values
   // themselves, in the layouts its mesh gives them; the boundary moves them).

@@ -111,6 +111,15 @@ struct CutOptions {
   // each stage's lowering converts its own inputs and a producer's partial
   // output is reduced on the way.
   bool collectives_join_consumers = false;
+  // A cast of a parameter to a narrower dtype (mixed precision's f16 / bf16
+  // copy before a matmul) runs in the first stage that reads its output,
+  // which then shares the parameter, not in the parameter's stage: as in
+  // the unpipelined graph, the reader's gradient for the copy is carried
+  // in the parameter's dtype (GradContext::grad_dtype), not rounded to the
+  // narrow dtype per micro-batch and sent back so (a tied GPT head under
+  // f16 overflowed there at a 16x smaller loss scale). Off where shared
+  // parameters cannot run (parallel.async).
+  bool param_casts_join_consumers = false;
 };
 PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<StagePlan>& stages,
                          const CutOptions& options = {});

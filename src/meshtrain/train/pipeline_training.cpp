@@ -281,7 +281,9 @@ struct PipelineTraining::Impl {
         objective = bld.mul(model.loss, in);
         loss_scale = Tensor::full({}, DType::f32, 1.0);
       }
-      cut = cut_pipeline(model.graph, objective, plan.stages);
+      CutOptions cut_options;
+      cut_options.param_casts_join_consumers = plan.async == AsyncMode::none;
+      cut = cut_pipeline(model.graph, objective, plan.stages, cut_options);
       my_stage = plan.mesh.coord(rank, "pp");
     }
     for (auto& [id, t] : model.constants) constants[model.graph.value(id).name] = t;
