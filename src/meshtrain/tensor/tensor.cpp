@@ -159,6 +159,21 @@ void convert(const Tensor& src, Tensor& dst) {
     for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32(s[i]);
     return;
   }
+  // f16 <-> f32 directly, bit for bit as f16_to_f32 / f32_to_f16 (and the
+  // fast backend) convert: through the generic double path a signalling NaN
+  // came back quieted wherever the compiler kept the float -> double step.
+  if (src.dtype() == DType::f32 && dst.dtype() == DType::f16) {
+    const float* s = src.data<float>();
+    f16* d = dst.data<f16>();
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(s[i]);
+    return;
+  }
+  if (src.dtype() == DType::f16 && dst.dtype() == DType::f32) {
+    const f16* s = src.data<f16>();
+    float* d = dst.data<float>();
+    for (int64_t i = 0; i < n; ++i) d[i] = f16_to_f32(s[i]);
+    return;
+  }
   visit_dtype(src.dtype(), [&](auto st) {
     using S = decltype(st);
     visit_dtype(dst.dtype(), [&](auto dt) {
