@@ -175,6 +175,25 @@ double worst_loss(const std::vector<double>& got, const Reference& ref, size_t f
   return worst;
 }
 
+// A run's worst relative difference from the reference over every step's
+// loss and the final parameters, and where it is.
+struct Divergence {
+  double worst = 0;
+  std::string where;
+};
+
+Divergence divergence(const RunResult& got, const Reference& ref) {
+  Divergence d;
+  d.worst = worst_loss(got.losses, ref, 0, &d.where);
+  if (got.worst_param > d.worst) d.worst = got.worst_param, d.where = "parameter " + got.where;
+  return d;
+}
+
+// The loss scale a run ended with, from its checkpoint's metadata.
+double checkpoint_scale(const std::string& path) {
+  return std::stod(read_index(path).metadata.at("loss_scale"));
+}
+
 int ranks_of(const std::string& kind) {
   return kind.starts_with("dp_tp_pp") ? 8 : 4;
 }
@@ -189,9 +208,7 @@ TEST_P(PipelineZeroMpi, MatchesTheSingleProcessRun) {
   const Reference ref = single_run(spec, base);
   const RunResult got = run(spec, under(kind, spec, base), &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  std::string where;
-  double worst = worst_loss(got.losses, ref, 0, &where);
-  if (got.worst_param > worst) worst = got.worst_param, where = "parameter " + got.where;
+  const auto [worst, where] = divergence(got, ref);
   if (world().rank() == 0) {
     std::printf("%s, %d ranks, %d steps: worst relative error %.3g at %s\n", kind.c_str(),
                 world().size(), kSteps, worst, where.c_str());
@@ -385,10 +402,8 @@ TEST_P(PipelineF16Mpi, MatchesTheSingleProcessRunAsTheScaleGrows) {
   o.checkpoint_path = dir + "/ck";
   const RunResult got = run(spec, o, &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  std::string where;
-  double worst = worst_loss(got.losses, ref, 0, &where);
-  if (got.worst_param > worst) worst = got.worst_param, where = "parameter " + got.where;
-  const double scale = std::stod(read_index(dir + "/ck").metadata.at("loss_scale"));
+  const auto [worst, where] = divergence(got, ref);
+  const double scale = checkpoint_scale(dir + "/ck");
   if (world().rank() == 0) {
     std::printf("f16 %s, %d steps: worst relative error %.3g at %s; final loss scale %g\n",
                 kind.c_str(), kSteps, worst, where.c_str(), scale);
@@ -452,7 +467,7 @@ TEST_P(PipelineF16Mpi, OverflowSkipsTheSameStepsOnEveryRank) {
     EXPECT_EQ(hi[i], -neg_lo[i]) << names[i] << ": its " << count[i] << " copies differ";
     copies = std::max(copies, static_cast<int>(count[i]));
   }
-  const double scale = std::stod(read_index(dir + "/ck").metadata.at("loss_scale"));
+  const double scale = checkpoint_scale(dir + "/ck");
   if (world().rank() == 0) {
     std::printf("f16 %s from 2^24: final loss scale %g; up to %d equal copies of a parameter\n",
                 kind.c_str(), scale, copies);
@@ -480,15 +495,13 @@ TEST_P(PipelineF16Mpi, OverflowBacksOffAsTheSingleProcessRun) {
   TrainerOptions single = base;
   single.checkpoint_path = dir + "/ref" + std::to_string(world().rank());
   const Reference ref = single_run(spec, single);
-  const double ref_scale = std::stod(read_index(single.checkpoint_path).metadata.at("loss_scale"));
+  const double ref_scale = checkpoint_scale(single.checkpoint_path);
   TrainerOptions o = under(kind, spec, base);
   o.checkpoint_path = dir + "/ck";
   const RunResult got = run(spec, o, &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  std::string where;
-  double worst = worst_loss(got.losses, ref, 0, &where);
-  if (got.worst_param > worst) worst = got.worst_param, where = "parameter " + got.where;
-  const double scale = std::stod(read_index(dir + "/ck").metadata.at("loss_scale"));
+  const auto [worst, where] = divergence(got, ref);
+  const double scale = checkpoint_scale(dir + "/ck");
   if (world().rank() == 0) {
     std::printf("f16 %s from 2^24, %d steps: worst relative error %.3g at %s; final scale %g\n",
                 kind.c_str(), kSteps, worst, where.c_str(), scale);
