@@ -1,6 +1,8 @@
 // All-reduce data parallelism with a gradient codec (sync/local_steps.h,
 // make_compressed_sync): the gradients of each step go through one
-// CompressedAllReduce per parameter (sync/compressed_all_reduce.h).
+// CompressedAllReduce per parameter (sync/compressed_all_reduce.h); under
+// ZeRO 1-3 through one CompressedReduceScatter per bucket
+// (sync/compressed_reduce_scatter.h).
 #include <fmt/format.h>
 
 #include <memory>
@@ -9,6 +11,7 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
+#include "meshtrain/sync/compressed_reduce_scatter.h"
 #include "meshtrain/sync/local_steps.h"
 
 namespace mt {
@@ -88,25 +91,95 @@ class CompressedSync : public ReplicaSync {
   std::vector<std::unique_ptr<CompressedAllReduce>> exchanges_;
 };
 
+// ZeRO stages 1-3 with a codec: DataParallel on the group as without one,
+// each bucket's reduce-scatter replaced by a CompressedReduceScatter
+// (sync/compressed_reduce_scatter.h: every destination's chunk encoded with
+// its own residual, exchanged all-to-all, decoded and summed by its owner).
+// The rest -- sharded optimizer state and gradients, the parameters'
+// all-gather (f32), stage 3's gathers -- is ZeRO's own.
+class ZeroCompressedSync : public ReplicaSync {
+ public:
+  ZeroCompressedSync(const SyncOptions& o, Communicator& group, ParamLayout layout, Tensor flat,
+                     DataParallelOptions dp)
+      : group_(group), dp_(group, std::move(layout), std::move(flat), with_hook(std::move(dp))) {
+    CompressedAllReduceOptions co;
+    co.codec = parse_codec_spec(o.codec);
+    co.codec.error_feedback = o.codec_error_feedback;
+    co.collective = collective_;
+    const BucketPlan& plan = dp_.plan();
+    if (group.size() > 1) {
+      for (size_t b = 0; b < plan.buckets().size(); ++b) {
+        exchanges_.push_back(std::make_unique<CompressedReduceScatter>(
+            group_, fmt::format("bucket {} ({})", b, plan.bucket_params(static_cast<int>(b))),
+            plan.buckets()[b].counts, co));
+      }
+    }
+    codec_ = co.codec.to_string();
+  }
+
+  void attach(Executor& exec, const Graph& graph) override { dp_.attach(exec, graph); }
+  void begin_micro_step(double w) override { dp_.begin_micro_step(w); }
+  void end_micro_step() override { dp_.end_micro_step(); }
+  std::span<ParamSlice> slices() override { return dp_.slices(); }
+  std::function<void(std::span<double>)> norm_reducer() override { return dp_.norm_reducer(); }
+  void step(const std::function<void(std::span<ParamSlice>)>& update) override { dp_.step(update); }
+  void gather_params(Tensor& flat_out) override { dp_.gather_params(flat_out); }
+  std::vector<ShardPiece> param_pieces(PieceUse use) override { return dp_.param_pieces(use); }
+  std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
+                                       PieceUse use) const override {
+    return dp_.state_pieces(state, use);
+  }
+  std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const override {
+    return dp_.new_state_pieces(kinds);
+  }
+  DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
+    DataParallelMemory m = dp_.memory(kinds, optimizer_bytes);
+    int64_t held = 0;  // residuals of every chunk, and the payload buffers
+    for (const auto& x : exchanges_) held += static_cast<int64_t>(x->residual_numel()) * 4;
+    m.staging_bytes += held;
+    m.expected_buffer_bytes += held;
+    return m;
+  }
+  DataParallelStats stats() const override { return dp_.stats(); }
+  void reset_stats() override { dp_.reset_stats(); }
+  std::string name() const override { return "allreduce+" + codec_; }
+  uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
+  std::vector<float> codec_residual() const override {
+    // Each bucket's chunks in order are its flat range [begin, end).
+    std::vector<float> r(static_cast<size_t>(dp_.plan().flat_numel()), 0.0f);
+    const auto& buckets = dp_.plan().buckets();
+    for (size_t b = 0; b < exchanges_.size(); ++b) {
+      const std::vector<float> x = exchanges_[b]->residual();
+      std::copy(x.begin(), x.end(), r.begin() + buckets[b].begin);
+    }
+    return r;
+  }
+
+ private:
+  DataParallelOptions with_hook(DataParallelOptions dp) {
+    collective_ = dp.collective;
+    dp.reduce_bucket = [this](int bucket, std::span<const float> g, std::span<float> chunk) {
+      exchanges_[static_cast<size_t>(bucket)]->run(g, chunk);
+    };
+    return dp;
+  }
+
+  Communicator& group_;
+  CollectiveOptions collective_;
+  std::vector<std::unique_ptr<CompressedReduceScatter>> exchanges_;
+  DataParallel dp_;  // after exchanges_: its hook reads them
+  std::string codec_;
+};
+
 }  // namespace
 
 std::unique_ptr<ReplicaSync> make_compressed_sync(const SyncOptions& o, Communicator& group,
                                                   ParamLayout layout, Tensor flat_params,
                                                   DataParallelOptions dp, double local_share) {
   if (dp.stage != 0) {
-    // ZeRO 1-2 reduce-scatter each bucket's gradient so a rank holds only
-    // its shard of the sum; the codecs' exchanges (an all-gather of
-    // payloads, PowerSGD's two all-reduces) leave the whole average on every
-    // rank and the residual is a whole-gradient buffer, so sharding would
-    // save nothing. A compressed reduce-scatter (each piece encoded for its
-    // owner, exchanged all-to-all, as ZeRO++'s quantized gradients) is not
-    // implemented.
-    throw ConfigError(fmt::format(
-        "sync.codec = \"{}\" with dist.zero_stage = {}: the compressed exchange leaves the "
-        "whole averaged gradient on every rank (no compressed reduce-scatter yet), so ZeRO's "
-        "sharded gradients would save nothing; dist.zero_stage must be 0 (got {}), or drop "
-        "sync.codec",
-        o.codec, dp.stage, dp.stage));
+    if (layout.empty()) throw ConfigError("sync.codec: the model has no parameters");
+    return std::make_unique<ZeroCompressedSync>(o, group, std::move(layout), std::move(flat_params),
+                                                std::move(dp));
   }
   if (layout.empty()) throw ConfigError("sync.codec: the model has no parameters");
   return std::make_unique<CompressedSync>(o, group, std::move(layout), std::move(flat_params),

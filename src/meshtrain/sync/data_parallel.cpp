@@ -279,6 +279,24 @@ void DataParallel::Impl::launch(int bucket) {
     return;
   }
   const BucketInfo& b = plan.buckets()[idx(bucket)];
+  if (opt.reduce_bucket) {  // the caller's reduction, done when this returns
+    MT_CHECK(stage() >= 1, "reduce_bucket needs ZeRO stage 1-3, not {}", stage());
+    const int64_t t0 = now_ns();
+    const std::span<const float> g(grad_target(bucket), idx(b.numel()));
+    float* chunk = stage() == 1 ? full_grads.data<float>() + b.chunk_begin[idx(plan.rank())]
+                                : shard_grads.data<float>() + b.shard_offset;
+    with_comm_context([&] { return context(bucket, "compressed reduce-scatter"); },
+                      [&] {
+                        opt.reduce_bucket(bucket, g, {chunk, b.counts[idx(plan.rank())]});
+                      });
+    ++stats.collectives;
+    stats.wait_seconds += static_cast<double>(now_ns() - t0) * 1e-9;
+    if (r.staging >= 0) {  // nothing in flight reads it any more
+      staging.release(r.staging);
+      r.staging = -1;
+    }
+    return;
+  }
   with_comm_context([&] { return context(bucket, grad_collective(stage())); },
                     [&] {
                       if (stage() <= 1) {

@@ -114,6 +114,16 @@ struct DataParallelOptions {
   // during the last micro-step's backward (during_backward true) with
   // overlap, else from end_micro_step().
   std::function<void(int bucket, bool during_backward)> on_bucket_final;
+  // Stages 1-3, world size > 1: replaces every bucket's gradient collective
+  // (run synchronously where the all-reduce / reduce-scatter would start).
+  // Given the bucket's weighted gradient (all its elements, this rank's
+  // contribution) it writes into `chunk` this rank's chunk of the SUM over
+  // the ranks: stage 1 into its place in the full gradient buffer (chunk
+  // lies inside grad there; the rest of that buffer is then not read),
+  // stages 2-3 into the shard. sync/compressed_sync.cpp puts a compressed
+  // reduce-scatter here. step_cost() does not count what it sends.
+  std::function<void(int bucket, std::span<const float> grad, std::span<float> chunk)>
+      reduce_bucket;
 };
 
 // This rank's part of one parameter, for the optimizer: `param` is updated

@@ -112,8 +112,11 @@ std::unique_ptr<ReplicaSync> make_local_steps_sync(const SyncOptions& o, Communi
 // gradient (weighted by its batch share x ranks, so the average is the
 // global batch's gradient) is compressed and averaged per parameter by
 // CompressedAllReduce before the optimizer runs; every replica then holds
-// the same parameters. ConfigError for ZeRO stages > 0 or a codec that
-// does not fit a parameter (naming it).
+// the same parameters. Under ZeRO stages 1-3 (dp.stage > 0) each bucket's
+// reduce-scatter is a CompressedReduceScatter instead (each chunk encoded
+// for its owner, all-to-all, decoded and summed there; payload codecs only).
+// ConfigError for a codec that does not fit a parameter or a ZeRO chunk
+// (naming it), or PowerSGD under ZeRO.
 std::unique_ptr<ReplicaSync> make_compressed_sync(const SyncOptions& o, Communicator& group,
                                                   ParamLayout layout, Tensor flat_params,
                                                   DataParallelOptions dp, double local_share);
