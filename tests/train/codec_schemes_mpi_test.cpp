@@ -17,8 +17,12 @@
 //   residual on the worker), the server decodes and sums them: BSP with
 //   topk:1.0 is plain BSP within 1e-6 relative, and the bytes are the header plus
 //   the payloads, exactly; BSP with topk:0.1 and ASP with qsgd:4 learn;
+// - Streaming DiLoCo: each fragment's pseudo-gradient through the codec
+//   (one exchange per piece of a parameter in it), with and without
+//   overlap: topk:1.0 equals the f32 fragments step by step, bytes exactly
+//   the pieces' predictions per exchange; topk:0.1, bf16, PowerSGD send less;
 // - combinations that do not compose are refused, naming the key and why
-//   (gossip, adpsgd, ps + PowerSGD, Streaming DiLoCo's options,
+//   (gossip, adpsgd, ps + PowerSGD, DiLoCo's 4-bit exchange + a codec,
 //   PowerSGD under ZeRO);
 // - ZeRO 1-3: each bucket's reduce-scatter is a compressed one (each chunk
 //   encoded for its owner with its own residual, all-to-all, decoded and
@@ -39,6 +43,7 @@
 #include "meshtrain/sync/codecs.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/compressed_reduce_scatter.h"
+#include "meshtrain/sync/local_steps.h"
 #include "meshtrain/sync/param_server.h"
 #include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/train/param_store.h"
@@ -188,6 +193,80 @@ TEST(CodecSchemesMpi, IdentityCodecOnPseudoGradientsEqualsTheScheme) {
     EXPECT_EQ(o.bytes, 3 * predicted_exchange(o.entries, codec)) << codec;
     EXPECT_TRUE(mean3_falls(o.losses)) << codec;
   }
+}
+
+// Streaming DiLoCo (period 4, 2 fragments, phases 0 and 2: each fragment
+// exchanged 3 times in 12 steps) with a codec on each fragment's pieces.
+uint64_t predicted_fragments(const Outcome& o, const SyncOptions& s, int64_t steps) {
+  ParamLayout layout;
+  for (const auto& e : o.entries) layout.push_back({e.name, e.shape, e.offset});
+  const auto flat = static_cast<int64_t>(o.own.size());
+  const std::vector<DilocoFragment> frags = diloco_fragments(flat, s.fragments, s.period);
+  CompressedAllReduceOptions co;
+  co.codec = parse_codec_spec(s.codec);
+  uint64_t b = 0;
+  for (const CodecPiece& p : diloco_codec_pieces(layout, flat, s.fragments, s.period)) {
+    uint64_t runs = 0;
+    for (int64_t t = 1; t <= steps; ++t) {
+      runs += (t - frags[static_cast<size_t>(p.fragment)].phase) % s.period == 0 ? 1 : 0;
+    }
+    b += runs * predict_traffic(world(), compressed_all_reduce_plan(co, p.shape)).bytes_sent;
+  }
+  return b;
+}
+
+TEST(CodecSchemesMpi, StreamingDilocoFragmentsGoThroughTheCodec) {
+  for (int64_t overlap : {0, 1}) {
+    SCOPED_TRACE(fmt::format("overlap_steps {}", overlap));
+    SyncOptions plain = scheme("diloco", 4);
+    plain.fragments = 2;
+    plain.overlap_steps = overlap;
+    SyncOptions whole = plain;
+    whole.codec = "topk:1.0";
+    const Outcome a = train(plain), b = train(whole);
+    const double d = divergence(a, b);
+    if (world().rank() == 0) {
+      std::printf(
+          "diloco (period 4, 2 fragments, overlap %lld) + topk:1.0 vs without: worst relative "
+          "difference %.3g\n",
+          static_cast<long long>(overlap), d);
+    }
+    EXPECT_LE(d, 1e-5);
+    for (float r : b.residual) ASSERT_EQ(r, 0.0F);
+    EXPECT_EQ(b.bytes, predicted_fragments(b, whole, kSteps));
+    for (const char* codec : {"topk:0.1", "bf16", "powersgd:2"}) {
+      SyncOptions c = plain;
+      c.codec = codec;
+      const Outcome o = train(c);
+      EXPECT_EQ(o.bytes, predicted_fragments(o, c, kSteps)) << codec;
+      EXPECT_LT(o.bytes, a.bytes) << codec;
+      EXPECT_GT(divergence(a, o), 1e-6) << codec;  // the codec is used
+      if (std::string(codec) != "powersgd:2") {
+        EXPECT_TRUE(mean3_falls(o.losses)) << codec;
+      }
+      for (double l : o.losses) ASSERT_TRUE(std::isfinite(l)) << codec;
+      if (world().rank() == 0) {
+        std::printf("  + %s: %llu bytes vs f32 %llu, loss %.4f -> %.4f (f32 %.4f)\n", codec,
+                    static_cast<unsigned long long>(o.bytes),
+                    static_cast<unsigned long long>(a.bytes), o.losses.front(), o.losses.back(),
+                    a.losses.back());
+      }
+    }
+  }
+  // The pieces: every element of every fragment in exactly one piece; a
+  // parameter cut between rows stays a matrix.
+  ParamLayout layout = {{"w", Shape{6, 4}, 0}, {"b", Shape{6}, 24}, {"v", Shape{5, 3}, 30}};
+  const std::vector<CodecPiece> pieces = diloco_codec_pieces(layout, 45, 3, 6);
+  // fragments [0, 15), [15, 30), [30, 45)
+  ASSERT_EQ(pieces.size(), 4U);
+  EXPECT_EQ(pieces[0].shape, (Shape{15}));  // w[0:15]: not whole rows
+  EXPECT_EQ(pieces[1].shape, (Shape{9}));   // w[15:24]
+  EXPECT_EQ(pieces[2].shape, (Shape{6}));   // b, whole
+  EXPECT_EQ(pieces[3].shape, (Shape{5, 3}));
+  const std::vector<CodecPiece> rows = diloco_codec_pieces({{"w", Shape{6, 4}, 0}}, 24, 2, 4);
+  ASSERT_EQ(rows.size(), 2U);
+  EXPECT_EQ(rows[0].shape, (Shape{3, 4}));  // 12 of 24: 3 whole rows
+  EXPECT_EQ(rows[1].name, "w[12:24] (fragment 1)");
 }
 
 // residual + sent == input, at the scheme's level: before local_sgd's first
@@ -502,7 +581,10 @@ TEST(CodecSchemesMpi, CombinationsThatDoNotComposeAreRefused) {
       << error_of(s);
   s = scheme("diloco", 4, "sign");
   s.outer_bits = 4;
-  EXPECT_NE(error_of(s).find("sync.codec = \"sign\" with sync.outer_bits"), std::string::npos)
+  s.fragments = 2;
+  EXPECT_NE(error_of(s).find("sync.codec = \"sign\" with sync.outer_bits = 4: the 4-bit outer "
+                             "exchange is a codec of its own"),
+            std::string::npos)
       << error_of(s);
   s = scheme("local_sgd", 4, "topk:100000");  // more than a parameter holds
   EXPECT_NE(error_of(s).find("does not fit tensor"), std::string::npos) << error_of(s);

@@ -193,9 +193,9 @@ class LocalStepsSync : public ReplicaSync {
     std::vector<float> r;
     if (codecs_.empty()) return r;
     r.assign(n_, 0.0F);
-    for (size_t k = 0; k < layout_.size(); ++k) {
+    for (size_t k = 0; k < pieces_.size(); ++k) {
       const std::span<const float> x = codecs_[k]->residual();
-      std::copy(x.begin(), x.end(), r.begin() + layout_[k].offset);
+      std::copy(x.begin(), x.end(), r.begin() + pieces_[k].offset);
     }
     return r;
   }
@@ -367,7 +367,10 @@ class LocalStepsSync : public ReplicaSync {
   // sync.codec (local_sgd, diloco): one compressed all-reduce per parameter
   // (layout order) for the pseudo-gradients, each with its own residual;
   // local_sgd's parameters as of the last synchronization (diloco's start_).
+  // diloco: one per piece of a parameter in a fragment (pieces_, in
+  // fragment order; one fragment: one per parameter, layout order).
   std::vector<std::unique_ptr<CompressedAllReduce>> codecs_;
+  std::vector<CodecPiece> pieces_;
   Tensor anchor_;
   // diloco: fragments (one for plain DiLoCo), the exchanges in flight, and
   // their buffers: outer_stage_ (with overlap; flat-sized f32: each fragment's summed
@@ -717,8 +720,16 @@ class LocalStepsSync : public ReplicaSync {
     co.codec = parse_codec_spec(o_.codec);
     co.codec.error_feedback = o_.codec_error_feedback;
     co.collective = opts();
-    for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
-      codecs_.push_back(std::make_unique<CompressedAllReduce>(group_, e.name, e.shape, co));
+    if (o_.scheme == "diloco") {
+      pieces_ = diloco_codec_pieces(layout_, flat_.numel(), o_.fragments, o_.period);
+    } else {
+      for (size_t k = 0; k < layout_.size(); ++k) {
+        pieces_.push_back(
+            {layout_[k].name, layout_[k].shape, layout_[k].offset, static_cast<int>(k), 0});
+      }
+    }
+    for (const CodecPiece& p : pieces_) {  // ConfigError when k does not fit
+      codecs_.push_back(std::make_unique<CompressedAllReduce>(group_, p.name, p.shape, co));
     }
     MemoryScope tag(MemoryCategory::comm);
     if (o_.scheme == "local_sgd" || o_.scheme == "partial") anchor_ = flat_.clone();
@@ -730,12 +741,14 @@ class LocalStepsSync : public ReplicaSync {
     return n;
   }
 
-  // Each parameter of the flat buffer `d` averaged in place over the ranks
-  // through its codec (the average of what each rank sent).
-  void run_codecs(float* d) {
-    for (size_t k = 0; k < layout_.size(); ++k) {
-      const std::span<float> x(d + layout_[k].offset,
-                               static_cast<size_t>(layout_[k].shape.numel()));
+  // diloco: fragment f's pieces of the flat buffer `base` (flat offsets)
+  // averaged in place over the ranks through their codecs (the average of
+  // what each rank sent).
+  void run_codecs(size_t f, float* base) {
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      if (pieces_[k].fragment != static_cast<int>(f)) continue;
+      const std::span<float> x(base + pieces_[k].offset,
+                               static_cast<size_t>(pieces_[k].shape.numel()));
       codecs_[k]->run(x, x);
     }
   }
@@ -864,10 +877,10 @@ class LocalStepsSync : public ReplicaSync {
       return fl;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    if (!codecs_.empty()) {  // one fragment, no overlap (validate_sync_options)
-      run_codecs(d);
+    if (!codecs_.empty()) {  // 32 bits (validate_sync_options); blocking even with overlap
+      run_codecs(f, d - fr.offset);
       outer_wait_s_ += seconds_since(t0);
-      return fl;
+      return fl;  // lands when due, from pseudo_gradient() (no handle)
     }
     if (o_.outer_bits == 32) {
       if (wait) {
@@ -1078,6 +1091,37 @@ std::vector<DilocoFragment> diloco_fragments(int64_t numel, int64_t fragments, i
     d.numel = (f + 1) * numel / fragments - d.offset;
     d.phase = f * period / fragments;
     out.push_back(d);
+  }
+  return out;
+}
+
+std::vector<CodecPiece> diloco_codec_pieces(const ParamLayout& layout, int64_t flat_numel,
+                                            int64_t fragments, int64_t period) {
+  std::vector<CodecPiece> out;
+  const std::vector<DilocoFragment> frags = diloco_fragments(flat_numel, fragments, period);
+  for (size_t f = 0; f < frags.size(); ++f) {
+    const int64_t flo = frags[f].offset, fhi = flo + frags[f].numel;
+    for (size_t k = 0; k < layout.size(); ++k) {
+      const ParamLayoutEntry& e = layout[k];
+      const int64_t numel = e.shape.numel();
+      const int64_t lo = std::max(flo, e.offset), hi = std::min(fhi, e.offset + numel);
+      if (lo >= hi) continue;
+      CodecPiece p;
+      p.offset = lo;
+      p.param = static_cast<int>(k);
+      p.fragment = static_cast<int>(f);
+      const int64_t len = hi - lo, at = lo - e.offset;
+      if (len == numel) {
+        p.name = e.name;
+        p.shape = e.shape;
+      } else {
+        p.name = fmt::format("{}[{}:{}] (fragment {})", e.name, at, at + len, f);
+        const int64_t cols = e.shape.rank() >= 2 ? numel / e.shape[0] : 0;
+        p.shape =
+            cols > 0 && at % cols == 0 && len % cols == 0 ? Shape{len / cols, cols} : Shape{len};
+      }
+      out.push_back(std::move(p));
+    }
   }
   return out;
 }

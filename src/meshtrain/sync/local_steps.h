@@ -68,10 +68,18 @@
 // (sync/compressed_all_reduce.h, its own error-feedback residual), which
 // averages what the ranks sent; local_sgd takes theta = anchor - average
 // (sum_r s_r theta_r when nothing is held back), diloco's outer step takes
-// the average as its pseudo-gradient. Blocking, one fragment, 32 bits
-// (validate_sync_options refuses the Streaming options with a codec);
-// partial's group exchange is then blocking, right after the update; gossip
-// and adpsgd refuse codecs (replica_sync.cpp says why).
+// the average as its pseudo-gradient. With Streaming DiLoCo's fragments
+// each fragment's pseudo-gradient goes through the codec when its turn
+// comes, one CompressedAllReduce per piece of a parameter in that fragment
+// (diloco_codec_pieces(), each with its own residual; one fragment: one
+// piece per parameter, as local_sgd); with sync.overlap_steps the codec's
+// exchange runs (blocking) when the fragment is sent and its average lands
+// overlap_steps inner steps later, as the f32 exchange's does -- the
+// delayed, merged update is Streaming DiLoCo's, the communication time is
+// not hidden. The 4-bit outer exchange is a codec of its own: sync.codec
+// with sync.outer_bits = 4 is refused. partial's group exchange is
+// blocking, right after the update; gossip and adpsgd refuse codecs
+// (replica_sync.cpp says why).
 //
 // Gradients are handled by a DataParallel over a one-rank communicator (its
 // buckets, accumulation and gradient memory), scaled so each replica's
@@ -83,6 +91,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "meshtrain/sync/replica_sync.h"
@@ -101,6 +110,23 @@ struct DilocoFragment {
   int64_t offset = 0, numel = 0, phase = 0;
 };
 std::vector<DilocoFragment> diloco_fragments(int64_t numel, int64_t fragments, int64_t period);
+
+// DiLoCo with sync.codec: what one compressed all-reduce carries -- the
+// part of parameter `param` (layout index) that lies in fragment
+// `fragment`, flat elements [offset, offset + shape.numel()). Its shape is
+// the parameter's when the fragment holds all of it, a slab of whole rows
+// (rows x the parameter's numel / shape[0]) when the cut falls between rows
+// (PowerSGD sees a matrix either way), else 1-D. In fragment order, then
+// layout order; with one fragment, one piece per parameter.
+struct CodecPiece {
+  std::string name;  // "fc1.w" or "fc1.w[0:96] (fragment 1)"
+  Shape shape;
+  int64_t offset = 0;
+  int param = 0;
+  int fragment = 0;
+};
+std::vector<CodecPiece> diloco_codec_pieces(const ParamLayout& layout, int64_t flat_numel,
+                                            int64_t fragments, int64_t period);
 
 // Throws ConfigError for ZeRO stages > 0 (these schemes step on whole
 // parameters) or a batch share outside (0, 1].

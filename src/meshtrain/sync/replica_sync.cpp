@@ -81,19 +81,14 @@ void validate_codec_scheme(const SyncOptions& o, const CodecSpec& spec) {
         "use f16, bf16, topk, randk, qsgd or sign",
         o.codec));
   }
-  if (o.scheme == "diloco") {
-    const char* key = o.fragments != 1       ? "sync.fragments"
-                      : o.overlap_steps != 0 ? "sync.overlap_steps"
-                      : o.outer_bits != 32   ? "sync.outer_bits"
-                                             : nullptr;
-    if (key != nullptr) {
-      throw ConfigError(fmt::format(
-          "sync.codec = \"{}\" with {}: the codec compresses DiLoCo's whole pseudo-gradient "
-          "with one blocking exchange per parameter, so it needs sync.fragments = 1, "
-          "sync.overlap_steps = 0 and sync.outer_bits = 32 (the 4-bit outer exchange is a codec "
-          "of its own)",
-          o.codec, key));
-    }
+  if (o.scheme == "diloco" && o.outer_bits != 32) {
+    // Fragments and overlap compose (each fragment's pieces through the
+    // codec, sync/local_steps.h); the 4-bit exchange would compress twice.
+    throw ConfigError(fmt::format(
+        "sync.codec = \"{}\" with sync.outer_bits = {}: the 4-bit outer exchange is a codec of "
+        "its own, so a codec on DiLoCo's pseudo-gradient needs sync.outer_bits = 32 (or drop "
+        "sync.codec)",
+        o.codec, o.outer_bits));
   }
 }
 
