@@ -281,6 +281,11 @@ TEST(SyncCheckpointMpi, CodecStateResumesExactly) {
   expect_resume_is_exact(options(d), 5, "diloco period 2, qsgd:4");
   d.codec = "powersgd:2";
   expect_resume_is_exact(options(d), 5, "diloco period 2, powersgd:2");
+  SyncOptions f = scheme("diloco", 4);  // Streaming: 2 fragments, one landing late
+  f.fragments = 2;
+  f.overlap_steps = 1;
+  f.codec = "topk:0.1";
+  expect_resume_is_exact(options(f), 5, "diloco period 4, 2 fragments, overlap 1, topk:0.1");
   SyncOptions p = scheme("partial", 2);
   p.codec = "topk:0.1";
   expect_resume_is_exact(options(p), 5, "partial period 2, topk:0.1");
@@ -289,6 +294,8 @@ TEST(SyncCheckpointMpi, CodecStateResumesExactly) {
   expect_resume_is_exact(options(q), 5, "ps bsp, 2 servers, topk:0.1");
   q.codec = "randk:0.2";
   expect_resume_is_exact(options(q), 5, "ps bsp, 2 servers, randk:0.2");
+  q.codec = "powersgd:2";  // each worker's own warm-started Q is in its row
+  expect_resume_is_exact(options(q), 5, "ps bsp, 2 servers, powersgd:2");
 
   // Another codec's residuals have no place: refused naming the key.
   const std::string dir = temp_dir("refuse_codec");

@@ -239,8 +239,9 @@ const std::vector<KeyMeaning> kMeanings = {
     {"sync.codec",
      "codec on the exchange: none, f16, bf16, topk:K[:compact], randk:K[:compact] (K a count or "
      "a fraction; compact: bf16 values, Elias-Fano indices), "
-     "qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK; on the gradients (allreduce), the "
-     "pseudo-gradients (local_sgd, diloco, partial) or the pushes (ps, not powersgd) "
+     "qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK; on the gradients (allreduce; under "
+     "ZeRO a compressed reduce-scatter, not powersgd), the pseudo-gradients (local_sgd, diloco "
+     "and its fragments, partial) or the pushes (ps; powersgd: each worker's own factors) "
      "(docs/codecs.md)"},
     {"sync.codec_error_feedback",
      "keep what a codec did not send and add it to the next exchange's input"},

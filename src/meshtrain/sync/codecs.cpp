@@ -433,7 +433,76 @@ class SignCodec final : public PayloadCodec {
   size_t chunks_;
 };
 
+// One sender's PowerSGD factors (make_low_rank_payload_codec).
+class LowRankCodec : public PayloadCodec {
+ public:
+  LowRankCodec(size_t rows, size_t cols, int r)
+      : PayloadCodec(rows * cols),
+        rows_(rows),
+        cols_(cols),
+        r_(r),
+        low_(powersgd_compresses(rows, cols, r)) {}
+  size_t payload_bytes() const override {
+    return 4 * (low_ ? (rows_ + cols_) * static_cast<size_t>(r_) : numel_);
+  }
+  size_t state_numel() const override { return low_ ? cols_ * static_cast<size_t>(r_) : 0; }
+  void encode(std::span<const float> e, uint64_t seed,
+              std::span<std::byte> payload) const override {
+    std::vector<float> q(state_numel(), 0.0f);  // no warm start: drawn
+    encode_with_state(e, seed, payload, q);
+  }
+  void encode_with_state(std::span<const float> e, uint64_t seed, std::span<std::byte> payload,
+                         std::span<float> q) const override {
+    if (!low_) {
+      std::memcpy(payload.data(), e.data(), numel_ * 4);
+      return;
+    }
+    const auto R = static_cast<size_t>(r_);
+    for (size_t c = 0; c < R; ++c) {  // a zero column (the first encode) is drawn
+      bool zero = true;
+      for (size_t j = 0; j < cols_ && zero; ++j) zero = q[j * R + c] == 0.0f;
+      if (!zero) continue;
+      Rng rng(codec_seed(seed, -1, c));
+      for (size_t j = 0; j < cols_; ++j) q[j * R + c] = static_cast<float>(rng.normal());
+    }
+    std::vector<float> p(rows_ * R);
+    powersgd_project(e, rows_, cols_, q, r_, p);
+    orthogonalize_columns(p, rows_, r_);
+    powersgd_back_project(e, rows_, cols_, p, r_, q);
+    std::memcpy(payload.data(), p.data(), p.size() * 4);
+    std::memcpy(payload.data() + p.size() * 4, q.data(), q.size() * 4);
+  }
+  void decode_add(std::span<const std::byte> payload, float scale,
+                  std::span<float> out) const override {
+    std::vector<float> x(numel_);
+    if (low_) {
+      const auto R = static_cast<size_t>(r_);
+      std::vector<float> p(rows_ * R), q(cols_ * R);
+      std::memcpy(p.data(), payload.data(), p.size() * 4);
+      std::memcpy(q.data(), payload.data() + p.size() * 4, q.size() * 4);
+      powersgd_expand(p, q, rows_, cols_, r_, x);
+    } else {
+      std::memcpy(x.data(), payload.data(), numel_ * 4);
+    }
+    for (size_t i = 0; i < numel_; ++i) out[i] += scale * x[i];
+  }
+
+ private:
+  size_t rows_, cols_;
+  int r_;
+  bool low_;
+};
+
 }  // namespace
+
+std::unique_ptr<PayloadCodec> make_low_rank_payload_codec(const CodecSpec& spec, size_t rows,
+                                                          size_t cols) {
+  if (spec.kind != CodecKind::powersgd) {
+    throw ConfigError(fmt::format("sync.codec: \"{}\" is not a low-rank codec (powersgd:RANK)",
+                                  spec.to_string()));
+  }
+  return std::make_unique<LowRankCodec>(rows, cols, spec.rank);
+}
 
 std::unique_ptr<PayloadCodec> make_payload_codec(const CodecSpec& spec, size_t numel) {
   spec.check_fits(numel, "the tensor");
@@ -526,7 +595,8 @@ FeedbackEncoder::FeedbackEncoder(std::unique_ptr<PayloadCodec> codec, bool error
     : codec_(std::move(codec)),
       error_feedback_(error_feedback),
       residual_(codec_->numel(), 0.0f),
-      e_(codec_->numel()) {}
+      e_(codec_->numel()),
+      state_(codec_->state_numel(), 0.0f) {}
 
 void FeedbackEncoder::encode(std::span<const float> grad, uint64_t seed,
                              std::span<std::byte> payload) {
@@ -534,11 +604,11 @@ void FeedbackEncoder::encode(std::span<const float> grad, uint64_t seed,
   MT_CHECK_EQ(grad.size(), n);
   MT_CHECK_EQ(payload.size(), codec_->payload_bytes());
   if (!error_feedback_) {
-    codec_->encode(grad, seed, payload);
+    codec_->encode_with_state(grad, seed, payload, state_);
     return;
   }
   for (size_t i = 0; i < n; ++i) e_[i] = grad[i] + residual_[i];
-  codec_->encode(e_, seed, payload);
+  codec_->encode_with_state(e_, seed, payload, state_);
   // residual = e - decoded: x + (-1) * x is exactly 0 where a sparse codec
   // sent e's own value.
   std::copy(e_.begin(), e_.end(), residual_.begin());
@@ -548,6 +618,11 @@ void FeedbackEncoder::encode(std::span<const float> grad, uint64_t seed,
 void FeedbackEncoder::set_residual(std::span<const float> r) {
   MT_CHECK_EQ(r.size(), residual_.size());
   std::copy(r.begin(), r.end(), residual_.begin());
+}
+
+void FeedbackEncoder::set_state(std::span<const float> s) {
+  MT_CHECK_EQ(s.size(), state_.size());
+  std::copy(s.begin(), s.end(), state_.begin());
 }
 
 // ---- PowerSGD algebra

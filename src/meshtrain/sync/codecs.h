@@ -49,9 +49,11 @@
 // rounding (e - cast(e) is exact in f32 unless f16 saturates); for qsgd and
 // sign within one f32 rounding of the subtraction.
 //
-// PowerSGD (Vogels et al. 2019) is not a payload: it interleaves two
-// all-reduces with local algebra, so it lives in sync/compressed_all_reduce.h;
-// the algebra (a tensor viewed as a rows x cols matrix, row-major) is here.
+// PowerSGD (Vogels et al. 2019) over an all-reduce is not a payload: it
+// interleaves two all-reduces with local algebra, so it lives in
+// sync/compressed_all_reduce.h; the algebra (a tensor viewed as a rows x
+// cols matrix, row-major) is here, and so is make_low_rank_payload_codec(),
+// one sender's own factors as a payload (parameter-server pushes).
 //
 // Threading: PayloadCodecs are immutable after construction (callable from
 // any thread); a FeedbackEncoder is one tensor's state, used by one thread.
@@ -79,6 +81,16 @@ class PayloadCodec {
   // out[i] += scale * decoded[i] for every element the payload carries.
   virtual void decode_add(std::span<const std::byte> payload, float scale,
                           std::span<float> out) const = 0;
+  // Floats a FeedbackEncoder keeps for this codec from one encode to the
+  // next (the low-rank codec's warm-started Q); 0 for the pure codecs.
+  virtual size_t state_numel() const { return 0; }
+  // encode() with that state, read and updated in place (state.size() ==
+  // state_numel()); the pure codecs ignore it.
+  virtual void encode_with_state(std::span<const float> e, uint64_t seed,
+                                 std::span<std::byte> payload, std::span<float> state) const {
+    (void)state;
+    encode(e, seed, payload);
+  }
 
  protected:
   explicit PayloadCodec(size_t numel) : numel_(numel) {}
@@ -89,6 +101,19 @@ class PayloadCodec {
 // spec.check_fits). Throws ConfigError for "none" and "powersgd", which have
 // no payload.
 std::unique_ptr<PayloadCodec> make_payload_codec(const CodecSpec& spec, size_t numel);
+
+// PowerSGD as one rank's payload, for exchanges where each sender's
+// approximation is decoded on its own (a parameter server's pushes): the
+// tensor as a rows x cols matrix M, one power iteration from the sender's
+// own Q (cols x r; the state, warm-started from its previous encode, a
+// zero column drawn afresh from the seed): P = M Q, P's columns
+// orthonormalized, Q = M^T P; the payload is P (rows x r f32) then Q (cols
+// x r f32) and decodes to P Q^T (exact when M has rank <= r). Where the
+// factors would not be smaller (powersgd_compresses() false) the payload is
+// the tensor in f32 (decoded exactly, no state). ConfigError unless
+// spec.kind is powersgd.
+std::unique_ptr<PayloadCodec> make_low_rank_payload_codec(const CodecSpec& spec, size_t rows,
+                                                          size_t cols);
 
 // The seed of one rank's draws at one step: a SplitMix64 mix of the three,
 // so ranks and steps get independent streams from one base seed.
@@ -107,12 +132,16 @@ class FeedbackEncoder {
   std::span<const float> residual() const { return residual_; }
   // Replaces the residual (e.g. restored from a checkpoint); size numel.
   void set_residual(std::span<const float> r);
+  // The codec's own state between encodes (codec().state_numel() floats).
+  std::span<const float> state() const { return state_; }
+  void set_state(std::span<const float> s);
 
  private:
   std::unique_ptr<PayloadCodec> codec_;
   bool error_feedback_;
   std::vector<float> residual_;
   std::vector<float> e_;
+  std::vector<float> state_;
 };
 
 // ---- PowerSGD algebra (row-major; m is rows x cols, p rows x r, q cols x r)

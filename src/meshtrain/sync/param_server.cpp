@@ -175,15 +175,18 @@ class ParamServerSync : public ReplicaSync {
       c = {steps_, mode_, straggler_seen_ ? 1 : 0};
       c.insert(c.end(), seen_.begin(), seen_.end());
       float* r = residuals().data<float>();
-      for (const auto& e : encoders_) {
+      for (const auto& e : encoders_) {  // the residual, then the codec's state (PowerSGD's Q)
         std::copy(e->residual().begin(), e->residual().end(), r);
         r += e->residual().size();
+        std::copy(e->state().begin(), e->state().end(), r);
+        r += e->state().size();
       }
     }
     std::memcpy(counters().raw(), c.data(), c.size() * sizeof(int64_t));
   }
   // With sync.codec a worker's error-feedback residuals (layout order) are
-  // its row "ps.worker.residual" (its codecs' seeds follow its steps).
+  // its row "ps.worker.residual", each followed by its codec's state
+  // (PowerSGD's Q; its codecs' seeds follow its steps).
   std::vector<StatePiece> checkpoint_state() override {
     if (is_server()) return {{"ps.server", server_index(), servers_, counters()}};
     std::vector<StatePiece> out = {{"ps.worker", group_.rank(), workers_, counters()}};
@@ -224,6 +227,9 @@ class ParamServerSync : public ReplicaSync {
       const size_t n = e->residual().size();
       e->set_residual({r, n});
       r += n;
+      const size_t m = e->state().size();
+      e->set_state({r, m});
+      r += m;
     }
   }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
@@ -231,7 +237,9 @@ class ParamServerSync : public ReplicaSync {
     int64_t extra = static_cast<int64_t>(inbox_.nbytes() + outbox_.nbytes() + acc_.nbytes() +
                                          push_.nbytes() + pull_.nbytes());
     // sync.codec: each encoder's residual and its scratch (e = grad + residual)
-    for (const auto& e : encoders_) extra += 8 * static_cast<int64_t>(e->residual().size());
+    for (const auto& e : encoders_) {
+      extra += 4 * static_cast<int64_t>(2 * e->residual().size() + e->state().size());
+    }
     m.world_size = group_.size();
     m.staging_bytes += extra;
     m.expected_buffer_bytes += extra;
@@ -385,7 +393,7 @@ class ParamServerSync : public ReplicaSync {
   Tensor& residuals() {
     if (!residuals_.defined()) {
       size_t n = 0;
-      for (const auto& e : encoders_) n += e->residual().size();
+      for (const auto& e : encoders_) n += e->residual().size() + e->state().size();
       residuals_ = Tensor::zeros({std::max<int64_t>(static_cast<int64_t>(n), 1)}, DType::f32);
     }
     return residuals_;
@@ -399,12 +407,18 @@ class ParamServerSync : public ReplicaSync {
     CodecSpec spec = parse_codec_spec(o_.codec);
     if (spec.kind == CodecKind::none) return;
     spec.error_feedback = o_.codec_error_feedback;
-    for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
+    // PowerSGD: each worker's own factors of the parameter as a matrix
+    // (shape[0] x the rest), its own warm-started Q (the encoder's state).
+    auto make = [&](const ParamLayoutEntry& e) {
       const auto n = static_cast<size_t>(e.shape.numel());
-      codecs_.push_back(make_payload_codec(spec, n));
+      if (spec.kind != CodecKind::powersgd) return make_payload_codec(spec, n);
+      const size_t rows = e.shape.rank() == 0 ? 1 : static_cast<size_t>(e.shape[0]);
+      return make_low_rank_payload_codec(spec, rows, rows == 0 ? 0 : n / rows);
+    };
+    for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
+      codecs_.push_back(make(e));
       if (!is_server()) {
-        encoders_.push_back(
-            std::make_unique<FeedbackEncoder>(make_payload_codec(spec, n), spec.error_feedback));
+        encoders_.push_back(std::make_unique<FeedbackEncoder>(make(e), spec.error_feedback));
       }
     }
   }

@@ -74,13 +74,6 @@ void validate_codec_scheme(const SyncOptions& o, const CodecSpec& spec) {
         "mixes neighbours' parameters, which have no such difference to compress",
         o.codec, o.scheme));
   }
-  if (o.scheme == "ps" && spec.kind == CodecKind::powersgd) {
-    throw ConfigError(fmt::format(
-        "sync.codec = \"{}\": PowerSGD all-reduces its factors among the ranks that compress, "
-        "and a parameter server takes each worker's push on its own; with sync.scheme = \"ps\" "
-        "use f16, bf16, topk, randk, qsgd or sign",
-        o.codec));
-  }
   if (o.scheme == "diloco" && o.outer_bits != 32) {
     // Fragments and overlap compose (each fragment's pieces through the
     // codec, sync/local_steps.h); the 4-bit exchange would compress twice.
