@@ -1,5 +1,5 @@
 // Codecs (sync.codec) on the other schemes' exchanges, through the Trainer
-// under mpirun (4 ranks), on the MLP:
+// under mpirun (2 and 4 ranks; the ps test at 4 only), on the MLP:
 // - local_sgd, diloco and partial compress the pseudo-gradient of each
 //   synchronization (the parameters' change since the last one; partial:
 //   of the layer group synchronized at that step): with
@@ -513,7 +513,7 @@ uint64_t predicted_pushes(const std::vector<ParamStore::Entry>& entries, const s
 }
 
 TEST(CodecSchemesMpi, ParamServerPushesGoThroughTheCodec) {
-  ASSERT_EQ(world().size(), 4);
+  if (world().size() != 4) GTEST_SKIP() << "3 workers (batch 4 each) and a server: 4 ranks";
   for (int64_t servers : {1, 2}) {
     SCOPED_TRACE(fmt::format("{} server(s)", servers));
     const Outcome plain = train_ps(ps("bsp", "none", servers));
