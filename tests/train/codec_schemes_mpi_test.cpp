@@ -198,6 +198,39 @@ TEST(CodecSchemesMpi, IdentityCodecOnPseudoGradientsEqualsTheScheme) {
   }
 }
 
+// The asynchronous halves (Streaming DiLoCo's overlap uses them): start()
+// then finish() gives run()'s bits and residual, the same bytes; PowerSGD
+// has no asynchronous form.
+TEST(CodecSchemesMpi, StartFinishIsRun) {
+  const Shape shape{37, 5};
+  std::vector<float> g(185);
+  for (size_t i = 0; i < g.size(); ++i) {
+    g[i] = static_cast<float>(std::sin(0.3 * static_cast<double>(i) + world().rank()));
+  }
+  for (const char* codec : {"bf16", "topk:0.1", "qsgd:4", "sign", "randk:0.2:compact"}) {
+    SCOPED_TRACE(codec);
+    CompressedAllReduceOptions co;
+    co.codec = parse_codec_spec(codec);
+    CompressedAllReduce a(world(), "a", shape, co), b(world(), "b", shape, co);
+    ASSERT_TRUE(b.can_start());
+    std::vector<float> ra(g.size()), rb(g.size());
+    for (int round = 0; round < 2; ++round) {  // the second with a residual
+      a.run(g, ra);
+      const uint64_t before = sync_bytes_sent(world());
+      b.start(g);
+      EXPECT_TRUE(b.started());
+      b.finish(rb);
+      EXPECT_EQ(sync_bytes_sent(world()) - before, b.predicted_traffic().bytes_sent);
+      EXPECT_EQ(ra, rb);
+      EXPECT_EQ(std::vector<float>(a.residual().begin(), a.residual().end()),
+                std::vector<float>(b.residual().begin(), b.residual().end()));
+    }
+  }
+  CompressedAllReduceOptions co;
+  co.codec = parse_codec_spec("powersgd:2");
+  EXPECT_FALSE(CompressedAllReduce(world(), "p", shape, co).can_start());
+}
+
 // Streaming DiLoCo (period 4, 2 fragments, phases 0 and 2: each fragment
 // exchanged 3 times in 12 steps) with a codec on each fragment's pieces.
 uint64_t predicted_fragments(const Outcome& o, const SyncOptions& s, int64_t steps) {

@@ -164,7 +164,74 @@ CompressedAllReduce::CompressedAllReduce(Communicator& comm, std::string name, S
   }
 }
 
-CompressedAllReduce::~CompressedAllReduce() = default;
+CompressedAllReduce::~CompressedAllReduce() {
+  try {
+    if (handle_.valid()) handle_.wait();  // it writes into our buffers
+  } catch (...) {                         // the communicator reports it to whoever uses it next
+  }
+}
+
+bool CompressedAllReduce::can_start() const {
+  if (!encoder_ || plan_.empty()) return false;
+  const PlannedCollective& call = plan_.front();
+  return call.kind == Collective::all_gather || call.dtype != DType::f32;
+}
+
+void CompressedAllReduce::start(std::span<const float> grad) {
+  MT_CHECK(can_start(), "compressed all-reduce of '{}': codec {} has no asynchronous form", name_,
+           options_.codec.to_string());
+  MT_CHECK(!started_, "compressed all-reduce of '{}': start() twice without finish()", name_);
+  if (grad.size() != numel_) {
+    throw ShapeError(fmt::format(
+        "compressed all-reduce of '{}' ({} elements, codec {}): got a gradient of {} elements",
+        name_, numel_, options_.codec.to_string(), grad.size()));
+  }
+  encoder_->encode(grad, codec_seed(options_.codec.seed, comm_.rank(), step_), payload_);
+  const PlannedCollective& call = plan_.front();
+  const CollectiveOptions& co = options_.collective;
+  handle_ =
+      call.kind == Collective::all_gather
+          ? comm_.all_gather_async(payload_.data(), gathered_.data(), call.count, call.dtype, co)
+          : comm_.all_reduce_async(payload_.data(), payload_.data(), numel_, call.dtype,
+                                   ReduceOp::avg, co);
+  started_ = true;
+  ++step_;
+}
+
+void CompressedAllReduce::wait() {
+  if (!handle_.valid()) return;
+  const CommHandle h = handle_;
+  handle_ = CommHandle();
+  h.wait();
+}
+
+void CompressedAllReduce::finish(std::span<float> out) {
+  MT_CHECK(started_, "compressed all-reduce of '{}': finish() without start()", name_);
+  MT_CHECK_EQ(out.size(), numel_);
+  wait();
+  started_ = false;
+  std::fill(out.begin(), out.end(), 0.0f);
+  if (plan_.front().kind == Collective::all_reduce) {  // a cast, reduced in its own dtype
+    encoder_->codec().decode_add(payload_, 1.0f, out);
+    return;
+  }
+  decode_payloads(out);
+}
+
+void CompressedAllReduce::decode_payloads(std::span<float> out) {
+  const PayloadCodec& codec = encoder_->codec();
+  const size_t bytes = payload_.size();
+  const int n = comm_.size();
+  for (int r = 0; r < n; ++r) {
+    codec.decode_add(
+        std::span<const std::byte>(gathered_).subspan(static_cast<size_t>(r) * bytes, bytes), 1.0f,
+        out);
+  }
+  if (n > 1) {
+    const auto fn = static_cast<float>(n);
+    for (float& v : out) v /= fn;
+  }
+}
 
 std::span<const float> CompressedAllReduce::residual() const {
   if (encoder_) return encoder_->residual();
@@ -242,18 +309,8 @@ void CompressedAllReduce::run_payload(std::span<const float> grad, std::span<flo
   }
   // All-gather of n payloads, decoded and summed in rank order (the same
   // arithmetic on every rank, so the same bits), then / n.
-  const size_t bytes = payload_.size();
   comm_.all_gather(payload_.data(), gathered_.data(), call.count, call.dtype, co);
-  const int n = comm_.size();
-  for (int r = 0; r < n; ++r) {
-    codec.decode_add(
-        std::span<const std::byte>(gathered_).subspan(static_cast<size_t>(r) * bytes, bytes), 1.0f,
-        out);
-  }
-  if (n > 1) {
-    const auto fn = static_cast<float>(n);
-    for (float& v : out) v /= fn;
-  }
+  decode_payloads(out);
 }
 
 void CompressedAllReduce::run_powersgd(std::span<const float> grad, std::span<float> out) {

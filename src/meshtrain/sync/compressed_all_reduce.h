@@ -142,6 +142,22 @@ class CompressedAllReduce {
   // grad.size() == out.size() == numel; they may be the same buffer.
   void run(std::span<const float> grad, std::span<float> out);
 
+  // run() in two halves, for the codecs whose exchange is one collective
+  // (can_start(): the payload codecs with their all-gather, or a cast's
+  // all-reduce in its own dtype; not PowerSGD, "none" or the densified
+  // sparse all-reduce): start() encodes (the residual updated, steps()
+  // counted) and starts the collective asynchronously; finish() waits and
+  // writes the same average run() would. grad may be reused once start()
+  // returns. No other call on this object in between but wait(); every
+  // rank starts in the same order as its other collectives.
+  bool can_start() const;
+  void start(std::span<const float> grad);
+  void finish(std::span<float> out);
+  // Waits for a started exchange without decoding it (finish() still
+  // decodes); a no-op when none is in flight.
+  void wait();
+  bool started() const { return started_; }
+
   const CompressedAllReduceOptions& options() const { return options_; }
   size_t numel() const { return numel_; }
   // What this rank did not send yet: numel values (zero without error
@@ -160,6 +176,7 @@ class CompressedAllReduce {
  private:
   void run_powersgd(std::span<const float> grad, std::span<float> out);
   void run_payload(std::span<const float> grad, std::span<float> out);
+  void decode_payloads(std::span<float> out);
 
   Communicator& comm_;
   std::string name_;
@@ -172,6 +189,8 @@ class CompressedAllReduce {
   std::unique_ptr<FeedbackEncoder> encoder_;
   std::vector<std::byte> payload_;   // own payload
   std::vector<std::byte> gathered_;  // n payloads (all-gather exchanges)
+  CommHandle handle_;                // start() .. finish()
+  bool started_ = false;
   // powersgd
   size_t rows_ = 0, cols_ = 0;
   bool low_rank_ = false;

@@ -389,10 +389,11 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<Fragment> frags_;
   struct Flight {
     size_t fragment = 0;
-    int64_t due = 0;        // the step after whose update it lands
-    int64_t started = 0;    // the step it was sent after
-    int stage = 1;          // reduce_scatter: 1 the all_to_all, 2 the all_gather
-    bool resolved = false;  // its sum is in pseudo_gradient() (resolve())
+    int64_t due = 0;             // the step after whose update it lands
+    int64_t started = 0;         // the step it was sent after
+    int stage = 1;               // reduce_scatter: 1 the all_to_all, 2 the all_gather
+    bool resolved = false;       // its sum is in pseudo_gradient() (resolve())
+    bool codec_started = false;  // sync.codec: its pieces' exchanges are in flight
     CommHandle handle;
   };
   std::vector<Flight> flights_;
@@ -877,10 +878,22 @@ class LocalStepsSync : public ReplicaSync {
       return fl;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    if (!codecs_.empty()) {  // 32 bits (validate_sync_options); blocking even with overlap
-      run_codecs(f, d - fr.offset);
+    if (!codecs_.empty()) {  // 32 bits (validate_sync_options)
+      float* base = d - fr.offset;
+      if (!wait && fragment_can_start(f)) {
+        // Each piece encoded now, its collective in flight until resolve().
+        for (size_t k = 0; k < pieces_.size(); ++k) {
+          if (pieces_[k].fragment != static_cast<int>(f)) continue;
+          codecs_[k]->start(
+              {base + pieces_[k].offset, static_cast<size_t>(pieces_[k].shape.numel())});
+        }
+        fl.codec_started = true;
+        outer_wait_s_ += seconds_since(t0);
+        return fl;
+      }
+      run_codecs(f, base);  // blocking (PowerSGD; or no overlap); lands when due
       outer_wait_s_ += seconds_since(t0);
-      return fl;  // lands when due, from pseudo_gradient() (no handle)
+      return fl;
     }
     if (o_.outer_bits == 32) {
       if (wait) {
@@ -969,7 +982,21 @@ class LocalStepsSync : public ReplicaSync {
   void quiesce() {
     for (Flight& fl : flights_) {
       if (fl.handle.valid()) fl.handle.wait();
+      if (!fl.codec_started) continue;
+      for (size_t k = 0; k < pieces_.size(); ++k) {
+        if (pieces_[k].fragment == static_cast<int>(fl.fragment)) codecs_[k]->wait();
+      }
     }
+  }
+
+  // sync.codec with overlap: whether every piece of fragment f has an
+  // asynchronous exchange (payload codecs; PowerSGD's two dependent
+  // all-reduces run blocking when the fragment is sent).
+  bool fragment_can_start(size_t f) const {
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      if (pieces_[k].fragment == static_cast<int>(f) && !codecs_[k]->can_start()) return false;
+    }
+    return true;
   }
 
   // Where a fragment's pseudo-gradient lives while it is exchanged.
@@ -1007,6 +1034,18 @@ class LocalStepsSync : public ReplicaSync {
     if (fl.resolved) return;
     fl.resolved = true;
     const Fragment& fr = frags_[fl.fragment];
+    if (fl.codec_started) {  // the pieces' averages into pseudo_gradient()
+      const auto t0 = std::chrono::steady_clock::now();
+      float* base = pseudo_gradient(fr) - fr.offset;
+      for (size_t k = 0; k < pieces_.size(); ++k) {
+        if (pieces_[k].fragment != static_cast<int>(fl.fragment)) continue;
+        codecs_[k]->finish(
+            {base + pieces_[k].offset, static_cast<size_t>(pieces_[k].shape.numel())});
+      }
+      fl.codec_started = false;
+      outer_wait_s_ += seconds_since(t0);
+      return;
+    }
     if (reduce_scatter() && fl.stage == 1) second_stage(fl);
     if (fl.handle.valid()) {
       const auto t0 = std::chrono::steady_clock::now();

@@ -72,11 +72,12 @@
 // each fragment's pseudo-gradient goes through the codec when its turn
 // comes, one CompressedAllReduce per piece of a parameter in that fragment
 // (diloco_codec_pieces(), each with its own residual; one fragment: one
-// piece per parameter, as local_sgd); with sync.overlap_steps the codec's
-// exchange runs (blocking) when the fragment is sent and its average lands
-// overlap_steps inner steps later, as the f32 exchange's does -- the
-// delayed, merged update is Streaming DiLoCo's, the communication time is
-// not hidden. The 4-bit outer exchange is a codec of its own: sync.codec
+// piece per parameter, as local_sgd); with sync.overlap_steps each piece
+// is encoded when the fragment is sent, its collective runs asynchronously
+// (CompressedAllReduce::start / finish) and its average lands
+// overlap_steps inner steps later, as the f32 exchange's does (PowerSGD,
+// whose two all-reduces depend on each other, runs blocking when sent and
+// lands as late). The 4-bit outer exchange is a codec of its own: sync.codec
 // with sync.outer_bits = 4 is refused. partial's group exchange is
 // blocking, right after the update; gossip and adpsgd refuse codecs
 // (replica_sync.cpp says why).
