@@ -240,10 +240,14 @@ const std::vector<KeyMeaning> kMeanings = {
      "codec on the exchange: none, f16, bf16, topk:K[:compact], randk:K[:compact] (K a count or "
      "a fraction; compact: bf16 values, Elias-Fano indices), "
      "qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK; on the gradients (allreduce), the "
-     "pseudo-gradients (local_sgd, diloco, partial) or the pushes (ps, not powersgd) "
+     "pseudo-gradients (local_sgd, diloco, partial), the pushes (ps, not powersgd) or the "
+     "parameters' difference from their public copy (gossip, adpsgd: CHOCO-SGD) "
      "(docs/codecs.md)"},
     {"sync.codec_error_feedback",
      "keep what a codec did not send and add it to the next exchange's input"},
+    {"sync.gossip_gamma",
+     "gossip / adpsgd with a sync.codec (CHOCO-SGD): the consensus step size in (0, 1], x_i += "
+     "gamma sum_j w_ij (x̂_j - x̂_i) over the public copies"},
     {"sync.consensus_every",
      "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
     {"sync.servers",
