@@ -6,7 +6,7 @@
 //   and sync.gossip_gamma 1 is plain gossip step by step on every topology
 //   (every step's loss and every rank's own parameters within 1e-5
 //   relative, measured 1.6e-6 to 2.3e-6: the public copies are sums of
-//   differences, so x̂ = x only up to f32 rounding);
+//   differences, so xhat = x only up to f32 rounding);
 // - gossip with top-k 10% (and every other codec) at gamma 0.5 learns, the
 //   replicas' consensus distance stays bounded (relative < 0.1), and the
 //   bytes the communicator counts are the public copies' seeding (one f32
@@ -158,7 +158,7 @@ TEST(GossipCodecMpi, TopKTenPercentLearnsWithBoundedConsensusAndPredictedBytes) 
   EXPECT_EQ(tenth.bytes, 2 * dense_bytes(tenth) + 24 * 2 * b);
   EXPECT_EQ(plain.bytes, 24 * 2 * dense_bytes(plain));
   EXPECT_LT(tenth.bytes * 4, plain.bytes);  // 8 x 0.1 n against 4 n bytes a neighbour
-  // What the neighbours do not know yet (x - x̂) is the residual: not zero.
+  // What the neighbours do not know yet (x - xhat) is the residual: not zero.
   double held = 0;
   for (float r : tenth.residual) held += std::abs(r);
   EXPECT_GT(held, 0.0);

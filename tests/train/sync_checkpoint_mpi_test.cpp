@@ -302,7 +302,7 @@ TEST(SyncCheckpointMpi, CodecStateResumesExactly) {
   remove_dir(dir);
 }
 
-// gossip with a codec (CHOCO-SGD): each replica's public copy x̂ and the
+// gossip with a codec (CHOCO-SGD): each replica's public copy xhat and the
 // weighted sum of its neighbours' are its own rows (choco.public,
 // choco.mixed); the stochastic codec's draws follow the step counter.
 TEST(SyncCheckpointMpi, CompressedGossipResumesExactly) {

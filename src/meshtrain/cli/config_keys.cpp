@@ -247,7 +247,7 @@ const std::vector<KeyMeaning> kMeanings = {
      "keep what a codec did not send and add it to the next exchange's input"},
     {"sync.gossip_gamma",
      "gossip / adpsgd with a sync.codec (CHOCO-SGD): the consensus step size in (0, 1], x_i += "
-     "gamma sum_j w_ij (x̂_j - x̂_i) over the public copies"},
+     "gamma sum_j w_ij (xhat_j - xhat_i) over the public copies"},
     {"sync.consensus_every",
      "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
     {"sync.servers",

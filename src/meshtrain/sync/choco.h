@@ -3,16 +3,16 @@
 // Compressed Communication"): what a replica sends its neighbours when
 // sync.scheme = gossip or adpsgd has a sync.codec.
 //
-// Every replica i keeps a public copy x̂_i of its parameters, which its
-// neighbours hold too. After its local step it sends q_i = Q(x_i - x̂_i)
+// Every replica i keeps a public copy xhat_i of its parameters, which its
+// neighbours hold too. After its local step it sends q_i = Q(x_i - xhat_i)
 // (Q any codec of sync/codecs.h, per parameter tensor), and everyone who
-// holds x̂_i adds the decoded q_i to it. The consensus step then moves x_i by
-// gamma sum_j w_ij (x̂_j - x̂_i). x_i - x̂_i is what has not been sent yet: it
+// holds xhat_i adds the decoded q_i to it. The consensus step then moves x_i by
+// gamma sum_j w_ij (xhat_j - xhat_i). x_i - xhat_i is what has not been sent yet: it
 // plays the part of the error-feedback residual (there is no variant
 // without it). Public copies start at zero, so every rank's copy of every
-// x̂_j agrees from the first step whatever the replicas' parameters, and
+// xhat_j agrees from the first step whatever the replicas' parameters, and
 // nothing but compressed differences is ever sent. With a codec that sends
-// every element exactly (topk:1.0) and gamma 1, x̂_j = x_j after each
+// every element exactly (topk:1.0) and gamma 1, xhat_j = x_j after each
 // exchange and the step is plain D-PSGD's (AD-PSGD's) mixing.
 //
 // ChocoCodec is the codec of one replica's whole flat parameters: one

@@ -210,7 +210,7 @@ class LocalStepsSync : public ReplicaSync {
   std::vector<float> codec_residual() const override {
     std::vector<float> r;
     if (choco_ && public_.defined()) {
-      // gossip: what the neighbours do not know yet, x - x̂.
+      // gossip: what the neighbours do not know yet, x - xhat.
       r.resize(n_);
       const float* x = flat_.data<float>();
       const float* h = public_.data<float>();
@@ -332,7 +332,7 @@ class LocalStepsSync : public ReplicaSync {
       out.push_back({"codec.runs", r, n, codec_runs()});
       if (anchor_.defined()) out.push_back({"codec.anchor", r, n, anchor_});
     }
-    // gossip with a codec: the public copy x̂ of this replica and the
+    // gossip with a codec: the public copy xhat of this replica and the
     // weighted sum of its and its neighbours' (CHOCO-SGD's state).
     if (public_.defined()) {
       out.push_back({"choco.public", r, n, public_});
@@ -468,10 +468,10 @@ class LocalStepsSync : public ReplicaSync {
   double reply_wait_s_ = 0;
   Tensor counters_;  // checkpoints: see prepare_checkpoint()
   // gossip / adpsgd with a codec (CHOCO-SGD, sync/choco.h). gossip:
-  // public_ = x̂_i, mixed_ = sum_j w_ij x̂_j over this rank and its
+  // public_ = xhat_i, mixed_ = sum_j w_ij xhat_j over this rank and its
   // neighbours (one sum instead of a copy per neighbour: the consensus step
-  // needs only it); adpsgd: per partner e, edge_hats_ holds [x̂ of this rank
-  // as that partner knows it, x̂ of the partner] (2 x partners x params).
+  // needs only it); adpsgd: per partner e, edge_hats_ holds [xhat of this rank
+  // as that partner knows it, xhat of the partner] (2 x partners x params).
   std::unique_ptr<ChocoCodec> choco_;
   Tensor public_, mixed_, edge_hats_;
   std::vector<std::byte> choco_out_, choco_in_;
@@ -662,10 +662,10 @@ class LocalStepsSync : public ReplicaSync {
   }
 
   // adpsgd active with a codec (CHOCO-SGD on one edge): q_a = Q(x_a -
-  // x̂_a) to partner q, which answers q_p = Q(x_p - x̂_p) (its published
-  // parameters); both sides add each to their copies of that edge's x̂_a,
-  // x̂_p; then x_a += gamma / 2 (x̂_p - x̂_a) (the passive, at its next step
-  // boundary, x_p += gamma / 2 (x̂_a - x̂_p)). Exact codec, gamma 1: x̂ = x
+  // xhat_a) to partner q, which answers q_p = Q(x_p - xhat_p) (its published
+  // parameters); both sides add each to their copies of that edge's xhat_a,
+  // xhat_p; then x_a += gamma / 2 (xhat_p - xhat_a) (the passive, at its next step
+  // boundary, x_p += gamma / 2 (xhat_a - xhat_p)). Exact codec, gamma 1: xhat = x
   // after the exchange and both move to the pair's mean.
   // A pair's first exchange sends whole f32 parameters both ways instead
   // (each side's copies start exact, as gossip's seed_public_copies()).
@@ -805,10 +805,10 @@ class LocalStepsSync : public ReplicaSync {
   }
 
   // Passive server with a codec: takes active rank q's q_a (edge `edge`)
-  // into its copy of x̂_a, answers q_p = Q(x_p - x̂_p) into `reply` with x_p
+  // into its copy of xhat_a, answers q_p = Q(x_p - xhat_p) into `reply` with x_p
   // = published + pending (the averages it took since its last step
   // boundary count, as the uncompressed server composes them), and adds
-  // gamma / 2 (x̂_a - x̂_p) to pending. Exact codec, gamma 1: x_p + pending
+  // gamma / 2 (xhat_a - xhat_p) to pending. Exact codec, gamma 1: x_p + pending
   // becomes the mean of it and x_a, request after request.
   void choco_serve(size_t edge, int q, std::vector<std::byte>& reply, std::vector<float>& x) {
     const bool met = met_[edge] != 0;
@@ -1200,7 +1200,7 @@ class LocalStepsSync : public ReplicaSync {
 
   // gossip with a codec, before the first step after a start (or a resume
   // without the copies): one plain exchange of the parameters, so every
-  // x̂_j starts as x_j exactly on every rank that holds it (x̂ = 0 would
+  // xhat_j starts as x_j exactly on every rank that holds it (xhat = 0 would
   // make the first exchanges send the parameters themselves through the
   // codec, and stochastic codecs, drawing differently on every rank, would
   // push identical replicas apart).
@@ -1227,9 +1227,9 @@ class LocalStepsSync : public ReplicaSync {
     }
   }
 
-  // gossip with a codec (CHOCO-SGD): q_i = Q(x_i - x̂_i) to every
-  // neighbour by one all_to_allv (only neighbours receive); x̂_i += q_i;
-  // mixed += w (q_i + sum_j q_j); x_i += gamma (mixed - x̂_i).
+  // gossip with a codec (CHOCO-SGD): q_i = Q(x_i - xhat_i) to every
+  // neighbour by one all_to_allv (only neighbours receive); xhat_i += q_i;
+  // mixed += w (q_i + sum_j q_j); x_i += gamma (mixed - xhat_i).
   void choco_mix() {
     const int n = group_.size();
     const size_t bytes = choco_->payload_bytes();

@@ -98,7 +98,7 @@ struct SyncOptions {
   std::string codec = "none";
   bool codec_error_feedback = true;
   // gossip, adpsgd with a codec (CHOCO-SGD, sync/choco.h): the consensus
-  // step size gamma in (0, 1]: x_i += gamma sum_j w_ij (x̂_j - x̂_i).
+  // step size gamma in (0, 1]: x_i += gamma sum_j w_ij (xhat_j - xhat_i).
   double gossip_gamma = 1.0;
   // ps (sync/param_server.h): the last `servers` ranks hold the parameter
   // shards; bsp | asp | ssp with staleness bound `staleness` (>= 0);
