@@ -211,7 +211,8 @@ class LocalStepsSync : public ReplicaSync {
     std::vector<float> r;
     if (choco_ && public_.defined()) {
       // gossip: what the neighbours do not know yet, x - xhat.
-      r.resize(n_);
+      r.assign(n_, 0.0F);
+      if (group_.size() == 1) return r;  // nothing to tell anyone
       const float* x = flat_.data<float>();
       const float* h = public_.data<float>();
       for (size_t i = 0; i < n_; ++i) r[i] = x[i] - h[i];
