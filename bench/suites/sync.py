@@ -16,8 +16,9 @@ at 1.8 s): `--networks free,1gbit` keeps the suite near 45 min. `--only` / `--ru
 
 Parts (--only, comma-separated; default all but `report`):
 
-  grid     every scheme (dense gradients) and every codec (on all-reduce)
-           under each network of --networks:
+  grid     every scheme (dense gradients), every codec (on all-reduce) and
+           gossip with top-k 10% / 1% (GOSSIP_CODED) under each network of
+           --networks:
              free      no emulation
              1gbit     every rank its own node, links 1 Gbit/s, 1 ms
              100mbit   ... 100 Mbit/s, 50 ms
@@ -117,6 +118,15 @@ CODECS = [
     ("sign", "sign"),
     ("powersgd4", "powersgd:4"),
 ]
+# Codecs under gossip (CHOCO-SGD: each replica sends the compression of its
+# parameters' difference from its public copy, docs/sync.md "Compressed
+# gossip"), with the consensus step sync.gossip_gamma that sparse codecs need.
+GOSSIP_CODED = [
+    ("dpsgd_ring_topk10pct", ['sync.scheme="gossip"', 'sync.topology="ring"',
+                              'sync.codec="topk:0.1"', "sync.gossip_gamma=0.5"]),
+    ("dpsgd_ring_topk1pct", ['sync.scheme="gossip"', 'sync.topology="ring"',
+                             'sync.codec="topk:0.01"', "sync.gossip_gamma=0.2"]),
+]
 NETWORKS = {"free": None, "1gbit": (1.0, 1.0), "100mbit": (0.1, 50.0)}
 # PyTorch peers: (hook, torch_sync.py options, meshtrain run it sits next to).
 PEER_RUNS = [
@@ -135,11 +145,11 @@ PARTS = ("grid", "refused", "slow", "peers", "unified")
 
 
 def all_runs():
-    return [n for n, _ in SCHEMES] + [n for n, _ in CODECS]
+    return [n for n, _ in SCHEMES] + [n for n, _ in CODECS] + [n for n, _ in GOSSIP_CODED]
 
 
 def run_sets(name):
-    for n, sets in SCHEMES:
+    for n, sets in SCHEMES + GOSSIP_CODED:
         if n == name:
             return sets
     for n, spec in CODECS:

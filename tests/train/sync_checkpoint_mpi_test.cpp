@@ -309,6 +309,19 @@ TEST(SyncCheckpointMpi, CodecStateResumesExactly) {
   remove_dir(dir);
 }
 
+// gossip with a codec (CHOCO-SGD): each replica's public copy xhat and the
+// weighted sum of its neighbours' are its own rows (choco.public,
+// choco.mixed); the stochastic codec's draws follow the step counter.
+TEST(SyncCheckpointMpi, CompressedGossipResumesExactly) {
+  SyncOptions g = scheme("gossip");
+  g.codec = "topk:0.1";
+  g.gossip_gamma = 0.5;
+  expect_resume_is_exact(options(g), 5, "gossip ring, topk:0.1, gamma 0.5");
+  g.topology = "torus";
+  g.codec = "qsgd:4";
+  expect_resume_is_exact(options(g), 5, "gossip torus, qsgd:4");
+}
+
 TEST(SyncCheckpointMpi, MismatchedResumesAreRefusedNamingTheKey) {
   const std::string dir = temp_dir("refuse");
   SyncOptions d = scheme("diloco", 4);

@@ -241,10 +241,14 @@ const std::vector<KeyMeaning> kMeanings = {
      "a fraction; compact: bf16 values, Elias-Fano indices), "
      "qsgd:BITS[:BUCKET], sign[:CHUNK], powersgd:RANK; on the gradients (allreduce; under "
      "ZeRO a compressed reduce-scatter, not powersgd), the pseudo-gradients (local_sgd, diloco "
-     "and its fragments, partial) or the pushes (ps; powersgd: each worker's own factors) "
+     "and its fragments, partial), the pushes (ps; powersgd: each worker's own factors) or the "
+     "parameters' difference from their public copy (gossip, adpsgd: CHOCO-SGD) "
      "(docs/codecs.md)"},
     {"sync.codec_error_feedback",
      "keep what a codec did not send and add it to the next exchange's input"},
+    {"sync.gossip_gamma",
+     "gossip / adpsgd with a sync.codec (CHOCO-SGD): the consensus step size in (0, 1], x_i += "
+     "gamma sum_j w_ij (xhat_j - xhat_i) over the public copies"},
     {"sync.consensus_every",
      "steps between consensus-distance metrics lines (replicas' spread; 0 = summary only)"},
     {"sync.servers",

@@ -312,6 +312,8 @@ RunConfig read_run_config(const Config& c) {
       c.get_int("sync.consensus_every", so.consensus_every, Bounds<int64_t>::non_negative());
   so.codec = c.get_string("sync.codec", so.codec);
   so.codec_error_feedback = c.get_bool("sync.codec_error_feedback", so.codec_error_feedback);
+  so.gossip_gamma =
+      c.get_double("sync.gossip_gamma", so.gossip_gamma, Bounds<double>{0.0, 1.0, true, false});
   so.servers = c.get_int("sync.servers", so.servers, Bounds<int64_t>::positive());
   so.ps_mode = c.get_string("sync.ps_mode", so.ps_mode, {"bsp", "asp", "ssp"});
   so.staleness = c.get_int("sync.staleness", so.staleness, Bounds<int64_t>::non_negative());

@@ -14,6 +14,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
+#include "meshtrain/sync/choco.h"
 #include "meshtrain/sync/codecs.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/outer_quant.h"
@@ -43,13 +44,22 @@ class LocalStepsSync : public ReplicaSync {
     }
     if (o_.scheme == "gossip") {
       neighbours_ = gossip_neighbours(o_.topology, group_.rank(), group_.size());
+    }
+    const bool coded = parse_codec_spec(o_.codec).kind != CodecKind::none;
+    if (o_.scheme == "gossip" && !coded) {  // with a codec: payload buffers (setup_choco)
       const int64_t deg = static_cast<int64_t>(neighbours_.size());
       send_ = Tensor::empty({std::max<int64_t>(deg, 1) * flat_.numel()}, DType::f32);
       recv_ = Tensor::empty({std::max<int64_t>(deg, 1) * flat_.numel()}, DType::f32);
     }
     if (o_.scheme == "partial") plan_layer_groups();
     if (o_.scheme == "adpsgd" && group_.size() > 1) setup_adpsgd();
-    if (parse_codec_spec(o_.codec).kind != CodecKind::none) setup_codecs();
+    if (coded) {
+      if (o_.scheme == "gossip" || o_.scheme == "adpsgd") {
+        setup_choco();
+      } else {
+        setup_codecs();
+      }
+    }
   }
 
   ~LocalStepsSync() override {
@@ -94,6 +104,9 @@ class LocalStepsSync : public ReplicaSync {
 
   void step(const std::function<void(std::span<ParamSlice>)>& update) override {
     settle();
+    if (choco_ && choco_fresh_ && o_.scheme == "gossip" && group_.size() > 1) {
+      seed_public_copies();
+    }
     local_.step(update);
     ++steps_;
     if (group_.size() == 1) return;
@@ -116,6 +129,8 @@ class LocalStepsSync : public ReplicaSync {
       }
     } else if (o_.scheme == "diloco") {
       streaming_step();
+    } else if (choco_) {
+      choco_mix();
     } else {
       mix();
     }
@@ -174,7 +189,9 @@ class LocalStepsSync : public ReplicaSync {
     const int64_t extra =
         4 * (start_.numel() + momentum_.numel() + send_.numel() + recv_.numel() + stage_.numel() +
              published_.numel() + pending_sum_.numel() + outer_stage_.numel() + anchor_.numel() +
-             2 * codec_residual_numel()) +  // a codec's residual, its scratch e
+             2 * codec_residual_numel() +
+             choco_numel()) +  // a codec's residual, its scratch e; CHOCO's public copies
+        static_cast<int64_t>(choco_out_.size() + choco_in_.size()) +
         static_cast<int64_t>(payload_.size() + gathered_.size() + slots_out_.size() +
                              slots_in_.size());
     m.world_size = group_.size();
@@ -185,12 +202,22 @@ class LocalStepsSync : public ReplicaSync {
   DataParallelStats stats() const override { return local_.stats(); }
   void reset_stats() override { local_.reset_stats(); }
   std::string name() const override {
+    if (choco_) return fmt::format("{}+{}", o_.scheme, parse_codec_spec(o_.codec).to_string());
     if (codecs_.empty()) return o_.scheme;
     return fmt::format("{}+{}", o_.scheme, codecs_.front()->options().codec.to_string());
   }
   bool replicas_identical() const override { return group_.size() == 1; }
   std::vector<float> codec_residual() const override {
     std::vector<float> r;
+    if (choco_ && public_.defined()) {
+      // gossip: what the neighbours do not know yet, x - xhat.
+      r.assign(n_, 0.0F);
+      if (group_.size() == 1) return r;  // nothing to tell anyone
+      const float* x = flat_.data<float>();
+      const float* h = public_.data<float>();
+      for (size_t i = 0; i < n_; ++i) r[i] = x[i] - h[i];
+      return r;
+    }
     if (codecs_.empty()) return r;
     r.assign(n_, 0.0F);
     for (size_t k = 0; k < pieces_.size(); ++k) {
@@ -306,6 +333,12 @@ class LocalStepsSync : public ReplicaSync {
       out.push_back({"codec.runs", r, n, codec_runs()});
       if (anchor_.defined()) out.push_back({"codec.anchor", r, n, anchor_});
     }
+    // gossip with a codec: the public copy xhat of this replica and the
+    // weighted sum of its and its neighbours' (CHOCO-SGD's state).
+    if (public_.defined()) {
+      out.push_back({"choco.public", r, n, public_});
+      out.push_back({"choco.mixed", r, n, mixed_});
+    }
     return out;
   }
 
@@ -317,6 +350,7 @@ class LocalStepsSync : public ReplicaSync {
       steps_ = step;
       if (o_.scheme == "diloco") std::memcpy(start_.raw(), flat_.raw(), n_ * sizeof(float));
       if (anchor_.defined()) std::memcpy(anchor_.raw(), flat_.raw(), n_ * sizeof(float));
+      choco_fresh_ = true;  // seeded again before the next step
       return;
     }
     const int64_t* c = counters().data<int64_t>();
@@ -327,6 +361,7 @@ class LocalStepsSync : public ReplicaSync {
           o_.scheme, c[0], step));
     }
     steps_ = c[0];
+    choco_fresh_ = false;  // choco.public / choco.mixed were loaded
     if (!codecs_.empty()) {
       const float* x = codec_state().data<float>();
       const int64_t* runs = codec_runs().data<int64_t>();
@@ -437,6 +472,30 @@ class LocalStepsSync : public ReplicaSync {
   int64_t exchanges_ = 0;
   double reply_wait_s_ = 0;
   Tensor counters_;  // checkpoints: see prepare_checkpoint()
+  // gossip / adpsgd with a codec (CHOCO-SGD, sync/choco.h). gossip:
+  // public_ = xhat_i, mixed_ = sum_j w_ij xhat_j over this rank and its
+  // neighbours (one sum instead of a copy per neighbour: the consensus step
+  // needs only it); adpsgd: per partner e, edge_hats_ holds [xhat of this rank
+  // as that partner knows it, xhat of the partner] (2 x partners x params).
+  std::unique_ptr<ChocoCodec> choco_;
+  Tensor public_, mixed_, edge_hats_;
+  std::vector<std::byte> choco_out_, choco_in_;
+  uint64_t choco_draws_ = 0;  // adpsgd: exchanges encoded (the seeds' draw)
+  // gossip: the public copies are not yet seeded (the run's first step, or
+  // a resume from a checkpoint without them); adpsgd: per partner, whether
+  // this pair has met (its copies are seeded). Thread: the rank's own
+  // (active) or its server's (passive).
+  bool choco_fresh_ = true;
+  std::vector<char> met_;
+
+  int64_t choco_numel() const {
+    int64_t m = 0;
+    for (const Tensor* t : {&public_, &mixed_, &edge_hats_}) m += t->defined() ? t->numel() : 0;
+    return m;
+  }
+  float* edge_hat(size_t edge, int which) {
+    return edge_hats_.data<float>() + (2 * edge + static_cast<size_t>(which)) * n_;
+  }
 
   Tensor& counters() {
     if (!counters_.defined()) {
@@ -585,7 +644,12 @@ class LocalStepsSync : public ReplicaSync {
       return;
     }
     std::uniform_int_distribution<size_t> pick(0, partners_.size() - 1);
-    const int q = partners_[pick(rng_)];
+    const size_t edge = pick(rng_);
+    const int q = partners_[edge];
+    if (choco_) {
+      choco_exchange(edge, q);
+      return;
+    }
     float* out = send_.data<float>();
     out[0] = kAverage;
     std::memcpy(out + 1, flat_.raw(), n_ * sizeof(float));
@@ -602,10 +666,56 @@ class LocalStepsSync : public ReplicaSync {
     for (size_t i = 0; i < n_; ++i) theta[i] = 0.5F * (theta[i] + x[i]);
   }
 
+  // adpsgd active with a codec (CHOCO-SGD on one edge): q_a = Q(x_a -
+  // xhat_a) to partner q, which answers q_p = Q(x_p - xhat_p) (its published
+  // parameters); both sides add each to their copies of that edge's xhat_a,
+  // xhat_p; then x_a += gamma / 2 (xhat_p - xhat_a) (the passive, at its next step
+  // boundary, x_p += gamma / 2 (xhat_a - xhat_p)). Exact codec, gamma 1: xhat = x
+  // after the exchange and both move to the pair's mean.
+  // A pair's first exchange sends whole f32 parameters both ways instead
+  // (each side's copies start exact, as gossip's seed_public_copies()).
+  void choco_exchange(size_t edge, int q) {
+    const bool met = met_[edge] != 0;
+    met_[edge] = 1;
+    const size_t bytes = met ? choco_->payload_bytes() : n_ * sizeof(float);
+    float* mine = edge_hat(edge, 0);
+    float* theirs = edge_hat(edge, 1);
+    if (met) {
+      choco_->encode({flat_.data<float>(), n_}, {mine, n_}, group_.rank(), choco_draws_++,
+                     {choco_out_.data(), bytes});
+      choco_->decode_add({choco_out_.data(), bytes}, 1.0F, {mine, n_});
+    } else {
+      std::memcpy(choco_out_.data(), flat_.raw(), bytes);
+      std::memcpy(mine, flat_.raw(), bytes);
+    }
+    float* out = send_.data<float>();
+    out[0] = kAverage;
+    const auto t0 = std::chrono::steady_clock::now();
+    pair_->send(out, 1, DType::f32, q, p2p(kRequestTag));
+    pair_->send(choco_out_.data(), bytes, DType::u8, q, p2p(kBodyTag));
+    pair_->recv(choco_in_.data(), bytes, DType::u8, q, p2p(kReplyTag));
+    reply_wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++exchanges_;
+    if (met) {
+      choco_->decode_add({choco_in_.data(), bytes}, 1.0F, {theirs, n_});
+    } else {
+      std::memcpy(theirs, choco_in_.data(), bytes);
+    }
+    float* theta = flat_.data<float>();
+    const auto g = static_cast<float>(0.5 * o_.gossip_gamma);
+    for (size_t i = 0; i < n_; ++i) theta[i] += g * (theirs[i] - mine[i]);
+  }
+
   void apply_pending() {
     std::lock_guard lock(mu_);
     float* theta = flat_.data<float>();
     float* b = pending_sum_.data<float>();
+    if (choco_) {  // CHOCO: an additive correction (choco_serve())
+      for (size_t i = 0; i < n_; ++i) {
+        theta[i] += b[i];
+        b[i] = 0;
+      }
+    }
     if (pending_scale_ != 1) {
       const auto a = static_cast<float>(pending_scale_);
       for (size_t i = 0; i < n_; ++i) {
@@ -636,6 +746,8 @@ class LocalStepsSync : public ReplicaSync {
       Clock::time_point last_heard = Clock::now();
       MemoryScope tag(MemoryCategory::comm);
       Tensor reply = Tensor::empty({flat_.numel()}, DType::f32);
+      std::vector<std::byte> choco_reply(choco_ ? choco_->payload_bytes() : 0);
+      std::vector<float> choco_x(choco_ ? n_ : 0);
       while (open > 0 && !stop_) {
         const auto r = pair_->wait_any(std::chrono::milliseconds(50));
         if (!r) {
@@ -671,6 +783,13 @@ class LocalStepsSync : public ReplicaSync {
           --open;
           continue;
         }
+        if (choco_) {
+          choco_serve(slot(r->peer), r->peer, choco_reply, choco_x);
+          ++served_;
+          pair_->post_recv(in + slot(r->peer), 1, DType::f32, r->peer, p2p(kRequestTag));
+          pair_->send(choco_reply.data(), choco_reply.size(), DType::u8, r->peer, p2p(kReplyTag));
+          continue;
+        }
         pair_->recv(body, n_, DType::f32, r->peer, p2p(kBodyTag));
         const float* x = body;
         {
@@ -688,6 +807,40 @@ class LocalStepsSync : public ReplicaSync {
       std::lock_guard lock(mu_);
       server_error_ = std::current_exception();
     }
+  }
+
+  // Passive server with a codec: takes active rank q's q_a (edge `edge`)
+  // into its copy of xhat_a, answers q_p = Q(x_p - xhat_p) into `reply` with x_p
+  // = published + pending (the averages it took since its last step
+  // boundary count, as the uncompressed server composes them), and adds
+  // gamma / 2 (xhat_a - xhat_p) to pending. Exact codec, gamma 1: x_p + pending
+  // becomes the mean of it and x_a, request after request.
+  void choco_serve(size_t edge, int q, std::vector<std::byte>& reply, std::vector<float>& x) {
+    const bool met = met_[edge] != 0;
+    met_[edge] = 1;
+    const size_t bytes = met ? choco_->payload_bytes() : n_ * sizeof(float);
+    reply.resize(bytes);
+    pair_->recv(choco_in_.data(), bytes, DType::u8, q, p2p(kBodyTag));
+    float* mine = edge_hat(edge, 0);
+    float* theirs = edge_hat(edge, 1);
+    if (met) {
+      choco_->decode_add({choco_in_.data(), bytes}, 1.0F, {theirs, n_});
+    } else {
+      std::memcpy(theirs, choco_in_.data(), bytes);
+    }
+    std::lock_guard lock(mu_);
+    float* b = pending_sum_.data<float>();
+    const float* pub = published_.data<float>();
+    for (size_t i = 0; i < n_; ++i) x[i] = pub[i] + b[i];
+    if (met) {
+      choco_->encode(x, {mine, n_}, group_.rank(), choco_draws_++, {reply.data(), bytes});
+      choco_->decode_add({reply.data(), bytes}, 1.0F, {mine, n_});
+    } else {
+      std::memcpy(reply.data(), x.data(), bytes);
+      std::memcpy(mine, x.data(), bytes);
+    }
+    const auto g = static_cast<float>(0.5 * o_.gossip_gamma);
+    for (size_t i = 0; i < n_; ++i) b[i] += g * (theirs[i] - mine[i]);
   }
 
   void rethrow_server_error() {
@@ -1072,6 +1225,87 @@ class LocalStepsSync : public ReplicaSync {
             {all + static_cast<size_t>(r) * fr.payload_bytes, fr.payload_bytes}, {d, n});
       }
     }
+  }
+
+  void setup_choco() {
+    const CodecSpec spec = parse_codec_spec(o_.codec);
+    choco_ = std::make_unique<ChocoCodec>(spec, layout_);  // ConfigError when k does not fit
+    const size_t bytes = choco_->payload_bytes();
+    MemoryScope tag(MemoryCategory::comm);
+    if (o_.scheme == "gossip") {
+      public_ = Tensor::zeros({flat_.numel()}, DType::f32);
+      mixed_ = Tensor::zeros({flat_.numel()}, DType::f32);
+      const size_t deg = std::max<size_t>(neighbours_.size(), 1);
+      choco_out_.resize(deg * bytes);
+      choco_in_.resize(deg * bytes);
+    } else if (group_.size() > 1) {  // adpsgd
+      edge_hats_ =
+          Tensor::zeros({2 * static_cast<int64_t>(partners_.size()) * flat_.numel()}, DType::f32);
+      // A pair's first exchange sends whole f32 copies (choco_exchange()).
+      choco_out_.resize(std::max(bytes, n_ * sizeof(float)));
+      choco_in_.resize(std::max(bytes, n_ * sizeof(float)));
+      met_.assign(partners_.size(), 0);
+      // The payloads replace the f32 bodies: only the request floats stay.
+      send_ = Tensor::empty({1}, DType::f32);
+      if (group_.rank() % 2 == 0) recv_ = Tensor::empty({1}, DType::f32);
+    }
+  }
+
+  // gossip with a codec, before the first step after a start (or a resume
+  // without the copies): one plain exchange of the parameters, so every
+  // xhat_j starts as x_j exactly on every rank that holds it (xhat = 0 would
+  // make the first exchanges send the parameters themselves through the
+  // codec, and stochastic codecs, drawing differently on every rank, would
+  // push identical replicas apart).
+  void seed_public_copies() {
+    choco_fresh_ = false;
+    const int n = group_.size();
+    const size_t deg = neighbours_.size();
+    std::vector<float> send(deg * n_), recv(deg * n_);
+    std::vector<size_t> counts(static_cast<size_t>(n), 0);
+    for (size_t k = 0; k < deg; ++k) {
+      counts[static_cast<size_t>(neighbours_[k])] = n_;
+      std::memcpy(send.data() + k * n_, flat_.raw(), n_ * sizeof(float));
+    }
+    group_.all_to_allv(send.data(), counts, recv.data(), counts, DType::f32, opts());
+    const auto w = static_cast<float>(1.0 / static_cast<double>(deg + 1));
+    const float* theta = flat_.data<float>();
+    float* hat = public_.data<float>();
+    float* mixed = mixed_.data<float>();
+    for (size_t i = 0; i < n_; ++i) {
+      float sum = theta[i];
+      for (size_t k = 0; k < deg; ++k) sum += recv[k * n_ + i];
+      hat[i] = theta[i];
+      mixed[i] = w * sum;
+    }
+  }
+
+  // gossip with a codec (CHOCO-SGD): q_i = Q(x_i - xhat_i) to every
+  // neighbour by one all_to_allv (only neighbours receive); xhat_i += q_i;
+  // mixed += w (q_i + sum_j q_j); x_i += gamma (mixed - xhat_i).
+  void choco_mix() {
+    const int n = group_.size();
+    const size_t bytes = choco_->payload_bytes();
+    std::byte* mine = choco_out_.data();
+    choco_->encode({flat_.data<float>(), n_}, {public_.data<float>(), n_}, group_.rank(),
+                   static_cast<uint64_t>(steps_), {mine, bytes});
+    std::vector<size_t> counts(static_cast<size_t>(n), 0);
+    for (size_t k = 0; k < neighbours_.size(); ++k) {  // ascending: destination order
+      counts[static_cast<size_t>(neighbours_[k])] = bytes;
+      if (k > 0) std::memcpy(mine + k * bytes, mine, bytes);
+    }
+    group_.all_to_allv(choco_out_.data(), counts, choco_in_.data(), counts, DType::u8, opts());
+    const auto w = static_cast<float>(1.0 / static_cast<double>(neighbours_.size() + 1));
+    const std::span<float> hat(public_.data<float>(), n_);
+    const std::span<float> mixed(mixed_.data<float>(), n_);
+    choco_->decode_add({mine, bytes}, 1.0F, hat);
+    choco_->decode_add({mine, bytes}, w, mixed);
+    for (size_t k = 0; k < neighbours_.size(); ++k) {
+      choco_->decode_add({choco_in_.data() + k * bytes, bytes}, w, mixed);
+    }
+    float* theta = flat_.data<float>();
+    const auto g = static_cast<float>(o_.gossip_gamma);
+    for (size_t i = 0; i < n_; ++i) theta[i] += g * (mixed[i] - hat[i]);
   }
 
   void mix() {

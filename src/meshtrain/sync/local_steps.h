@@ -79,16 +79,28 @@
 // whose two all-reduces depend on each other, runs blocking when sent and
 // lands as late). The 4-bit outer exchange is a codec of its own: sync.codec
 // with sync.outer_bits = 4 is refused. partial's group exchange is
-// blocking, right after the update; gossip and adpsgd refuse codecs
-// (replica_sync.cpp says why).
+// blocking, right after the update.
+//
+// sync.codec (gossip, adpsgd): CHOCO-SGD (sync/choco.h, docs/sync.md
+// "Compressed gossip"). gossip: each rank keeps its public copy xhat and
+// mixed = sum_j w_ij xhat_j over itself and its neighbours (seeded by one
+// f32 exchange before the first step); after its step it sends Q(theta -
+// xhat) to its neighbours (one all_to_allv of payloads), adds its own and
+// theirs into xhat / mixed, and takes theta += gamma (mixed - xhat).
+// adpsgd: per partner, copies of both sides' xhat; an exchange sends
+// Q(theta - xhat) both ways (whole f32 parameters the first time a pair
+// meets), and each side moves gamma / 2 towards the other's copy (the
+// passive through its pending correction, additive instead of a scale).
 //
 // Gradients are handled by a DataParallel over a one-rank communicator (its
 // buckets, accumulation and gradient memory), scaled so each replica's
 // gradient is the mean over its own examples. Memory beyond DataParallel's:
 // diloco two parameter-sized buffers (start and the outer momentum), gossip
-// 2 x degree parameter-sized exchange buffers, partial one buffer the size of
-// the largest layer group, adpsgd two (active) or three (passive)
-// parameter-sized buffers, counted as buffers in memory().
+// 2 x degree parameter-sized exchange buffers (with a codec instead: two
+// parameter-sized copies and 2 x degree payloads), partial one buffer the
+// size of the largest layer group, adpsgd two (active) or three (passive)
+// parameter-sized buffers (with a codec: plus 2 x partners copies), counted
+// as buffers in memory().
 #pragma once
 
 #include <memory>

@@ -67,12 +67,13 @@ namespace {
 
 // Which schemes a codec composes with, and why the others refuse it.
 void validate_codec_scheme(const SyncOptions& o, const CodecSpec& spec) {
-  if (o.scheme == "gossip" || o.scheme == "adpsgd") {
+  if ((o.scheme == "gossip" || o.scheme == "adpsgd") && !o.codec_error_feedback) {
     throw ConfigError(fmt::format(
-        "sync.codec = \"{}\": codecs compress a gradient or a pseudo-gradient that is averaged "
-        "over all replicas (sync.scheme = allreduce, ps, local_sgd, diloco, partial); \"{}\" "
-        "mixes neighbours' parameters, which have no such difference to compress",
-        o.codec, o.scheme));
+        "sync.codec_error_feedback = false with sync.scheme = \"{}\" and sync.codec = \"{}\": "
+        "compressed gossip (CHOCO-SGD) sends the difference between a replica's parameters and "
+        "its public copy, and that difference is its error feedback; there is no variant "
+        "without it (set it to true)",
+        o.scheme, o.codec));
   }
   if (o.scheme == "diloco" && o.outer_bits != 32) {
     // Fragments and overlap compose (each fragment's pieces through the
@@ -199,6 +200,20 @@ void validate_sync_options(const SyncOptions& o) {
   {
     const CodecSpec spec = parse_codec_spec(o.codec);  // ConfigError naming sync.codec
     if (spec.kind != CodecKind::none) validate_codec_scheme(o, spec);
+  }
+  if (!(o.gossip_gamma > 0 && o.gossip_gamma <= 1)) {
+    throw ConfigError(fmt::format(
+        "sync.gossip_gamma: the consensus step size of compressed gossip must be in (0, 1], got "
+        "{}",
+        o.gossip_gamma));
+  }
+  if (o.gossip_gamma != 1 && ((o.scheme != "gossip" && o.scheme != "adpsgd") ||
+                              parse_codec_spec(o.codec).kind == CodecKind::none)) {
+    throw ConfigError(fmt::format(
+        "sync.gossip_gamma = {}: the consensus step size applies to sync.scheme = \"gossip\" or "
+        "\"adpsgd\" with a sync.codec (CHOCO-SGD), not to sync.scheme = \"{}\" with "
+        "sync.codec = \"{}\"",
+        o.gossip_gamma, o.scheme, o.codec));
   }
   if (o.consensus_every < 0) {
     throw ConfigError(fmt::format("sync.consensus_every: must be >= 0 (0 = at the end), got {}",

@@ -92,9 +92,14 @@ struct SyncOptions {
   // every step's gradients; local_sgd, diloco and partial on the
   // pseudo-gradient of each synchronization (the parameters' change since
   // the last one);
-  // ps on the workers' gradient pushes (payload codecs only).
+  // ps on the workers' gradient pushes (payload codecs only); gossip and
+  // adpsgd on the difference between a replica's parameters and its public
+  // copy (CHOCO-SGD, sync/choco.h).
   std::string codec = "none";
   bool codec_error_feedback = true;
+  // gossip, adpsgd with a codec (CHOCO-SGD, sync/choco.h): the consensus
+  // step size gamma in (0, 1]: x_i += gamma sum_j w_ij (xhat_j - xhat_i).
+  double gossip_gamma = 1.0;
   // ps (sync/param_server.h): the last `servers` ranks hold the parameter
   // shards; bsp | asp | ssp with staleness bound `staleness` (>= 0);
   // ps_switch "" | "after:N" (BSP for N steps, then ASP) | "straggler"
