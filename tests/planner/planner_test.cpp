@@ -983,6 +983,17 @@ TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
     EXPECT_EQ(e.peak_memory_bytes - d.peak_memory_bytes, param_bytes / dp) << "rank " << r;
     EXPECT_EQ(e.bytes_sent, d.bytes_sent) << "rank " << r;
   }
+  // The dp axis's gradients travel uncompressed under a pipeline: a codec
+  // is refused naming sync.codec, not silently left out.
+  o.dist.sync.codec = "topk:0.1";
+  try {
+    check_pipeline_options(o);
+    ADD_FAILURE() << "sync.codec under a pipeline plan was not refused";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("sync.codec = \"topk:0.1\""), std::string::npos)
+        << e.what();
+  }
+  o.dist.sync.codec = "none";
   // Asynchronous pipelining updates per micro-batch, on a plain pipeline:
   // no ZeRO stage with it, refused naming both keys.
   TrainerOptions a = pipeline_options(spec, 1, false);

@@ -20,6 +20,7 @@
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
+#include "meshtrain/sync/codec_spec.h"
 #include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/box.h"
@@ -62,6 +63,10 @@ void check_pipeline_options(const TrainerOptions& o) {
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
+  refuse(parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none,
+         fmt::format("sync.codec = \"{}\" (a stage's gradients are all-reduced or "
+                     "reduce-scattered over the dp axis uncompressed)",
+                     o.dist.sync.codec));
   if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
     const std::string_view mode = async_name(o.dist.plan->async);
     auto refuse_async = [&](bool bad, const std::string& what) {
