@@ -89,9 +89,6 @@ void check_pipeline_options(const TrainerOptions& o) {
           "such plans train without it (docs/plan.md, \"Stages on different meshes\")",
           what));
     };
-    refuse_x(!o.checkpoint_path.empty(), "train.checkpoint");
-    refuse_x(!o.resume_path.empty(), "train.resume");
-    refuse_x(!o.init_path.empty(), "train.init");
     refuse_x(o.precision == DType::f16, "train.precision = f16");
   }
 }
