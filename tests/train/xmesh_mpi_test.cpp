@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -31,6 +32,7 @@
 #include "meshtrain/train/export.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/pipeline_training.h"
+#include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
@@ -296,8 +298,31 @@ struct CkReference {
   std::map<std::string, Tensor> params;
 };
 
-CkReference ck_single_run(const ModelSpec& spec, const TrainerOptions& o) {
-  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
+// The synthetic examples with their inputs multiplied by `gain` (f16: a
+// loud input makes the first layer's weight gradient overflow at a loss
+// scale where the activations' gradients still fit).
+class LoudData : public Dataset {
+ public:
+  LoudData(const ModelSpec& spec, float gain) : base_(spec, 96, 5), gain_(gain) {}
+  int64_t size() const override { return base_.size(); }
+  Batch gather(std::span<const int64_t> indices) const override {
+    Batch b = base_.gather(indices);
+    if (gain_ != 1.0f) {
+      b.x = b.x.clone();
+      float* x = b.x.data<float>();
+      for (int64_t k = 0; k < b.x.numel(); ++k) x[k] *= gain_;
+    }
+    return b;
+  }
+  std::string describe() const override { return "loud synthetic"; }
+
+ private:
+  test::SyntheticData base_;
+  float gain_;
+};
+
+CkReference ck_single_run(const ModelSpec& spec, const TrainerOptions& o, float gain = 1.0f) {
+  auto data = std::make_shared<LoudData>(spec, gain);
   Trainer t(spec, data, nullptr, o, nullptr);
   CkReference ref;
   ref.losses = t.run().losses;
@@ -475,6 +500,195 @@ TEST_P(StageMeshesInitMpi, MatchesTheSingleProcessRunFromTheSameFile) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesInitMpi, ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+// train.precision f16 under stage meshes: dynamic loss scaling, each
+// micro-batch's loss scaled before the lowering (the last stage reads
+// loss_scale). From 2^10, doubling after every 3 good steps, the scale grows
+// as in the single-process f16 run, and from 2^24 the first steps overflow
+// and the scale backs off to the single-process run's (every rank's scale
+// equal to it at the end); the run equals the single-process one within
+// 1e-2 (as PipelineF16Mpi: f16 rounds activations and weight gradients to
+// 2^-11 relative, per micro-batch here and per batch there), and the
+// copies of a parameter replicated over a stage's mesh stay bitwise
+// equal. Here every overflow reaches every rank (an infinite gradient in
+// the last stage crosses the boundary), so the agreement over ranks is
+// checked below with overflows only some ranks see.
+constexpr double kF16Rel = 1e-2;
+
+class StageMeshesF16Mpi : public ::testing::TestWithParam<std::string> {};
+
+TrainerOptions f16_options(double init_scale) {
+  TrainerOptions o = checkpoint_options();
+  o.precision = DType::f16;
+  o.loss_scaler.init_scale = init_scale;
+  o.loss_scaler.growth_interval = 3;
+  return o;
+}
+
+double checkpoint_scale(const std::string& path) {
+  return std::stod(read_index(path).metadata.at("loss_scale"));
+}
+
+// Checks that the copies of each parameter replicated over a stage's mesh
+// are bitwise equal (a checksum of their bit patterns, equal iff the
+// copies are, up to a vanishing chance; ranks that do not hold it give
+// -inf) and returns the most copies any parameter has. Collective.
+int equal_copies(const ModelSpec& spec, PipelineTraining& p) {
+  const ModelGraph whole = build_model(spec, 1);
+  std::vector<std::string> names;
+  for (ValueId v : whole.graph.params()) names.push_back(whole.graph.value(v).name);
+  std::vector<double> hi(names.size(), -1e300), neg_lo(names.size(), -1e300),
+      count(names.size(), 0.0);
+  const LoweredProgram* lp = p.lowered();
+  for (const std::string& n : p.param_names()) {
+    const LoweredParam* bp = lp != nullptr ? lp->param(n) : nullptr;
+    if (bp != nullptr && !bp->axis.empty()) continue;  // a piece: no other rank holds it
+    const Tensor v = p.param(n);
+    double sum = 0;
+    for (int64_t k = 0; k < v.numel(); ++k) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, v.data<float>() + k, 4);
+      sum += static_cast<double>(bits) * static_cast<double>(k % 7 + 1);
+    }
+    const size_t i = static_cast<size_t>(std::ranges::find(names, n) - names.begin());
+    hi[i] = sum;
+    neg_lo[i] = -sum;
+    count[i] = 1;
+  }
+  world().all_reduce(hi.data(), hi.data(), hi.size(), DType::f64, ReduceOp::max);
+  world().all_reduce(neg_lo.data(), neg_lo.data(), neg_lo.size(), DType::f64, ReduceOp::max);
+  world().all_reduce(count.data(), count.data(), count.size(), DType::f64, ReduceOp::sum);
+  int copies = 1;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (count[i] < 2) continue;
+    EXPECT_EQ(hi[i], -neg_lo[i]) << names[i] << ": its " << count[i] << " copies differ";
+    copies = std::max(copies, static_cast<int>(count[i]));
+  }
+  return copies;
+}
+
+// The largest and smallest loss scale of any rank now. Collective.
+std::pair<double, double> scale_range(const PipelineTraining& p) {
+  double v[2] = {p.loss_scale(), -p.loss_scale()};
+  world().all_reduce(v, v, 2, DType::f64, ReduceOp::max);
+  return {v[0], -v[1]};
+}
+
+void f16_case(const std::string& kind, double init_scale) {
+  const ModelSpec spec = mlp();
+  const TrainerOptions base = f16_options(init_scale);
+  const std::string dir = shared_tmp_dir("xmesh-f16");
+  TrainerOptions single = base;
+  single.checkpoint_path = dir + "/ref" + std::to_string(world().rank());
+  const CkReference ref = ck_single_run(spec, single);
+  const double ref_scale = checkpoint_scale(single.checkpoint_path);
+  TrainerOptions o = base;
+  o.dist.plan = xmesh_plan(kind, spec);
+  o.checkpoint_path = dir + "/ck";
+  auto data = std::make_shared<LoudData>(spec, 1.0f);
+  Trainer t(spec, data, nullptr, o, &world());
+  const TrainResult r = t.run();
+  PipelineTraining* p = t.pipeline();
+  ASSERT_NE(p, nullptr);
+  ASSERT_EQ(r.losses.size(), ref.losses.size());
+  double worst = 0;
+  std::string where;
+  for (size_t i = 0; i < ref.losses.size(); ++i) {
+    const double d = std::abs(r.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]);
+    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
+  }
+  const LoweredProgram* lp = p->lowered();
+
+  for (const std::string& n : p->param_names()) {
+    const Tensor got = p->param(n);
+    const LoweredParam* bp = lp != nullptr ? lp->param(n) : nullptr;
+    const Tensor& w = ref.params.at(n);
+    const std::vector<float> want = box_of(w, bp != nullptr ? bp->box : Box::whole(w.shape()));
+    ASSERT_EQ(static_cast<size_t>(got.numel()), want.size()) << n;
+    double diff = 0, mag = 1e-3;
+    for (size_t k = 0; k < want.size(); ++k) {
+      diff = std::max(diff, std::abs(static_cast<double>(got.data<float>()[k]) - want[k]));
+      mag = std::max(mag, std::abs(static_cast<double>(want[k])));
+    }
+    if (diff / mag > worst) worst = diff / mag, where = "parameter " + n;
+  }
+  const int copies = equal_copies(spec, *p);
+  // Every rank's scale, and the checkpoint's, equal the single-process run's.
+  const auto [most, least] = scale_range(*p);
+  const double scale = checkpoint_scale(dir + "/ck");
+  if (world().rank() == 0) {
+    std::printf(
+        "f16 %s from %g, %d steps: worst relative error %.3g at %s; final scale %g (single "
+        "process %g); up to %d equal copies of a parameter\n",
+        kind.c_str(), init_scale, kSteps, worst, where.c_str(), scale, ref_scale, copies);
+  }
+  EXPECT_EQ(most, ref_scale) << kind << ": a rank's scale differs from the single process";
+  EXPECT_EQ(least, ref_scale) << kind << ": a rank's scale differs from the single process";
+  EXPECT_EQ(scale, ref_scale) << kind << ": the pipeline's scale moved differently";
+  if (init_scale > 65536) {
+    EXPECT_LT(ref_scale, init_scale) << "no step overflowed: the test tests nothing";
+  } else {
+    EXPECT_GE(ref_scale, init_scale * 8) << "the scale should grow every 3 good steps";
+  }
+  if (kind == "tp1_to_tp2") {
+    EXPECT_EQ(copies, 2) << "fc2.b is replicated over stage 1's mesh";
+  }
+  EXPECT_LE(worst, kF16Rel) << kind << " rank " << world().rank() << ": " << where;
+  world().barrier();
+  if (world().rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_P(StageMeshesF16Mpi, MatchesTheSingleProcessRunAsTheScaleGrows) {
+  if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
+  f16_case(GetParam(), 1024.0);
+}
+
+TEST_P(StageMeshesF16Mpi, OverflowBacksOffAsTheSingleProcessRun) {
+  if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
+  f16_case(GetParam(), 16777216.0);
+}
+
+// Overflows that only some ranks see: with inputs 300 times louder, SGD
+// without clipping and a scale from 2^16, the first layer's weight
+// gradient (stage 0's, or one tp rank's half of the head) overflows in
+// steps where the other ranks' gradients fit. The step is skipped on every
+// rank all the same: every rank ends with the same scale, some step
+// overflowed, the replicated copies stay bitwise equal. (There is no
+// single-process reference here: the whole batch's f16 weight gradient is
+// four micro-batches' and overflows at other scales, as for any pipeline.)
+// With the decision taken per rank (the overflow flag not reduced), the
+// ranks' scales end apart in both plans (2^5 .. 2^20 and 2^14 .. 2^15)
+// and the test fails.
+TEST_P(StageMeshesF16Mpi, AnOverflowSomeRanksSeeIsSkippedByAll) {
+  if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
+  const std::string kind = GetParam();
+  const ModelSpec spec = mlp();
+  TrainerOptions o = f16_options(65536.0);
+  o.optimizer = "sgd";
+  o.schedule.lr = 0.05;
+  o.clip_grad_norm = 0;  // no collective in the step besides the overflow flag's
+  o.dist.plan = xmesh_plan(kind, spec);
+  auto data = std::make_shared<LoudData>(spec, 300.0f);
+  Trainer t(spec, data, nullptr, o, &world());
+  const TrainResult r = t.run();
+  ASSERT_EQ(r.losses.size(), static_cast<size_t>(kSteps));
+  PipelineTraining* p = t.pipeline();
+  ASSERT_NE(p, nullptr);
+  const int copies = equal_copies(spec, *p);
+  const auto [most, least] = scale_range(*p);
+  if (world().rank() == 0) {
+    std::printf("f16 %s, loud inputs, from 2^16: ranks' final scales %g .. %g; %d copies\n",
+                kind.c_str(), least, most, copies);
+  }
+  EXPECT_EQ(most, least) << kind << ": the ranks' loss scales went apart";
+  EXPECT_LT(most, 65536.0 * 16) << "no step overflowed: the test tests nothing";
+  if (kind == "tp1_to_tp2") {
+    EXPECT_EQ(copies, 2) << "fc2.b is replicated over stage 1's mesh";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16Mpi, ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace

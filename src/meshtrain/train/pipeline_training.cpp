@@ -81,16 +81,6 @@ void check_pipeline_options(const TrainerOptions& o) {
     refuse_async(o.dist.dp.stage > 0,
                  "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
   }
-  if (o.dist.plan && o.dist.plan->stage_meshes()) {
-    auto refuse_x = [](bool bad, const std::string& what) {
-      if (!bad) return;
-      throw ConfigError(fmt::format(
-          "{}: not available yet for a plan whose stages carry their own meshes (stages[i].mesh); "
-          "such plans train without it (docs/plan.md, \"Stages on different meshes\")",
-          what));
-    };
-    refuse_x(o.precision == DType::f16, "train.precision = f16");
-  }
 }
 
 bool pipeline_plan(const TrainerOptions& o) {
@@ -241,7 +231,21 @@ struct PipelineTraining::Impl {
       // Every stage lowered on its own mesh, the boundaries' reshard plans
       // (spmd/cross_mesh.h); the data and constants are read by name, as
       // the unlowered model names them.
-      CrossMeshPipeline xp = plan_cross_mesh(whole.graph, whole.loss, plan, rank);
+      // Under f16 the loss is scaled before the lowering: every stage's
+      // program is lowered from the same graph, and the last stage reads
+      // loss_scale (replicated over its mesh) as the input it is.
+      ModelGraph scaled;
+      ValueId objective = whole.loss;
+      if (o.precision == DType::f16) {
+        scaled = build_model(spec, micro_batch);
+        scaler = DynamicLossScaler(o.loss_scaler);
+        Builder bld(scaled.graph);
+        const ValueId in = bld.input("loss_scale", {}, DType::f32);
+        objective = bld.mul(scaled.loss, in);
+        loss_scale = Tensor::full({}, DType::f32, 1.0);
+      }
+      CrossMeshPipeline xp = plan_cross_mesh(o.precision == DType::f16 ? scaled.graph : whole.graph,
+                                             objective, plan, rank);
       model = build_model(spec, micro_batch);
       lowered = std::move(xp.lowered);
       tensor_parallel = true;
@@ -1152,6 +1156,10 @@ uint64_t PipelineTraining::pipeline_bytes_sent() const {
 
 uint64_t PipelineTraining::pipeline_bytes_predicted() const {
   return impl_->runtime->predicted_bytes_sent();
+}
+
+double PipelineTraining::loss_scale() const {
+  return impl_->o.precision == DType::f16 ? impl_->scaler.scale() : 1.0;
 }
 
 const TorchLoadReport* PipelineTraining::init_report() const {

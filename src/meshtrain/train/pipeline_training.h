@@ -65,7 +65,7 @@
 // micro-batch's loss is multiplied by scale / (micro-batches x dp), so
 // backward tensors have the single-process run's magnitudes, and the
 // skip-on-overflow decision is agreed over every rank (pipeline, tensor and
-// ZeRO dp groups).
+// ZeRO dp groups; under stage meshes the whole job).
 //
 // Not yet (each refused with a ConfigError naming the key, before any step):
 // train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's
@@ -104,6 +104,9 @@ class PipelineTraining {
   // dp group's shards (collective over the world: every rank calls it); a
   // no-op under the other stages.
   void gather_params();
+  // train.precision f16: this rank's dynamic loss scale now (every rank
+  // agrees on it); 1 otherwise.
+  double loss_scale() const;
   // Under tensor axes, this rank's program (which box of each parameter it
   // holds); nullptr otherwise.
   const struct LoweredProgram* lowered() const;
