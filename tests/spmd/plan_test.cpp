@@ -1,5 +1,6 @@
 #include "meshtrain/spmd/plan.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -323,23 +324,45 @@ TEST(Plan, StageMeshesGiveEachBoundaryItsReshardPlans) {
       << text;
 }
 
-// GPT's tied wte (embedding in the first stage, head in the last) would be
-// shared across the two meshes: refused, naming it, before any rank runs.
-TEST(Plan, StageMeshesRefuseATiedParameterAcrossMeshes) {
+// GPT's tied wte (embedding in the first stage, head in the last) is held
+// on both meshes: vocabulary-parallel on stage 0's {0, 1}, whole on stage
+// 1's {2}. Its gradient is summed by two plans: rank 2's whole gradient onto
+// the halves of ranks 0 and 1 (each half once), and the sums back (each
+// half from its holder); the bytes count once per step.
+TEST(Plan, StageMeshesSumATiedParameterAcrossMeshes) {
   const ModelGraph m = small_gpt(4);
-  const Plan p = plan_from_json(R"({"mesh": [{"name": "world", "size": 2}], "stages": [
-      {"layers": ["wte", "wpe", "block0"], "ranks": [0], "mesh": []},
-      {"layers": ["block1", "ln_f"], "ranks": [1], "mesh": []}], "microbatches": 2})",
+  const Plan p = plan_from_json(R"({"mesh": [{"name": "world", "size": 3}],
+      "values": {"wte": {"dims": ["tp"]}}, "stages": [
+      {"layers": ["wte", "wpe", "block0"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+      {"layers": ["block1", "ln_f"], "ranks": [2], "mesh": []}], "microbatches": 2})",
                                 "p.json");
-  validate_plan(p, m.graph, 2, 4, "plan p.json");
-  try {
-    plan_cross_mesh(m.graph, m.loss, p, 0);
-    ADD_FAILURE() << "a parameter shared across meshes was accepted";
-  } catch (const ConfigError& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "plan: parameter wte is used by stages 0, 1 (a tied weight); stages on different "
-              "meshes do not share parameters yet (docs/plan.md, \"Stages on different meshes\")");
+  validate_plan(p, m.graph, 3, 4, "plan p.json");
+  const Shape wte = m.graph.value(*m.graph.find("wte")).shape;
+  const int64_t V = wte[0], D = wte[1];
+  const uint64_t whole = static_cast<uint64_t>(V * D * 4);
+  for (int rank = 0; rank < 3; ++rank) {
+    const CrossMeshPipeline x = plan_cross_mesh(m.graph, m.loss, p, rank);
+    ASSERT_EQ(x.cut.shared_params.size(), 1u);
+    ASSERT_EQ(x.shared.size(), 1u);
+    const CrossMeshPipeline::Shared& sh = x.shared[0];
+    EXPECT_EQ(sh.plans.name, "wte");
+    EXPECT_EQ(sh.plans.stages, (std::vector<int>{0, 1}));
+    ASSERT_EQ(sh.layouts.size(), 2u);
+    EXPECT_EQ(sh.layouts[0].describe(),
+              fmt::format("{{0: [0:{0}, 0:{1}], 1: [{0}:{2}, 0:{1}]}}", V / 2, D, V));
+    EXPECT_EQ(sh.layouts[1].describe(), fmt::format("{{2: [0:{}, 0:{}]}}", V, D));
+    ASSERT_EQ(sh.plans.to_first.size(), 1u);
+    EXPECT_EQ(sh.plans.to_first[0].bytes_sent(2), whole);
+    EXPECT_EQ(sh.plans.from_first[0].bytes_sent(0), whole / 2);
+    EXPECT_EQ(sh.plans.from_first[0].bytes_sent(1), whole / 2);
+    EXPECT_EQ(sh.plans.bytes_sent(rank), rank == 2 ? whole : whole / 2);
   }
+  const std::string text = describe_cross_mesh(plan_cross_mesh(m.graph, m.loss, p, 0), p);
+  EXPECT_NE(text.find("shared parameter wte (stages 0, 1): its gradient summed over"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("boundary and shared-gradient bytes per rank per step:"), std::string::npos)
+      << text;
 }
 
 TEST(Plan, MalformedFilesNameTheKeyPath) {

@@ -57,6 +57,24 @@ ModelSpec mlp() {
   return s;
 }
 
+// GPT with a tied embedding: wte is read by the first stage (the token
+// embedding) and by the last (the head), which hold it on different meshes.
+ModelSpec gpt() {
+  ModelSpec s;
+  s.kind = "gpt";
+  s.layers = 2;
+  s.d_model = 24;
+  s.heads = 6;
+  s.seq_len = 8;
+  s.vocab = 36;
+  return s;
+}
+
+// The model a plan kind trains ("gpt_..." the GPT, else the MLP).
+ModelSpec spec_of(const std::string& kind) {
+  return kind.starts_with("gpt") ? gpt() : mlp();
+}
+
 TrainerOptions options(const std::string& optimizer) {
   TrainerOptions o;
   o.batch_size = kBatch;
@@ -283,9 +301,50 @@ TrainerOptions checkpoint_options() {
   return o;
 }
 
+// Megatron's specs of a GPT block's parameters over tp (as the [parallel]
+// shorthand writes them): q / k / v column-parallel by heads (4 columns
+// each), the attention and MLP outputs row-parallel.
+std::string gpt_block_values(const std::string& b) {
+  std::string out;
+  for (const char* qkv : {"q", "k", "v"}) {
+    out += fmt::format(R"("{0}.attn.{1}.w": {{"dims": [null, {{"axis": "tp", "unit": 4}}]}}, )", b,
+                       qkv);
+    out += fmt::format(R"("{0}.attn.{1}.b": {{"dims": [{{"axis": "tp", "unit": 4}}]}}, )", b, qkv);
+  }
+  out += fmt::format(R"("{0}.attn.proj.w": {{"dims": [{{"axis": "tp", "unit": 4}}]}}, )", b);
+  out +=
+      fmt::format(R"("{0}.fc.w": {{"dims": [null, "tp"]}}, "{0}.fc.b": {{"dims": ["tp"]}}, )", b);
+  out += fmt::format(R"("{0}.proj.w": {{"dims": ["tp"]}})", b);
+  return out;
+}
+
+// GPT: stage 0 (wte, wpe, block0) tensor-parallel on {0, 1} with a
+// vocabulary-parallel wte, stage 1 (block1, ln_f and the tied head) on {2}
+// holding wte whole; and the reverse, stage 0 whole on {0}, stage 1
+// tensor-parallel on {2, 1} with its own vocabulary-parallel wte (the head).
+std::string gpt_plan(const std::string& kind) {
+  if (kind == "gpt_tp2_to_tp1") {
+    return R"({"mesh": [{"name": "world", "size": 3}], "values": {"wte": {"dims": ["tp"]}, )" +
+           gpt_block_values("block0") + R"(},
+      "stages": [
+        {"layers": ["wte", "wpe", "block0"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+        {"layers": ["block1", "ln_f"], "ranks": [2], "mesh": []}],
+      "microbatches": 4})";
+  }
+  return R"({"mesh": [{"name": "world", "size": 3}], "values": {)" + gpt_block_values("block1") +
+         R"(},
+    "stages": [
+      {"layers": ["wte", "wpe", "block0"], "ranks": [0], "mesh": []},
+      {"layers": ["block1", "ln_f"], "ranks": [2, 1], "mesh": [{"name": "tp", "size": 2}],
+       "values": {"wte": {"dims": ["tp"]}}}],
+    "microbatches": 4})";
+}
+
 std::shared_ptr<const Plan> xmesh_plan(const std::string& kind, const ModelSpec& spec) {
   if (kind == "dp") return nullptr;
-  const char* json = kind == "tp2_to_tp1" ? kPlanTp2ToTp1 : kPlanTp1ToTp2;
+  const std::string json = kind.starts_with("gpt") ? gpt_plan(kind)
+                           : kind == "tp2_to_tp1"  ? kPlanTp2ToTp1
+                                                   : kPlanTp1ToTp2;
   Plan plan = plan_from_json(json, kind);
   plan.schedule = ScheduleKind::one_f_one_b;
   const ModelGraph m = build_model(spec, kCkBatch);
@@ -351,6 +410,8 @@ CkRun ck_run(const ModelSpec& spec, const TrainerOptions& o, const CkReference* 
   if (PipelineTraining* p = t.pipeline()) {
     for (const std::string& n : p->param_names()) held.emplace_back(n, p->param(n));
     lp = p->lowered();
+    // The boundaries' and the shared gradients' bytes, as planned.
+    EXPECT_EQ(p->pipeline_bytes_sent(), p->pipeline_bytes_predicted()) << "rank " << world().rank();
   } else {
     for (const auto& e : t.params().entries()) held.emplace_back(e.name, e.value);
   }
@@ -392,7 +453,7 @@ class StageMeshesCheckpointMpi : public ::testing::TestWithParam<Handover> {};
 TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   const Handover h = GetParam();
   if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
-  const ModelSpec spec = mlp();
+  const ModelSpec spec = spec_of(h.from == "dp" ? h.to : h.from);
   const TrainerOptions base = checkpoint_options();
   const CkReference ref = ck_single_run(spec, base);
   const std::string dir = shared_tmp_dir("xmesh-ckpt");
@@ -429,7 +490,11 @@ TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
 INSTANTIATE_TEST_SUITE_P(
     Plans, StageMeshesCheckpointMpi,
     ::testing::Values(Handover{"tp2_to_tp1", "dp"}, Handover{"tp2_to_tp1", "tp2_to_tp1"},
-                      Handover{"dp", "tp1_to_tp2"}, Handover{"tp1_to_tp2", "tp2_to_tp1"}),
+                      Handover{"dp", "tp1_to_tp2"}, Handover{"tp1_to_tp2", "tp2_to_tp1"},
+                      Handover{"gpt_tp2_to_tp1", "dp"},
+                      Handover{"gpt_tp2_to_tp1", "gpt_tp2_to_tp1"},
+                      Handover{"dp", "gpt_tp1_to_tp2"},
+                      Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"}),
     [](const ::testing::TestParamInfo<Handover>& p) { return p.param.from + "_to_" + p.param.to; });
 
 // Test of the test: the same comparison catches a resumed half whose
@@ -469,7 +534,7 @@ class StageMeshesInitMpi : public ::testing::TestWithParam<std::string> {};
 TEST_P(StageMeshesInitMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   const std::string kind = GetParam();
   if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
-  const ModelSpec spec = mlp();
+  const ModelSpec spec = spec_of(kind);
   TrainerOptions base = checkpoint_options();
   base.max_steps = 6;
   const std::string dir = shared_tmp_dir("xmesh-init");
@@ -499,7 +564,9 @@ TEST_P(StageMeshesInitMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   if (world().rank() == 0) std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesInitMpi, ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),
+INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesInitMpi,
+                         ::testing::Values("tp2_to_tp1", "tp1_to_tp2", "gpt_tp2_to_tp1",
+                                           "gpt_tp1_to_tp2"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 // train.precision f16 under stage meshes: dynamic loss scaling, each
@@ -508,13 +575,14 @@ INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesInitMpi, ::testing::Values("tp2_to_tp
 // as in the single-process f16 run, and from 2^24 the first steps overflow
 // and the scale backs off to the single-process run's (every rank's scale
 // equal to it at the end); the run equals the single-process one within
-// 1e-2 (as PipelineF16Mpi: f16 rounds activations and weight gradients to
-// 2^-11 relative, per micro-batch here and per batch there), and the
+// 1e-3 (f16 rounds activations and weight gradients to 2^-11 relative,
+// per micro-batch here and per batch there; SGD with momentum, below,
+// carries that over 12 steps: measured at most 8e-5), and the
 // copies of a parameter replicated over a stage's mesh stay bitwise
 // equal. Here every overflow reaches every rank (an infinite gradient in
 // the last stage crosses the boundary), so the agreement over ranks is
 // checked below with overflows only some ranks see.
-constexpr double kF16Rel = 1e-2;
+constexpr double kF16Rel = 1e-3;
 
 class StageMeshesF16Mpi : public ::testing::TestWithParam<std::string> {};
 
@@ -523,6 +591,14 @@ TrainerOptions f16_options(double init_scale) {
   o.precision = DType::f16;
   o.loss_scaler.init_scale = init_scale;
   o.loss_scaler.growth_interval = 3;
+  // SGD with momentum: AdamW divides each element's gradient by its own
+  // magnitude, so an element whose gradient is near zero moves by about the
+  // learning rate whichever way f16 rounding tips it (measured: single
+  // elements of the GPT up to 14% apart from the single-process run while
+  // the losses agree within 5e-6; the same for the MLP between 2^20 and
+  // 2^22, and for a plain pp = 3 pipeline of it).
+  o.optimizer = "sgd";
+  o.schedule.lr = 0.05;
   return o;
 }
 
@@ -576,7 +652,7 @@ std::pair<double, double> scale_range(const PipelineTraining& p) {
 }
 
 void f16_case(const std::string& kind, double init_scale) {
-  const ModelSpec spec = mlp();
+  const ModelSpec spec = spec_of(kind);
   const TrainerOptions base = f16_options(init_scale);
   const std::string dir = shared_tmp_dir("xmesh-f16");
   TrainerOptions single = base;
@@ -631,8 +707,8 @@ void f16_case(const std::string& kind, double init_scale) {
   } else {
     EXPECT_GE(ref_scale, init_scale * 8) << "the scale should grow every 3 good steps";
   }
-  if (kind == "tp1_to_tp2") {
-    EXPECT_EQ(copies, 2) << "fc2.b is replicated over stage 1's mesh";
+  if (kind.ends_with("tp1_to_tp2")) {
+    EXPECT_EQ(copies, 2) << "stage 1's mesh replicates fc2.b (GPT: its layer norms)";
   }
   EXPECT_LE(worst, kF16Rel) << kind << " rank " << world().rank() << ": " << where;
   world().barrier();
@@ -660,13 +736,13 @@ TEST_P(StageMeshesF16Mpi, OverflowBacksOffAsTheSingleProcessRun) {
 // With the decision taken per rank (the overflow flag not reduced), the
 // ranks' scales end apart in both plans (2^5 .. 2^20 and 2^14 .. 2^15)
 // and the test fails.
-TEST_P(StageMeshesF16Mpi, AnOverflowSomeRanksSeeIsSkippedByAll) {
+class StageMeshesF16LoudMpi : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StageMeshesF16LoudMpi, AnOverflowSomeRanksSeeIsSkippedByAll) {
   if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
   const std::string kind = GetParam();
   const ModelSpec spec = mlp();
   TrainerOptions o = f16_options(65536.0);
-  o.optimizer = "sgd";
-  o.schedule.lr = 0.05;
   o.clip_grad_norm = 0;  // no collective in the step besides the overflow flag's
   o.dist.plan = xmesh_plan(kind, spec);
   auto data = std::make_shared<LoudData>(spec, 300.0f);
@@ -688,7 +764,12 @@ TEST_P(StageMeshesF16Mpi, AnOverflowSomeRanksSeeIsSkippedByAll) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16Mpi, ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),
+INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16Mpi,
+                         ::testing::Values("tp2_to_tp1", "tp1_to_tp2", "gpt_tp2_to_tp1",
+                                           "gpt_tp1_to_tp2"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16LoudMpi,
+                         ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 }  // namespace

@@ -260,6 +260,7 @@ struct PipelineTraining::Impl {
         for (const CrossMeshBoundary& b : bs) plans.push_back(b.plans);
         ex.boundaries.push_back(std::move(plans));
       }
+      for (const CrossMeshPipeline::Shared& sh : xp.shared) ex.shared.push_back(sh.plans);
       po.cross_mesh = std::move(ex);
       for (size_t q = 0; q < xp.groups.size(); ++q) {
         stage_runners.push_back(std::make_shared<CommCollectiveRunner>(world, xp.groups[q], co));
