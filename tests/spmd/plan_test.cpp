@@ -275,8 +275,23 @@ TEST(Plan, StageMeshesAreReadWrittenAndValidatedNamingTheStage) {
             "dimension 0 (size 32) names mesh axis 'tq', which the mesh tp=1 lacks (axes: tp)");
   EXPECT_EQ(error_of(xmesh_plan(R"([{"name": "dp", "size": 2}])", tp1), g, 3),
             "plan p.json: stages[0].mesh: axis dp of size 2: a stage's mesh holds tensor axes only "
-            "(the pipeline is the stages; data parallelism inside a stage mesh is not supported "
-            "yet)");
+            "(the pipeline is the stages; data parallelism is a dp axis of the plan's mesh, over "
+            "whole model replicas)");
+  // A dp axis of the plan's mesh: the stages list one replica's ranks.
+  std::string dp2 = xmesh_plan(tp2, tp1);
+  dp2.replace(dp2.find(R"([{"name": "world", "size": 3}])"),
+              std::string(R"([{"name": "world", "size": 3}])").size(),
+              R"([{"name": "dp", "size": 2}, {"name": "world", "size": 3}])");
+  EXPECT_EQ(error_of(dp2, g, 6), "no error");
+  EXPECT_EQ(error_of(xmesh_plan(tp2, tp1, "", "[0, 3]"), g, 3),
+            "plan p.json: stages[0]: rank 3 outside the job's 3 ranks");
+  std::string dp2_far = xmesh_plan(tp2, tp1, "", "[0, 3]");
+  dp2_far.replace(dp2_far.find(R"([{"name": "world", "size": 3}])"),
+                  std::string(R"([{"name": "world", "size": 3}])").size(),
+                  R"([{"name": "dp", "size": 2}, {"name": "world", "size": 3}])");
+  EXPECT_EQ(error_of(dp2_far, g, 6),
+            "plan p.json: stages[0]: rank 3 outside a model replica's 3 ranks (the job's 6 ranks "
+            "over dp = 2; stages list the ranks of one replica)");
   // A stage without a mesh beside one with.
   std::string mixed = xmesh_plan(tp2, tp1);
   mixed.replace(mixed.rfind(R"(, "mesh": )"), std::string(R"(, "mesh": )").size() + tp1.size(), "");

@@ -340,15 +340,33 @@ std::string gpt_plan(const std::string& kind) {
     "microbatches": 4})";
 }
 
+// The job's ranks a kind runs on: "..._dp2_..." two model replicas of 3.
+int ranks_of(const std::string& kind) {
+  return kind.find("dp2") != std::string::npos ? 6 : 3;
+}
+
+// "dp2_<plan>" / "gpt_dp2_<plan>": <plan> on each of two model replicas
+// (the plan's mesh dp = 2 x 3 ranks; replica d runs the stages' ranks r on
+// world rank 3d + r), 2 micro-batches of 3 per replica.
 std::shared_ptr<const Plan> xmesh_plan(const std::string& kind, const ModelSpec& spec) {
   if (kind == "dp") return nullptr;
-  const std::string json = kind.starts_with("gpt") ? gpt_plan(kind)
-                           : kind == "tp2_to_tp1"  ? kPlanTp2ToTp1
-                                                   : kPlanTp1ToTp2;
+  std::string base = kind;
+  const bool dp2 = kind.find("dp2_") != std::string::npos;
+  if (dp2) base.erase(base.find("dp2_"), 4);
+  std::string json = base.starts_with("gpt") ? gpt_plan(base)
+                     : base == "tp2_to_tp1"  ? kPlanTp2ToTp1
+                                             : kPlanTp1ToTp2;
+  if (dp2) {
+    const std::string world3 = R"([{"name": "world", "size": 3}])";
+    json.replace(json.find(world3), world3.size(),
+                 R"([{"name": "dp", "size": 2}, {"name": "world", "size": 3}])");
+    const std::string m4 = R"("microbatches": 4)";
+    json.replace(json.find(m4), m4.size(), R"("microbatches": 2)");
+  }
   Plan plan = plan_from_json(json, kind);
   plan.schedule = ScheduleKind::one_f_one_b;
   const ModelGraph m = build_model(spec, kCkBatch);
-  validate_plan(plan, m.graph, 3, kCkBatch, kind);
+  validate_plan(plan, m.graph, ranks_of(kind), kCkBatch, kind);
   return std::make_shared<const Plan>(std::move(plan));
 }
 
@@ -452,7 +470,8 @@ class StageMeshesCheckpointMpi : public ::testing::TestWithParam<Handover> {};
 
 TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   const Handover h = GetParam();
-  if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
+  const int ranks = ranks_of(h.from == "dp" ? h.to : h.from);
+  if (world().size() != ranks) GTEST_SKIP() << "runs at " << ranks << " ranks";
   const ModelSpec spec = spec_of(h.from == "dp" ? h.to : h.from);
   const TrainerOptions base = checkpoint_options();
   const CkReference ref = ck_single_run(spec, base);
@@ -494,7 +513,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Handover{"gpt_tp2_to_tp1", "dp"},
                       Handover{"gpt_tp2_to_tp1", "gpt_tp2_to_tp1"},
                       Handover{"dp", "gpt_tp1_to_tp2"},
-                      Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"}),
+                      Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"},
+                      // At 6 ranks: two model replicas of a stage-mesh plan.
+                      Handover{"dp2_tp2_to_tp1", "dp"}, Handover{"dp", "dp2_tp1_to_tp2"},
+                      Handover{"gpt_dp2_tp2_to_tp1", "gpt_dp2_tp1_to_tp2"}),
     [](const ::testing::TestParamInfo<Handover>& p) { return p.param.from + "_to_" + p.param.to; });
 
 // Test of the test: the same comparison catches a resumed half whose
@@ -652,6 +674,7 @@ std::pair<double, double> scale_range(const PipelineTraining& p) {
 }
 
 void f16_case(const std::string& kind, double init_scale) {
+  if (world().size() != ranks_of(kind)) GTEST_SKIP() << "runs at " << ranks_of(kind) << " ranks";
   const ModelSpec spec = spec_of(kind);
   const TrainerOptions base = f16_options(init_scale);
   const std::string dir = shared_tmp_dir("xmesh-f16");
@@ -708,7 +731,8 @@ void f16_case(const std::string& kind, double init_scale) {
     EXPECT_GE(ref_scale, init_scale * 8) << "the scale should grow every 3 good steps";
   }
   if (kind.ends_with("tp1_to_tp2")) {
-    EXPECT_EQ(copies, 2) << "stage 1's mesh replicates fc2.b (GPT: its layer norms)";
+    // Stage 1's mesh replicates fc2.b (GPT: its layer norms), on each replica.
+    EXPECT_EQ(copies, 2 * (world().size() / 3)) << kind;
   }
   EXPECT_LE(worst, kF16Rel) << kind << " rank " << world().rank() << ": " << where;
   world().barrier();
@@ -716,12 +740,10 @@ void f16_case(const std::string& kind, double init_scale) {
 }
 
 TEST_P(StageMeshesF16Mpi, MatchesTheSingleProcessRunAsTheScaleGrows) {
-  if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
   f16_case(GetParam(), 1024.0);
 }
 
 TEST_P(StageMeshesF16Mpi, OverflowBacksOffAsTheSingleProcessRun) {
-  if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
   f16_case(GetParam(), 16777216.0);
 }
 
@@ -766,7 +788,7 @@ TEST_P(StageMeshesF16LoudMpi, AnOverflowSomeRanksSeeIsSkippedByAll) {
 
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16Mpi,
                          ::testing::Values("tp2_to_tp1", "tp1_to_tp2", "gpt_tp2_to_tp1",
-                                           "gpt_tp1_to_tp2"),
+                                           "gpt_tp1_to_tp2", "gpt_dp2_tp1_to_tp2"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16LoudMpi,
                          ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),

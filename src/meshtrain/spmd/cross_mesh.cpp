@@ -205,6 +205,12 @@ uint64_t cross_mesh_bytes(const CrossMeshPipeline& p, int rank, int microbatches
 
 std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
   std::string out = "stages on different meshes:\n";
+  if (const int dp = plan.mesh.axis_size("dp"); dp > 1) {
+    out += fmt::format(
+        "  (ranks of one model replica; {} replicas over dp, replica d on the world ranks whose "
+        "dp coordinate is d, in order)\n",
+        dp);
+  }
   for (size_t s = 0; s < plan.stages.size(); ++s) {
     const StagePlan& st = plan.stages[s];
     out += fmt::format("  stage {}: mesh {} on ranks {}\n", s, st.mesh.describe(),

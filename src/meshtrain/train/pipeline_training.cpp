@@ -62,6 +62,13 @@ void check_pipeline_options(const TrainerOptions& o) {
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
+  if (o.dist.plan && o.dist.plan->stage_meshes() && o.dist.dp.stage > 0) {
+    throw ConfigError(fmt::format(
+        "dist.zero_stage = {}: not available yet for a plan whose stages carry their own meshes "
+        "(stages[i].mesh); their dp axis all-reduces whole gradients (docs/plan.md, \"Stages on "
+        "different meshes\")",
+        o.dist.dp.stage));
+  }
   if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
     const std::string_view mode = async_name(o.dist.plan->async);
     auto refuse_async = [&](bool bad, const std::string& what) {
@@ -117,6 +124,10 @@ struct PipelineTraining::Impl {
   int trank = 0, my_stage = 0;
   std::unique_ptr<Communicator> stage_comm;
   std::vector<std::shared_ptr<CommCollectiveRunner>> stage_runners;
+  // Stages on different meshes with a dp axis: each model replica's ranks
+  // (the world ranks of one dp coordinate, in order) run the stages' ranks
+  // as listed, over this communicator of the replica (the whole job at dp 1).
+  std::unique_ptr<Communicator> replica_comm;
   // dist.zero_stage 1-2: this rank's stage parameters in one flat buffer,
   // sharded over the dp group by DataParallel (its optimizer state, and at
   // stage 2 its reduced gradients), the runtime's passes reading the buffer.
@@ -178,9 +189,11 @@ struct PipelineTraining::Impl {
     tmesh = &plan.mesh;
     trank = rank;
     if (xmesh) {
-      // The pipeline is the whole job: its stages' ranks are listed, not an axis.
-      pp_comm = world.split(0, rank, "pp", co);
-      norm_comm = world.split(0, rank, "pp.norms", co);
+      // The pipeline is the model replica: its stages' ranks are listed (as
+      // ranks of the replica), not an axis.
+      replica_comm = world.split(dp_rank, rank, "xreplica", co);
+      pp_comm = replica_comm->split(0, replica_comm->rank(), "pp", co);
+      norm_comm = replica_comm->split(0, replica_comm->rank(), "pp.norms", co);
     } else {
       pp_comm = axis_communicator(world, plan.mesh, "pp", "pp", co);
       norm_comm = axis_communicator(world, plan.mesh, "pp", "pp.norms", co);
@@ -245,7 +258,7 @@ struct PipelineTraining::Impl {
         loss_scale = Tensor::full({}, DType::f32, 1.0);
       }
       CrossMeshPipeline xp = plan_cross_mesh(o.precision == DType::f16 ? scaled.graph : whole.graph,
-                                             objective, plan, rank);
+                                             objective, plan, replica_comm->rank());
       model = build_model(spec, micro_batch);
       lowered = std::move(xp.lowered);
       tensor_parallel = true;
@@ -263,11 +276,12 @@ struct PipelineTraining::Impl {
       for (const CrossMeshPipeline::Shared& sh : xp.shared) ex.shared.push_back(sh.plans);
       po.cross_mesh = std::move(ex);
       for (size_t q = 0; q < xp.groups.size(); ++q) {
-        stage_runners.push_back(std::make_shared<CommCollectiveRunner>(world, xp.groups[q], co));
+        stage_runners.push_back(
+            std::make_shared<CommCollectiveRunner>(*replica_comm, xp.groups[q], co));
       }
       runner = stage_runners[static_cast<size_t>(my_stage)];
       po.exec.collectives = runner;
-      stage_comm = world.split(my_stage, trank, "stage", co);
+      stage_comm = replica_comm->split(my_stage, trank, "stage", co);
       for (const std::string& axis : lowered.axes) {
         tensor_norm_comms.push_back(
             axis_communicator(*stage_comm, *tmesh, axis, axis + ".norms", co));
@@ -298,7 +312,8 @@ struct PipelineTraining::Impl {
         tensor_norm_comms.push_back(axis_communicator(world, plan.mesh, axis, axis + ".norms", co));
       }
     }
-    runtime = std::make_unique<PipelineRuntime>(xmesh ? world : *pp_comm, cut, schedule, po);
+    runtime =
+        std::make_unique<PipelineRuntime>(xmesh ? *replica_comm : *pp_comm, cut, schedule, po);
     if (timeline.enabled()) {
       if (rank == 0) {
         check_output_path(o.dist.trace_path, OutputKind::replaced_file, "dist.trace (--trace)");
@@ -499,7 +514,7 @@ struct PipelineTraining::Impl {
     norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
                           o.dist.dp.collective);
     for (const auto& c : tensor_norm_comms) {
-      if (xmesh) break;  // norm_comm is the whole job: every piece counted once
+      if (xmesh) break;  // norm_comm is the whole replica: every piece counted once
       c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, o.dist.dp.collective);
     }
   }
