@@ -351,6 +351,7 @@ int ranks_of(const std::string& kind) {
 std::shared_ptr<const Plan> xmesh_plan(const std::string& kind, const ModelSpec& spec) {
   if (kind == "dp") return nullptr;
   std::string base = kind;
+  if (base.find("_zero") != std::string::npos) base.erase(base.find("_zero"));
   const bool dp2 = kind.find("dp2_") != std::string::npos;
   if (dp2) base.erase(base.find("dp2_"), 4);
   std::string json = base.starts_with("gpt") ? gpt_plan(base)
@@ -426,6 +427,7 @@ CkRun ck_run(const ModelSpec& spec, const TrainerOptions& o, const CkReference* 
   std::vector<std::pair<std::string, Tensor>> held;
   const LoweredProgram* lp = nullptr;
   if (PipelineTraining* p = t.pipeline()) {
+    p->gather_params();  // ZeRO-3: whole from the dp group's shards
     for (const std::string& n : p->param_names()) held.emplace_back(n, p->param(n));
     lp = p->lowered();
     // The boundaries' and the shared gradients' bytes, as planned.
@@ -479,6 +481,9 @@ TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   TrainerOptions first = base, second = base;
   first.dist.plan = xmesh_plan(h.from, spec);
   second.dist.plan = xmesh_plan(h.to, spec);
+  // "..._zeroK": ZeRO stage K on the plan's dp axis.
+  if (h.from.find("_zero") != std::string::npos) first.dist.dp.stage = h.from.back() - '0';
+  if (h.to.find("_zero") != std::string::npos) second.dist.dp.stage = h.to.back() - '0';
   first.checkpoint_path = dir + "/ck";
   first.halt_after = kSteps / 2;
   second.resume_path = dir + "/ck";
@@ -516,7 +521,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"},
                       // At 6 ranks: two model replicas of a stage-mesh plan.
                       Handover{"dp2_tp2_to_tp1", "dp"}, Handover{"dp", "dp2_tp1_to_tp2"},
-                      Handover{"gpt_dp2_tp2_to_tp1", "gpt_dp2_tp1_to_tp2"}),
+                      Handover{"gpt_dp2_tp2_to_tp1", "gpt_dp2_tp1_to_tp2"},
+                      Handover{"dp2_tp2_to_tp1_zero1", "dp2_tp1_to_tp2_zero3"},
+                      Handover{"dp", "gpt_dp2_tp1_to_tp2_zero3"}),
     [](const ::testing::TestParamInfo<Handover>& p) { return p.param.from + "_to_" + p.param.to; });
 
 // Test of the test: the same comparison catches a resumed half whose

@@ -62,13 +62,6 @@ void check_pipeline_options(const TrainerOptions& o) {
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
-  if (o.dist.plan && o.dist.plan->stage_meshes() && o.dist.dp.stage > 0) {
-    throw ConfigError(fmt::format(
-        "dist.zero_stage = {}: not available yet for a plan whose stages carry their own meshes "
-        "(stages[i].mesh); their dp axis all-reduces whole gradients (docs/plan.md, \"Stages on "
-        "different meshes\")",
-        o.dist.dp.stage));
-  }
   if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
     const std::string_view mode = async_name(o.dist.plan->async);
     auto refuse_async = [&](bool bad, const std::string& what) {
