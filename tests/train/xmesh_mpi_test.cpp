@@ -7,7 +7,10 @@
 // every step, the test loss, and every rank's piece of every parameter it
 // holds against the same box of the single-process parameter; and the bytes
 // each rank's pipeline runtime sent per step equal the plans' prediction and
-// a closed form of the boundary's size.
+// a closed form of the boundary's size. Further below: checkpoints across
+// plans (DP, ZeRO, stage meshes), train.init and f16 under stage meshes,
+// with the MLP and the GPT (its tied wte on both meshes), at 3 ranks and
+// at 6 (two data-parallel replicas).
 //
 // Tolerance: 1e-4 relative, as tp_mpi_test.cpp derives it (f32 sums the
 // plan re-associates, carried by the optimizer over 12 steps); a wrong
