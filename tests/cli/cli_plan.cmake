@@ -172,9 +172,9 @@ run(1 "" "error: plan ${dir}/dp2_twice.json: devices\\[1\\]: world rank 0 alread
   train ${mlp} ${quick} --nproc 2 --plan ${dir}/dp2_twice.json)
 
 # Stages on different meshes (docs/plan.md): inspect prints each stage's
-# mesh and the boundary's reshard bytes; train runs it at 3 ranks; a
-# checkpoint is refused before any rank starts, and so is a stage mesh that
-# does not match its ranks.
+# mesh and the boundary's reshard bytes; train runs it at 3 ranks and writes
+# a checkpoint that a single process resumes; a stage mesh that does not
+# match its ranks is refused before any rank starts.
 set(xmesh "{\"model\": \"mlp\", \"mesh\": [{\"name\": \"world\", \"size\": 3}],
   \"values\": {\"fc1.w\": {\"dims\": [null, \"tp\"]}, \"fc1.b\": {\"dims\": [\"tp\"]}},
   \"stages\": [
@@ -186,8 +186,20 @@ file(WRITE ${dir}/xmesh.json "${xmesh_ok}")
 run(0 "stage 0 \\(ranks 0,1; mesh tp=2\\): fc1.*boundary stage 0 -> 1: relu_2 \\[64, 512\\] f32.*forward per micro-batch: 131072 B in all \\(0:65536 1:65536\\).*boundary bytes per rank per step: 0:131072 1:131072 2:262144"
   "" inspect ${mlp} --set dist.nproc=3 --plan ${dir}/xmesh.json)
 run(0 "steps 2  final loss" "" train ${mlp} ${quick} --nproc 3 --plan ${dir}/xmesh.json)
-run(1 "" "error: train.checkpoint: not available yet for a plan whose stages carry their own meshes"
-  train ${mlp} --quiet --set train.steps=2 --nproc 3 --plan ${dir}/xmesh.json)
+run(0 "steps 2  final loss" "" train ${mlp} ${quick} --nproc 3 --plan ${dir}/xmesh.json
+  "--set" "train.checkpoint=\"${dir}/xmesh_ck\"")
+run(0 "steps 4  final loss" "resumed from step 2" train ${mlp} ${quick} --set train.steps=4
+  "--set" "train.resume=\"${dir}/xmesh_ck\"")
+# Two model replicas of it over a dp axis (the stages list one replica's
+# ranks), with ZeRO-1 on it.
+string(REPLACE "\"mesh\": [{\"name\": \"world\", \"size\": 3}]"
+  "\"mesh\": [{\"name\": \"dp\", \"size\": 2}, {\"name\": \"world\", \"size\": 3}]"
+  xmesh_dp "${xmesh_ok}")
+string(REPLACE "\"values\": {" "\"values\": {\"x\": {\"dims\": [\"dp\"]}, \"y\": {\"dims\": [\"dp\"]}, "
+  xmesh_dp "${xmesh_dp}")
+file(WRITE ${dir}/xmesh_dp.json "${xmesh_dp}")
+run(0 "steps 2  final loss" "" train ${mlp} ${quick} --nproc 6 --plan ${dir}/xmesh_dp.json
+  --set dist.zero_stage=1)
 string(REPLACE "MESH0" "3" xmesh_bad "${xmesh}")
 file(WRITE ${dir}/xmesh_bad.json "${xmesh_bad}")
 run(1 "" "error: plan ${dir}/xmesh_bad.json: stages\\[0\\].mesh: tp=3 has 3 devices but the stage has 2 ranks \\(0, 1\\); expected a mesh of 2"

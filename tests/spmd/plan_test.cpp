@@ -1,5 +1,6 @@
 #include "meshtrain/spmd/plan.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -274,8 +275,23 @@ TEST(Plan, StageMeshesAreReadWrittenAndValidatedNamingTheStage) {
             "dimension 0 (size 32) names mesh axis 'tq', which the mesh tp=1 lacks (axes: tp)");
   EXPECT_EQ(error_of(xmesh_plan(R"([{"name": "dp", "size": 2}])", tp1), g, 3),
             "plan p.json: stages[0].mesh: axis dp of size 2: a stage's mesh holds tensor axes only "
-            "(the pipeline is the stages; data parallelism inside a stage mesh is not supported "
-            "yet)");
+            "(the pipeline is the stages; data parallelism is a dp axis of the plan's mesh, over "
+            "whole model replicas)");
+  // A dp axis of the plan's mesh: the stages list one replica's ranks.
+  std::string dp2 = xmesh_plan(tp2, tp1);
+  dp2.replace(dp2.find(R"([{"name": "world", "size": 3}])"),
+              std::string(R"([{"name": "world", "size": 3}])").size(),
+              R"([{"name": "dp", "size": 2}, {"name": "world", "size": 3}])");
+  EXPECT_EQ(error_of(dp2, g, 6), "no error");
+  EXPECT_EQ(error_of(xmesh_plan(tp2, tp1, "", "[0, 3]"), g, 3),
+            "plan p.json: stages[0]: rank 3 outside the job's 3 ranks");
+  std::string dp2_far = xmesh_plan(tp2, tp1, "", "[0, 3]");
+  dp2_far.replace(dp2_far.find(R"([{"name": "world", "size": 3}])"),
+                  std::string(R"([{"name": "world", "size": 3}])").size(),
+                  R"([{"name": "dp", "size": 2}, {"name": "world", "size": 3}])");
+  EXPECT_EQ(error_of(dp2_far, g, 6),
+            "plan p.json: stages[0]: rank 3 outside a model replica's 3 ranks (the job's 6 ranks "
+            "over dp = 2; stages list the ranks of one replica)");
   // A stage without a mesh beside one with.
   std::string mixed = xmesh_plan(tp2, tp1);
   mixed.replace(mixed.rfind(R"(, "mesh": )"), std::string(R"(, "mesh": )").size() + tp1.size(), "");
@@ -323,23 +339,45 @@ TEST(Plan, StageMeshesGiveEachBoundaryItsReshardPlans) {
       << text;
 }
 
-// GPT's tied wte (embedding in the first stage, head in the last) would be
-// shared across the two meshes: refused, naming it, before any rank runs.
-TEST(Plan, StageMeshesRefuseATiedParameterAcrossMeshes) {
+// GPT's tied wte (embedding in the first stage, head in the last) is held
+// on both meshes: vocabulary-parallel on stage 0's {0, 1}, whole on stage
+// 1's {2}. Its gradient is summed by two plans: rank 2's whole gradient onto
+// the halves of ranks 0 and 1 (each half once), and the sums back (each
+// half from its holder); the bytes count once per step.
+TEST(Plan, StageMeshesSumATiedParameterAcrossMeshes) {
   const ModelGraph m = small_gpt(4);
-  const Plan p = plan_from_json(R"({"mesh": [{"name": "world", "size": 2}], "stages": [
-      {"layers": ["wte", "wpe", "block0"], "ranks": [0], "mesh": []},
-      {"layers": ["block1", "ln_f"], "ranks": [1], "mesh": []}], "microbatches": 2})",
+  const Plan p = plan_from_json(R"({"mesh": [{"name": "world", "size": 3}],
+      "values": {"wte": {"dims": ["tp"]}}, "stages": [
+      {"layers": ["wte", "wpe", "block0"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+      {"layers": ["block1", "ln_f"], "ranks": [2], "mesh": []}], "microbatches": 2})",
                                 "p.json");
-  validate_plan(p, m.graph, 2, 4, "plan p.json");
-  try {
-    plan_cross_mesh(m.graph, m.loss, p, 0);
-    ADD_FAILURE() << "a parameter shared across meshes was accepted";
-  } catch (const ConfigError& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "plan: parameter wte is used by stages 0, 1 (a tied weight); stages on different "
-              "meshes do not share parameters yet (docs/plan.md, \"Stages on different meshes\")");
+  validate_plan(p, m.graph, 3, 4, "plan p.json");
+  const Shape wte = m.graph.value(*m.graph.find("wte")).shape;
+  const int64_t V = wte[0], D = wte[1];
+  const uint64_t whole = static_cast<uint64_t>(V * D * 4);
+  for (int rank = 0; rank < 3; ++rank) {
+    const CrossMeshPipeline x = plan_cross_mesh(m.graph, m.loss, p, rank);
+    ASSERT_EQ(x.cut.shared_params.size(), 1u);
+    ASSERT_EQ(x.shared.size(), 1u);
+    const CrossMeshPipeline::Shared& sh = x.shared[0];
+    EXPECT_EQ(sh.plans.name, "wte");
+    EXPECT_EQ(sh.plans.stages, (std::vector<int>{0, 1}));
+    ASSERT_EQ(sh.layouts.size(), 2u);
+    EXPECT_EQ(sh.layouts[0].describe(),
+              fmt::format("{{0: [0:{0}, 0:{1}], 1: [{0}:{2}, 0:{1}]}}", V / 2, D, V));
+    EXPECT_EQ(sh.layouts[1].describe(), fmt::format("{{2: [0:{}, 0:{}]}}", V, D));
+    ASSERT_EQ(sh.plans.to_first.size(), 1u);
+    EXPECT_EQ(sh.plans.to_first[0].bytes_sent(2), whole);
+    EXPECT_EQ(sh.plans.from_first[0].bytes_sent(0), whole / 2);
+    EXPECT_EQ(sh.plans.from_first[0].bytes_sent(1), whole / 2);
+    EXPECT_EQ(sh.plans.bytes_sent(rank), rank == 2 ? whole : whole / 2);
   }
+  const std::string text = describe_cross_mesh(plan_cross_mesh(m.graph, m.loss, p, 0), p);
+  EXPECT_NE(text.find("shared parameter wte (stages 0, 1): its gradient summed over"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("boundary and shared-gradient bytes per rank per step:"), std::string::npos)
+      << text;
 }
 
 TEST(Plan, MalformedFilesNameTheKeyPath) {

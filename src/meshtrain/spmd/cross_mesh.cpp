@@ -76,6 +76,9 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
     out.groups.push_back(lp.groups);
     CutOptions co;
     co.collectives_join_consumers = true;
+    // As the trainer cuts an ordinary pipeline: a parameter's narrowing
+    // cast (f16 / bf16) runs in the stage that reads the copy.
+    co.param_casts_join_consumers = plan.async == AsyncMode::none;
     cuts[static_cast<size_t>(s)] = cut_pipeline(lp.graph, lp[loss], plan.stages, co);
     if (me != st.ranks.end()) {
       out.stage = s;
@@ -83,12 +86,31 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
     }
     lps[static_cast<size_t>(s)] = std::move(lp);
   }
-  if (!cuts[0].shared_params.empty()) {
-    const auto& [name, holders] = cuts[0].shared_params.front();
-    throw ConfigError(fmt::format(
-        "plan: parameter {} is used by stages {} (a tied weight); stages on different meshes do "
-        "not share parameters yet (docs/plan.md, \"Stages on different meshes\")",
-        name, fmt::join(holders, ", ")));
+  // A parameter several stages hold: its layout in each holder's lowering,
+  // and the plans that sum its gradient onto the first holder and back.
+  out.cut.shared_params = cuts[0].shared_params;
+  for (const auto& [name, holders] : cuts[0].shared_params) {
+    const auto gv = forward.find(name);
+    MT_CHECK(gv.has_value(), "plan_cross_mesh: shared parameter {} not in the model", name);
+    const Shape& shape = forward.value(*gv).shape;
+    CrossMeshPipeline::Shared sh;
+    sh.plans.name = name;
+    sh.plans.stages = holders;
+    for (int h : holders) {
+      const StagePlan& hs = plan.stages[static_cast<size_t>(h)];
+      sh.layouts.push_back(
+          layout_over(lps[static_cast<size_t>(h)].layout[static_cast<size_t>(*gv)], shape,
+                      stage_view(plan, h).mesh, hs.ranks,
+                      fmt::format("plan: parameter {} (shared by stages {}) in stage {}", name,
+                                  fmt::join(holders, ", "), h)));
+    }
+    for (size_t k = 1; k < holders.size(); ++k) {
+      sh.plans.to_first.push_back(
+          plan_reshard(shape, DType::f32, sh.layouts[k], sh.layouts.front()));
+      sh.plans.from_first.push_back(
+          plan_reshard(shape, DType::f32, sh.layouts.front(), sh.layouts[k]));
+    }
+    out.shared.push_back(std::move(sh));
   }
   for (int s = 0; s < n; ++s) {
     out.cut.stages.push_back(cuts[static_cast<size_t>(s)].stages[static_cast<size_t>(s)]);
@@ -176,11 +198,19 @@ uint64_t cross_mesh_bytes(const CrossMeshPipeline& p, int rank, int microbatches
       if (cb.has_grad) b += cb.plans.backward.bytes_sent(rank);
     }
   }
-  return b * static_cast<uint64_t>(microbatches);
+  b *= static_cast<uint64_t>(microbatches);
+  for (const CrossMeshPipeline::Shared& sh : p.shared) b += sh.plans.bytes_sent(rank);
+  return b;
 }
 
 std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
   std::string out = "stages on different meshes:\n";
+  if (const int dp = plan.mesh.axis_size("dp"); dp > 1) {
+    out += fmt::format(
+        "  (ranks of one model replica; {} replicas over dp, replica d on the world ranks whose "
+        "dp coordinate is d, in order)\n",
+        dp);
+  }
   for (size_t s = 0; s < plan.stages.size(); ++s) {
     const StagePlan& st = plan.stages[s];
     out += fmt::format("  stage {}: mesh {} on ranks {}\n", s, st.mesh.describe(),
@@ -210,7 +240,19 @@ std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
       }
     }
   }
-  out += "  boundary bytes per rank per step:";
+  for (const CrossMeshPipeline::Shared& sh : p.shared) {
+    out += fmt::format("  shared parameter {} (stages {}): its gradient summed over\n",
+                       sh.plans.name, fmt::join(sh.plans.stages, ", "));
+    for (const TensorLayout& l : sh.layouts) out += fmt::format("    {}\n", l.describe());
+    std::vector<std::string> v;
+    for (int r = 0; r < world; ++r) {
+      if (sh.plans.bytes_sent(r) > 0) v.push_back(fmt::format("{}:{}", r, sh.plans.bytes_sent(r)));
+    }
+    out += fmt::format("    per step: {}\n",
+                       v.empty() ? std::string("none") : fmt::format("{}", fmt::join(v, " ")));
+  }
+  out += p.shared.empty() ? "  boundary bytes per rank per step:"
+                          : "  boundary and shared-gradient bytes per rank per step:";
   for (int r = 0; r < world; ++r)
     out += fmt::format(" {}:{}", r, cross_mesh_bytes(p, r, plan.microbatches));
   return out + "\n";

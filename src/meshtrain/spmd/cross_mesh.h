@@ -50,14 +50,22 @@ struct CrossMeshPipeline {
   PipelineCut cut;
   // boundaries[s][k]: output k of stage s.
   std::vector<std::vector<CrossMeshBoundary>> boundaries;
+  // A parameter several stages hold (GPT's tied wte): its gradient summed
+  // over the holders' layouts (one per holder stage, over world ranks).
+  struct Shared {
+    std::vector<TensorLayout> layouts;
+    SharedParamReshard plans;
+  };
+  std::vector<Shared> shared;
 };
 
 // `forward`: the whole model at the micro-batch size (forward only), `loss`
 // its loss; `plan` validated, with stage meshes; `rank` a world rank.
 // ConfigError naming the stage and value for a boundary whose layouts it
 // cannot pair (a split that is not one dimension's, a value the stages'
-// lowerings name differently) and for a parameter two stages share (GPT's
-// tied embedding: not supported across meshes yet).
+// lowerings name differently). A parameter several stages share (GPT's
+// tied embedding) gets the plans that sum its gradient over the holders'
+// layouts (one-dimension splits or replicated, as boundaries).
 CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan& plan, int rank);
 
 // For `meshtrain inspect`: each stage's mesh and ranks, and per boundary the
@@ -65,7 +73,8 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
 // forward and backward.
 std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan);
 
-// The bytes rank `rank` sends per step for the boundaries (m micro-batches).
+// The bytes rank `rank` sends per step for the boundaries (m micro-batches)
+// and the shared parameters' gradients.
 uint64_t cross_mesh_bytes(const CrossMeshPipeline& p, int rank, int microbatches);
 
 }  // namespace mt

@@ -184,8 +184,12 @@ struct PipelineRuntime::Impl {
               ix(vs) < xm->boundaries.size() ? xm->boundaries[ix(vs)].size() : 0));
         }
       }
-      MT_CHECK(cut.shared_params.empty(),
-               "pipeline: stages on different meshes do not share parameters");
+      if (cut.shared_params.size() != xm->shared.size()) {
+        throw ConfigError(fmt::format(
+            "pipeline: stages on different meshes: {} parameters shared by stages but {} plans "
+            "to sum their gradients",
+            cut.shared_params.size(), xm->shared.size()));
+      }
     } else if (comm.size() != p) {
       throw ConfigError(
           fmt::format("pipeline: the schedule has {} stages but the pipeline group has {} ranks", p,
@@ -984,6 +988,10 @@ struct PipelineRuntime::Impl {
   }
 
   void exchange_shared() {
+    if (xm != nullptr) {
+      exchange_shared_across_meshes();
+      return;
+    }
     uint32_t t = 1;
     for (const auto& [name, vstages] : cut.shared_params) {
       const std::vector<int> h = holders(vstages);
@@ -1007,6 +1015,32 @@ struct PipelineRuntime::Impl {
     }
   }
 
+  // Stages on different meshes: each shared gradient moved onto the first
+  // holder's boxes and added there, then the sum moved back to the others.
+  void exchange_shared_across_meshes() {
+    uint32_t t = 1;
+    for (const SharedParamReshard& sp : xm->shared) {
+      const bool holds = std::ranges::find(sp.stages, rank) != sp.stages.end();
+      const bool first = rank == sp.stages.front();
+      Tensor none;
+      Tensor& g = holds ? grads.at(sp.name) : none;
+      for (size_t k = 0; k < sp.to_first.size(); ++k) {
+        CollectiveOptions o;
+        o.tag = t++;
+        Tensor part = first ? Tensor::empty(g.shape(), g.dtype()) : Tensor();
+        execute_reshard(*shared, sp.to_first[k], rank == sp.stages[k + 1] ? g : none, part, o);
+        if (first) add_into(g, part, sp.name);
+      }
+      for (size_t k = 0; k < sp.from_first.size(); ++k) {
+        CollectiveOptions o;
+        o.tag = t++;
+        Tensor sink;
+        execute_reshard(*shared, sp.from_first[k], first ? g : none,
+                        rank == sp.stages[k + 1] ? g : sink, o);
+      }
+    }
+  }
+
   uint64_t predicted() const {
     uint64_t b = 0;
     if (xm != nullptr) {
@@ -1018,7 +1052,9 @@ struct PipelineRuntime::Impl {
           if (st(vs).outputs[k].has_grad) b += br.backward.bytes_sent(me);
         }
       }
-      return b * static_cast<uint64_t>(m);
+      b *= static_cast<uint64_t>(m);
+      for (const SharedParamReshard& sp : xm->shared) b += sp.bytes_sent(me);
+      return b;
     }
     // Async: a window of the steady state (the first one sends fewer gradients).
     const PipelineSchedule steady =

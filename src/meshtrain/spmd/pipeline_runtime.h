@@ -80,9 +80,13 @@ namespace mt {
 // them on along the route's chain and assembles its piece. Activations and
 // gradients sent by stage q, and the relays of each, travel on their own
 // communicators, so no posted receive holds up a send.
+// A parameter several stages hold (GPT's tied embedding) has its gradient
+// summed over the holders' meshes after the step's backwards by `shared`
+// (spmd/reshard.h's SharedParamReshard, in world ranks).
 struct CrossMeshExchange {
   std::vector<std::vector<int>> stage_ranks;
   std::vector<std::vector<BoundaryReshard>> boundaries;
+  std::vector<SharedParamReshard> shared;
 };
 
 struct PipelineOptions {

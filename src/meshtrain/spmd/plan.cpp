@@ -168,13 +168,6 @@ void validate_stage_meshes(const Plan& plan, const Graph& g, const std::vector<s
         "run one virtual stage per rank yet (expected 1)",
         where, plan.virtual_stages, with));
   }
-  if (plan.mesh.axis_size("dp") > 1) {
-    throw ConfigError(fmt::format(
-        "{}: mesh: {} has a dp axis of size {}, but the stages carry their own meshes "
-        "(stages[{}].mesh); data parallelism over stages on different meshes is not supported "
-        "yet (expected no dp axis, or size 1)",
-        where, plan.mesh.describe(), plan.mesh.axis_size("dp"), with));
-  }
   for (int s = 0; s < n; ++s) {
     const StagePlan& st = plan.stages[static_cast<size_t>(s)];
     const std::string at = fmt::format("{}: stages[{}]", where, s);
@@ -194,7 +187,8 @@ void validate_stage_meshes(const Plan& plan, const Graph& g, const std::vector<s
       if ((a.name == "dp" || a.name == "pp") && a.size > 1) {
         throw ConfigError(fmt::format(
             "{}.mesh: axis {} of size {}: a stage's mesh holds tensor axes only (the pipeline "
-            "is the stages; data parallelism inside a stage mesh is not supported yet)",
+            "is the stages; data parallelism is a dp axis of the plan's mesh, over whole model "
+            "replicas)",
             at, a.name, a.size));
       }
     }
@@ -302,7 +296,12 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
     std::map<std::string, int> owner;
     size_t next = 0;  // layers must come in model order
     const int p = n / v;
-    std::vector<int> rank_stage(static_cast<size_t>(world), -1);
+    // Under stage meshes with a dp axis the stages list the ranks of one
+    // model replica (0 .. world / dp - 1): replica d runs them on the world
+    // ranks whose dp coordinate is d, in the same order.
+    const int dp = plan.stage_meshes() ? std::max(1, plan.mesh.axis_size("dp")) : 1;
+    const int stage_world = world / dp;
+    std::vector<int> rank_stage(static_cast<size_t>(stage_world), -1);
     for (int s = 0; s < n; ++s) {
       const StagePlan& st = plan.stages[static_cast<size_t>(s)];
       if (st.layers.empty()) {
@@ -337,9 +336,14 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
                         where, s, p));
       }
       for (int r : st.ranks) {
-        if (r < 0 || r >= world) {
-          throw ConfigError(fmt::format("{}: stages[{}]: rank {} outside the job's {} ranks", where,
-                                        s, r, world));
+        if (r < 0 || r >= stage_world) {
+          throw ConfigError(
+              dp > 1 ? fmt::format("{}: stages[{}]: rank {} outside a model replica's {} ranks "
+                                   "(the job's {} ranks over dp = {}; stages list the ranks of one "
+                                   "replica)",
+                                   where, s, r, stage_world, world, dp)
+                     : fmt::format("{}: stages[{}]: rank {} outside the job's {} ranks", where, s,
+                                   r, world));
         }
         const int phys = stage_owner(plan.schedule, p, s);
         int& rs = rank_stage[static_cast<size_t>(r)];
@@ -364,9 +368,10 @@ void validate_plan(const Plan& plan, const Graph& g, int world, int64_t global_b
                       "one)",
                       where, layers[next]));
     }
-    for (int r = 0; r < world; ++r) {
+    for (int r = 0; r < stage_world; ++r) {
       if (rank_stage[static_cast<size_t>(r)] < 0) {
-        throw ConfigError(fmt::format("{}: stages: rank {} is in no stage", where, r));
+        throw ConfigError(fmt::format("{}: stages: rank {} is in no stage{}", where, r,
+                                      dp > 1 ? " (of a model replica)" : ""));
       }
     }
   }

@@ -457,4 +457,11 @@ void execute_reshard(Communicator& comm, const ReshardPlan& plan, const Tensor& 
   for (const auto& [b, t] : arrivals) put_sub(dest, *dbox, b, t);
 }
 
+uint64_t SharedParamReshard::bytes_sent(int rank) const {
+  uint64_t b = 0;
+  for (const ReshardPlan& rp : to_first) b += rp.bytes_sent(rank);
+  for (const ReshardPlan& rp : from_first) b += rp.bytes_sent(rank);
+  return b;
+}
+
 }  // namespace mt

@@ -128,6 +128,19 @@ struct BoundaryReshard {
 BoundaryReshard plan_boundary(const Shape& shape, DType dtype, const TensorLayout& producer,
                               const TensorLayout& consumer);
 
+// A parameter several pipeline stages on different meshes hold (a tied
+// embedding), each holder stage in its own layout: after the step's
+// backwards its gradient pieces are summed across the meshes. to_first[k]
+// moves holder stages[k + 1]'s gradient onto the boxes of stages[0], which
+// adds it; from_first[k] moves the sum back onto stages[k + 1]'s boxes.
+struct SharedParamReshard {
+  std::string name;
+  std::vector<int> stages;  // the holder stages, in order
+  std::vector<ReshardPlan> to_first, from_first;
+
+  uint64_t bytes_sent(int rank) const;  // per step
+};
+
 // Pieces of boxes, for a runtime that runs a plan's routes itself (the
 // pipeline runtime, overlapping them with compute): copy box `inner` out of
 // (into) `piece`, the row-major elements of box `outer` that contains it;

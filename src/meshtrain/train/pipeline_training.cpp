@@ -86,19 +86,6 @@ void check_pipeline_options(const TrainerOptions& o) {
     refuse_async(o.dist.dp.stage > 0,
                  "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
   }
-  if (o.dist.plan && o.dist.plan->stage_meshes()) {
-    auto refuse_x = [](bool bad, const std::string& what) {
-      if (!bad) return;
-      throw ConfigError(fmt::format(
-          "{}: not available yet for a plan whose stages carry their own meshes (stages[i].mesh); "
-          "such plans train without it (docs/plan.md, \"Stages on different meshes\")",
-          what));
-    };
-    refuse_x(!o.checkpoint_path.empty(), "train.checkpoint");
-    refuse_x(!o.resume_path.empty(), "train.resume");
-    refuse_x(!o.init_path.empty(), "train.init");
-    refuse_x(o.precision == DType::f16, "train.precision = f16");
-  }
 }
 
 bool pipeline_plan(const TrainerOptions& o) {
@@ -135,6 +122,10 @@ struct PipelineTraining::Impl {
   int trank = 0, my_stage = 0;
   std::unique_ptr<Communicator> stage_comm;
   std::vector<std::shared_ptr<CommCollectiveRunner>> stage_runners;
+  // Stages on different meshes with a dp axis: each model replica's ranks
+  // (the world ranks of one dp coordinate, in order) run the stages' ranks
+  // as listed, over this communicator of the replica (the whole job at dp 1).
+  std::unique_ptr<Communicator> replica_comm;
   // dist.zero_stage 1-2: this rank's stage parameters in one flat buffer,
   // sharded over the dp group by DataParallel (its optimizer state, and at
   // stage 2 its reduced gradients), the runtime's passes reading the buffer.
@@ -196,9 +187,11 @@ struct PipelineTraining::Impl {
     tmesh = &plan.mesh;
     trank = rank;
     if (xmesh) {
-      // The pipeline is the whole job: its stages' ranks are listed, not an axis.
-      pp_comm = world.split(0, rank, "pp", co);
-      norm_comm = world.split(0, rank, "pp.norms", co);
+      // The pipeline is the model replica: its stages' ranks are listed (as
+      // ranks of the replica), not an axis.
+      replica_comm = world.split(dp_rank, rank, "xreplica", co);
+      pp_comm = replica_comm->split(0, replica_comm->rank(), "pp", co);
+      norm_comm = replica_comm->split(0, replica_comm->rank(), "pp.norms", co);
     } else {
       pp_comm = axis_communicator(world, plan.mesh, "pp", "pp", co);
       norm_comm = axis_communicator(world, plan.mesh, "pp", "pp.norms", co);
@@ -249,7 +242,21 @@ struct PipelineTraining::Impl {
       // Every stage lowered on its own mesh, the boundaries' reshard plans
       // (spmd/cross_mesh.h); the data and constants are read by name, as
       // the unlowered model names them.
-      CrossMeshPipeline xp = plan_cross_mesh(whole.graph, whole.loss, plan, rank);
+      // Under f16 the loss is scaled before the lowering: every stage's
+      // program is lowered from the same graph, and the last stage reads
+      // loss_scale (replicated over its mesh) as the input it is.
+      ModelGraph scaled;
+      ValueId objective = whole.loss;
+      if (o.precision == DType::f16) {
+        scaled = build_model(spec, micro_batch);
+        scaler = DynamicLossScaler(o.loss_scaler);
+        Builder bld(scaled.graph);
+        const ValueId in = bld.input("loss_scale", {}, DType::f32);
+        objective = bld.mul(scaled.loss, in);
+        loss_scale = Tensor::full({}, DType::f32, 1.0);
+      }
+      CrossMeshPipeline xp = plan_cross_mesh(o.precision == DType::f16 ? scaled.graph : whole.graph,
+                                             objective, plan, replica_comm->rank());
       model = build_model(spec, micro_batch);
       lowered = std::move(xp.lowered);
       tensor_parallel = true;
@@ -264,13 +271,15 @@ struct PipelineTraining::Impl {
         for (const CrossMeshBoundary& b : bs) plans.push_back(b.plans);
         ex.boundaries.push_back(std::move(plans));
       }
+      for (const CrossMeshPipeline::Shared& sh : xp.shared) ex.shared.push_back(sh.plans);
       po.cross_mesh = std::move(ex);
       for (size_t q = 0; q < xp.groups.size(); ++q) {
-        stage_runners.push_back(std::make_shared<CommCollectiveRunner>(world, xp.groups[q], co));
+        stage_runners.push_back(
+            std::make_shared<CommCollectiveRunner>(*replica_comm, xp.groups[q], co));
       }
       runner = stage_runners[static_cast<size_t>(my_stage)];
       po.exec.collectives = runner;
-      stage_comm = world.split(my_stage, trank, "stage", co);
+      stage_comm = replica_comm->split(my_stage, trank, "stage", co);
       for (const std::string& axis : lowered.axes) {
         tensor_norm_comms.push_back(
             axis_communicator(*stage_comm, *tmesh, axis, axis + ".norms", co));
@@ -301,7 +310,8 @@ struct PipelineTraining::Impl {
         tensor_norm_comms.push_back(axis_communicator(world, plan.mesh, axis, axis + ".norms", co));
       }
     }
-    runtime = std::make_unique<PipelineRuntime>(xmesh ? world : *pp_comm, cut, schedule, po);
+    runtime =
+        std::make_unique<PipelineRuntime>(xmesh ? *replica_comm : *pp_comm, cut, schedule, po);
     if (timeline.enabled()) {
       if (rank == 0) {
         check_output_path(o.dist.trace_path, OutputKind::replaced_file, "dist.trace (--trace)");
@@ -502,7 +512,7 @@ struct PipelineTraining::Impl {
     norm_comm->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum,
                           o.dist.dp.collective);
     for (const auto& c : tensor_norm_comms) {
-      if (xmesh) break;  // norm_comm is the whole job: every piece counted once
+      if (xmesh) break;  // norm_comm is the whole replica: every piece counted once
       c->all_reduce(v.data(), v.data(), v.size(), DType::f64, ReduceOp::sum, o.dist.dp.collective);
     }
   }
@@ -1160,6 +1170,10 @@ uint64_t PipelineTraining::pipeline_bytes_sent() const {
 
 uint64_t PipelineTraining::pipeline_bytes_predicted() const {
   return impl_->runtime->predicted_bytes_sent();
+}
+
+double PipelineTraining::loss_scale() const {
+  return impl_->o.precision == DType::f16 ? impl_->scaler.scale() : 1.0;
 }
 
 const TorchLoadReport* PipelineTraining::init_report() const {

@@ -39,10 +39,13 @@
 // Stages on different meshes (StagePlan::has_mesh, e.g. stage 0 tensor-
 // parallel on ranks {0, 1}, stage 1 on rank 2): each stage's layers lowered
 // on its own mesh, the boundary tensors moved by spmd/cross_mesh.h's reshard
-// plans inside the runtime; norms sum over the whole job, LARS / LAMB's
-// per-parameter norms over the stage's tensor groups. No dp axis, one
-// virtual stage per rank, no tied parameters across stages; checkpoints and
-// train.init are refused there yet.
+// plans inside the runtime; norms sum over the model replica, LARS / LAMB's
+// per-parameter norms over the stage's tensor groups. A parameter two
+// stages hold (GPT's tied wte) has its gradient summed across their meshes
+// by reshard plans. A dp axis runs model replicas (the stages list one
+// replica's ranks; each replica's pipeline runs over a communicator of its
+// own), gradients averaged (ZeRO: sharded) over dp. Checkpoints, train.init
+// and f16 as for other plans. One virtual stage per rank.
 //
 // ZeRO on the dp axis (dist.zero_stage 1, 2, 3): each stage's parameters
 // move into one flat buffer that sync/DataParallel shards over the stage's
@@ -65,7 +68,7 @@
 // micro-batch's loss is multiplied by scale / (micro-batches x dp), so
 // backward tensors have the single-process run's magnitudes, and the
 // skip-on-overflow decision is agreed over every rank (pipeline, tensor and
-// ZeRO dp groups).
+// ZeRO dp groups; under stage meshes the whole job).
 //
 // Not yet (each refused with a ConfigError naming the key, before any step):
 // train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's
@@ -104,6 +107,9 @@ class PipelineTraining {
   // dp group's shards (collective over the world: every rank calls it); a
   // no-op under the other stages.
   void gather_params();
+  // train.precision f16: this rank's dynamic loss scale now (every rank
+  // agrees on it); 1 otherwise.
+  double loss_scale() const;
   // Under tensor axes, this rank's program (which box of each parameter it
   // holds); nullptr otherwise.
   const struct LoweredProgram* lowered() const;
