@@ -508,8 +508,8 @@ struct PipelineRuntime::Impl {
         if (hop == 0) {
           CollectiveOptions o;
           o.tag = tg;
-          recvs[{kind, vs, mb}].push_back(c.recv_async(buf.raw(), static_cast<size_t>(buf.numel()),
-                                                       buf.dtype(), rt.reducers.back(), o));
+          recvs[{kind, vs, mb}].push_back(c.recv_now(buf.raw(), static_cast<size_t>(buf.numel()),
+                                                     buf.dtype(), rt.reducers.back(), o));
         }
         xrecvs[{kind, vs, mb}].push_back({&plan, r, hop, buf, dest, *dbox, relay, tg});
       }
@@ -726,7 +726,7 @@ struct PipelineRuntime::Impl {
           Tensor buf = Tensor::empty(ins[k].shape, ins[k].dtype);
           CollectiveOptions o;
           o.tag = tag(vs - 1, mb, static_cast<int>(k));
-          recvs[{0, vs, mb}].push_back(act[ix(a.peer)]->recv_async(
+          recvs[{0, vs, mb}].push_back(act[ix(a.peer)]->recv_now(
               buf.raw(), static_cast<size_t>(buf.numel()), buf.dtype(), a.peer, o));
           put(stash[{vs, mb}], ins[k].name, std::move(buf));
         }
@@ -737,7 +737,7 @@ struct PipelineRuntime::Impl {
           Tensor buf = Tensor::empty(outs[k].shape, outs[k].dtype);
           CollectiveOptions o;
           o.tag = tag(vs + 1, mb, static_cast<int>(k));
-          recvs[{1, vs, mb}].push_back(grad[ix(a.peer)]->recv_async(
+          recvs[{1, vs, mb}].push_back(grad[ix(a.peer)]->recv_now(
               buf.raw(), static_cast<size_t>(buf.numel()), buf.dtype(), a.peer, o));
           put(stash[{vs, mb}], "dout/" + outs[k].name, std::move(buf));
         }
@@ -748,8 +748,7 @@ struct PipelineRuntime::Impl {
   void send(Communicator& c, const Tensor& t, int peer, uint32_t tg) {
     CollectiveOptions o;
     o.tag = tg;
-    sends.emplace_back(c.send_async(t.raw(), static_cast<size_t>(t.numel()), t.dtype(), peer, o),
-                       t);
+    sends.emplace_back(c.send_now(t.raw(), static_cast<size_t>(t.numel()), t.dtype(), peer, o), t);
     // Drop finished sends so their tensors can go.
     std::erase_if(sends, [](const auto& s) { return s.first.done() && (s.first.wait(), true); });
   }
