@@ -452,6 +452,14 @@ struct PipelineRuntime::Impl {
     auto it = recvs.find({kind, vs, mb});
     auto xt = xrecvs.find({kind, vs, mb});
     if (it == recvs.end() && xt == xrecvs.end()) return;
+    // About to wait: add the gradients still pending first (useful work in
+    // what would be idle time), counted as the last pass's overhead.
+    if (!pending_grads.empty() && it != recvs.end() &&
+        !std::ranges::all_of(it->second, [](const CommHandle& h) { return h.done(); })) {
+      const int64_t f0 = now_ns();
+      flush_grads();
+      if (!spans.empty()) spans.back().overhead_ns += now_ns() - f0;
+    }
     const int64_t t0 = now_ns();
     if (it != recvs.end()) {
       for (CommHandle& h : it->second) h.wait();
@@ -608,9 +616,11 @@ struct PipelineRuntime::Impl {
   // `views`: the stash keeps views of the executor's arena instead of
   // copies, except the stage's outputs (a send may read them later, or
   // in flight; plan_views()).
-  // `defer_grads`: the parameter gradients are added after the next pass's
-  // send (a forward follows whose output a neighbour waits for: 1F1B's
-  // first stage, B(i) then F(i+p)), not before it starts.
+  // `defer_grads`: the parameter gradients are added later (a forward
+  // follows whose output a neighbour waits for: 1F1B's first stage, B(i)
+  // then F(i+p)), not before it starts: when the rank next has to wait for
+  // a message (wait_recvs), else before the next pass that reuses an arena
+  // with gradients pending, at the latest at the step's end.
   void run_pass(Pass& pass, int vs, int mb, ActionKind kind, const MicrobatchData& data,
                 const PipelineAction* then_send, bool views = false, bool defer_grads = false) {
     if (!pass.exec) {
@@ -661,7 +671,6 @@ struct PipelineRuntime::Impl {
         }
       }
       send_action(*then_send);
-      flush_grads();
     }
     for (const std::string& name : pass.pass->stash) {
       if (std::ranges::find(first, name) != first.end()) continue;
