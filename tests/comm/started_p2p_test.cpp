@@ -6,7 +6,8 @@
 // out naming the communicator, the peer and the bytes, and leaves the
 // communicator refusing further calls (one from a peer that is gone
 // fails naming it, at once); a send whose handle was dropped is
-// still delivered and counted.
+// still delivered and counted; without shared memory (ranks on several
+// nodes) they queue for the progress thread and deliver all the same.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -75,6 +76,27 @@ TEST(StartedP2P, DeliversInOrderAndCountsExactly) {
       EXPECT_EQ(observed.load(), 3);
     }
     c.set_call_observer(nullptr);
+  });
+}
+
+TEST(StartedP2P, WithoutSharedMemoryTheyQueueAndStillDeliver) {
+  LocalWorldOptions o;
+  o.size = 2;
+  o.shm_bytes_per_rank = 0;  // as ranks on several nodes
+  LocalWorld::run(o, [](Communicator& c) {
+    ASSERT_FALSE(c.has_shared_memory());
+    CollectiveOptions tag;
+    tag.tag = 2;
+    std::vector<int32_t> v(300);
+    if (c.rank() == 0) {
+      for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(i);
+      c.send_now(v.data(), v.size(), DType::i32, 1, tag).wait();
+      EXPECT_EQ(c.counters().by_collective.at("send").bytes_sent, 1200u);
+    } else {
+      c.recv_now(v.data(), v.size(), DType::i32, 0, tag).wait();
+      EXPECT_EQ(v[299], 299);
+      EXPECT_EQ(c.counters().by_collective.at("recv").bytes_received, 1200u);
+    }
   });
 }
 

@@ -196,6 +196,11 @@ class Communicator {
   // observed and timed out as send / recv are. The Tensor overloads keep
   // their tensor alive until the handle completes. Calls still in flight
   // when the communicator is destroyed are waited for, as queued ones are.
+  // Started so only on a communicator with shared memory (its ranks on one
+  // node, links not emulated), where the receiver completes a message
+  // without the sender's help (Open MPI's vader copies it with CMA; with
+  // btl_vader_single_copy_mechanism = none it would wait for the sender's
+  // next test); elsewhere they queue as send_async / recv_async do.
   CommHandle send_now(const void* buf, size_t count, DType dtype, int peer,
                       const CollectiveOptions& opts = {});
   CommHandle recv_now(void* buf, size_t count, DType dtype, int peer,

@@ -117,6 +117,13 @@ CommHandle Communicator::Impl::start(Call call) {
     throw ConfigError(fmt::format("comm '{}' rank {}: tag {} exceeds the largest tag {}",
                                   options.name, rank, call.opts.tag, kMaxUserTag));
   }
+  // Started only where the transport moves a message without its sender's
+  // further help: ranks of one node sharing memory (Open MPI's vader has the
+  // receiver read a large message straight from the sender, CMA). Between
+  // nodes (TCP) or under emulated links a large message advances only while
+  // its sender tests it, which a sender busy computing would not: there
+  // they queue for the progress thread as send_async / recv_async do.
+  if (!shm) return submit(std::move(call));
   // Drive the earlier ones a step too (a send whose handle was dropped
   // completes, and is counted, here or at the latest in the destructor).
   std::erase_if(started,
