@@ -15,7 +15,12 @@ splits it, per step after the warm-up, into fractions of p x makespan:
   rest      what is left (0 up to rounding when the lanes are complete).
 and measures the transfer time: the receiving rank's recv completing minus
 the sending pass's end (activations F(i) on rank 0 -> rank 1, gradients B(i)
-on rank 1 -> rank 0). Two ranks, one virtual stage each (gpipe, 1f1b).
+on rank 1 -> rank 0). The pipeline's receives complete when the receiving
+rank's thread tests them (Communicator::recv_now), so this includes time the
+receiver spent in a pass; `wait_latency_act_ms` / `wait_latency_grad_ms` are
+what the lock-step path pays: over the waits that began before the sending
+pass ended, the wait's end minus that pass's end. Two ranks, one virtual
+stage each (gpipe, 1f1b).
 
 The formula (p-1)/(m+p-1) assumes equal stages. `idle_replay` is the formula
 with the measured stage times: each rank's pass order of the step replayed
@@ -70,7 +75,7 @@ def analyse(trace_path, skip=5):
     "steps"}; None when the trace has no 2-stage pipeline steps."""
     data = json.load(open(trace_path))
     events = data["traceEvents"] if isinstance(data, dict) else data
-    rows, lat = [], {"act": [], "grad": []}
+    rows, lat, wlat = [], {"act": [], "grad": []}, {"act": [], "grad": []}
     orders, pass_ms = None, {(pid, k): [] for pid in (0, 1) for k in "FB"}
     for bounds in _steps(events)[skip:]:
         lo = min(b[0] for b in bounds)
@@ -113,6 +118,8 @@ def analyse(trace_path, skip=5):
                     continue
                 # the part of the wait outside the rank's own passes is in edges
                 edges -= max(0.0, min(w1, r0) - w0) + max(0.0, w1 - max(w0, r1))
+                if e["ts"] < s_end <= e["ts"] + e["dur"]:
+                    wlat[kind].append(e["ts"] + e["dur"] - s_end)
                 bubble += max(0.0, min(w1, s_end) - w0)
                 inflight += max(0.0, w1 - max(w0, s_end))
             # each message: the first receive on this rank to complete after its pass ended
@@ -132,6 +139,8 @@ def analyse(trace_path, skip=5):
     out = {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]}
     for kind, v in lat.items():
         out[f"transfer_{kind}_ms"] = round(statistics.median(v) / 1e3, 3) if v else None
+    for kind, v in wlat.items():
+        out[f"wait_latency_{kind}_ms"] = round(statistics.median(v) / 1e3, 3) if v else None
     out["steps"] = len(rows)
     stage = [[round(statistics.median(pass_ms[(pid, k)]), 3) if pass_ms[(pid, k)] else None
               for k in "FB"] for pid in (0, 1)]

@@ -62,6 +62,8 @@ def add_args(p):
     p.add_argument("--no-peer", action="store_true", help="skip PyTorch (meshtrain lines only)")
     p.add_argument("--only", default="",
                    help="comma-separated groups: tp, pp, pp_options, hetero, medium (default: all)")
+    p.add_argument("--schedules", default="",
+                   help="pp group: comma-separated schedules to run (default: all six)")
 
 
 def free_port():
@@ -214,7 +216,10 @@ def run_pp(ctx, gpt_steps, warmup, setup, version, idle):
     cfg_gpt = meshtrain.config_path("gpt")
     import tomllib
     m = tomllib.loads(cfg_gpt.read_text()).get("model", {})
+    pick = {x for x in ctx.args.schedules.split(",") if x}
     for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"):
+        if pick and schedule not in pick:
+            continue
         sets = ["parallel.pp=2", "parallel.microbatches=4", f'parallel.schedule="{schedule}"']
         if schedule in ("interleaved", "zbv", "dualpipev"):
             sets.append("parallel.virtual_stages=2")

@@ -720,10 +720,12 @@ TEST(CostModel, PipelineBytesAreTheRuntimesPrediction) {
   }
 }
 
-// Under half_activations a bf16 pipeline sends its f32 boundaries at 2
-// bytes an element (the runtime it models keeps them 16-bit) and no
-// weight copies, and fused
-// 16-bit pricing makes this memory-bound step faster.
+// A bf16 pipeline sends no weight copies (the cut places the tied head's
+// cast of wte in the reading stage, as the trainer's does) unless it runs
+// parallel.async (the runtime sends the copy there); under
+// half_activations it sends its f32 boundaries at 2 bytes an element (the
+// runtime it models keeps them 16-bit), and fused 16-bit pricing makes
+// this memory-bound step faster.
 TEST(CostModel, HalfActivationsHalvePipelineMessages) {
   ModelSpec spec;
   spec.kind = "gpt";
@@ -751,15 +753,24 @@ TEST(CostModel, HalfActivationsHalvePipelineMessages) {
     }
     return bytes;
   };
-  // At f32 stage 0 sends the residual stream h (f32); at bf16 also the
-  // tied head's bf16 copy of wte (a cast the cut places in stage 0).
+  // At f32 stage 0 sends the residual stream h (f32); at bf16 the same
+  // (the tied head's bf16 copy of wte is cast in the last stage).
   o.precision = DType::f32;
   const uint64_t h_bytes = sent(build_programs(spec, o, c));
   o.precision = DType::bf16;
   const Programs plain = build_programs(spec, o, c);
   const StepEstimate e_plain = estimate_step(spec, o, c);
   ASSERT_GT(h_bytes, 0u);
-  ASSERT_GT(sent(plain), h_bytes);
+  EXPECT_EQ(sent(plain), h_bytes);
+  {
+    // Asynchronous: the cast stays in wte's stage and its copy is sent.
+    TrainerOptions oa = o;
+    ParallelShorthand sa = sh;
+    sa.async = AsyncMode::pipedream;
+    oa.dist.plan =
+        std::make_shared<Plan>(expand_shorthand(sa, ShorthandModel{"gpt", 8}, m.graph, 2));
+    EXPECT_GT(sent(build_programs(spec, oa, c)), h_bytes);
+  }
   c.kinds[0].half_activations = true;
   c.kinds[0].fused_elementwise = true;
   const StepEstimate e_half = estimate_step(spec, o, c);

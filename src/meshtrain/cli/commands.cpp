@@ -917,7 +917,10 @@ int cmd_inspect(const CommandOptions& opts) {
       const int dp = pplan->mesh.has_axis("dp") ? pplan->mesh.axis_size("dp") : 1;
       const int64_t micro = rc.train.batch_size / dp / pplan->microbatches;
       const ModelGraph mm = build_model(rc.model, micro);
-      const PipelineCut cut = cut_pipeline(mm.graph, mm.loss, pplan->stages);
+      // Cut as the trainer cuts (train/pipeline_training.cpp).
+      CutOptions co;
+      co.param_casts_join_consumers = pplan->async == AsyncMode::none;
+      const PipelineCut cut = cut_pipeline(mm.graph, mm.loss, pplan->stages, co);
       const PipelineSchedule sched = plan_schedule(*pplan);
       fmt::print("pipeline activation stash ({} examples per micro-batch{}):\n{}", micro,
                  needs_lowering(*pplan) ? "; the unlowered model's" : "",

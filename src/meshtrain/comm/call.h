@@ -16,12 +16,16 @@
 
 namespace mt::comm {
 
+struct StartedOp;  // a send / recv started on the issuing thread (started_p2p.cpp)
+
 struct OpState {
   std::mutex mu;
   std::condition_variable cv;
   bool finished = false;
   std::exception_ptr error;
   std::string description;
+  // Set for send_now / recv_now: the handle's done() and wait() drive it.
+  std::shared_ptr<StartedOp> started;
 };
 
 struct Call {

@@ -19,12 +19,17 @@ using comm::OpState;
 
 bool CommHandle::done() const {
   if (!state_) return true;
+  if (state_->started) return comm::started_done(*state_);
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->finished;
 }
 
 void CommHandle::wait(std::optional<std::chrono::milliseconds> timeout) const {
   if (!state_) return;
+  if (state_->started) {
+    comm::started_wait(*state_, timeout);
+    return;
+  }
   std::unique_lock<std::mutex> lock(state_->mu);
   if (timeout) {
     if (!state_->cv.wait_for(lock, *timeout, [&] { return state_->finished; })) {
@@ -136,6 +141,7 @@ Communicator::Communicator(std::shared_ptr<Transport> transport, CommOptions opt
     : impl_(std::make_unique<Impl>(std::move(transport), std::move(options))) {}
 
 Communicator::~Communicator() {
+  impl_->finish_started();
   impl_->stop_worker();
 }
 

@@ -184,6 +184,30 @@ class Communicator {
   CommHandle recv_async(void* buf, size_t count, DType dtype, int peer,
                         const CollectiveOptions& opts = {});
 
+  // ---- point to point started on the calling thread
+  // send_now / recv_now start the message on the transport at once, on the
+  // calling thread, instead of queueing it for the progress thread (while
+  // async calls are queued or running here they queue as send_async /
+  // recv_async do, so calls keep their issue order). The handle's done()
+  // and wait() drive the message from the thread that calls them, which
+  // must be the issuing thread: no thread is woken to send or receive, so
+  // a message between two ranks whose cores are busy computing costs no
+  // thread switch (a pipeline's boundary tensors). Matched, counted,
+  // observed and timed out as send / recv are. The Tensor overloads keep
+  // their tensor alive until the handle completes. Calls still in flight
+  // when the communicator is destroyed are waited for, as queued ones are.
+  // Started so only on a communicator with shared memory (its ranks on one
+  // node, links not emulated), where the receiver completes a message
+  // without the sender's help (Open MPI's vader copies it with CMA; with
+  // btl_vader_single_copy_mechanism = none it would wait for the sender's
+  // next test); elsewhere they queue as send_async / recv_async do.
+  CommHandle send_now(const void* buf, size_t count, DType dtype, int peer,
+                      const CollectiveOptions& opts = {});
+  CommHandle recv_now(void* buf, size_t count, DType dtype, int peer,
+                      const CollectiveOptions& opts = {});
+  CommHandle send_now(Tensor t, int peer, const CollectiveOptions& opts = {});
+  CommHandle recv_now(Tensor t, int peer, const CollectiveOptions& opts = {});
+
   // ---- receive from whichever peer sends first (parameter servers)
   // post_recv() starts a receive of `count` elements from `peer` on
   // opts.tag at once, on the calling thread: it is not queued behind *_async

@@ -233,6 +233,31 @@ CommHandle Communicator::recv_async(void* buf, size_t count, DType dtype, int pe
   return impl_->issue(rooted_call(Collective::recv, nullptr, buf, count, dtype, peer, opts), true);
 }
 
+CommHandle Communicator::send_now(const void* buf, size_t count, DType dtype, int peer,
+                                  const CollectiveOptions& opts) {
+  check_peer(*this, peer, "send");
+  return impl_->start(rooted_call(Collective::send, buf, nullptr, count, dtype, peer, opts));
+}
+CommHandle Communicator::recv_now(void* buf, size_t count, DType dtype, int peer,
+                                  const CollectiveOptions& opts) {
+  check_peer(*this, peer, "recv");
+  return impl_->start(rooted_call(Collective::recv, nullptr, buf, count, dtype, peer, opts));
+}
+CommHandle Communicator::send_now(Tensor t, int peer, const CollectiveOptions& opts) {
+  check_peer(*this, peer, "send");
+  Call c = rooted_call(Collective::send, t.raw(), nullptr, static_cast<size_t>(t.numel()),
+                       t.dtype(), peer, opts);
+  c.keep = {std::move(t)};
+  return impl_->start(std::move(c));
+}
+CommHandle Communicator::recv_now(Tensor t, int peer, const CollectiveOptions& opts) {
+  check_peer(*this, peer, "recv");
+  Call c = rooted_call(Collective::recv, nullptr, t.raw(), static_cast<size_t>(t.numel()),
+                       t.dtype(), peer, opts);
+  c.keep = {std::move(t)};
+  return impl_->start(std::move(c));
+}
+
 // ---- tensor calls ---------------------------------------------------------------------
 
 void Communicator::all_reduce(Tensor& t, ReduceOp op, const CollectiveOptions& opts) {

@@ -40,6 +40,19 @@ struct Communicator::Impl {
   void worker_loop();
   void stop_worker();
 
+  // send_now / recv_now (started_p2p.cpp): starts the message on the
+  // calling thread, or queues it as an async call when calls are queued.
+  CommHandle start(comm::Call call);
+  // Tests a started call once (under exec_mu: never while the progress
+  // thread drives the transport; `block`: wait for the lock, else report
+  // not done when it is taken); true once it finished (error or not).
+  bool poll_started(comm::OpState& s, bool block);
+  // Drives it to completion; rethrows its error.
+  void wait_started(comm::OpState& s, std::optional<std::chrono::milliseconds> timeout);
+  // Waits for the started calls still in flight (the destructor).
+  void finish_started();
+  void mark_broken(const std::string& why);
+
   comm::CallInfo info_of(const comm::Call& call) const;
   CommAlgorithm resolve(const comm::Call& call, const comm::CallInfo& info) const;
   // Writes a single-round shared-memory call's data before the handshake
@@ -90,6 +103,9 @@ struct Communicator::Impl {
     CommClock::time_point start;
   };
   std::map<int, PostedRecv> posted;
+  // send_now / recv_now calls that may still be in flight (held, so that
+  // dropping a handle neither cancels its message nor loses its count).
+  std::vector<std::shared_ptr<comm::OpState>> started;
   // Requests of lost peers: the engine may still own them (transport.h).
   std::vector<std::unique_ptr<TransportRequest>> abandoned;
 
@@ -97,5 +113,12 @@ struct Communicator::Impl {
   std::optional<std::string> broken;
   std::atomic<bool> is_broken{false};
 };
+
+namespace comm {
+// CommHandle::done() / wait() of a started call (Impl::poll_started /
+// wait_started once it is not finished).
+bool started_done(OpState& s);
+void started_wait(OpState& s, std::optional<std::chrono::milliseconds> timeout);
+}  // namespace comm
 
 }  // namespace mt

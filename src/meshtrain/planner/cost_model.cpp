@@ -773,7 +773,13 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
   auto make_built = [&](int r) {
     auto b = std::make_shared<PipelineBuilt>();
     const ModelGraph m = build_rank_model(spec, micro, o, r, &b->lowered, /*whole_logits=*/false);
-    b->cut = cut_pipeline(m.graph, m.loss, plan.stages);
+    // Cut as the trainer cuts (train/pipeline_training.cpp): a parameter's
+    // narrowing cast (GPT's f16 / bf16 copy of the tied wte) runs in the
+    // stage that reads the copy, which then shares the parameter, so the
+    // copy is no boundary tensor and the gradient exchange is counted.
+    CutOptions co;
+    co.param_casts_join_consumers = plan.async == AsyncMode::none;
+    b->cut = cut_pipeline(m.graph, m.loss, plan.stages, co);
     for (const PipelineStage& ps : b->cut.stages) {
       int64_t arena = 0;
       for (const StagePass* sp : {&ps.forward, &ps.backward}) {
@@ -857,17 +863,6 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         bool recompute = false;  // the forward runs again before the backward
       };
       std::vector<StageTimes> st(cut.stages.size());
-      // Values that are a cast of a parameter (a weight's 16-bit copy);
-      // only Pricing::half reads them.
-      std::set<std::string> weight_copies;
-      for (const PipelineStage& ps : cut.stages) {
-        if (!Pricing::of(dev, o.precision).half) break;
-        const Graph& fg = ps.forward.graph;
-        for (const Node& n : fg.nodes()) {
-          if (n.op == OpKind::cast && fg.value(n.inputs.at(0)).role == ValueRole::param)
-            weight_copies.insert(fg.value(n.outputs.at(0)).name);
-        }
-      }
       for (size_t s = 0; s < cut.stages.size(); ++s) {
         if (static_cast<int>(s) % p != stage) continue;
         const PipelineStage& ps = cut.stages[s];
@@ -878,13 +873,12 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         t.bi = pass_time(dev, slow, ps.backward_input, cm, lg, o.precision);
         t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg, o.precision);
         t.recompute = plan.stages.at(s).recompute;
-        // Sent as the runtime keeps them (Pricing::half: 16-bit, and a
-        // weight's 16-bit copy -- GPT's tied head reading wte -- is not
-        // sent: the stage that reads it keeps its own, as Megatron-LM's
-        // last stage keeps a replica of the embedding).
+        // Sent as the runtime keeps them (Pricing::half: 16-bit). A
+        // weight's 16-bit copy crosses only under parallel.async (the cut
+        // above keeps it in the reading stage otherwise, as Megatron-LM's
+        // last stage keeps a replica of the embedding), and is sent then.
         const Pricing pricing = Pricing::of(dev, o.precision);
         auto sent = [&](const StageBoundary& sb) -> uint64_t {
-          if (pricing.half && weight_copies.count(sb.name)) return 0;
           return static_cast<uint64_t>(sb.shape.numel()) * element_bytes(pricing, sb.dtype);
         };
         for (const StageBoundary& sb : ps.outputs) t.act_bytes += sent(sb);

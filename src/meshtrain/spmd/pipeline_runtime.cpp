@@ -456,6 +456,14 @@ struct PipelineRuntime::Impl {
     auto it = recvs.find({kind, vs, mb});
     auto xt = xrecvs.find({kind, vs, mb});
     if (it == recvs.end() && xt == xrecvs.end()) return;
+    // About to wait: add the gradients still pending first (useful work in
+    // what would be idle time), counted as the last pass's overhead.
+    if (!pending_grads.empty() && it != recvs.end() &&
+        !std::ranges::all_of(it->second, [](const CommHandle& h) { return h.done(); })) {
+      const int64_t f0 = now_ns();
+      flush_grads();
+      if (!spans.empty()) spans.back().overhead_ns += now_ns() - f0;
+    }
     const int64_t t0 = now_ns();
     if (it != recvs.end()) {
       for (CommHandle& h : it->second) h.wait();
@@ -512,8 +520,8 @@ struct PipelineRuntime::Impl {
         if (hop == 0) {
           CollectiveOptions o;
           o.tag = tg;
-          recvs[{kind, vs, mb}].push_back(c.recv_async(buf.raw(), static_cast<size_t>(buf.numel()),
-                                                       buf.dtype(), rt.reducers.back(), o));
+          recvs[{kind, vs, mb}].push_back(c.recv_now(buf.raw(), static_cast<size_t>(buf.numel()),
+                                                     buf.dtype(), rt.reducers.back(), o));
         }
         xrecvs[{kind, vs, mb}].push_back({&plan, r, hop, buf, dest, *dbox, relay, tg});
       }
@@ -612,9 +620,11 @@ struct PipelineRuntime::Impl {
   // `views`: the stash keeps views of the executor's arena instead of
   // copies, except the stage's outputs (a send may read them later, or
   // in flight; plan_views()).
-  // `defer_grads`: the parameter gradients are added after the next pass's
-  // send (a forward follows whose output a neighbour waits for: 1F1B's
-  // first stage, B(i) then F(i+p)), not before it starts.
+  // `defer_grads`: the parameter gradients are added later (a forward
+  // follows whose output a neighbour waits for: 1F1B's first stage, B(i)
+  // then F(i+p)), not before it starts: when the rank next has to wait for
+  // a message (wait_recvs), else before the next pass that reuses an arena
+  // with gradients pending, at the latest at the step's end.
   void run_pass(Pass& pass, int vs, int mb, ActionKind kind, const MicrobatchData& data,
                 const PipelineAction* then_send, bool views = false, bool defer_grads = false) {
     if (!pass.exec) {
@@ -665,7 +675,6 @@ struct PipelineRuntime::Impl {
         }
       }
       send_action(*then_send);
-      flush_grads();
     }
     for (const std::string& name : pass.pass->stash) {
       if (std::ranges::find(first, name) != first.end()) continue;
@@ -730,7 +739,7 @@ struct PipelineRuntime::Impl {
           Tensor buf = Tensor::empty(ins[k].shape, ins[k].dtype);
           CollectiveOptions o;
           o.tag = tag(vs - 1, mb, static_cast<int>(k));
-          recvs[{0, vs, mb}].push_back(act[ix(a.peer)]->recv_async(
+          recvs[{0, vs, mb}].push_back(act[ix(a.peer)]->recv_now(
               buf.raw(), static_cast<size_t>(buf.numel()), buf.dtype(), a.peer, o));
           put(stash[{vs, mb}], ins[k].name, std::move(buf));
         }
@@ -741,7 +750,7 @@ struct PipelineRuntime::Impl {
           Tensor buf = Tensor::empty(outs[k].shape, outs[k].dtype);
           CollectiveOptions o;
           o.tag = tag(vs + 1, mb, static_cast<int>(k));
-          recvs[{1, vs, mb}].push_back(grad[ix(a.peer)]->recv_async(
+          recvs[{1, vs, mb}].push_back(grad[ix(a.peer)]->recv_now(
               buf.raw(), static_cast<size_t>(buf.numel()), buf.dtype(), a.peer, o));
           put(stash[{vs, mb}], "dout/" + outs[k].name, std::move(buf));
         }
@@ -752,8 +761,7 @@ struct PipelineRuntime::Impl {
   void send(Communicator& c, const Tensor& t, int peer, uint32_t tg) {
     CollectiveOptions o;
     o.tag = tg;
-    sends.emplace_back(c.send_async(t.raw(), static_cast<size_t>(t.numel()), t.dtype(), peer, o),
-                       t);
+    sends.emplace_back(c.send_now(t.raw(), static_cast<size_t>(t.numel()), t.dtype(), peer, o), t);
     // Drop finished sends so their tensors can go.
     std::erase_if(sends, [](const auto& s) { return s.first.done() && (s.first.wait(), true); });
   }
