@@ -9,6 +9,7 @@
 #include <ctime>
 #include <fstream>
 #include <map>
+#include <thread>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/cli/commands.h"
@@ -76,7 +77,8 @@ struct KernelRun {
 
 // Forward + backward of `spec` at `batch` through the executor, its profile
 // per operator kind: the fastest of `reps` runs after one warm-up.
-KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t batch, int reps) {
+KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t batch, int reps,
+                        Communicator* together) {
   TrainerOptions o;
   o.batch_size = batch;
   TrainingGraph tg = build_training_graph(spec, o, batch);
@@ -98,6 +100,7 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
   KernelRun k;
   k.label = label;
   for (int rep = 0; rep < reps; ++rep) {
+    if (together) together->barrier();  // every rank's repetition at once
     ex.reset_profile();
     ex.run();
     std::map<std::string, OpRate> run;
@@ -175,10 +178,21 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
   };
   const double started = now_s();
 
-  // 1. Kernels, on rank 0 (the others wait: they share the machine's cores).
+  // 1. Kernels. Training runs every rank's kernels at once, so where each
+  // rank of this node can have a core of its own, every rank profiles the
+  // same models at the same time (a barrier before each repetition) and
+  // rank 0's rates are written: they carry what ranks running side by side
+  // cost each other (shared caches, memory bandwidth, the other rank's
+  // communicator thread), which a kernel timed alone on an idle machine
+  // does not. With more ranks than cores, rank 0 alone (the others wait):
+  // the cluster file describes one device per rank, and sharing a core is
+  // a slowdown the plan states, not an efficiency.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const bool together = comm && world > 1 && static_cast<unsigned>(world) <= cores;
+  Communicator* sync = together ? comm.get() : nullptr;
   std::vector<KernelRun> runs;
   double mem_bw = 0;
-  if (rank == 0) {
+  if (rank == 0 || together) {
     struct Size {
       std::string label;
       ModelSpec spec;
@@ -200,9 +214,10 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
     }
     for (const Size& s : sizes) {
       say(fmt::format("kernels: {} (batch {})", s.label, s.batch));
-      runs.push_back(profile_model(s.label, s.spec, s.batch, quick ? 2 : 5));
+      runs.push_back(profile_model(s.label, s.spec, s.batch, quick ? 2 : 5, sync));
     }
     say("memory bandwidth: a large copy");
+    if (sync) sync->barrier();
     mem_bw = copy_bandwidth(quick ? (16u << 20) : (256u << 20), quick ? 2 : 5);
   }
 
@@ -242,7 +257,30 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
         std::vector<float> a(count, 1.0f), b(count, 0.0f);
         CollectiveOptions co;
         co.algorithm = cs.a;
-        auto call = [&] {
+        // As the runtime issues its collectives (the tensor-parallel
+        // CollectiveRunner, DataParallel's buckets, ZeRO's gathers): queued
+        // on the communicator's progress thread and waited for by the
+        // caller, so the fit holds the hand-off and wake-up the runtime
+        // pays per call. The blocking call on the caller's thread is timed
+        // beside it for the comment.
+        auto start = [&]() -> CommHandle {
+          switch (cs.c) {
+            case Collective::all_reduce:
+              return comm->all_reduce_async(a.data(), b.data(), count, DType::f32, ReduceOp::sum,
+                                            co);
+            case Collective::all_gather:
+              return comm->all_gather_async(a.data(), b.data(), block, DType::f32, co);
+            case Collective::reduce_scatter:
+              return comm->reduce_scatter_async(a.data(), b.data(), block, DType::f32,
+                                                ReduceOp::sum, co);
+            case Collective::broadcast:
+              return comm->broadcast_async(a.data(), count, DType::f32, 0, co);
+            default:
+              return comm->all_to_all_async(a.data(), b.data(), block, DType::f32, co);
+          }
+        };
+        auto call = [&] { start().wait(); };
+        auto call_blocking = [&] {
           switch (cs.c) {
             case Collective::all_reduce:
               comm->all_reduce(a.data(), b.data(), count, DType::f32, ReduceOp::sum, co);
@@ -265,26 +303,36 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
             (cs.c == Collective::all_reduce || cs.c == Collective::broadcast) ? count : block;
         const CollectiveCost my = comm->cost(cs.c, cs.a, cost_count, DType::f32);
         call();  // warm-up
-        std::vector<double> times;
+        call_blocking();
+        std::vector<double> times, blocking;
         for (int r = 0; r < reps; ++r) {
+          // Interleaved, so that both see the same machine.
           comm->barrier();
-          const double t0 = now_s();
+          double t0 = now_s();
           call();
-          double t[3] = {now_s() - t0, static_cast<double>(my.steps),
-                         static_cast<double>(std::max(my.bytes_sent, my.bytes_received))};
-          comm->all_reduce(t, t, 3, DType::f64, ReduceOp::max);  // the slowest rank's
+          double t[4] = {now_s() - t0, static_cast<double>(my.steps),
+                         static_cast<double>(std::max(my.bytes_sent, my.bytes_received)), 0};
+          comm->barrier();
+          t0 = now_s();
+          call_blocking();
+          t[3] = now_s() - t0;
+          comm->all_reduce(t, t, 4, DType::f64, ReduceOp::max);  // the slowest rank's
           times.push_back(t[0]);
+          blocking.push_back(t[3]);
           if (r == 0) {
             s_of[cs.a].push_back(t[1]);
             b_of[cs.a].push_back(t[2]);
           }
         }
-        std::nth_element(times.begin(), times.begin() + static_cast<long>(times.size() / 2),
-                         times.end());
-        t_of[cs.a].push_back(times[times.size() / 2]);
+        auto median = [](std::vector<double>& v) {
+          std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+          return v[v.size() / 2];
+        };
+        const double t_async = median(times), t_blocking = median(blocking);
+        t_of[cs.a].push_back(t_async);
         detail[cs.a] +=
-            fmt::format("{}{} {} B {:.1f} us", detail[cs.a].empty() ? "" : ", ",
-                        collective_name(cs.c), count * 4, times[times.size() / 2] * 1e6);
+            fmt::format("{}{} {} B {:.1f} us (blocking {:.1f})", detail[cs.a].empty() ? "" : ", ",
+                        collective_name(cs.c), count * 4, t_async * 1e6, t_blocking * 1e6);
       }
     }
     for (const auto& [a, t] : t_of) {
@@ -338,8 +386,13 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
       "{:.2f},\n# in {:.1f} s{}. docs/cluster.md describes the format.\n"
       "# peak_tflops_f32 is the best matmul throughput measured (a CPU has no datasheet peak\n"
       "# its kernels reach); each operator's efficiency is its throughput over that peak.\n"
-      "# Memory is MemTotal / ranks (the ranks share it).\n\n",
-      world, when, host, world, load, now_s() - started, quick ? " (--quick: small sizes)" : "");
+      "# Memory is MemTotal / ranks (the ranks share it). Kernels and the copy: {}.\n"
+      "# Collectives: through the async path the runtime uses (queued on the progress\n"
+      "# thread, waited for by the caller); the blocking call's time beside each.\n\n",
+      world, when, host, world, load, now_s() - started, quick ? " (--quick: small sizes)" : "",
+      together ? fmt::format("timed on all {} ranks at once, as training runs them; rank 0's rates",
+                             world)
+               : std::string("timed on rank 0 alone"));
   out += "device = \"cpu\"\n\n[devices.cpu]\n";
   out += fmt::format("peak_tflops_f32 = {}\n", g3(peak * 1e-12));
   out += fmt::format("memory_gb = {}\n", g3(static_cast<double>(mem_total_bytes()) / world * 1e-9));
