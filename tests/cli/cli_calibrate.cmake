@@ -20,7 +20,10 @@ foreach(re "\\[devices\\.cpu\\]" "peak_tflops_f32 = [0-9.e-]+" "memory_gb = [0-9
     # a core), collectives through the runtime's async path, the blocking
     # call's time beside each.
     "Kernels and the copy: timed on (all 2 ranks at once|rank 0 alone)"
-    "all_reduce 4096 B [0-9.]+ us \\(blocking [0-9.]+\\)")
+    "all_reduce 4096 B [0-9.]+ us \\(blocking [0-9.]+\\)"
+    # The executor's own time per kernel.
+    "# per kernel, the executor's run time less its kernels': mlp hidden [0-9]+ [0-9.]+ us \\([0-9]+ kernels\\)"
+    "\nop_overhead_us = [0-9.e-]+\n")
   if(NOT cal MATCHES "${re}")
     message(FATAL_ERROR "cal.toml does not match '${re}':\n${cal}")
   endif()

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -18,6 +19,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/comm/probe.h"
 #include "meshtrain/exec/executor.h"
+#include "meshtrain/graph/op_registry.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -73,6 +75,11 @@ struct OpRate {
 struct KernelRun {
   std::string label;                  // "mlp 256", "gpt d128"
   std::map<std::string, OpRate> ops;  // by operator name
+  // The executor's own time per kernel it runs: the run's wall time less
+  // its operators' (dispatch, bookkeeping between kernels), the least of
+  // the repetitions.
+  double overhead_s = 0;
+  int64_t kernels = 0;  // kernels one run executes
 };
 
 // Forward + backward of `spec` at `batch` through the executor, its profile
@@ -99,10 +106,24 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
   // the best run is the closest to what the kernels can do).
   KernelRun k;
   k.label = label;
+  k.overhead_s = std::numeric_limits<double>::infinity();
   for (int rep = 0; rep < reps; ++rep) {
     if (together) together->barrier();  // every rank's repetition at once
     ex.reset_profile();
+    const double t0 = now_s();
     ex.run();
+    const double wall = now_s() - t0;
+    double in_ops = 0;
+    int64_t kernels = 0;
+    for (const OpProfile& p : ex.profile()) {
+      in_ops += static_cast<double>(p.total_ns) * 1e-9;
+      if (!op_def(p.op).view && p.calls > 0) ++kernels;
+    }
+    if (kernels > 0) {
+      k.kernels = kernels;
+      k.overhead_s =
+          std::min(k.overhead_s, std::max(0.0, wall - in_ops) / static_cast<double>(kernels));
+    }
     std::map<std::string, OpRate> run;
     for (const OpProfile& p : ex.profile()) {
       if (p.flops <= 0 || p.total_ns <= 0) continue;
@@ -397,6 +418,23 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
   out += fmt::format("peak_tflops_f32 = {}\n", g3(peak * 1e-12));
   out += fmt::format("memory_gb = {}\n", g3(static_cast<double>(mem_total_bytes()) / world * 1e-9));
   if (mem_bw > 0) out += fmt::format("memory_bandwidth_gb_s = {}\n", g3(mem_bw * 1e-9));
+  // The executor's time per kernel besides the kernel: the median over the
+  // model sizes (each the least of its repetitions).
+  std::vector<double> overheads;
+  std::string overhead_detail;
+  for (const KernelRun& k : runs) {
+    if (!std::isfinite(k.overhead_s)) continue;
+    overheads.push_back(k.overhead_s);
+    overhead_detail +=
+        fmt::format("{}{} {:.2f} us ({} kernels)", overhead_detail.empty() ? "" : "; ", k.label,
+                    k.overhead_s * 1e6, k.kernels);
+  }
+  if (!overheads.empty()) {
+    std::sort(overheads.begin(), overheads.end());
+    out += fmt::format(
+        "# per kernel, the executor's run time less its kernels': {}\nop_overhead_us = {}\n",
+        overhead_detail, g3(overheads[overheads.size() / 2] * 1e6));
+  }
   out += fmt::format("source = \"meshtrain calibrate on {}, {} ({}), {}\"\n", host, cpu.model,
                      cpu.isa_flags(), when);
   out += "[devices.cpu.efficiency]\n";
