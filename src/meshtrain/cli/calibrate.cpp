@@ -80,6 +80,11 @@ struct KernelRun {
   // the repetitions.
   double overhead_s = 0;
   int64_t kernels = 0;  // kernels one run executes
+  // With a peer: the least wall time of a whole run with nothing pending
+  // and with a receive from the peer posted on the communicator's progress
+  // thread through the run (as a pipeline stage computes while it waits
+  // for the next message), repetitions interleaved.
+  double plain_s = 0, pending_s = 0;
 };
 
 // Forward + backward of `spec` at `batch` through the executor, its profile
@@ -107,12 +112,36 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
   KernelRun k;
   k.label = label;
   k.overhead_s = std::numeric_limits<double>::infinity();
+  k.plain_s = k.pending_s = std::numeric_limits<double>::infinity();
+  const int peer = together ? (together->rank() ^ 1) : -1;  // pairs 0-1, 2-3, ...
+  const bool paired = peer >= 0 && peer < (together ? together->size() : 0);
+  float token_in = 0, token_out = 1;
+  // One communicator per direction, as the pipeline runtime has: a send
+  // queued behind the pending receive on one progress thread would never
+  // leave. Even ranks receive on `a` and send on `b`, odd ranks the reverse.
+  std::unique_ptr<Communicator> a =
+      paired ? together->split(0, together->rank(), "calibrate-a") : nullptr;
+  std::unique_ptr<Communicator> b =
+      paired ? together->split(0, together->rank(), "calibrate-b") : nullptr;
+  Communicator* inbox = paired ? (together->rank() % 2 == 0 ? a.get() : b.get()) : nullptr;
+  Communicator* outbox = paired ? (together->rank() % 2 == 0 ? b.get() : a.get()) : nullptr;
   for (int rep = 0; rep < reps; ++rep) {
+    if (paired) {
+      // The same run with a receive pending, not profiled into the rates.
+      together->barrier();
+      CommHandle pending = inbox->recv_async(&token_in, 1, DType::f32, peer);
+      const double p0 = now_s();
+      ex.run();
+      k.pending_s = std::min(k.pending_s, now_s() - p0);
+      outbox->send(&token_out, 1, DType::f32, peer);
+      pending.wait();
+    }
     if (together) together->barrier();  // every rank's repetition at once
     ex.reset_profile();
     const double t0 = now_s();
     ex.run();
     const double wall = now_s() - t0;
+    k.plain_s = std::min(k.plain_s, wall);
     double in_ops = 0;
     int64_t kernels = 0;
     for (const OpProfile& p : ex.profile()) {
@@ -236,6 +265,12 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
     for (const Size& s : sizes) {
       say(fmt::format("kernels: {} (batch {})", s.label, s.batch));
       runs.push_back(profile_model(s.label, s.spec, s.batch, quick ? 2 : 5, sync));
+    }
+    for (const KernelRun& k : runs) {
+      if (std::isfinite(k.pending_s)) {
+        say(fmt::format("{}: a run {:.3f} ms, with a receive pending {:.3f} ms ({:.3f}x)", k.label,
+                        k.plain_s * 1e3, k.pending_s * 1e3, k.pending_s / k.plain_s));
+      }
     }
     say("memory bandwidth: a large copy");
     if (sync) sync->barrier();
@@ -428,6 +463,19 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
     overhead_detail +=
         fmt::format("{}{} {:.2f} us ({} kernels)", overhead_detail.empty() ? "" : "; ", k.label,
                     k.overhead_s * 1e6, k.kernels);
+  }
+  // Not priced: how much a pending receive (the communicator's progress
+  // thread waiting, as a pipeline stage's does through its passes) slows a
+  // run where threads outnumber cores; docs/planner.md "What TP and PP
+  // leave out".
+  std::string pending;
+  for (const KernelRun& k : runs) {
+    if (!std::isfinite(k.pending_s) || k.plain_s <= 0) continue;
+    pending += fmt::format("{}{} {:.3f} / {:.3f} ms ({:.3f}x)", pending.empty() ? "" : "; ",
+                           k.label, k.pending_s * 1e3, k.plain_s * 1e3, k.pending_s / k.plain_s);
+  }
+  if (!pending.empty()) {
+    out += fmt::format("# a run with a receive pending / without (not priced): {}\n", pending);
   }
   if (!overheads.empty()) {
     std::sort(overheads.begin(), overheads.end());
