@@ -15,7 +15,15 @@ file(READ ${dir}/cal.toml cal)
 foreach(re "\\[devices\\.cpu\\]" "peak_tflops_f32 = [0-9.e-]+" "memory_gb = [0-9.]+"
     "memory_bandwidth_gb_s = [0-9.]+" "\"matmul\" = [0-9.e-]+\n" "\\[collectives\\.ring\\.intra_node\\]"
     "\\[collectives\\.halving_doubling\\.intra_node\\]" "ranks_per_node = 2"
-    "# dist\\.algorithm_choice = measured would pick, on 2 ranks here: all_reduce: [a-z_]+")
+    "# dist\\.algorithm_choice = measured would pick, on 2 ranks here: all_reduce: [a-z_]+"
+    # Kernels timed as training runs them (both ranks at once where each has
+    # a core), collectives through the runtime's async path, the blocking
+    # call's time beside each.
+    "Kernels and the copy: timed on (all 2 ranks at once|rank 0 alone)"
+    "all_reduce 4096 B [0-9.]+ us \\(blocking [0-9.]+\\)"
+    # The executor's own time per kernel.
+    "# per kernel, the executor's run time less its kernels': mlp hidden [0-9]+ [0-9.]+ us \\([0-9]+ kernels\\)"
+    "\nop_overhead_us = [0-9.e-]+\n")
   if(NOT cal MATCHES "${re}")
     message(FATAL_ERROR "cal.toml does not match '${re}':\n${cal}")
   endif()

@@ -127,6 +127,7 @@ peak_tflops_bf16 = 312
 memory_gb = 80
 memory_bandwidth_gb_s = 2039
 default_efficiency = 0.4
+op_overhead_us = 4.5
 source = "datasheet"
 [devices.big.efficiency]
 matmul = 0.7
@@ -166,6 +167,8 @@ bandwidth_gbit_s = 800
   EXPECT_DOUBLE_EQ(m.device(3).memory_bandwidth, 2039e9);
   EXPECT_DOUBLE_EQ(m.device(3).efficiency.at("matmul"), 0.7);
   EXPECT_DOUBLE_EQ(m.device(3).default_efficiency, 0.4);
+  EXPECT_DOUBLE_EQ(m.device(3).op_overhead_s, 4.5e-6);
+  EXPECT_EQ(m.device(5).op_overhead_s, 0.0);  // not given: none
   EXPECT_EQ(m.device(0).source, "datasheet");
   EXPECT_DOUBLE_EQ(m.device(5).peak_flops_f32, 15.7e12);
   EXPECT_EQ(m.layout.kind(0, 2), LinkKind::inter_node);
@@ -187,6 +190,8 @@ TEST(ClusterFile, BadDeviceKindsNameTheKey) {
                   "devices.cpu.memory_gb: expected a number > 0, got 0");
   expect_rejected("node_size = 1\n[devices.cpu]\nmemory_bandwidth_gb_s = -5\n", 1,
                   "devices.cpu.memory_bandwidth_gb_s: expected a number > 0, got -5");
+  expect_rejected("node_size = 1\n[devices.cpu]\nop_overhead_us = -1\n", 1,
+                  "devices.cpu.op_overhead_us: expected a number >= 0, got -1");
   expect_rejected("node_size = 1\n[devices.cpu.efficiency]\nmatmul = 1.5\n", 1,
                   "devices.cpu.efficiency.matmul: expected a fraction of peak in (0, 1], got 1.5");
   expect_rejected("node_size = 1\ndevice = \"tpu\"\n[devices.cpu]\n", 1,

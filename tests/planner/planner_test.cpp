@@ -82,6 +82,40 @@ TEST(OpSeconds, FlopsOrBytesWhicheverIsLarger) {
   EXPECT_DOUBLE_EQ(op_seconds(k, h, h.node(0)), flops / (4e12 * 0.8));
 }
 
+// op_overhead_s (the executor's own time per kernel, `meshtrain calibrate`'s
+// op_overhead_us): added once to every operator that costs anything, not
+// slowed down (the emulation stretches the kernel only); views and
+// collectives stay free; a fused run pays it once, on its last operator.
+TEST(OpSeconds, OverheadOncePerKernel) {
+  Graph g;
+  Builder b(g);
+  const ValueId x = b.input("x", {64, 128}, DType::f32);
+  const ValueId w = b.param("w", {128, 256}, ParamInit{});
+  const ValueId y = b.matmul(x, w);               // node 0
+  const ValueId r = b.reshape(y, {256, 64});      // node 1: a view
+  b.scale(b.relu(b.reshape(r, {64, 256})), 2.0);  // reshape 2, relu 3, scale 4
+  DeviceKind k = device(1e12, 1e11);
+  k.efficiency["matmul"] = 0.8;
+  k.op_overhead_s = 5e-6;
+  const double flops = 2.0 * 64 * 128 * 256;
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, g.node(0)), flops / (1e12 * 0.8) + 5e-6);
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, g.node(0), 3.0), 3 * flops / (1e12 * 0.8) + 5e-6);
+  EXPECT_EQ(op_seconds(k, g, g.node(1)), 0.0);
+  // relu: 64x256 f32 read and written at 1e11 B/s (memory-bound), + 5 us.
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, g.node(3)), 2.0 * 64 * 256 * 4 / 1e11 + 5e-6);
+  // Fused: relu and scale are one kernel (reads y through the view, writes
+  // the result): 2 tensors' bytes + one overhead, on the scale.
+  k.fused_elementwise = true;
+  const std::vector<double> t = node_seconds(k, g, DType::f32);
+  EXPECT_EQ(t[3], 0.0);
+  EXPECT_DOUBLE_EQ(t[4], 2.0 * 64 * 256 * 4 / 1e11 + 5e-6);
+  // A collective costs no compute time, overhead or not.
+  Graph h;
+  Builder hb(h);
+  hb.reduce_from_group(hb.input("x", {8}, DType::f32), 0);
+  EXPECT_EQ(op_seconds(k, h, h.node(0)), 0.0);
+}
+
 // Without runtime settings every operator is its own pass: node_seconds is
 // op_seconds node by node, whatever the run's precision.
 TEST(NodeSeconds, WithoutRuntimeSettingsEachOperatorIsOp_seconds) {
@@ -517,6 +551,34 @@ TEST(CostModel, DataParallelUsesTheTrainersPlanAndOneProgram) {
   const StepEstimate es = estimate_step(spec, o, slow);
   EXPECT_GT(es.step_s, e.step_s);
   EXPECT_EQ(build_programs(spec, o, slow).programs.size(), 2u);
+}
+
+// The per-kernel overhead lands in a data-parallel rank's compute time
+// once per operator of its training graph that costs anything.
+TEST(CostModel, OpOverheadAddsOncePerKernelOfTheStep) {
+  const int n = 2;
+  const ModelSpec spec = mlp();
+  const TrainerOptions o = mlp_options(n);
+  ClusterModel c = cluster(n, 1e-5, 1e9);
+  const StepEstimate e0 = simulate(build_programs(spec, o, c), c);
+  TrainerOptions one = o;
+  const TrainingGraph tg = build_training_graph(spec, one, o.batch_size / n, 0);
+  const Graph& g = tg.model.graph;
+  int kernels = 0;
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    const OpCost cost = op_cost(g, g.node(i));
+    if (!is_group_op(g.node(i).op) && (cost.flops > 0 || cost.bytes > 0)) ++kernels;
+  }
+  ASSERT_GT(kernels, 10);
+  c.kinds[0].op_overhead_s = 7e-6;
+  const StepEstimate e1 = simulate(build_programs(spec, o, c), c);
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NEAR(
+        e1.ranks[static_cast<size_t>(r)].compute_s - e0.ranks[static_cast<size_t>(r)].compute_s,
+        kernels * 7e-6, 1e-12)
+        << r;
+  }
+  EXPECT_GT(e1.step_s, e0.step_s);
 }
 
 TEST(CostModel, TensorAndPipelinePlansDeduplicatePrograms) {

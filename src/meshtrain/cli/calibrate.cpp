@@ -8,7 +8,9 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <thread>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/cli/commands.h"
@@ -17,6 +19,7 @@
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/comm/probe.h"
 #include "meshtrain/exec/executor.h"
+#include "meshtrain/graph/op_registry.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -72,11 +75,22 @@ struct OpRate {
 struct KernelRun {
   std::string label;                  // "mlp 256", "gpt d128"
   std::map<std::string, OpRate> ops;  // by operator name
+  // The executor's own time per kernel it runs: the run's wall time less
+  // its operators' (dispatch, bookkeeping between kernels), the least of
+  // the repetitions.
+  double overhead_s = 0;
+  int64_t kernels = 0;  // kernels one run executes
+  // With a peer: the least wall time of a whole run with nothing pending
+  // and with a receive from the peer posted on the communicator's progress
+  // thread through the run (as a pipeline stage computes while it waits
+  // for the next message), repetitions interleaved.
+  double plain_s = 0, pending_s = 0;
 };
 
 // Forward + backward of `spec` at `batch` through the executor, its profile
 // per operator kind: the fastest of `reps` runs after one warm-up.
-KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t batch, int reps) {
+KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t batch, int reps,
+                        Communicator* together) {
   TrainerOptions o;
   o.batch_size = batch;
   TrainingGraph tg = build_training_graph(spec, o, batch);
@@ -93,13 +107,51 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
   }
   for (const auto& [id, t] : tg.model.constants) ex.bind(id, t);
   ex.run();
-  // Per operator kind, the fastest of the runs (the machine may be shared:
-  // the best run is the closest to what the kernels can do).
   KernelRun k;
   k.label = label;
+  k.overhead_s = std::numeric_limits<double>::infinity();
+  k.plain_s = k.pending_s = std::numeric_limits<double>::infinity();
+  std::map<std::string, std::vector<OpRate>> all;           // per operator kind, one per repetition
+  const int peer = together ? (together->rank() ^ 1) : -1;  // pairs 0-1, 2-3, ...
+  const bool paired = peer >= 0 && peer < (together ? together->size() : 0);
+  float token_in = 0, token_out = 1;
+  // One communicator per direction, as the pipeline runtime has: a send
+  // queued behind the pending receive on one progress thread would never
+  // leave. Even ranks receive on `a` and send on `b`, odd ranks the reverse.
+  std::unique_ptr<Communicator> a =
+      paired ? together->split(0, together->rank(), "calibrate-a") : nullptr;
+  std::unique_ptr<Communicator> b =
+      paired ? together->split(0, together->rank(), "calibrate-b") : nullptr;
+  Communicator* inbox = paired ? (together->rank() % 2 == 0 ? a.get() : b.get()) : nullptr;
+  Communicator* outbox = paired ? (together->rank() % 2 == 0 ? b.get() : a.get()) : nullptr;
   for (int rep = 0; rep < reps; ++rep) {
+    if (paired) {
+      // The same run with a receive pending, not profiled into the rates.
+      together->barrier();
+      CommHandle pending = inbox->recv_async(&token_in, 1, DType::f32, peer);
+      const double p0 = now_s();
+      ex.run();
+      k.pending_s = std::min(k.pending_s, now_s() - p0);
+      outbox->send(&token_out, 1, DType::f32, peer);
+      pending.wait();
+    }
+    if (together) together->barrier();  // every rank's repetition at once
     ex.reset_profile();
+    const double t0 = now_s();
     ex.run();
+    const double wall = now_s() - t0;
+    k.plain_s = std::min(k.plain_s, wall);
+    double in_ops = 0;
+    int64_t kernels = 0;
+    for (const OpProfile& p : ex.profile()) {
+      in_ops += static_cast<double>(p.total_ns) * 1e-9;
+      if (!op_def(p.op).view && p.calls > 0) ++kernels;
+    }
+    if (kernels > 0) {
+      k.kernels = kernels;
+      k.overhead_s =
+          std::min(k.overhead_s, std::max(0.0, wall - in_ops) / static_cast<double>(kernels));
+    }
     std::map<std::string, OpRate> run;
     for (const OpProfile& p : ex.profile()) {
       if (p.flops <= 0 || p.total_ns <= 0) continue;
@@ -107,10 +159,16 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
       r.flops += p.flops;
       r.seconds += static_cast<double>(p.total_ns) * 1e-9;
     }
-    for (const auto& [op, r] : run) {
-      auto [it, added] = k.ops.try_emplace(op, r);
-      if (!added && r.rate() > it->second.rate()) it->second = r;
-    }
+    for (const auto& [op, r] : run) all[op].push_back(r);
+  }
+  // Per operator kind, the fastest of the repetitions. The median, tried
+  // in i12-time to match the trainer's median step, made the file follow
+  // the load of the seconds it was measured in (at load 5 it priced every
+  // plan 35-85% slower than trainings measured at load 2-3 minutes later);
+  // the fastest repetition is what the kernels do when they have the core.
+  for (auto& [op, rs] : all) {
+    k.ops[op] = *std::max_element(
+        rs.begin(), rs.end(), [](const OpRate& x, const OpRate& y) { return x.rate() < y.rate(); });
   }
   return k;
 }
@@ -175,10 +233,21 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
   };
   const double started = now_s();
 
-  // 1. Kernels, on rank 0 (the others wait: they share the machine's cores).
+  // 1. Kernels. Training runs every rank's kernels at once, so where each
+  // rank of this node can have a core of its own, every rank profiles the
+  // same models at the same time (a barrier before each repetition) and
+  // rank 0's rates are written: they carry what ranks running side by side
+  // cost each other (shared caches, memory bandwidth, the other rank's
+  // communicator thread), which a kernel timed alone on an idle machine
+  // does not. With more ranks than cores, rank 0 alone (the others wait):
+  // the cluster file describes one device per rank, and sharing a core is
+  // a slowdown the plan states, not an efficiency.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const bool together = comm && world > 1 && static_cast<unsigned>(world) <= cores;
+  Communicator* sync = together ? comm.get() : nullptr;
   std::vector<KernelRun> runs;
   double mem_bw = 0;
-  if (rank == 0) {
+  if (rank == 0 || together) {
     struct Size {
       std::string label;
       ModelSpec spec;
@@ -200,9 +269,16 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
     }
     for (const Size& s : sizes) {
       say(fmt::format("kernels: {} (batch {})", s.label, s.batch));
-      runs.push_back(profile_model(s.label, s.spec, s.batch, quick ? 2 : 5));
+      runs.push_back(profile_model(s.label, s.spec, s.batch, quick ? 2 : 5, sync));
+    }
+    for (const KernelRun& k : runs) {
+      if (std::isfinite(k.pending_s)) {
+        say(fmt::format("{}: a run {:.3f} ms, with a receive pending {:.3f} ms ({:.3f}x)", k.label,
+                        k.plain_s * 1e3, k.pending_s * 1e3, k.pending_s / k.plain_s));
+      }
     }
     say("memory bandwidth: a large copy");
+    if (sync) sync->barrier();
     mem_bw = copy_bandwidth(quick ? (16u << 20) : (256u << 20), quick ? 2 : 5);
   }
 
@@ -242,7 +318,30 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
         std::vector<float> a(count, 1.0f), b(count, 0.0f);
         CollectiveOptions co;
         co.algorithm = cs.a;
-        auto call = [&] {
+        // As the runtime issues its collectives (the tensor-parallel
+        // CollectiveRunner, DataParallel's buckets, ZeRO's gathers): queued
+        // on the communicator's progress thread and waited for by the
+        // caller, so the fit holds the hand-off and wake-up the runtime
+        // pays per call. The blocking call on the caller's thread is timed
+        // beside it for the comment.
+        auto start = [&]() -> CommHandle {
+          switch (cs.c) {
+            case Collective::all_reduce:
+              return comm->all_reduce_async(a.data(), b.data(), count, DType::f32, ReduceOp::sum,
+                                            co);
+            case Collective::all_gather:
+              return comm->all_gather_async(a.data(), b.data(), block, DType::f32, co);
+            case Collective::reduce_scatter:
+              return comm->reduce_scatter_async(a.data(), b.data(), block, DType::f32,
+                                                ReduceOp::sum, co);
+            case Collective::broadcast:
+              return comm->broadcast_async(a.data(), count, DType::f32, 0, co);
+            default:
+              return comm->all_to_all_async(a.data(), b.data(), block, DType::f32, co);
+          }
+        };
+        auto call = [&] { start().wait(); };
+        auto call_blocking = [&] {
           switch (cs.c) {
             case Collective::all_reduce:
               comm->all_reduce(a.data(), b.data(), count, DType::f32, ReduceOp::sum, co);
@@ -265,26 +364,36 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
             (cs.c == Collective::all_reduce || cs.c == Collective::broadcast) ? count : block;
         const CollectiveCost my = comm->cost(cs.c, cs.a, cost_count, DType::f32);
         call();  // warm-up
-        std::vector<double> times;
+        call_blocking();
+        std::vector<double> times, blocking;
         for (int r = 0; r < reps; ++r) {
+          // Interleaved, so that both see the same machine.
           comm->barrier();
-          const double t0 = now_s();
+          double t0 = now_s();
           call();
-          double t[3] = {now_s() - t0, static_cast<double>(my.steps),
-                         static_cast<double>(std::max(my.bytes_sent, my.bytes_received))};
-          comm->all_reduce(t, t, 3, DType::f64, ReduceOp::max);  // the slowest rank's
+          double t[4] = {now_s() - t0, static_cast<double>(my.steps),
+                         static_cast<double>(std::max(my.bytes_sent, my.bytes_received)), 0};
+          comm->barrier();
+          t0 = now_s();
+          call_blocking();
+          t[3] = now_s() - t0;
+          comm->all_reduce(t, t, 4, DType::f64, ReduceOp::max);  // the slowest rank's
           times.push_back(t[0]);
+          blocking.push_back(t[3]);
           if (r == 0) {
             s_of[cs.a].push_back(t[1]);
             b_of[cs.a].push_back(t[2]);
           }
         }
-        std::nth_element(times.begin(), times.begin() + static_cast<long>(times.size() / 2),
-                         times.end());
-        t_of[cs.a].push_back(times[times.size() / 2]);
+        auto median = [](std::vector<double>& v) {
+          std::nth_element(v.begin(), v.begin() + static_cast<long>(v.size() / 2), v.end());
+          return v[v.size() / 2];
+        };
+        const double t_async = median(times), t_blocking = median(blocking);
+        t_of[cs.a].push_back(t_async);
         detail[cs.a] +=
-            fmt::format("{}{} {} B {:.1f} us", detail[cs.a].empty() ? "" : ", ",
-                        collective_name(cs.c), count * 4, times[times.size() / 2] * 1e6);
+            fmt::format("{}{} {} B {:.1f} us (blocking {:.1f})", detail[cs.a].empty() ? "" : ", ",
+                        collective_name(cs.c), count * 4, t_async * 1e6, t_blocking * 1e6);
       }
     }
     for (const auto& [a, t] : t_of) {
@@ -338,12 +447,48 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
       "{:.2f},\n# in {:.1f} s{}. docs/cluster.md describes the format.\n"
       "# peak_tflops_f32 is the best matmul throughput measured (a CPU has no datasheet peak\n"
       "# its kernels reach); each operator's efficiency is its throughput over that peak.\n"
-      "# Memory is MemTotal / ranks (the ranks share it).\n\n",
-      world, when, host, world, load, now_s() - started, quick ? " (--quick: small sizes)" : "");
+      "# Each rate is the fastest of the repetitions.\n"
+      "# Memory is MemTotal / ranks (the ranks share it). Kernels and the copy: {}.\n"
+      "# Collectives: through the async path the runtime uses (queued on the progress\n"
+      "# thread, waited for by the caller); the blocking call's time beside each.\n\n",
+      world, when, host, world, load, now_s() - started, quick ? " (--quick: small sizes)" : "",
+      together ? fmt::format("timed on all {} ranks at once, as training runs them; rank 0's rates",
+                             world)
+               : std::string("timed on rank 0 alone"));
   out += "device = \"cpu\"\n\n[devices.cpu]\n";
   out += fmt::format("peak_tflops_f32 = {}\n", g3(peak * 1e-12));
   out += fmt::format("memory_gb = {}\n", g3(static_cast<double>(mem_total_bytes()) / world * 1e-9));
   if (mem_bw > 0) out += fmt::format("memory_bandwidth_gb_s = {}\n", g3(mem_bw * 1e-9));
+  // The executor's time per kernel besides the kernel: the median over the
+  // model sizes (each the least of its repetitions).
+  std::vector<double> overheads;
+  std::string overhead_detail;
+  for (const KernelRun& k : runs) {
+    if (!std::isfinite(k.overhead_s)) continue;
+    overheads.push_back(k.overhead_s);
+    overhead_detail +=
+        fmt::format("{}{} {:.2f} us ({} kernels)", overhead_detail.empty() ? "" : "; ", k.label,
+                    k.overhead_s * 1e6, k.kernels);
+  }
+  // Not priced: how much a pending receive (the communicator's progress
+  // thread waiting, as a pipeline stage's does through its passes) slows a
+  // run where threads outnumber cores; docs/planner.md "What TP and PP
+  // leave out".
+  std::string pending;
+  for (const KernelRun& k : runs) {
+    if (!std::isfinite(k.pending_s) || k.plain_s <= 0) continue;
+    pending += fmt::format("{}{} {:.3f} / {:.3f} ms ({:.3f}x)", pending.empty() ? "" : "; ",
+                           k.label, k.pending_s * 1e3, k.plain_s * 1e3, k.pending_s / k.plain_s);
+  }
+  if (!pending.empty()) {
+    out += fmt::format("# a run with a receive pending / without (not priced): {}\n", pending);
+  }
+  if (!overheads.empty()) {
+    std::sort(overheads.begin(), overheads.end());
+    out += fmt::format(
+        "# per kernel, the executor's run time less its kernels': {}\nop_overhead_us = {}\n",
+        overhead_detail, g3(overheads[overheads.size() / 2] * 1e6));
+  }
   out += fmt::format("source = \"meshtrain calibrate on {}, {} ({}), {}\"\n", host, cpu.model,
                      cpu.isa_flags(), when);
   out += "[devices.cpu.efficiency]\n";

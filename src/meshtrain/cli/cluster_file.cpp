@@ -141,7 +141,7 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       rd.only(d, p,
               {"peak_tflops", "peak_tflops_f32", "peak_tflops_tf32", "peak_tflops_bf16",
                "memory_gb", "memory_bandwidth_gb_s", "efficiency", "default_efficiency", "source",
-               "runtime", "compute_units", "matmul_tile"});
+               "runtime", "compute_units", "matmul_tile", "op_overhead_us"});
       ClusterFile::Device dev;
       if (d.get("peak_tflops") && d.get("peak_tflops_f32")) {
         rd.fail(p + "peak_tflops_f32", "give peak_tflops or peak_tflops_f32 (the same), not both");
@@ -160,6 +160,9 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       }
       if (const toml::node* x = d.get("memory_bandwidth_gb_s")) {
         dev.memory_bandwidth_gb_s = rd.number(*x, p + "memory_bandwidth_gb_s", 0, true);
+      }
+      if (const toml::node* x = d.get("op_overhead_us")) {
+        dev.op_overhead_us = rd.number(*x, p + "op_overhead_us", 0, false);
       }
       auto fraction = [&](const toml::node& x, const std::string& key) {
         const double e = rd.number(x, key, 0, true);
@@ -557,6 +560,7 @@ planner::ClusterModel cluster_model(const ClusterFile& f, int world) {
     k.peak_flops_bf16 = d.peak_tflops_bf16.value_or(0) * 1e12;
     k.memory_bytes = d.memory_gb.value_or(0) * 1e9;
     k.memory_bandwidth = d.memory_bandwidth_gb_s.value_or(0) * 1e9;
+    k.op_overhead_s = d.op_overhead_us * 1e-6;
     k.efficiency = d.efficiency;
     if (d.default_efficiency) k.default_efficiency = *d.default_efficiency;
     k.source = d.source;

@@ -50,6 +50,7 @@ struct ClusterFile {
     std::optional<double> peak_tflops_bf16;  // dense bf16 / f16
     std::optional<double> memory_gb;
     std::optional<double> memory_bandwidth_gb_s;
+    double op_overhead_us = 0;                 // the executor's time per kernel run
     std::map<std::string, double> efficiency;  // operator name -> fraction of peak
     std::optional<double> default_efficiency;
     int64_t compute_units = 0;                 // 0: not given

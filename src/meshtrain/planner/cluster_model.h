@@ -22,6 +22,12 @@ struct DeviceKind {
   double peak_flops_bf16 = 0;   // FLOP/s, dense bf16 / f16; 0 = same as f32
   double memory_bytes = 0;      // usable device memory
   double memory_bandwidth = 0;  // bytes/s, for memory-bound operators; 0 = unknown
+  // Seconds the runtime spends per kernel besides the kernel itself (the
+  // executor's dispatch and bookkeeping between two operators; a GPU's
+  // launch overhead), added once per kernel run: per operator, per fused
+  // run under fused_elementwise. Not scaled by a rank's slowdown (the
+  // emulation stretches kernels only). `meshtrain calibrate` measures it.
+  double op_overhead_s = 0;
   // Fraction of peak an operator kind reaches, measured (`meshtrain
   // calibrate`) or from published figures, keyed by the graph's operator
   // name (e.g. "matmul", "softmax"); operators not listed use

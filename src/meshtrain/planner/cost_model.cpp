@@ -75,7 +75,7 @@ double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double 
   if (c.flops <= 0 && c.bytes <= 0) return 0.0;
   const double t_flops = flop_seconds(kind, g, n, c.flops);
   const double t_bytes = kind.memory_bandwidth > 0 ? c.bytes / kind.memory_bandwidth : 0.0;
-  return std::max(t_flops, t_bytes) * slowdown;
+  return std::max(t_flops, t_bytes) * slowdown + kind.op_overhead_s;
 }
 
 Pricing Pricing::of(const DeviceKind& kind, DType precision) {
@@ -161,7 +161,8 @@ std::vector<double> node_seconds_no_dropout(const DeviceKind& kind, const Graph&
       for (ValueId v : n.outputs) bytes += value_bytes(pricing, g.value(v));
     }
     const double t_bytes = bw > 0 ? bytes / bw : 0.0;
-    return std::max(flop_seconds(kind, g, n, flops), t_bytes) * slowdown;
+    if (flops <= 0 && t_bytes <= 0) return 0.0;
+    return std::max(flop_seconds(kind, g, n, flops), t_bytes) * slowdown + kind.op_overhead_s;
   };
   if (!pricing.fused) {
     for (size_t i = 0; i < N; ++i) out[i] = single(g.node(static_cast<NodeId>(i)));
@@ -215,7 +216,7 @@ std::vector<double> node_seconds_no_dropout(const DeviceKind& kind, const Graph&
     }
     if (last >= 0) {
       const double t_bytes = bw > 0 ? bytes / bw : 0.0;
-      out[static_cast<size_t>(last)] = std::max(t_flops, t_bytes) * slowdown;
+      out[static_cast<size_t>(last)] = std::max(t_flops, t_bytes) * slowdown + kind.op_overhead_s;
     }
     for (NodeId i : run) {
       member[static_cast<size_t>(i)] = 0;

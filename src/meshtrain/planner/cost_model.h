@@ -47,7 +47,8 @@ namespace mt::planner {
 // Seconds operator `n` of `g` takes on a device of `kind` at `slowdown`
 // (collectives and free ops such as reshape: 0; their cost is comm's).
 // dtype-aware: the peak is peak_flops_bf16 when the node's inputs are bf16
-// or f16 (and that peak is set), else peak_flops_f32.
+// or f16 (and that peak is set), else peak_flops_f32. Every operator that
+// costs anything adds the device's op_overhead_s once (not slowed down).
 double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown = 1.0);
 
 // The fraction of a matmul's peak rate its tiling leaves (tile and wave
