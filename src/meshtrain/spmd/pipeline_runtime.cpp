@@ -38,7 +38,28 @@ using Stash = std::map<std::string, Tensor>;
 struct Pass {
   const StagePass* pass = nullptr;
   std::unique_ptr<Executor> exec;  // null for a pass without nodes
+  // Parameter gradients the executor writes straight into the runtime's
+  // accumulators (bound; each run after the step's first adds its matmul's
+  // product there, Executor::set_accumulate), with their parameters'
+  // names. The others stay in the arena and are added by flush_grads().
+  std::vector<std::pair<ValueId, std::string>> direct;
 };
+
+// Whether gradient value `gv` of `g` can accumulate in place: an f32 matmul
+// produces it and no node reads it (Executor::set_accumulate).
+bool accumulates_in_place(const Graph& g, ValueId gv) {
+  const Value& val = g.value(gv);
+  if (val.producer == kNoNode || val.dtype != DType::f32) return false;
+  const Node& n = g.node(val.producer);
+  if (n.op != OpKind::matmul || n.outputs.size() != 1) return false;
+  for (ValueId v : n.inputs) {
+    if (g.value(v).dtype != DType::f32) return false;
+  }
+  for (const Node& r : g.nodes()) {
+    if (std::ranges::find(r.inputs, gv) != r.inputs.end()) return false;
+  }
+  return true;
+}
 
 struct StageRt {
   const PipelineStage* st = nullptr;
@@ -435,6 +456,15 @@ struct PipelineRuntime::Impl {
     for (const std::string& name : sp.stash) o.outputs.push_back(*sp.graph.find(name));
     out.exec = std::make_unique<Executor>(sp.graph, o);
     for (ValueId pv : sp.graph.params()) out.exec->bind(pv, params.at(sp.graph.value(pv).name));
+    // Weight gradients of matmuls go straight into the accumulators: no
+    // copy or addition after the pass (on 1F1B's first stage at p = 2 that
+    // addition of every micro-batch was on the lock-step path).
+    for (const auto& [pv, gv] : sp.graph.grads()) {
+      const std::string& name = sp.graph.value(pv).name;
+      if (!accumulates_in_place(sp.graph, gv)) continue;
+      out.exec->bind(gv, grads.at(name));
+      out.direct.emplace_back(gv, name);
+    }
     return out;
   }
 
@@ -586,6 +616,9 @@ struct PipelineRuntime::Impl {
     for (Pass* pass : pending_grads) {
       const Graph& g = pass->pass->graph;
       for (const auto& [pv, gv] : g.grads()) {
+        if (std::ranges::any_of(pass->direct, [&](const auto& d) { return d.first == gv; })) {
+          continue;  // already in its accumulator
+        }
         const std::string& name = g.value(pv).name;
         bool& w = written.at(name);
         Tensor& acc = grads.at(name);
@@ -654,11 +687,14 @@ struct PipelineRuntime::Impl {
     }
     // A pass with gradients may reuse an arena whose gradients are pending.
     if (!g.grads().empty()) flush_grads();
+    // The step's first gradient into an accumulator overwrites it.
+    for (const auto& [gv, name] : pass.direct) pass.exec->set_accumulate(gv, written.at(name));
     const int64_t c0 = thread_cpu_ns();
     const int64_t t0 = now_ns();
     pass.exec->run();
     const int64_t t1 = now_ns();
     const int64_t cpu = thread_cpu_ns() - c0;
+    for (const auto& [gv, name] : pass.direct) written.at(name) = true;
 
     std::vector<std::string> first;
     if (then_send != nullptr) {
@@ -1138,7 +1174,8 @@ void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor
     check(grad, m.grads.at(name), "the gradient");
     m.grads[name] = grad;
   }
-  // Every pass that reads the parameter reads the new memory from now on.
+  // Every pass that reads the parameter reads the new memory from now on,
+  // and writes its gradient into the new accumulator.
   for (auto& [vs, r] : m.stages) {
     std::vector<Pass*> passes = {&r.forward, &r.backward, &r.backward_input, &r.backward_weight};
     for (Pass& f : r.forward_more) passes.push_back(&f);
@@ -1147,6 +1184,10 @@ void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor
       const Graph& g = ps->pass->graph;
       for (ValueId pv : g.params()) {
         if (g.value(pv).name == name) ps->exec->bind(pv, value);
+      }
+      if (grad.raw() == nullptr) continue;
+      for (const auto& [gv, n] : ps->direct) {
+        if (n == name) ps->exec->bind(gv, grad);
       }
     }
   }
