@@ -114,6 +114,12 @@ struct PipelineRuntime::Impl {
   };
   std::map<std::tuple<int, int, int>, std::vector<Arrival>> xrecvs;
   std::vector<std::pair<CommHandle, Tensor>> sends;
+  // Sends reading an executor's arena (the tensors a pass hands straight to
+  // the send that follows it, not copied out): that executor runs again
+  // only once they are done (run_pass). sending_from: set while such a
+  // send is issued.
+  std::vector<std::pair<CommHandle, const Executor*>> arena_sends;
+  const Executor* sending_from = nullptr;
   std::vector<PipelineSpan> spans, waits;
   bool recomputing = false;  // run_pass is rerunning a forward
   double loss_sum = 0;
@@ -665,6 +671,12 @@ struct PipelineRuntime::Impl {
       return;
     }
     const int64_t tb = now_ns();
+    // Sends still reading this executor's arena finish first.
+    std::erase_if(arena_sends, [&](auto& x) {
+      if (x.second != pass.exec.get()) return false;
+      x.first.wait();
+      return true;
+    });
     Stash& s = stash[{vs, mb}];
     const Graph& g = pass.pass->graph;
     for (ValueId in : g.inputs()) {
@@ -698,19 +710,34 @@ struct PipelineRuntime::Impl {
 
     std::vector<std::string> first;
     if (then_send != nullptr) {
-      if (then_send->kind == ActionKind::send_activation) {
+      const bool grads_out = then_send->kind != ActionKind::send_activation;
+      if (!grads_out) {
         for (const StageBoundary& b : st(vs).outputs) first.push_back(b.name);
       } else {
         first = st(vs).input_grads;
       }
+      // Sent straight from the arena, not copied, where nothing else reads
+      // the tensor once the arena is reused: input gradients (dropped from
+      // the stash when sent) and outputs of a forward whose arena holds its
+      // views until their last reader (plan_views()). The executor's next
+      // run waits for the send. Not across meshes (pieces of the tensor
+      // travel) nor under async (a window's sends outlive it).
+      const bool from_arena =
+          xm == nullptr && opts.async == AsyncMode::none && (grads_out || views);
       for (const std::string& name : first) {
         if (auto id = g.find(name);
             id && std::ranges::find(pass.pass->stash, name) != pass.pass->stash.end()) {
-          put(s, name, pass.exec->get(*id).clone());
-          copied += static_cast<int64_t>(s.at(name).nbytes());
+          Tensor t = pass.exec->get(*id);
+          if (!from_arena) {
+            t = t.clone();
+            copied += static_cast<int64_t>(t.nbytes());
+          }
+          put(s, name, std::move(t));
         }
       }
+      sending_from = from_arena ? pass.exec.get() : nullptr;
       send_action(*then_send);
+      sending_from = nullptr;
     }
     for (const std::string& name : pass.pass->stash) {
       if (std::ranges::find(first, name) != first.end()) continue;
@@ -798,6 +825,7 @@ struct PipelineRuntime::Impl {
     CollectiveOptions o;
     o.tag = tg;
     sends.emplace_back(c.send_now(t.raw(), static_cast<size_t>(t.numel()), t.dtype(), peer, o), t);
+    if (sending_from != nullptr) arena_sends.emplace_back(sends.back().first, sending_from);
     // Drop finished sends so their tensors can go.
     std::erase_if(sends, [](const auto& s) { return s.first.done() && (s.first.wait(), true); });
   }
@@ -906,7 +934,10 @@ struct PipelineRuntime::Impl {
     xrecvs.clear();
     spans.clear();
     waits.clear();
-    if (!async) sends.clear();
+    if (!async) {
+      sends.clear();
+      arena_sends.clear();
+    }
     stash_peak = stash_now;
     wstash_peak = wstash_now;
     wversions_peak = static_cast<int>(versions.size());
@@ -1003,6 +1034,7 @@ struct PipelineRuntime::Impl {
     if (!async || draining) {
       for (auto& [h, t] : sends) h.wait();
       sends.clear();
+      arena_sends.clear();
     } else {
       std::erase_if(sends, [](const auto& x) { return x.first.done() && (x.first.wait(), true); });
     }
