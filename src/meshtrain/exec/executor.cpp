@@ -99,6 +99,7 @@ struct Executor::Impl {
   std::vector<Tensor> bound;     // per ValueId
   std::vector<bool> grad_value;  // per ValueId: some parameter's gradient
   std::vector<bool> accumulate;  // per NodeId: a matmul adding into its bound output (beta = 1)
+  std::vector<bool> read;        // per ValueId: some node reads it
   std::vector<KernelFn> kernel;  // per NodeId
 
   ExecPlan plan;
@@ -463,6 +464,10 @@ Executor::Executor(const Graph& g, ExecOptions opts) : impl_(std::make_unique<Im
     m.kernel.push_back(communicates(n.op) ? nullptr : kernel_for(n.op));
   }
   m.accumulate.assign(idx(g.num_nodes()), false);
+  m.read.assign(nv, false);
+  for (const Node& n : g.nodes()) {
+    for (ValueId v : n.inputs) m.read[idx(v)] = true;
+  }
   m.ensure_plan();
 }
 
@@ -557,12 +562,9 @@ void Executor::set_accumulate(ValueId grad, bool on) {
         "into its output)",
         val.name));
   }
-  for (const Node& r : m.g.nodes()) {
-    if (std::ranges::find(r.inputs, grad) != r.inputs.end()) {
-      throw ConfigError(
-          fmt::format("executor: set_accumulate '{}': node '{}' reads it (it would read the sum)",
-                      val.name, r.name));
-    }
+  if (m.read[idx(grad)]) {
+    throw ConfigError(fmt::format(
+        "executor: set_accumulate '{}': a node reads it (it would read the sum)", val.name));
   }
   m.accumulate[idx(p)] = on;
 }
