@@ -98,6 +98,8 @@ struct Executor::Impl {
   std::vector<bool> is_bound;    // per ValueId: the caller bound memory
   std::vector<Tensor> bound;     // per ValueId
   std::vector<bool> grad_value;  // per ValueId: some parameter's gradient
+  std::vector<bool> accumulate;  // per NodeId: a matmul adding into its bound output (beta = 1)
+  std::vector<bool> read;        // per ValueId: some node reads it
   std::vector<KernelFn> kernel;  // per NodeId
 
   ExecPlan plan;
@@ -399,7 +401,15 @@ struct Executor::Impl {
         opts.collectives->wait(in_flight.take(st.started));
       } else if (!st.view) {
         try {
-          kernel[idx(st.node)](*backend, n, step_in[s], step_out[s]);
+          if (accumulate[idx(st.node)]) {
+            MatmulParams p;
+            p.trans_a = n.attrs.b_or("trans_a", false);
+            p.trans_b = n.attrs.b_or("trans_b", false);
+            p.beta = 1.0f;
+            backend->matmul(step_in[s][0], step_in[s][1], step_out[s][0], p);
+          } else {
+            kernel[idx(st.node)](*backend, n, step_in[s], step_out[s]);
+          }
         } catch (const ShapeError& e) {
           throw ShapeError(fmt::format("node '{}' ({}): {}", n.name, op_name(n.op), e.what()));
         } catch (const InternalError& e) {
@@ -452,6 +462,11 @@ Executor::Executor(const Graph& g, ExecOptions opts) : impl_(std::make_unique<Im
   }
   for (const Node& n : g.nodes()) {
     m.kernel.push_back(communicates(n.op) ? nullptr : kernel_for(n.op));
+  }
+  m.accumulate.assign(idx(g.num_nodes()), false);
+  m.read.assign(nv, false);
+  for (const Node& n : g.nodes()) {
+    for (ValueId v : n.inputs) m.read[idx(v)] = true;
   }
   m.ensure_plan();
 }
@@ -519,6 +534,39 @@ void Executor::set_transient_grads(bool transient) {
   if (m.transient_grads == transient) return;
   m.transient_grads = transient;
   m.plan_dirty = true;
+}
+
+void Executor::set_accumulate(ValueId grad, bool on) {
+  Impl& m = *impl_;
+  if (grad < 0 || grad >= m.g.num_values()) {
+    throw ConfigError(
+        fmt::format("executor: set_accumulate: id {} is not a value of the graph", grad));
+  }
+  const Value& val = m.g.value(grad);
+  if (m.running) {
+    throw ConfigError(fmt::format("executor: set_accumulate '{}' during run()", val.name));
+  }
+  if (!m.grad_value[idx(grad)] || !m.is_bound[idx(grad)]) {
+    throw ConfigError(fmt::format(
+        "executor: set_accumulate '{}': only a bound parameter gradient is added into", val.name));
+  }
+  const NodeId p = val.producer;
+  const Node* n = p == kNoNode ? nullptr : &m.g.node(p);
+  const bool f32_matmul =
+      n != nullptr && n->op == OpKind::matmul && n->outputs.size() == 1 &&
+      val.dtype == DType::f32 &&
+      std::ranges::all_of(n->inputs, [&](ValueId v) { return m.g.value(v).dtype == DType::f32; });
+  if (!f32_matmul) {
+    throw ConfigError(fmt::format(
+        "executor: set_accumulate '{}': its producer is not an f32 matmul (only a matmul adds "
+        "into its output)",
+        val.name));
+  }
+  if (m.read[idx(grad)]) {
+    throw ConfigError(fmt::format(
+        "executor: set_accumulate '{}': a node reads it (it would read the sum)", val.name));
+  }
+  m.accumulate[idx(p)] = on;
 }
 
 void Executor::on_node_done(NodeCallback cb) {

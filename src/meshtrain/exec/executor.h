@@ -156,6 +156,15 @@ class Executor {
   // Off by default: unbound gradients stay alive until the end of run().
   void set_transient_grads(bool transient);
 
+  // Gradient accumulation in place: a bound parameter gradient `grad` whose
+  // producer is an f32 matmul (inputs and output f32) is added into its
+  // bound memory by the next run()s (the product's matmul with beta = 1,
+  // as Megatron's gradient-accumulation fusion does), not overwritten; off
+  // writes it as before (a step's first micro-batch: no zeroing needed).
+  // The memory then holds the sum, so no node may read `grad`. ConfigError
+  // naming the value otherwise, or when it is unbound, or during run().
+  void set_accumulate(ValueId grad, bool on);
+
   // Runs all nodes. Throws ConfigError naming every input or parameter that a
   // node reads but that is unbound.
   void run();

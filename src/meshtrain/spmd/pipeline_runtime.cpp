@@ -38,7 +38,28 @@ using Stash = std::map<std::string, Tensor>;
 struct Pass {
   const StagePass* pass = nullptr;
   std::unique_ptr<Executor> exec;  // null for a pass without nodes
+  // Parameter gradients the executor writes straight into the runtime's
+  // accumulators (bound; each run after the step's first adds its matmul's
+  // product there, Executor::set_accumulate), with their parameters'
+  // names. The others stay in the arena and are added by flush_grads().
+  std::vector<std::pair<ValueId, std::string>> direct;
 };
+
+// Whether gradient value `gv` of `g` can accumulate in place: an f32 matmul
+// produces it and no node reads it (Executor::set_accumulate).
+bool accumulates_in_place(const Graph& g, ValueId gv) {
+  const Value& val = g.value(gv);
+  if (val.producer == kNoNode || val.dtype != DType::f32) return false;
+  const Node& n = g.node(val.producer);
+  if (n.op != OpKind::matmul || n.outputs.size() != 1) return false;
+  for (ValueId v : n.inputs) {
+    if (g.value(v).dtype != DType::f32) return false;
+  }
+  for (const Node& r : g.nodes()) {
+    if (std::ranges::find(r.inputs, gv) != r.inputs.end()) return false;
+  }
+  return true;
+}
 
 struct StageRt {
   const PipelineStage* st = nullptr;
@@ -93,6 +114,12 @@ struct PipelineRuntime::Impl {
   };
   std::map<std::tuple<int, int, int>, std::vector<Arrival>> xrecvs;
   std::vector<std::pair<CommHandle, Tensor>> sends;
+  // Sends reading an executor's arena (the tensors a pass hands straight to
+  // the send that follows it, not copied out): that executor runs again
+  // only once they are done (run_pass). sending_from: set while such a
+  // send is issued.
+  std::vector<std::pair<CommHandle, const Executor*>> arena_sends;
+  const Executor* sending_from = nullptr;
   std::vector<PipelineSpan> spans, waits;
   bool recomputing = false;  // run_pass is rerunning a forward
   double loss_sum = 0;
@@ -435,6 +462,15 @@ struct PipelineRuntime::Impl {
     for (const std::string& name : sp.stash) o.outputs.push_back(*sp.graph.find(name));
     out.exec = std::make_unique<Executor>(sp.graph, o);
     for (ValueId pv : sp.graph.params()) out.exec->bind(pv, params.at(sp.graph.value(pv).name));
+    // Weight gradients of matmuls go straight into the accumulators: no
+    // copy or addition after the pass (on 1F1B's first stage at p = 2 that
+    // addition of every micro-batch was on the lock-step path).
+    for (const auto& [pv, gv] : sp.graph.grads()) {
+      const std::string& name = sp.graph.value(pv).name;
+      if (!accumulates_in_place(sp.graph, gv)) continue;
+      out.exec->bind(gv, grads.at(name));
+      out.direct.emplace_back(gv, name);
+    }
     return out;
   }
 
@@ -586,6 +622,9 @@ struct PipelineRuntime::Impl {
     for (Pass* pass : pending_grads) {
       const Graph& g = pass->pass->graph;
       for (const auto& [pv, gv] : g.grads()) {
+        if (std::ranges::any_of(pass->direct, [&](const auto& d) { return d.first == gv; })) {
+          continue;  // already in its accumulator
+        }
         const std::string& name = g.value(pv).name;
         bool& w = written.at(name);
         Tensor& acc = grads.at(name);
@@ -632,6 +671,12 @@ struct PipelineRuntime::Impl {
       return;
     }
     const int64_t tb = now_ns();
+    // Sends still reading this executor's arena finish first.
+    std::erase_if(arena_sends, [&](auto& x) {
+      if (x.second != pass.exec.get()) return false;
+      x.first.wait();
+      return true;
+    });
     Stash& s = stash[{vs, mb}];
     const Graph& g = pass.pass->graph;
     for (ValueId in : g.inputs()) {
@@ -654,27 +699,45 @@ struct PipelineRuntime::Impl {
     }
     // A pass with gradients may reuse an arena whose gradients are pending.
     if (!g.grads().empty()) flush_grads();
+    // The step's first gradient into an accumulator overwrites it.
+    for (const auto& [gv, name] : pass.direct) pass.exec->set_accumulate(gv, written.at(name));
     const int64_t c0 = thread_cpu_ns();
     const int64_t t0 = now_ns();
     pass.exec->run();
     const int64_t t1 = now_ns();
     const int64_t cpu = thread_cpu_ns() - c0;
+    for (const auto& [gv, name] : pass.direct) written.at(name) = true;
 
     std::vector<std::string> first;
     if (then_send != nullptr) {
-      if (then_send->kind == ActionKind::send_activation) {
+      const bool grads_out = then_send->kind != ActionKind::send_activation;
+      if (!grads_out) {
         for (const StageBoundary& b : st(vs).outputs) first.push_back(b.name);
       } else {
         first = st(vs).input_grads;
       }
+      // Sent straight from the arena, not copied, where nothing else reads
+      // the tensor once the arena is reused: input gradients (dropped from
+      // the stash when sent) and outputs of a forward whose arena holds its
+      // views until their last reader (plan_views()). The executor's next
+      // run waits for the send. Not across meshes (pieces of the tensor
+      // travel) nor under async (a window's sends outlive it).
+      const bool from_arena =
+          xm == nullptr && opts.async == AsyncMode::none && (grads_out || views);
       for (const std::string& name : first) {
         if (auto id = g.find(name);
             id && std::ranges::find(pass.pass->stash, name) != pass.pass->stash.end()) {
-          put(s, name, pass.exec->get(*id).clone());
-          copied += static_cast<int64_t>(s.at(name).nbytes());
+          Tensor t = pass.exec->get(*id);
+          if (!from_arena) {
+            t = t.clone();
+            copied += static_cast<int64_t>(t.nbytes());
+          }
+          put(s, name, std::move(t));
         }
       }
+      sending_from = from_arena ? pass.exec.get() : nullptr;
       send_action(*then_send);
+      sending_from = nullptr;
     }
     for (const std::string& name : pass.pass->stash) {
       if (std::ranges::find(first, name) != first.end()) continue;
@@ -762,6 +825,7 @@ struct PipelineRuntime::Impl {
     CollectiveOptions o;
     o.tag = tg;
     sends.emplace_back(c.send_now(t.raw(), static_cast<size_t>(t.numel()), t.dtype(), peer, o), t);
+    if (sending_from != nullptr) arena_sends.emplace_back(sends.back().first, sending_from);
     // Drop finished sends so their tensors can go.
     std::erase_if(sends, [](const auto& s) { return s.first.done() && (s.first.wait(), true); });
   }
@@ -870,7 +934,10 @@ struct PipelineRuntime::Impl {
     xrecvs.clear();
     spans.clear();
     waits.clear();
-    if (!async) sends.clear();
+    if (!async) {
+      sends.clear();
+      arena_sends.clear();
+    }
     stash_peak = stash_now;
     wstash_peak = wstash_now;
     wversions_peak = static_cast<int>(versions.size());
@@ -967,6 +1034,7 @@ struct PipelineRuntime::Impl {
     if (!async || draining) {
       for (auto& [h, t] : sends) h.wait();
       sends.clear();
+      arena_sends.clear();
     } else {
       std::erase_if(sends, [](const auto& x) { return x.first.done() && (x.first.wait(), true); });
     }
@@ -1138,7 +1206,8 @@ void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor
     check(grad, m.grads.at(name), "the gradient");
     m.grads[name] = grad;
   }
-  // Every pass that reads the parameter reads the new memory from now on.
+  // Every pass that reads the parameter reads the new memory from now on,
+  // and writes its gradient into the new accumulator.
   for (auto& [vs, r] : m.stages) {
     std::vector<Pass*> passes = {&r.forward, &r.backward, &r.backward_input, &r.backward_weight};
     for (Pass& f : r.forward_more) passes.push_back(&f);
@@ -1147,6 +1216,10 @@ void PipelineRuntime::bind_storage(const std::string& name, Tensor value, Tensor
       const Graph& g = ps->pass->graph;
       for (ValueId pv : g.params()) {
         if (g.value(pv).name == name) ps->exec->bind(pv, value);
+      }
+      if (grad.raw() == nullptr) continue;
+      for (const auto& [gv, n] : ps->direct) {
+        if (n == name) ps->exec->bind(gv, grad);
       }
     }
   }
