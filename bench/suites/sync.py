@@ -16,7 +16,8 @@ at 1.8 s): `--networks free,1gbit` keeps the suite near 45 min. `--only` / `--ru
 
 Parts (--only, comma-separated; default all but `report`):
 
-  grid     every scheme (dense gradients), every codec (on all-reduce) and
+  grid     every scheme (dense gradients), every codec (on all-reduce; and
+           top-k 1% compact with momentum correction, CODED_OPTIONS) and
            gossip with top-k 10% / 1% (GOSSIP_CODED) under each network of
            --networks:
              free      no emulation
@@ -121,6 +122,14 @@ CODECS = [
 # Codecs under gossip (CHOCO-SGD: each replica sends the compression of its
 # parameters' difference from its public copy, docs/sync.md "Compressed
 # gossip"), with the consensus step sync.gossip_gamma that sparse codecs need.
+# Codecs with options beyond the codec text: top-k 1% compact with Deep
+# Gradient Compression's momentum correction and momentum factor masking
+# (sync.codec_momentum: optim.momentum / optim.nesterov applied before the
+# codec, the optimizer without momentum; docs/codecs.md).
+CODED_OPTIONS = [
+    ("topk1pct_ef_compact_dgc", ['sync.scheme="allreduce"', 'sync.codec="topk:0.01:compact"',
+                                 "sync.codec_momentum=true"]),
+]
 GOSSIP_CODED = [
     ("dpsgd_ring_topk10pct", ['sync.scheme="gossip"', 'sync.topology="ring"',
                               'sync.codec="topk:0.1"', "sync.gossip_gamma=0.5"]),
@@ -145,11 +154,12 @@ PARTS = ("grid", "refused", "slow", "peers", "unified")
 
 
 def all_runs():
-    return [n for n, _ in SCHEMES] + [n for n, _ in CODECS] + [n for n, _ in GOSSIP_CODED]
+    return ([n for n, _ in SCHEMES] + [n for n, _ in CODECS] + [n for n, _ in CODED_OPTIONS] +
+            [n for n, _ in GOSSIP_CODED])
 
 
 def run_sets(name):
-    for n, sets in SCHEMES + GOSSIP_CODED:
+    for n, sets in SCHEMES + CODED_OPTIONS + GOSSIP_CODED:
         if n == name:
             return sets
     for n, spec in CODECS:

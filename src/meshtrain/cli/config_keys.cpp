@@ -246,6 +246,14 @@ const std::vector<KeyMeaning> kMeanings = {
      "(docs/codecs.md)"},
     {"sync.codec_error_feedback",
      "keep what a codec did not send and add it to the next exchange's input"},
+    {"sync.codec_momentum",
+     "allreduce with a topk codec: Deep Gradient Compression's momentum correction -- "
+     "optim.momentum (and optim.nesterov) applied to each rank's gradient before the codec, the "
+     "residual accumulating velocity; the optimizer then steps without momentum (sgd only; "
+     "docs/codecs.md)"},
+    {"sync.codec_momentum_masking",
+     "with sync.codec_momentum: zero the velocity of the coordinates sent (momentum factor "
+     "masking)"},
     {"sync.gossip_gamma",
      "gossip / adpsgd with a sync.codec (CHOCO-SGD): the consensus step size in (0, 1], x_i += "
      "gamma sum_j w_ij (xhat_j - xhat_i) over the public copies"},

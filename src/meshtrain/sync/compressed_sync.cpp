@@ -10,6 +10,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
+#include "meshtrain/sync/codecs.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/compressed_reduce_scatter.h"
 #include "meshtrain/sync/local_steps.h"
@@ -34,6 +35,14 @@ class CompressedSync : public ReplicaSync {
     for (const ParamLayoutEntry& e : layout) {
       exchanges_.push_back(std::make_unique<CompressedAllReduce>(group_, e.name, e.shape, co));
     }
+    momentum_ = static_cast<float>(o.codec_momentum);
+    nesterov_ = o.codec_nesterov;
+    masking_ = o.codec_momentum_masking;
+    if (momentum_ > 0) {
+      for (const ParamLayoutEntry& e : layout) {
+        velocity_.emplace_back(static_cast<size_t>(e.shape.numel()), 0.0f);
+      }
+    }
   }
 
   void attach(Executor& exec, const Graph& graph) override { local_.attach(exec, graph); }
@@ -52,7 +61,11 @@ class CompressedSync : public ReplicaSync {
       for (size_t i = 0; i < s.size(); ++i) {
         const auto n = static_cast<size_t>(s[i].grad.numel());
         std::span<float> g(s[i].grad.data<float>(), n);
-        exchanges_[i]->run(g, g);  // in place: the average of what every rank sent
+        if (momentum_ > 0) {
+          correct_momentum(i, g);
+        } else {
+          exchanges_[i]->run(g, g);  // in place: the average of what every rank sent
+        }
       }
       update(s);
     });
@@ -84,11 +97,40 @@ class CompressedSync : public ReplicaSync {
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
 
  private:
+  // Deep Gradient Compression's momentum correction (SyncOptions::
+  // codec_momentum): the velocity u = m u + g goes into the codec (Nesterov:
+  // g + m u), so the residual accumulates velocity; with masking, u is zeroed
+  // at the k coordinates the codec sends -- the k largest |residual + x|,
+  // the codec's own choice (top_k_indices, sync/codecs.h). g is replaced by
+  // the average of what every rank sent.
+  void correct_momentum(size_t i, std::span<float> g) {
+    std::vector<float>& u = velocity_[i];
+    const float m = momentum_;
+    for (size_t j = 0; j < g.size(); ++j) {
+      u[j] = m * u[j] + g[j];
+      g[j] = nesterov_ ? g[j] + m * u[j] : u[j];
+    }
+    std::vector<uint32_t> sent;
+    if (masking_) {
+      const std::span<const float> r = exchanges_[i]->residual();
+      e_.resize(g.size());
+      for (size_t j = 0; j < g.size(); ++j) e_[j] = r.empty() ? g[j] : r[j] + g[j];
+      sent = top_k_indices(e_, exchanges_[i]->options().codec.k_for(g.size()));
+    }
+    exchanges_[i]->run(g, g);
+    for (const uint32_t j : sent) u[j] = 0.0f;
+  }
+
   Communicator& group_;
   std::unique_ptr<Communicator> self_;
   DataParallel local_;
   double ranks_ = 1;
   std::vector<std::unique_ptr<CompressedAllReduce>> exchanges_;
+  float momentum_ = 0;
+  bool nesterov_ = false;
+  bool masking_ = true;
+  std::vector<std::vector<float>> velocity_;  // per parameter, with codec_momentum
+  std::vector<float> e_;                      // residual + x, to find what is sent
 };
 
 // ZeRO stages 1-3 with a codec: DataParallel on the group as without one,
@@ -177,6 +219,12 @@ std::unique_ptr<ReplicaSync> make_compressed_sync(const SyncOptions& o, Communic
                                                   ParamLayout layout, Tensor flat_params,
                                                   DataParallelOptions dp, double local_share) {
   if (dp.stage != 0) {
+    if (o.codec_momentum > 0) {
+      throw ConfigError(fmt::format(
+          "sync.codec_momentum: momentum correction needs dist.zero_stage = 0 (each rank's whole "
+          "velocity beside its whole gradient), got dist.zero_stage = {}",
+          dp.stage));
+    }
     if (layout.empty()) throw ConfigError("sync.codec: the model has no parameters");
     return std::make_unique<ZeroCompressedSync>(o, group, std::move(layout), std::move(flat_params),
                                                 std::move(dp));

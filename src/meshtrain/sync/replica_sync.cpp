@@ -200,6 +200,17 @@ void validate_sync_options(const SyncOptions& o) {
   {
     const CodecSpec spec = parse_codec_spec(o.codec);  // ConfigError naming sync.codec
     if (spec.kind != CodecKind::none) validate_codec_scheme(o, spec);
+    if (!(o.codec_momentum >= 0 && o.codec_momentum < 1)) {
+      throw ConfigError(fmt::format(
+          "sync.codec_momentum: the momentum factor must be in [0, 1), got {}", o.codec_momentum));
+    }
+    if (o.codec_momentum > 0 && (o.scheme != "allreduce" || spec.kind != CodecKind::topk)) {
+      throw ConfigError(fmt::format(
+          "sync.codec_momentum: momentum correction (Deep Gradient Compression) applies to "
+          "sync.scheme = \"allreduce\" with a topk sync.codec, not to sync.scheme = \"{}\" with "
+          "sync.codec = \"{}\"",
+          o.scheme, o.codec));
+    }
   }
   if (!(o.gossip_gamma > 0 && o.gossip_gamma <= 1)) {
     throw ConfigError(fmt::format(

@@ -97,6 +97,21 @@ struct SyncOptions {
   // copy (CHOCO-SGD, sync/choco.h).
   std::string codec = "none";
   bool codec_error_feedback = true;
+  // allreduce (ZeRO stage 0) with a topk codec: Deep Gradient Compression's
+  // momentum correction (Lin et al. 2018). With m = codec_momentum > 0 each
+  // rank keeps a velocity u per parameter and, before the codec, turns its
+  // gradient g into u = m u + g and the codec's input x = u (codec_nesterov:
+  // x = g + m u), so the error-feedback residual accumulates velocity, not
+  // gradients; with codec_momentum_masking, u is zeroed at the k coordinates
+  // sent (momentum factor masking). The average that comes back is the
+  // update direction: the optimizer must step without momentum (the CLI's
+  // sync.codec_momentum moves optim.momentum / optim.nesterov here). Without
+  // masking and with topk:1.0 this is DP with SGD momentum m (Nesterov as
+  // torch.optim.SGD); with masking and topk:1.0, plain SGD (u = g each
+  // step; with Nesterov x = (1 + m) g). 0: off (the default).
+  double codec_momentum = 0;
+  bool codec_nesterov = false;
+  bool codec_momentum_masking = true;
   // gossip, adpsgd with a codec (CHOCO-SGD, sync/choco.h): the consensus
   // step size gamma in (0, 1]: x_i += gamma sum_j w_ij (xhat_j - xhat_i).
   double gossip_gamma = 1.0;
