@@ -10,7 +10,12 @@
 //   step: plain SGD without momentum (heavy ball), within 1e-5;
 // - topk:0.1 with masking learns, differs from the run without masking, and
 //   sends exactly the compressed all-reduce's predicted bytes;
-// - refused under another scheme, another codec and ZeRO, naming the key.
+// - refused under another scheme, another codec and ZeRO, naming the key;
+// - the sparsity warm-up (codec_warmup_steps): stages whose density is the
+//   target's are bitwise the run without warm-up (the residual handed from
+//   stage to stage whole); with 50% -> 10% over 8 steps the bytes are
+//   exactly each stage's steps x its predicted exchange, more than without
+//   warm-up, and the run learns.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -151,6 +156,55 @@ TEST(CodecMomentumMpi, RefusedOutsideAllReduceTopK) {
   const std::string zero = message(corrected("topk:0.1", false, true), 2);
   EXPECT_NE(zero.find("sync.codec_momentum"), std::string::npos) << zero;
   EXPECT_NE(zero.find("dist.zero_stage"), std::string::npos) << zero;
+}
+
+TEST(CodecMomentumMpi, SparsityWarmUp) {
+  SyncOptions w;
+  w.codec = "topk:0.1";
+  w.codec_warmup_steps = 8;
+  w.codec_warmup_density = 0.5;
+  // Stages of 2 steps: 0.5, 0.5 (0.2)^(1/4), ..., then 0.1.
+  EXPECT_EQ(codec_warmup_fraction(w, 0.1, 0), 0.5);
+  EXPECT_EQ(codec_warmup_fraction(w, 0.1, 1), 0.5);
+  EXPECT_NEAR(codec_warmup_fraction(w, 0.1, 2), 0.5 * std::pow(0.2, 0.25), 1e-12);
+  EXPECT_NEAR(codec_warmup_fraction(w, 0.1, 7), 0.5 * std::pow(0.2, 0.75), 1e-12);
+  EXPECT_EQ(codec_warmup_fraction(w, 0.1, 8), 0.1);
+  // Stages at the target's density: the same bits as without warm-up.
+  SyncOptions plain;
+  plain.codec = "topk:0.1";
+  SyncOptions same = plain;
+  same.codec_warmup_steps = 8;
+  same.codec_warmup_density = 0.1;
+  const Outcome a = train(plain, 0.9, true);
+  const Outcome b = train(same, 0.9, true);
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_EQ(a.params, b.params);
+  EXPECT_EQ(a.bytes, b.bytes);
+  // 50% -> 10%: each stage's bytes as predicted.
+  const Outcome c = train(w, 0.9, true);
+  uint64_t want = 0;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    CompressedAllReduceOptions co;
+    co.codec = parse_codec_spec("topk:0.1");
+    co.codec.k_fraction = codec_warmup_fraction(w, 0.1, step);
+    for (const ParamStore::Entry& e : c.entries) {
+      want += predict_traffic(world(), compressed_all_reduce_plan(co, e.shape)).bytes_sent;
+    }
+  }
+  EXPECT_EQ(c.bytes, want);
+  EXPECT_GT(c.bytes, a.bytes);
+  EXPECT_LT(c.losses[kSteps - 1] + c.losses[kSteps - 2], c.losses[0] + c.losses[1]);
+  // With momentum correction too (the velocity and the warm-up compose).
+  SyncOptions both = w;
+  both.codec_momentum = 0.9;
+  both.codec_nesterov = true;
+  const Outcome d = train(both, 0.0, false);
+  EXPECT_EQ(d.bytes, want);
+  // Refused where it does not apply.
+  SyncOptions count = w;
+  count.codec = "topk:5";
+  EXPECT_THROW(train(count, 0.0, false), ConfigError);
+  EXPECT_THROW(train(w, 0.0, false, 1), ConfigError);
 }
 
 }  // namespace

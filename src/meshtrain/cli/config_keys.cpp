@@ -254,6 +254,13 @@ const std::vector<KeyMeaning> kMeanings = {
     {"sync.codec_momentum_masking",
      "with sync.codec_momentum: zero the velocity of the coordinates sent (momentum factor "
      "masking)"},
+    {"sync.codec_warmup_steps",
+     "allreduce with topk:FRACTION: Deep Gradient Compression's sparsity warm-up -- the first "
+     "this-many steps in 4 stages at densities shrinking exponentially from "
+     "sync.codec_warmup_density to the fraction (0 = off; the warm-up's bytes count in the run's)"},
+    {"sync.codec_warmup_density",
+     "with sync.codec_warmup_steps: the density of the warm-up's first stage, in [the codec's "
+     "fraction, 1]"},
     {"sync.gossip_gamma",
      "gossip / adpsgd with a sync.codec (CHOCO-SGD): the consensus step size in (0, 1], x_i += "
      "gamma sum_j w_ij (xhat_j - xhat_i) over the public copies"},

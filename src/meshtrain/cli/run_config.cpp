@@ -316,6 +316,10 @@ RunConfig read_run_config(const Config& c) {
   // moves to the gradients before the codec (SyncOptions::codec_momentum);
   // the optimizer then steps without it.
   so.codec_momentum_masking = c.get_bool("sync.codec_momentum_masking", so.codec_momentum_masking);
+  so.codec_warmup_steps =
+      c.get_int("sync.codec_warmup_steps", so.codec_warmup_steps, Bounds<int64_t>::non_negative());
+  so.codec_warmup_density = c.get_double("sync.codec_warmup_density", so.codec_warmup_density,
+                                         Bounds<double>{0.0, 1.0, true, false});
   if (c.get_bool("sync.codec_momentum", false)) {
     if (r.train.optimizer != "sgd") {
       throw ConfigError(fmt::format(

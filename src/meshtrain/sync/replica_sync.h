@@ -112,6 +112,16 @@ struct SyncOptions {
   double codec_momentum = 0;
   bool codec_nesterov = false;
   bool codec_momentum_masking = true;
+  // allreduce (ZeRO stage 0) with a topk codec whose k is a fraction f:
+  // Deep Gradient Compression's sparsity warm-up. The first
+  // codec_warmup_steps steps run in kCodecWarmupStages equal stages (the
+  // first ones one step longer when they do not divide) at densities
+  // d0 (f / d0)^(s / kCodecWarmupStages), s = 0..3, d0 =
+  // codec_warmup_density, exponentially down to f, which the rest of the
+  // run uses; the error-feedback residual carries from stage to stage. The
+  // warm-up's bytes count in the run's (bytes_sent). 0: off (the default).
+  int64_t codec_warmup_steps = 0;
+  double codec_warmup_density = 0.25;
   // gossip, adpsgd with a codec (CHOCO-SGD, sync/choco.h): the consensus
   // step size gamma in (0, 1]: x_i += gamma sum_j w_ij (xhat_j - xhat_i).
   double gossip_gamma = 1.0;
@@ -126,6 +136,11 @@ struct SyncOptions {
   std::string ps_switch;
   bool staleness_lr = false;
 };
+
+inline constexpr int kCodecWarmupStages = 4;
+// The density of step `step` (0-based) under SyncOptions' sparsity warm-up
+// for a target fraction f (f itself from codec_warmup_steps on).
+double codec_warmup_fraction(const SyncOptions& o, double f, int64_t step);
 
 // ConfigError naming the sync.* key and what was expected (period < 1, an
 // unknown scheme or topology, outer_lr <= 0, momentum outside [0, 1),
