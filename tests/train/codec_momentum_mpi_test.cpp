@@ -16,6 +16,10 @@
 //   stage to stage whole); with 50% -> 10% over 8 steps the bytes are
 //   exactly each stage's steps x its predicted exchange, more than without
 //   warm-up, and the run learns.
+// - PowerSGD batched (powersgd_batched): every tensor's P (and the vectors
+//   sent whole) in one all-reduce, every Q in another: equals the
+//   per-tensor exchange step by step within 1e-5 relative, and the bytes
+//   are exactly those two all-reduces' prediction per step.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,6 +30,7 @@
 #include <vector>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/sync/codecs.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/train/param_store.h"
@@ -205,6 +210,38 @@ TEST(CodecMomentumMpi, SparsityWarmUp) {
   count.codec = "topk:5";
   EXPECT_THROW(train(count, 0.0, false), ConfigError);
   EXPECT_THROW(train(w, 0.0, false, 1), ConfigError);
+}
+
+TEST(CodecMomentumMpi, PowerSgdBatchedEqualsPerTensor) {
+  SyncOptions per;
+  per.codec = "powersgd:2";
+  SyncOptions batched = per;
+  batched.powersgd_batched = true;
+  const Outcome a = train(per, 0.9, true);
+  const Outcome b = train(batched, 0.9, true);
+  const double d = divergence(a, b);
+  if (world().rank() == 0) std::printf("powersgd:2 batched vs per tensor: %.3g\n", d);
+  EXPECT_LE(d, 1e-5);
+  // Each tensor's own plan: P then Q (low rank), or the tensor whole.
+  size_t first = 0, second = 0;
+  int low_rank = 0;
+  CompressedAllReduceOptions co;
+  co.codec = parse_codec_spec("powersgd:2");
+  for (const ParamStore::Entry& e : b.entries) {
+    const std::vector<PlannedCollective> own = compressed_all_reduce_plan(co, e.shape);
+    first += own.front().count;
+    if (own.size() == 2) {
+      second += own.back().count;
+      ++low_rank;
+    }
+  }
+  ASSERT_GT(low_rank, 0);
+  const std::vector<PlannedCollective> plan = {{Collective::all_reduce, first, DType::f32},
+                                               {Collective::all_reduce, second, DType::f32}};
+  EXPECT_EQ(b.bytes, kSteps * predict_traffic(world(), plan).bytes_sent);
+  SyncOptions wrong = batched;
+  wrong.codec = "topk:0.1";
+  EXPECT_THROW(train(wrong, 0.0, false), ConfigError);
 }
 
 }  // namespace

@@ -254,6 +254,10 @@ const std::vector<KeyMeaning> kMeanings = {
     {"sync.codec_momentum_masking",
      "with sync.codec_momentum: zero the velocity of the coordinates sent (momentum factor "
      "masking)"},
+    {"sync.powersgd_batched",
+     "allreduce with powersgd:R: every tensor's P in one all-reduce per step and every Q in "
+     "another (as PyTorch's hook per bucket) instead of one or two per tensor: 2 latencies a "
+     "step"},
     {"sync.codec_warmup_steps",
      "allreduce with topk:FRACTION: Deep Gradient Compression's sparsity warm-up -- the first "
      "this-many steps in 4 stages at densities shrinking exponentially from "

@@ -316,6 +316,7 @@ RunConfig read_run_config(const Config& c) {
   // moves to the gradients before the codec (SyncOptions::codec_momentum);
   // the optimizer then steps without it.
   so.codec_momentum_masking = c.get_bool("sync.codec_momentum_masking", so.codec_momentum_masking);
+  so.powersgd_batched = c.get_bool("sync.powersgd_batched", so.powersgd_batched);
   so.codec_warmup_steps =
       c.get_int("sync.codec_warmup_steps", so.codec_warmup_steps, Bounds<int64_t>::non_negative());
   so.codec_warmup_density = c.get_double("sync.codec_warmup_density", so.codec_warmup_density,

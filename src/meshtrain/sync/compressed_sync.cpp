@@ -64,6 +64,11 @@ class CompressedSync : public ReplicaSync {
     local_.step([&](std::span<ParamSlice> s) {
       MT_CHECK_EQ(s.size(), exchanges_.size());
       warm_up();
+      if (options_.powersgd_batched) {
+        batched_powersgd(s);
+        update(s);
+        return;
+      }
       for (size_t i = 0; i < s.size(); ++i) {
         const auto n = static_cast<size_t>(s[i].grad.numel());
         std::span<float> g(s[i].grad.data<float>(), n);
@@ -114,6 +119,48 @@ class CompressedSync : public ReplicaSync {
   // at the k coordinates the codec sends -- the k largest |residual + x|,
   // the codec's own choice (top_k_indices, sync/codecs.h). g is replaced by
   // the average of what every rank sent.
+  // PowerSGD with every tensor's P (and the tensors sent whole) in one
+  // all-reduce and every Q in another (SyncOptions::powersgd_batched).
+  void batched_powersgd(std::span<ParamSlice> s) {
+    const CollectiveOptions& co = exchanges_.front()->options().collective;
+    std::vector<std::span<float>> part(s.size());
+    const auto all_reduce = [&](bool low_rank_only) {
+      size_t total = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (!low_rank_only || exchanges_[i]->low_rank()) total += part[i].size();
+      }
+      if (total == 0) return;
+      batch_.resize(total);
+      size_t at = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (low_rank_only && !exchanges_[i]->low_rank()) continue;
+        std::copy(part[i].begin(), part[i].end(), batch_.begin() + static_cast<ptrdiff_t>(at));
+        at += part[i].size();
+      }
+      group_.all_reduce(batch_.data(), batch_.data(), total, DType::f32, ReduceOp::avg, co);
+      at = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (low_rank_only && !exchanges_[i]->low_rank()) continue;
+        std::copy_n(batch_.begin() + static_cast<ptrdiff_t>(at), part[i].size(), part[i].begin());
+        at += part[i].size();
+      }
+    };
+    for (size_t i = 0; i < s.size(); ++i) {
+      const auto n = static_cast<size_t>(s[i].grad.numel());
+      part[i] = exchanges_[i]->powersgd_project(std::span<const float>(s[i].grad.data<float>(), n));
+    }
+    all_reduce(false);
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (exchanges_[i]->low_rank()) part[i] = exchanges_[i]->powersgd_back_project();
+    }
+    all_reduce(true);
+    for (size_t i = 0; i < s.size(); ++i) {
+      const auto n = static_cast<size_t>(s[i].grad.numel());
+      exchanges_[i]->powersgd_expand(std::span<float>(s[i].grad.data<float>(), n));
+      exchanges_[i]->powersgd_count_step();
+    }
+  }
+
   // The exchange of parameter i at this step: the warm-up stage's, or the
   // codec's own.
   CompressedAllReduce& exchange(size_t i) { return warm_.empty() ? *exchanges_[i] : *warm_[i]; }
@@ -182,6 +229,7 @@ class CompressedSync : public ReplicaSync {
   bool masking_ = true;
   std::vector<std::vector<float>> velocity_;  // per parameter, with codec_momentum
   std::vector<float> e_;                      // residual + x, to find what is sent
+  std::vector<float> batch_;                  // powersgd_batched: the factors of every tensor
 };
 
 // ZeRO stages 1-3 with a codec: DataParallel on the group as without one,
@@ -274,6 +322,11 @@ std::unique_ptr<ReplicaSync> make_compressed_sync(const SyncOptions& o, Communic
       throw ConfigError(fmt::format(
           "sync.codec_momentum: momentum correction needs dist.zero_stage = 0 (each rank's whole "
           "velocity beside its whole gradient), got dist.zero_stage = {}",
+          dp.stage));
+    }
+    if (o.powersgd_batched) {
+      throw ConfigError(fmt::format(
+          "sync.powersgd_batched: PowerSGD needs dist.zero_stage = 0, got dist.zero_stage = {}",
           dp.stage));
     }
     if (o.codec_warmup_steps > 0) {

@@ -224,6 +224,14 @@ void validate_sync_options(const SyncOptions& o) {
           o.scheme, o.codec));
     }
   }
+  if (o.powersgd_batched &&
+      (o.scheme != "allreduce" || parse_codec_spec(o.codec).kind != CodecKind::powersgd)) {
+    throw ConfigError(fmt::format(
+        "sync.powersgd_batched: batching PowerSGD's factors applies to sync.scheme = "
+        "\"allreduce\" with sync.codec = \"powersgd:R\", not to sync.scheme = \"{}\" with "
+        "sync.codec = \"{}\"",
+        o.scheme, o.codec));
+  }
   if (o.codec_warmup_steps < 0) {
     throw ConfigError(
         fmt::format("sync.codec_warmup_steps: the sparsity warm-up's steps must be >= 0, got {}",

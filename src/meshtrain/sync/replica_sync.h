@@ -122,6 +122,13 @@ struct SyncOptions {
   // warm-up's bytes count in the run's (bytes_sent). 0: off (the default).
   int64_t codec_warmup_steps = 0;
   double codec_warmup_density = 0.25;
+  // allreduce (ZeRO stage 0) with powersgd: every tensor's P (and the
+  // tensors sent whole) in one all-reduce per step, every Q in a second,
+  // as PyTorch's PowerSGD hook does per bucket, instead of one or two
+  // all-reduces per tensor (CompressedAllReduce::powersgd_project and its
+  // phases). The same arithmetic; the sums in another order (within float
+  // tolerance). false: per tensor (the default).
+  bool powersgd_batched = false;
   // gossip, adpsgd with a codec (CHOCO-SGD, sync/choco.h): the consensus
   // step size gamma in (0, 1]: x_i += gamma sum_j w_ij (xhat_j - xhat_i).
   double gossip_gamma = 1.0;
