@@ -16,7 +16,8 @@ at 1.8 s): `--networks free,1gbit` keeps the suite near 45 min. `--only` / `--ru
 
 Parts (--only, comma-separated; default all but `report`):
 
-  grid     every scheme (dense gradients), every codec (on all-reduce) and
+  grid     every scheme (dense gradients), every codec (on all-reduce; and
+           top-k 1% compact with momentum correction, CODED_OPTIONS) and
            gossip with top-k 10% / 1% (GOSSIP_CODED) under each network of
            --networks:
              free      no emulation
@@ -121,6 +122,26 @@ CODECS = [
 # Codecs under gossip (CHOCO-SGD: each replica sends the compression of its
 # parameters' difference from its public copy, docs/sync.md "Compressed
 # gossip"), with the consensus step sync.gossip_gamma that sparse codecs need.
+# Codecs with options beyond the codec text: top-k 1% compact with Deep
+# Gradient Compression's momentum correction and momentum factor masking
+# (sync.codec_momentum: optim.momentum / optim.nesterov applied before the
+# codec, the optimizer without momentum; docs/codecs.md).
+CODED_OPTIONS = [
+    ("topk1pct_ef_compact_dgc", ['sync.scheme="allreduce"', 'sync.codec="topk:0.01:compact"',
+                                 "sync.codec_momentum=true"]),
+    # Momentum correction without the masking.
+    ("topk1pct_ef_compact_mc", ['sync.scheme="allreduce"', 'sync.codec="topk:0.01:compact"',
+                                "sync.codec_momentum=true", "sync.codec_momentum_masking=false"]),
+    # ... and DGC's sparsity warm-up: 100 steps from 4% down to 1% (its
+    # bytes count: about 53x fewer than dense over the run instead of 65x).
+    ("topk1pct_ef_compact_mc_wu", ['sync.scheme="allreduce"', 'sync.codec="topk:0.01:compact"',
+                                   "sync.codec_momentum=true", "sync.codec_momentum_masking=false",
+                                   "sync.codec_warmup_steps=100", "sync.codec_warmup_density=0.04"]),
+    # PowerSGD rank 4 with every tensor's P in one all-reduce and every Q in
+    # another (2 latencies a step instead of one or two per tensor).
+    ("powersgd4_batched", ['sync.scheme="allreduce"', 'sync.codec="powersgd:4"',
+                           "sync.powersgd_batched=true"]),
+]
 GOSSIP_CODED = [
     ("dpsgd_ring_topk10pct", ['sync.scheme="gossip"', 'sync.topology="ring"',
                               'sync.codec="topk:0.1"', "sync.gossip_gamma=0.5"]),
@@ -145,11 +166,12 @@ PARTS = ("grid", "refused", "slow", "peers", "unified")
 
 
 def all_runs():
-    return [n for n, _ in SCHEMES] + [n for n, _ in CODECS] + [n for n, _ in GOSSIP_CODED]
+    return ([n for n, _ in SCHEMES] + [n for n, _ in CODECS] + [n for n, _ in CODED_OPTIONS] +
+            [n for n, _ in GOSSIP_CODED])
 
 
 def run_sets(name):
-    for n, sets in SCHEMES + GOSSIP_CODED:
+    for n, sets in SCHEMES + CODED_OPTIONS + GOSSIP_CODED:
         if n == name:
             return sets
     for n, spec in CODECS:
@@ -505,9 +527,12 @@ def goals(lines):
     def goal(name, met, **kw):
         out.append({"name": name, "unit": "goal", "met": met, **kw})
 
-    # The compact wire format where it ran, else the (index, value) pairs.
+    # Top-k 1% with momentum correction (no masking) in the compact wire
+    # format where it ran, else plain error feedback compact, else the
+    # (index, value) pairs; the line names the run.
     dense = grid("free", "dense")
-    topk_run = next((r for r in ("topk1pct_ef_compact", "topk1pct_ef") if grid("free", r)), None)
+    topk_run = next((r for r in ("topk1pct_ef_compact_mc", "topk1pct_ef_compact", "topk1pct_ef")
+                     if grid("free", r)), None)
     topk = grid("free", topk_run) if topk_run else None
     if dense and topk:
         dp, br = topk.get("accuracy_delta"), topk.get("bytes_ratio")

@@ -5,6 +5,9 @@
 #   missing_config  a config file that does not exist: the path named
 #   bad_overlap     Streaming DiLoCo's overlap not below the period: the key
 #                   and the range named, before any step
+#   bad_codec_momentum  sync.codec_momentum with adamw, and the sparsity
+#                   warm-up's first density below the codec's fraction: the
+#                   key and what was expected named
 cmake_minimum_required(VERSION 3.25)
 include(${CMAKE_CURRENT_LIST_DIR}/expect.cmake)
 
@@ -26,6 +29,20 @@ elseif(CASE STREQUAL "bad_overlap")
     NOT_OUTPUT "final loss" "steps [0-9]+"
     COMMAND ${MESHTRAIN} train --config ${SRC}/configs/mlp_fashion.toml --set sync.scheme="diloco"
             --set sync.period=4 --set sync.overlap_steps=4)
+elseif(CASE STREQUAL "bad_codec_momentum")
+  expect_run(RC 1 TIMEOUT 60
+    STDERR "meshtrain: error: .*sync\\.codec_momentum = true applies SGD's momentum before the "
+           "codec; it needs optim\\.name = \"sgd\", got \"adamw\""
+    NOT_OUTPUT "final loss" "steps [0-9]+"
+    COMMAND ${MESHTRAIN} train --config ${SRC}/configs/mlp_fashion.toml --set optim.name="adamw"
+            --set sync.codec="topk:0.01" --set sync.codec_momentum=true)
+  expect_run(RC 1 TIMEOUT 60
+    STDERR "meshtrain: error: sync\\.codec_warmup_density: the warm-up's first density must be "
+           "in \\[0\\.01, 1\\] .* got 0\\.001"
+    NOT_OUTPUT "final loss" "steps [0-9]+"
+    COMMAND ${MESHTRAIN} train --config ${SRC}/configs/mlp_fashion.toml
+            --set sync.codec="topk:0.01" --set sync.codec_warmup_steps=10
+            --set sync.codec_warmup_density=0.001)
 else()
   message(FATAL_ERROR "unknown CASE '${CASE}'")
 endif()

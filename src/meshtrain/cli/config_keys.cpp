@@ -246,6 +246,25 @@ const std::vector<KeyMeaning> kMeanings = {
      "(docs/codecs.md)"},
     {"sync.codec_error_feedback",
      "keep what a codec did not send and add it to the next exchange's input"},
+    {"sync.codec_momentum",
+     "allreduce with a topk codec: Deep Gradient Compression's momentum correction -- "
+     "optim.momentum (and optim.nesterov) applied to each rank's gradient before the codec, the "
+     "residual accumulating velocity; the optimizer then steps without momentum (sgd only; "
+     "docs/codecs.md)"},
+    {"sync.codec_momentum_masking",
+     "with sync.codec_momentum: zero the velocity of the coordinates sent (momentum factor "
+     "masking)"},
+    {"sync.powersgd_batched",
+     "allreduce with powersgd:R: every tensor's P in one all-reduce per step and every Q in "
+     "another (as PyTorch's hook per bucket) instead of one or two per tensor: 2 latencies a "
+     "step"},
+    {"sync.codec_warmup_steps",
+     "allreduce with topk:FRACTION: Deep Gradient Compression's sparsity warm-up -- the first "
+     "this-many steps in 4 stages at densities shrinking exponentially from "
+     "sync.codec_warmup_density to the fraction (0 = off; the warm-up's bytes count in the run's)"},
+    {"sync.codec_warmup_density",
+     "with sync.codec_warmup_steps: the density of the warm-up's first stage, in [the codec's "
+     "fraction, 1]"},
     {"sync.gossip_gamma",
      "gossip / adpsgd with a sync.codec (CHOCO-SGD): the consensus step size in (0, 1], x_i += "
      "gamma sum_j w_ij (xhat_j - xhat_i) over the public copies"},

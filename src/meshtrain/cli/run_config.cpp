@@ -312,6 +312,27 @@ RunConfig read_run_config(const Config& c) {
       c.get_int("sync.consensus_every", so.consensus_every, Bounds<int64_t>::non_negative());
   so.codec = c.get_string("sync.codec", so.codec);
   so.codec_error_feedback = c.get_bool("sync.codec_error_feedback", so.codec_error_feedback);
+  // Deep Gradient Compression's momentum correction: the optimizer's momentum
+  // moves to the gradients before the codec (SyncOptions::codec_momentum);
+  // the optimizer then steps without it.
+  so.codec_momentum_masking = c.get_bool("sync.codec_momentum_masking", so.codec_momentum_masking);
+  so.powersgd_batched = c.get_bool("sync.powersgd_batched", so.powersgd_batched);
+  so.codec_warmup_steps =
+      c.get_int("sync.codec_warmup_steps", so.codec_warmup_steps, Bounds<int64_t>::non_negative());
+  so.codec_warmup_density = c.get_double("sync.codec_warmup_density", so.codec_warmup_density,
+                                         Bounds<double>{0.0, 1.0, true, false});
+  if (c.get_bool("sync.codec_momentum", false)) {
+    if (r.train.optimizer != "sgd") {
+      throw ConfigError(fmt::format(
+          "config {}: sync.codec_momentum = true applies SGD's momentum before the codec; it needs "
+          "optim.name = \"sgd\", got \"{}\"",
+          c.source(), r.train.optimizer));
+    }
+    so.codec_momentum = r.train.optim.sgd.momentum;
+    so.codec_nesterov = r.train.optim.sgd.nesterov;
+    r.train.optim.sgd.momentum = 0;
+    r.train.optim.sgd.nesterov = false;
+  }
   so.gossip_gamma =
       c.get_double("sync.gossip_gamma", so.gossip_gamma, Bounds<double>{0.0, 1.0, true, false});
   so.servers = c.get_int("sync.servers", so.servers, Bounds<int64_t>::positive());

@@ -314,16 +314,24 @@ void CompressedAllReduce::run_payload(std::span<const float> grad, std::span<flo
 }
 
 void CompressedAllReduce::run_powersgd(std::span<const float> grad, std::span<float> out) {
-  const CodecSpec& spec = options_.codec;
   const CollectiveOptions& co = options_.collective;
+  std::span<float> p = powersgd_project(grad);
+  comm_.all_reduce(p.data(), p.data(), p.size(), DType::f32, ReduceOp::avg, co);
+  if (low_rank_) {
+    std::span<float> q = powersgd_back_project();
+    comm_.all_reduce(q.data(), q.data(), q.size(), DType::f32, ReduceOp::avg, co);
+  }
+  powersgd_expand(out);
+}
+
+std::span<float> CompressedAllReduce::powersgd_project(std::span<const float> grad) {
+  MT_CHECK(options_.codec.kind == CodecKind::powersgd);
+  MT_CHECK_EQ(grad.size(), numel_);
+  const CodecSpec& spec = options_.codec;
   for (size_t i = 0; i < numel_; ++i) {
     e_[i] = spec.error_feedback ? grad[i] + residual_[i] : grad[i];
   }
-  if (!low_rank_) {
-    std::copy(e_.begin(), e_.end(), out.begin());
-    comm_.all_reduce(out.data(), out.data(), numel_, DType::f32, ReduceOp::avg, co);
-    return;  // nothing held back: the residual stays zero
-  }
+  if (!low_rank_) return e_;  // averaged whole; nothing held back
   const int r = spec.rank;
   const auto R = static_cast<size_t>(r);
   // Q columns that are zero (the first step; or a direction that vanished
@@ -336,15 +344,32 @@ void CompressedAllReduce::run_powersgd(std::span<const float> grad, std::span<fl
     Rng rng(codec_seed(spec.seed, -1, step_ * R + c));
     for (size_t j = 0; j < cols_; ++j) q_[j * R + c] = static_cast<float>(rng.normal());
   }
-  powersgd_project(e_, rows_, cols_, q_, r, p_);
-  comm_.all_reduce(p_.data(), p_.data(), p_.size(), DType::f32, ReduceOp::avg, co);
+  mt::powersgd_project(e_, rows_, cols_, q_, r, p_);
+  return p_;
+}
+
+std::span<float> CompressedAllReduce::powersgd_back_project() {
+  MT_CHECK(low_rank_);
+  const int r = options_.codec.rank;
   orthogonalize_columns(p_, rows_, r);
-  powersgd_back_project(e_, rows_, cols_, p_, r, q_);
-  comm_.all_reduce(q_.data(), q_.data(), q_.size(), DType::f32, ReduceOp::avg, co);
-  powersgd_expand(p_, q_, rows_, cols_, r, out);
-  if (spec.error_feedback) {
+  mt::powersgd_back_project(e_, rows_, cols_, p_, r, q_);
+  return q_;
+}
+
+void CompressedAllReduce::powersgd_expand(std::span<float> out) {
+  MT_CHECK_EQ(out.size(), numel_);
+  if (!low_rank_) {
+    std::copy(e_.begin(), e_.end(), out.begin());
+    return;
+  }
+  mt::powersgd_expand(p_, q_, rows_, cols_, options_.codec.rank, out);
+  if (options_.codec.error_feedback) {
     for (size_t i = 0; i < numel_; ++i) residual_[i] = e_[i] - out[i];
   }
+}
+
+void CompressedAllReduce::powersgd_count_step() {
+  ++step_;
 }
 
 }  // namespace mt

@@ -171,6 +171,24 @@ class CompressedAllReduce {
   void save_state(std::span<float> out) const;
   void load_state(std::span<const float> in, uint64_t steps);
   const std::vector<PlannedCollective>& plan() const { return plan_; }
+
+  // PowerSGD's run() in its three local phases, for exchanges that batch
+  // several tensors' factors into one all-reduce each (CompressedSync with
+  // SyncOptions::powersgd_batched): run() is exactly
+  //   p = powersgd_project(grad); all_reduce(avg) p;
+  //   if (low_rank()) { q = powersgd_back_project(); all_reduce(avg) q; }
+  //   powersgd_expand(out); powersgd_count_step();
+  // powersgd_project returns P = (grad + residual) Q (rows x r), or for a
+  // tensor the factors would not shrink the tensor itself (grad +
+  // residual), to be averaged in place; powersgd_back_project
+  // orthonormalizes the averaged P and returns Q = E^T P, to be averaged in
+  // place; powersgd_expand writes P Q^T (or the averaged tensor) and keeps
+  // the residual. The spans are this object's buffers.
+  bool low_rank() const { return low_rank_; }
+  std::span<float> powersgd_project(std::span<const float> grad);
+  std::span<float> powersgd_back_project();
+  void powersgd_expand(std::span<float> out);
+  void powersgd_count_step();
   CodecTraffic predicted_traffic() const;
 
  private:

@@ -6,10 +6,13 @@
 #include <fmt/format.h>
 
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/comm/backends/self/self_transport.h"
+#include "meshtrain/sync/codecs.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/compressed_reduce_scatter.h"
 #include "meshtrain/sync/local_steps.h"
@@ -34,6 +37,17 @@ class CompressedSync : public ReplicaSync {
     for (const ParamLayoutEntry& e : layout) {
       exchanges_.push_back(std::make_unique<CompressedAllReduce>(group_, e.name, e.shape, co));
     }
+    options_ = o;
+    exchange_options_ = co;
+    for (const ParamLayoutEntry& e : layout) params_.emplace_back(e.name, e.shape);
+    momentum_ = static_cast<float>(o.codec_momentum);
+    nesterov_ = o.codec_nesterov;
+    masking_ = o.codec_momentum_masking;
+    if (momentum_ > 0) {
+      for (const ParamLayoutEntry& e : layout) {
+        velocity_.emplace_back(static_cast<size_t>(e.shape.numel()), 0.0f);
+      }
+    }
   }
 
   void attach(Executor& exec, const Graph& graph) override { local_.attach(exec, graph); }
@@ -49,11 +63,22 @@ class CompressedSync : public ReplicaSync {
   void step(const std::function<void(std::span<ParamSlice>)>& update) override {
     local_.step([&](std::span<ParamSlice> s) {
       MT_CHECK_EQ(s.size(), exchanges_.size());
+      warm_up();
+      if (options_.powersgd_batched) {
+        batched_powersgd(s);
+        update(s);
+        return;
+      }
       for (size_t i = 0; i < s.size(); ++i) {
         const auto n = static_cast<size_t>(s[i].grad.numel());
         std::span<float> g(s[i].grad.data<float>(), n);
-        exchanges_[i]->run(g, g);  // in place: the average of what every rank sent
+        if (momentum_ > 0) {
+          correct_momentum(i, g);
+        } else {
+          exchange(i).run(g, g);  // in place: the average of what every rank sent
+        }
       }
+      ++steps_;
       update(s);
     });
   }
@@ -71,6 +96,10 @@ class CompressedSync : public ReplicaSync {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
     int64_t residual = 0;
     for (const auto& x : exchanges_) residual += static_cast<int64_t>(x->residual().size()) * 4;
+    // A sparsity warm-up's stage holds a second residual while it lasts;
+    // momentum correction a velocity per parameter.
+    if (options_.codec_warmup_steps > 0) residual *= 2;
+    for (const auto& u : velocity_) residual += static_cast<int64_t>(u.size()) * 4;
     m.world_size = group_.size();
     m.staging_bytes += residual;
     m.expected_buffer_bytes += residual;
@@ -84,11 +113,123 @@ class CompressedSync : public ReplicaSync {
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
 
  private:
+  // Deep Gradient Compression's momentum correction (SyncOptions::
+  // codec_momentum): the velocity u = m u + g goes into the codec (Nesterov:
+  // g + m u), so the residual accumulates velocity; with masking, u is zeroed
+  // at the k coordinates the codec sends -- the k largest |residual + x|,
+  // the codec's own choice (top_k_indices, sync/codecs.h). g is replaced by
+  // the average of what every rank sent.
+  // PowerSGD with every tensor's P (and the tensors sent whole) in one
+  // all-reduce and every Q in another (SyncOptions::powersgd_batched).
+  void batched_powersgd(std::span<ParamSlice> s) {
+    const CollectiveOptions& co = exchanges_.front()->options().collective;
+    std::vector<std::span<float>> part(s.size());
+    const auto all_reduce = [&](bool low_rank_only) {
+      size_t total = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (!low_rank_only || exchanges_[i]->low_rank()) total += part[i].size();
+      }
+      if (total == 0) return;
+      batch_.resize(total);
+      size_t at = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (low_rank_only && !exchanges_[i]->low_rank()) continue;
+        std::copy(part[i].begin(), part[i].end(), batch_.begin() + static_cast<ptrdiff_t>(at));
+        at += part[i].size();
+      }
+      group_.all_reduce(batch_.data(), batch_.data(), total, DType::f32, ReduceOp::avg, co);
+      at = 0;
+      for (size_t i = 0; i < s.size(); ++i) {
+        if (low_rank_only && !exchanges_[i]->low_rank()) continue;
+        std::copy_n(batch_.begin() + static_cast<ptrdiff_t>(at), part[i].size(), part[i].begin());
+        at += part[i].size();
+      }
+    };
+    for (size_t i = 0; i < s.size(); ++i) {
+      const auto n = static_cast<size_t>(s[i].grad.numel());
+      part[i] = exchanges_[i]->powersgd_project(std::span<const float>(s[i].grad.data<float>(), n));
+    }
+    all_reduce(false);
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (exchanges_[i]->low_rank()) part[i] = exchanges_[i]->powersgd_back_project();
+    }
+    all_reduce(true);
+    for (size_t i = 0; i < s.size(); ++i) {
+      const auto n = static_cast<size_t>(s[i].grad.numel());
+      exchanges_[i]->powersgd_expand(std::span<float>(s[i].grad.data<float>(), n));
+      exchanges_[i]->powersgd_count_step();
+    }
+  }
+
+  // The exchange of parameter i at this step: the warm-up stage's, or the
+  // codec's own.
+  CompressedAllReduce& exchange(size_t i) { return warm_.empty() ? *exchanges_[i] : *warm_[i]; }
+
+  // Sparsity warm-up (SyncOptions::codec_warmup_steps): at a stage's first
+  // step, one exchange per parameter at the stage's density takes over the
+  // residual (and step count) of the one before; after the last stage the
+  // codec's own exchanges take it back.
+  void warm_up() {
+    if (options_.codec_warmup_steps == 0) return;
+    const bool warm = steps_ < options_.codec_warmup_steps;
+    if (!warm && warm_.empty()) return;
+    const double f = codec_warmup_fraction(options_, exchange_options_.codec.k_fraction, steps_);
+    if (warm && !warm_.empty() && f == warm_fraction_) return;
+    std::vector<std::unique_ptr<CompressedAllReduce>> next;
+    if (warm) {
+      CompressedAllReduceOptions co = exchange_options_;
+      co.codec.k_fraction = f;
+      for (const auto& [name, shape] : params_) {
+        next.push_back(std::make_unique<CompressedAllReduce>(group_, name, shape, co));
+      }
+    }
+    std::vector<float> state;
+    for (size_t i = 0; i < exchanges_.size(); ++i) {
+      const CompressedAllReduce& from = exchange(i);
+      CompressedAllReduce& to = warm ? *next[i] : *exchanges_[i];
+      state.resize(from.state_numel());
+      from.save_state(state);
+      to.load_state(state, from.steps());
+    }
+    warm_ = std::move(next);
+    warm_fraction_ = f;
+  }
+
+  void correct_momentum(size_t i, std::span<float> g) {
+    std::vector<float>& u = velocity_[i];
+    const float m = momentum_;
+    for (size_t j = 0; j < g.size(); ++j) {
+      u[j] = m * u[j] + g[j];
+      g[j] = nesterov_ ? g[j] + m * u[j] : u[j];
+    }
+    std::vector<uint32_t> sent;
+    if (masking_) {
+      const std::span<const float> r = exchange(i).residual();
+      e_.resize(g.size());
+      for (size_t j = 0; j < g.size(); ++j) e_[j] = r.empty() ? g[j] : r[j] + g[j];
+      sent = top_k_indices(e_, exchange(i).options().codec.k_for(g.size()));
+    }
+    exchange(i).run(g, g);
+    for (const uint32_t j : sent) u[j] = 0.0f;
+  }
+
   Communicator& group_;
   std::unique_ptr<Communicator> self_;
   DataParallel local_;
   double ranks_ = 1;
   std::vector<std::unique_ptr<CompressedAllReduce>> exchanges_;
+  SyncOptions options_;
+  CompressedAllReduceOptions exchange_options_;
+  std::vector<std::pair<std::string, Shape>> params_;
+  int64_t steps_ = 0;                                       // step() calls
+  std::vector<std::unique_ptr<CompressedAllReduce>> warm_;  // the warm-up stage's
+  double warm_fraction_ = 0;
+  float momentum_ = 0;
+  bool nesterov_ = false;
+  bool masking_ = true;
+  std::vector<std::vector<float>> velocity_;  // per parameter, with codec_momentum
+  std::vector<float> e_;                      // residual + x, to find what is sent
+  std::vector<float> batch_;                  // powersgd_batched: the factors of every tensor
 };
 
 // ZeRO stages 1-3 with a codec: DataParallel on the group as without one,
@@ -177,6 +318,23 @@ std::unique_ptr<ReplicaSync> make_compressed_sync(const SyncOptions& o, Communic
                                                   ParamLayout layout, Tensor flat_params,
                                                   DataParallelOptions dp, double local_share) {
   if (dp.stage != 0) {
+    if (o.codec_momentum > 0) {
+      throw ConfigError(fmt::format(
+          "sync.codec_momentum: momentum correction needs dist.zero_stage = 0 (each rank's whole "
+          "velocity beside its whole gradient), got dist.zero_stage = {}",
+          dp.stage));
+    }
+    if (o.powersgd_batched) {
+      throw ConfigError(fmt::format(
+          "sync.powersgd_batched: PowerSGD needs dist.zero_stage = 0, got dist.zero_stage = {}",
+          dp.stage));
+    }
+    if (o.codec_warmup_steps > 0) {
+      throw ConfigError(fmt::format(
+          "sync.codec_warmup_steps: the sparsity warm-up needs dist.zero_stage = 0 (the "
+          "per-parameter top-k all-reduce), got dist.zero_stage = {}",
+          dp.stage));
+    }
     if (layout.empty()) throw ConfigError("sync.codec: the model has no parameters");
     return std::make_unique<ZeroCompressedSync>(o, group, std::move(layout), std::move(flat_params),
                                                 std::move(dp));

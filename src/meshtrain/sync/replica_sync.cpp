@@ -55,6 +55,18 @@ void ReplicaSync::serve(const ServerUpdate& /*update*/) {
   throw ConfigError(fmt::format("sync.scheme = \"{}\" has no server ranks", name()));
 }
 
+double codec_warmup_fraction(const SyncOptions& o, double f, int64_t step) {
+  if (step >= o.codec_warmup_steps) return f;
+  // Stage s covers steps [s N / S, (s + 1) N / S) rounded up at both ends.
+  int s = 0;
+  while (s + 1 < kCodecWarmupStages &&
+         step * kCodecWarmupStages >= (s + 1) * o.codec_warmup_steps) {
+    ++s;
+  }
+  const double d0 = o.codec_warmup_density;
+  return std::min(1.0, d0 * std::pow(f / d0, static_cast<double>(s) / kCodecWarmupStages));
+}
+
 uint64_t sync_bytes_sent(const Communicator& c) {
   uint64_t n = 0;
   for (const auto& [kind, counter] : c.counters().by_collective) {
@@ -200,6 +212,46 @@ void validate_sync_options(const SyncOptions& o) {
   {
     const CodecSpec spec = parse_codec_spec(o.codec);  // ConfigError naming sync.codec
     if (spec.kind != CodecKind::none) validate_codec_scheme(o, spec);
+    if (!(o.codec_momentum >= 0 && o.codec_momentum < 1)) {
+      throw ConfigError(fmt::format(
+          "sync.codec_momentum: the momentum factor must be in [0, 1), got {}", o.codec_momentum));
+    }
+    if (o.codec_momentum > 0 && (o.scheme != "allreduce" || spec.kind != CodecKind::topk)) {
+      throw ConfigError(fmt::format(
+          "sync.codec_momentum: momentum correction (Deep Gradient Compression) applies to "
+          "sync.scheme = \"allreduce\" with a topk sync.codec, not to sync.scheme = \"{}\" with "
+          "sync.codec = \"{}\"",
+          o.scheme, o.codec));
+    }
+  }
+  if (o.powersgd_batched &&
+      (o.scheme != "allreduce" || parse_codec_spec(o.codec).kind != CodecKind::powersgd)) {
+    throw ConfigError(fmt::format(
+        "sync.powersgd_batched: batching PowerSGD's factors applies to sync.scheme = "
+        "\"allreduce\" with sync.codec = \"powersgd:R\", not to sync.scheme = \"{}\" with "
+        "sync.codec = \"{}\"",
+        o.scheme, o.codec));
+  }
+  if (o.codec_warmup_steps < 0) {
+    throw ConfigError(
+        fmt::format("sync.codec_warmup_steps: the sparsity warm-up's steps must be >= 0, got {}",
+                    o.codec_warmup_steps));
+  }
+  if (o.codec_warmup_steps > 0) {
+    const CodecSpec spec = parse_codec_spec(o.codec);
+    if (o.scheme != "allreduce" || spec.kind != CodecKind::topk || spec.k_count > 0) {
+      throw ConfigError(fmt::format(
+          "sync.codec_warmup_steps: the sparsity warm-up applies to sync.scheme = \"allreduce\" "
+          "with a topk sync.codec whose k is a fraction (e.g. \"topk:0.01\"), not to "
+          "sync.scheme = \"{}\" with sync.codec = \"{}\"",
+          o.scheme, o.codec));
+    }
+    if (!(o.codec_warmup_density >= spec.k_fraction && o.codec_warmup_density <= 1)) {
+      throw ConfigError(fmt::format(
+          "sync.codec_warmup_density: the warm-up's first density must be in [{}, 1] (from the "
+          "codec's fraction up to every element), got {}",
+          spec.k_fraction, o.codec_warmup_density));
+    }
   }
   if (!(o.gossip_gamma > 0 && o.gossip_gamma <= 1)) {
     throw ConfigError(fmt::format(

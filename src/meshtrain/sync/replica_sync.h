@@ -97,6 +97,38 @@ struct SyncOptions {
   // copy (CHOCO-SGD, sync/choco.h).
   std::string codec = "none";
   bool codec_error_feedback = true;
+  // allreduce (ZeRO stage 0) with a topk codec: Deep Gradient Compression's
+  // momentum correction (Lin et al. 2018). With m = codec_momentum > 0 each
+  // rank keeps a velocity u per parameter and, before the codec, turns its
+  // gradient g into u = m u + g and the codec's input x = u (codec_nesterov:
+  // x = g + m u), so the error-feedback residual accumulates velocity, not
+  // gradients; with codec_momentum_masking, u is zeroed at the k coordinates
+  // sent (momentum factor masking). The average that comes back is the
+  // update direction: the optimizer must step without momentum (the CLI's
+  // sync.codec_momentum moves optim.momentum / optim.nesterov here). Without
+  // masking and with topk:1.0 this is DP with SGD momentum m (Nesterov as
+  // torch.optim.SGD); with masking and topk:1.0, plain SGD (u = g each
+  // step; with Nesterov x = (1 + m) g). 0: off (the default).
+  double codec_momentum = 0;
+  bool codec_nesterov = false;
+  bool codec_momentum_masking = true;
+  // allreduce (ZeRO stage 0) with a topk codec whose k is a fraction f:
+  // Deep Gradient Compression's sparsity warm-up. The first
+  // codec_warmup_steps steps run in kCodecWarmupStages equal stages (the
+  // first ones one step longer when they do not divide) at densities
+  // d0 (f / d0)^(s / kCodecWarmupStages), s = 0..3, d0 =
+  // codec_warmup_density, exponentially down to f, which the rest of the
+  // run uses; the error-feedback residual carries from stage to stage. The
+  // warm-up's bytes count in the run's (bytes_sent). 0: off (the default).
+  int64_t codec_warmup_steps = 0;
+  double codec_warmup_density = 0.25;
+  // allreduce (ZeRO stage 0) with powersgd: every tensor's P (and the
+  // tensors sent whole) in one all-reduce per step, every Q in a second,
+  // as PyTorch's PowerSGD hook does per bucket, instead of one or two
+  // all-reduces per tensor (CompressedAllReduce::powersgd_project and its
+  // phases). The same arithmetic; the sums in another order (within float
+  // tolerance). false: per tensor (the default).
+  bool powersgd_batched = false;
   // gossip, adpsgd with a codec (CHOCO-SGD, sync/choco.h): the consensus
   // step size gamma in (0, 1]: x_i += gamma sum_j w_ij (xhat_j - xhat_i).
   double gossip_gamma = 1.0;
@@ -111,6 +143,11 @@ struct SyncOptions {
   std::string ps_switch;
   bool staleness_lr = false;
 };
+
+inline constexpr int kCodecWarmupStages = 4;
+// The density of step `step` (0-based) under SyncOptions' sparsity warm-up
+// for a target fraction f (f itself from codec_warmup_steps on).
+double codec_warmup_fraction(const SyncOptions& o, double f, int64_t step);
 
 // ConfigError naming the sync.* key and what was expected (period < 1, an
 // unknown scheme or topology, outer_lr <= 0, momentum outside [0, 1),
