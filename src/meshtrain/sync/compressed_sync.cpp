@@ -15,13 +15,14 @@
 #include "meshtrain/sync/codecs.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/compressed_reduce_scatter.h"
+#include "meshtrain/sync/data_parallel_sync.h"
 #include "meshtrain/sync/local_steps.h"
 
 namespace mt {
 
 namespace {
 
-class CompressedSync : public ReplicaSync {
+class CompressedSync : public DataParallelSync {
  public:
   CompressedSync(const SyncOptions& o, Communicator& group, ParamLayout layout, Tensor flat,
                  DataParallelOptions dp, double share)
@@ -50,14 +51,11 @@ class CompressedSync : public ReplicaSync {
     }
   }
 
-  void attach(Executor& exec, const Graph& graph) override { local_.attach(exec, graph); }
   // The trainer's weight w is this micro-batch's share of the global batch;
   // times the rank count, each rank's gradient is n x (its share of the
   // global gradient), so the exchange's average over ranks is the global
   // batch's gradient for any batch shares.
   void begin_micro_step(double w) override { local_.begin_micro_step(w * ranks_); }
-  void end_micro_step() override { local_.end_micro_step(); }
-  std::span<ParamSlice> slices() override { return local_.slices(); }
   std::function<void(std::span<double>)> norm_reducer() override { return {}; }
 
   void step(const std::function<void(std::span<ParamSlice>)>& update) override {
@@ -83,15 +81,6 @@ class CompressedSync : public ReplicaSync {
     });
   }
 
-  void gather_params(Tensor& flat_out) override { local_.gather_params(flat_out); }
-  std::vector<ShardPiece> param_pieces(PieceUse use) override { return local_.param_pieces(use); }
-  std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
-                                       PieceUse use) const override {
-    return local_.state_pieces(state, use);
-  }
-  std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const override {
-    return local_.new_state_pieces(kinds);
-  }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = local_.memory(kinds, optimizer_bytes);
     int64_t residual = 0;
@@ -105,12 +94,14 @@ class CompressedSync : public ReplicaSync {
     m.expected_buffer_bytes += residual;
     return m;
   }
-  DataParallelStats stats() const override { return local_.stats(); }
-  void reset_stats() override { local_.reset_stats(); }
   std::string name() const override {
     return "allreduce+" + exchanges_.front()->options().codec.to_string();
   }
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
+
+ protected:
+  DataParallel& dp() override { return local_; }
+  const DataParallel& dp() const override { return local_; }
 
  private:
   // Deep Gradient Compression's momentum correction (SyncOptions::
@@ -238,7 +229,7 @@ class CompressedSync : public ReplicaSync {
 // its own residual, exchanged all-to-all, decoded and summed by its owner).
 // The rest -- sharded optimizer state and gradients, the parameters'
 // all-gather (f32), stage 3's gathers -- is ZeRO's own.
-class ZeroCompressedSync : public ReplicaSync {
+class ZeroCompressedSync : public DataParallelSync {
  public:
   ZeroCompressedSync(const SyncOptions& o, Communicator& group, ParamLayout layout, Tensor flat,
                      DataParallelOptions dp)
@@ -258,21 +249,6 @@ class ZeroCompressedSync : public ReplicaSync {
     codec_ = co.codec.to_string();
   }
 
-  void attach(Executor& exec, const Graph& graph) override { dp_.attach(exec, graph); }
-  void begin_micro_step(double w) override { dp_.begin_micro_step(w); }
-  void end_micro_step() override { dp_.end_micro_step(); }
-  std::span<ParamSlice> slices() override { return dp_.slices(); }
-  std::function<void(std::span<double>)> norm_reducer() override { return dp_.norm_reducer(); }
-  void step(const std::function<void(std::span<ParamSlice>)>& update) override { dp_.step(update); }
-  void gather_params(Tensor& flat_out) override { dp_.gather_params(flat_out); }
-  std::vector<ShardPiece> param_pieces(PieceUse use) override { return dp_.param_pieces(use); }
-  std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
-                                       PieceUse use) const override {
-    return dp_.state_pieces(state, use);
-  }
-  std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const override {
-    return dp_.new_state_pieces(kinds);
-  }
   DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
     DataParallelMemory m = dp_.memory(kinds, optimizer_bytes);
     int64_t held = 0;  // residuals of every chunk, and the payload buffers
@@ -281,8 +257,6 @@ class ZeroCompressedSync : public ReplicaSync {
     m.expected_buffer_bytes += held;
     return m;
   }
-  DataParallelStats stats() const override { return dp_.stats(); }
-  void reset_stats() override { dp_.reset_stats(); }
   std::string name() const override { return "allreduce+" + codec_; }
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
   std::vector<float> codec_residual() const override {
@@ -295,6 +269,10 @@ class ZeroCompressedSync : public ReplicaSync {
     }
     return r;
   }
+
+ protected:
+  DataParallel& dp() override { return dp_; }
+  const DataParallel& dp() const override { return dp_; }
 
  private:
   DataParallelOptions with_hook(DataParallelOptions dp) {

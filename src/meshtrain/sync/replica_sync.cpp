@@ -8,6 +8,7 @@
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/sync/codec_spec.h"
+#include "meshtrain/sync/data_parallel_sync.h"
 #include "meshtrain/sync/local_steps.h"
 #include "meshtrain/sync/param_server.h"
 
@@ -16,33 +17,17 @@ namespace mt {
 namespace {
 
 // Synchronous all-reduce data parallelism (ZeRO 0-3): DataParallel itself.
-class AllReduceSync : public ReplicaSync {
+class AllReduceSync : public DataParallelSync {
  public:
   AllReduceSync(Communicator& group, ParamLayout layout, Tensor flat, DataParallelOptions o)
       : group_(group), dp_(group, std::move(layout), std::move(flat), std::move(o)) {}
 
-  void attach(Executor& exec, const Graph& graph) override { dp_.attach(exec, graph); }
-  void begin_micro_step(double w) override { dp_.begin_micro_step(w); }
-  void end_micro_step() override { dp_.end_micro_step(); }
-  std::span<ParamSlice> slices() override { return dp_.slices(); }
-  std::function<void(std::span<double>)> norm_reducer() override { return dp_.norm_reducer(); }
-  void step(const std::function<void(std::span<ParamSlice>)>& update) override { dp_.step(update); }
-  void gather_params(Tensor& flat_out) override { dp_.gather_params(flat_out); }
-  std::vector<ShardPiece> param_pieces(PieceUse use) override { return dp_.param_pieces(use); }
-  std::vector<ShardPiece> state_pieces(const std::map<std::string, Tensor>& state,
-                                       PieceUse use) const override {
-    return dp_.state_pieces(state, use);
-  }
-  std::vector<ShardPiece> new_state_pieces(std::span<const std::string> kinds) const override {
-    return dp_.new_state_pieces(kinds);
-  }
-  DataParallelMemory memory(int kinds, int64_t optimizer_bytes) const override {
-    return dp_.memory(kinds, optimizer_bytes);
-  }
-  DataParallelStats stats() const override { return dp_.stats(); }
-  void reset_stats() override { dp_.reset_stats(); }
   std::string name() const override { return "allreduce"; }
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
+
+ protected:
+  DataParallel& dp() override { return dp_; }
+  const DataParallel& dp() const override { return dp_; }
 
  private:
   Communicator& group_;
