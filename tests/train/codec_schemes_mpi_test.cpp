@@ -111,18 +111,7 @@ Outcome train(const SyncOptions& sync, int64_t steps = kSteps, double momentum =
   return out;
 }
 
-double divergence(const Outcome& want, const Outcome& got) {
-  double worst = 0;
-  for (size_t i = 0; i < want.losses.size(); ++i) {
-    worst = std::max(worst, std::abs(got.losses[i] - want.losses[i]) / std::abs(want.losses[i]));
-  }
-  double diff = 0, mag = 0;
-  for (size_t i = 0; i < want.params.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got.params[i]) - want.params[i]));
-    mag = std::max(mag, std::abs(static_cast<double>(want.params[i])));
-  }
-  return std::max(worst, diff / mag);
-}
+using test::divergence;
 
 SyncOptions scheme(const std::string& name, int64_t period = 1, const std::string& codec = "none") {
   SyncOptions s;

@@ -99,17 +99,10 @@ uint64_t dense_bytes(const Outcome& o) {
 
 // Worst relative difference of the losses, and of this rank's own
 // parameters (over the largest magnitude), the worst over ranks.
+// Each rank's own replica against its own (gossip's replicas differ), the
+// worst over the ranks.
 double divergence(const Outcome& want, const Outcome& got) {
-  double worst = 0;
-  for (size_t i = 0; i < want.losses.size(); ++i) {
-    worst = std::max(worst, std::abs(got.losses[i] - want.losses[i]) / std::abs(want.losses[i]));
-  }
-  double diff = 0, mag = 0;
-  for (size_t i = 0; i < want.own.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(got.own[i]) - want.own[i]));
-    mag = std::max(mag, std::abs(static_cast<double>(want.own[i])));
-  }
-  worst = std::max(worst, diff / mag);
+  double worst = test::divergence(want.losses, got.losses, want.own, got.own);
   world().all_reduce(&worst, &worst, 1, DType::f64, ReduceOp::max);
   return worst;
 }
