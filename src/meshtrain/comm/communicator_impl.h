@@ -52,6 +52,9 @@ struct Communicator::Impl {
   // Waits for the started calls still in flight (the destructor).
   void finish_started();
   void mark_broken(const std::string& why);
+  // A call on a communicator marked broken: a CommError naming the call and
+  // the earlier failure (no-op while the communicator is usable).
+  void refuse_if_broken(const comm::CallInfo& info) const;
 
   comm::CallInfo info_of(const comm::Call& call) const;
   CommAlgorithm resolve(const comm::Call& call, const comm::CallInfo& info) const;

@@ -222,15 +222,7 @@ void Communicator::Impl::execute(Call& call) {
       }
     }
   } observe{options, info};
-  if (is_broken.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(broken_mu);
-    if (broken) {
-      throw CommError(
-          fmt::format("{}: {} refused: the communicator is unusable after an earlier "
-                      "failure: {}",
-                      info.where(), info.describe(), *broken));
-    }
-  }
+  refuse_if_broken(info);
   const auto timeout = call.opts.timeout.value_or(options.timeout);
   const Deadline start = CommClock::now();
   const Deadline deadline = start + timeout;
@@ -270,12 +262,7 @@ void Communicator::Impl::execute(Call& call) {
   } catch (const TimeoutError& e) {
     // Messages of this call may still be in flight: nothing later could trust
     // the transport's matching, so the communicator refuses further calls.
-    {
-      std::lock_guard<std::mutex> lock(broken_mu);
-      if (!broken) broken = e.what();
-      is_broken.store(true, std::memory_order_release);
-    }
-    transport->mark_broken(e.what());
+    mark_broken(e.what());
     fail(ShmChannel::State::failed);
     throw;
   } catch (const MismatchError&) {
@@ -283,12 +270,7 @@ void Communicator::Impl::execute(Call& call) {
     fail(ShmChannel::State::failed);
     throw;
   } catch (const CommError& e) {
-    {
-      std::lock_guard<std::mutex> lock(broken_mu);
-      if (!broken) broken = e.what();
-      is_broken.store(true, std::memory_order_release);
-    }
-    transport->mark_broken(e.what());
+    mark_broken(e.what());
     fail(ShmChannel::State::failed);
     throw;
   } catch (...) {

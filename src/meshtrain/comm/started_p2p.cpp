@@ -112,6 +112,16 @@ void Communicator::Impl::mark_broken(const std::string& why) {
   transport->mark_broken(why);
 }
 
+void Communicator::Impl::refuse_if_broken(const comm::CallInfo& info) const {
+  if (!is_broken.load(std::memory_order_acquire)) return;
+  std::lock_guard<std::mutex> lock(broken_mu);
+  if (broken) {
+    throw CommError(
+        fmt::format("{}: {} refused: the communicator is unusable after an earlier failure: {}",
+                    info.where(), info.describe(), *broken));
+  }
+}
+
 CommHandle Communicator::Impl::start(Call call) {
   if (call.opts.tag > kMaxUserTag) {
     throw ConfigError(fmt::format("comm '{}' rank {}: tag {} exceeds the largest tag {}",
@@ -138,15 +148,7 @@ CommHandle Communicator::Impl::start(Call call) {
   }
   std::lock_guard<std::mutex> exec(exec_mu);
   const comm::CallInfo info = info_of(call);
-  if (is_broken.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lock(broken_mu);
-    if (broken) {
-      throw CommError(
-          fmt::format("{}: {} refused: the communicator is unusable after an earlier "
-                      "failure: {}",
-                      info.where(), info.describe(), *broken));
-    }
-  }
+  refuse_if_broken(info);
   auto state = std::make_shared<OpState>();
   state->description = info.describe();
   auto op = std::make_shared<StartedOp>();
