@@ -73,9 +73,18 @@ ModelSpec gpt() {
   return s;
 }
 
-// The model a plan kind trains ("gpt_..." the GPT, else the MLP).
+// Four layers for the virtual-stage plans: fc1 (64 -> 24), fc2 (24 -> 18),
+// fc3 (18 -> 12), head (12 -> 6), one per virtual stage at p = 2, v = 2.
+ModelSpec mlp4() {
+  ModelSpec s = mlp();
+  s.hidden = {24, 18, 12};
+  return s;
+}
+
+// The model a plan kind trains ("gpt_..." the GPT, "mlp4_..." the
+// four-layer MLP, else the MLP).
 ModelSpec spec_of(const std::string& kind) {
-  return kind.starts_with("gpt") ? gpt() : mlp();
+  return kind.starts_with("gpt") ? gpt() : kind.starts_with("mlp4") ? mlp4() : mlp();
 }
 
 TrainerOptions options(const std::string& optimizer) {
@@ -125,6 +134,7 @@ struct XCase {
   // Bytes of one micro-batch's boundary value [kMicro, width] f32 each rank
   // sends per step, forward and backward (closed form, per rank).
   std::vector<uint64_t> bytes;
+  bool four_layers = false;  // mlp4(): the virtual-stage plans
 };
 
 void PrintTo(const XCase& c, std::ostream* os) {
@@ -136,7 +146,7 @@ class StageMeshesMpi : public ::testing::TestWithParam<XCase> {};
 TEST_P(StageMeshesMpi, MatchesTheSingleProcessRunEveryStep) {
   const XCase c = GetParam();
   if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
-  const ModelSpec spec = mlp();
+  const ModelSpec spec = c.four_layers ? mlp4() : mlp();
   TrainerOptions o = options(c.optimizer);
   struct Ref {
     std::vector<double> losses;
@@ -251,9 +261,45 @@ const char* kPlanTp1ToTp2 = R"({
   "microbatches": 4
 })";
 
+// Virtual stages (p = 2, v = 2) on the four-layer MLP. Interleaved: rank
+// group {0, 1} (tp = 2) runs virtual stages 0 and 2, rank 2 stages 1 and 3;
+// fc1 and fc3 column-parallel, so every boundary crosses meshes.
+const char* kPlanInterleaved = R"({
+  "mesh": [{"name": "world", "size": 3}],
+  "values": {"fc1.w": {"dims": [null, "tp"]}, "fc1.b": {"dims": ["tp"]},
+             "fc3.w": {"dims": [null, "tp"]}, "fc3.b": {"dims": ["tp"]}},
+  "stages": [
+    {"layers": ["fc1"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+    {"layers": ["fc2"], "ranks": [2], "mesh": []},
+    {"layers": ["fc3"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+    {"layers": ["head"], "ranks": [2], "mesh": []}
+  ],
+  "microbatches": 4,
+  "virtual_stages": 2
+})";
+// V-shaped (ZBV, DualPipeV): rank 2 runs virtual stages 0 and 3, the tp
+// group {0, 1} stages 1 and 2 (the turn of the V): fc2 column-parallel,
+// fc3 row-parallel, so stage 1 -> 2 is resharded inside the group (each
+// rank's column half gathered; the gradient back is kept where it is);
+// fc3's all-reduce runs inside stage 2 (before its relu), so stage 2's
+// output is replicated on {0, 1}.
+const char* kPlanV = R"({
+  "mesh": [{"name": "world", "size": 3}],
+  "values": {"fc2.w": {"dims": [null, "tp"]}, "fc2.b": {"dims": ["tp"]},
+             "fc3.w": {"dims": ["tp"]}},
+  "stages": [
+    {"layers": ["fc1"], "ranks": [2], "mesh": []},
+    {"layers": ["fc2"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+    {"layers": ["fc3"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+    {"layers": ["head"], "ranks": [2], "mesh": []}
+  ],
+  "microbatches": 4,
+  "virtual_stages": 2
+})";
+
 // Per micro-batch the boundary is [2, 24] f32 (relu of fc1 or its input
 // layout): h = 2 * 24 * 4 = 192 bytes; per step x 4 micro-batches.
-constexpr uint64_t kH24 = 2 * 24 * 4 * 4, kH18 = 2 * 18 * 4 * 4;
+constexpr uint64_t kH24 = 2 * 24 * 4 * 4, kH18 = 2 * 18 * 4 * 4, kH12 = 2 * 12 * 4 * 4;
 
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesMpi,
                          ::testing::Values(
@@ -279,7 +325,35 @@ INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesMpi,
                                    "sgd",
                                    ScheduleKind::one_f_one_b,
                                    kPlanTp1ToTp2,
-                                   {kH24, kH24 / 2, kH24 + kH24 / 2}}),
+                                   {kH24, kH24 / 2, kH24 + kH24 / 2}},
+                             // Interleaved: 0 -> 1 as tp2_to_tp1 (h24); 1 -> 2 as tp1_to_tp2
+                             // with rank 0 first in its group (h18: rank 2 sends it, rank 0
+                             // passes it on; back each of {0, 1} half); 2 -> 3 as 0 -> 1 (h12).
+                             XCase{"mlp4_interleaved_sgd",
+                                   "sgd",
+                                   ScheduleKind::interleaved,
+                                   kPlanInterleaved,
+                                   {kH24 / 2 + kH18 + kH18 / 2 + kH12 / 2,
+                                    kH24 / 2 + kH18 / 2 + kH12 / 2, kH24 + kH18 + kH12},
+                                   true},
+                             // V: 0 -> 1 (h24) rank 2 into the group, rank 0 on, back each half;
+                             // 1 -> 2 (h18, inside {0, 1}) each rank sends its half to the other,
+                             // nothing back; 2 -> 3 (h12, replicated) each rank sends half to rank
+                             // 2, back rank 2 into the group, rank 0 on.
+                             XCase{"mlp4_zbv_sgd",
+                                   "sgd",
+                                   ScheduleKind::zbv,
+                                   kPlanV,
+                                   {kH24 + kH24 / 2 + kH18 / 2 + kH12 / 2 + kH12,
+                                    kH24 / 2 + kH18 / 2 + kH12 / 2, kH24 + kH12},
+                                   true},
+                             XCase{"mlp4_dualpipev_lamb",
+                                   "lamb",
+                                   ScheduleKind::dualpipev,
+                                   kPlanV,
+                                   {kH24 + kH24 / 2 + kH18 / 2 + kH12 / 2 + kH12,
+                                    kH24 / 2 + kH18 / 2 + kH12 / 2, kH24 + kH12},
+                                   true}),
                          [](const ::testing::TestParamInfo<XCase>& p) { return p.param.label; });
 
 // Checkpoints and train.init under stage meshes (docs/plan.md, "Stages on
@@ -357,9 +431,11 @@ std::shared_ptr<const Plan> xmesh_plan(const std::string& kind, const ModelSpec&
   if (base.find("_zero") != std::string::npos) base.erase(base.find("_zero"));
   const bool dp2 = kind.find("dp2_") != std::string::npos;
   if (dp2) base.erase(base.find("dp2_"), 4);
-  std::string json = base.starts_with("gpt") ? gpt_plan(base)
-                     : base == "tp2_to_tp1"  ? kPlanTp2ToTp1
-                                             : kPlanTp1ToTp2;
+  std::string json = base.starts_with("gpt")      ? gpt_plan(base)
+                     : base == "tp2_to_tp1"       ? kPlanTp2ToTp1
+                     : base == "mlp4_interleaved" ? kPlanInterleaved
+                     : base == "mlp4_zbv"         ? kPlanV
+                                                  : kPlanTp1ToTp2;
   if (dp2) {
     const std::string world3 = R"([{"name": "world", "size": 3}])";
     json.replace(json.find(world3), world3.size(),
@@ -368,7 +444,9 @@ std::shared_ptr<const Plan> xmesh_plan(const std::string& kind, const ModelSpec&
     json.replace(json.find(m4), m4.size(), R"("microbatches": 2)");
   }
   Plan plan = plan_from_json(json, kind);
-  plan.schedule = ScheduleKind::one_f_one_b;
+  plan.schedule = base == "mlp4_interleaved" ? ScheduleKind::interleaved
+                  : base == "mlp4_zbv"       ? ScheduleKind::zbv
+                                             : ScheduleKind::one_f_one_b;
   const ModelGraph m = build_model(spec, kCkBatch);
   validate_plan(plan, m.graph, ranks_of(kind), kCkBatch, kind);
   return std::make_shared<const Plan>(std::move(plan));
@@ -522,6 +600,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Handover{"gpt_tp2_to_tp1", "gpt_tp2_to_tp1"},
                       Handover{"dp", "gpt_tp1_to_tp2"},
                       Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"},
+                      // Virtual stages on stage meshes (the four-layer MLP).
+                      Handover{"mlp4_interleaved", "dp"}, Handover{"mlp4_zbv", "mlp4_interleaved"},
                       // At 6 ranks: two model replicas of a stage-mesh plan.
                       Handover{"dp2_tp2_to_tp1", "dp"}, Handover{"dp", "dp2_tp1_to_tp2"},
                       Handover{"gpt_dp2_tp2_to_tp1", "gpt_dp2_tp1_to_tp2"},

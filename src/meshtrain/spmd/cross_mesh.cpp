@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/spmd/schedule.h"
 
 namespace mt {
 
@@ -80,18 +81,37 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
     // cast (f16 / bf16) runs in the stage that reads the copy.
     co.param_casts_join_consumers = plan.async == AsyncMode::none;
     cuts[static_cast<size_t>(s)] = cut_pipeline(lp.graph, lp[loss], plan.stages, co);
-    if (me != st.ranks.end()) {
-      out.stage = s;
+    if (me != st.ranks.end() && out.stage < 0) {
+      out.stage = s;  // the first of its virtual stages: its physical stage
       out.mesh_rank = m;
     }
+    if (me != st.ranks.end()) out.chunks.push_back(s);
     lps[static_cast<size_t>(s)] = std::move(lp);
   }
   // A parameter several stages hold: its layout in each holder's lowering,
   // and the plans that sum its gradient onto the first holder and back.
   out.cut.shared_params = cuts[0].shared_params;
+  const int p = std::max(1, n / std::max(1, plan.virtual_stages));
   for (const auto& [name, holders] : cuts[0].shared_params) {
     const auto gv = forward.find(name);
     MT_CHECK(gv.has_value(), "plan_cross_mesh: shared parameter {} not in the model", name);
+    // Virtual stages: the runtime holds one tensor per name and rank, so
+    // two holders on the same ranks would need one layout of it.
+    for (size_t a = 0; a < holders.size(); ++a) {
+      for (size_t b = a + 1; b < holders.size(); ++b) {
+        if (stage_owner(plan.schedule, p, holders[a]) ==
+            stage_owner(plan.schedule, p, holders[b])) {
+          throw ConfigError(fmt::format(
+              "plan: parameter {} is read by stages {} and {}, which run on the same ranks ({}; "
+              "virtual stages under {}); a parameter shared by two virtual stages of one "
+              "physical stage is not supported with stage meshes yet (use a schedule whose "
+              "holders run on different ranks, e.g. interleaved)",
+              name, holders[a], holders[b],
+              fmt::join(plan.stages[static_cast<size_t>(holders[a])].ranks, ", "),
+              schedule_name(plan.schedule)));
+        }
+      }
+    }
     const Shape& shape = forward.value(*gv).shape;
     CrossMeshPipeline::Shared sh;
     sh.plans.name = name;
@@ -186,7 +206,24 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
     cons.inputs = std::move(inputs);
     cons.input_grads = std::move(input_grads);
   }
-  out.lowered = std::move(lps[static_cast<size_t>(std::max(0, out.stage))]);
+  // The rank's program: its first chunk's lowering, each parameter of its
+  // other chunks (virtual stages) in the layout of the chunk that holds it.
+  LoweredProgram mine = std::move(lps[static_cast<size_t>(std::max(0, out.stage))]);
+  for (int s : out.chunks) {
+    if (s == out.stage) continue;
+    const LoweredProgram& other = lps[static_cast<size_t>(s)];
+    for (const std::string& name : out.cut.stages[static_cast<size_t>(s)].params) {
+      const LoweredParam* lp = other.param(name);
+      const auto it =
+          std::ranges::find_if(mine.params, [&](const LoweredParam& q) { return q.name == name; });
+      if (lp == nullptr || it == mine.params.end()) continue;
+      *it = *lp;
+      if (const auto gv = forward.find(name)) {
+        mine.layout[static_cast<size_t>(*gv)] = other.layout[static_cast<size_t>(*gv)];
+      }
+    }
+  }
+  out.lowered = std::move(mine);
   return out;
 }
 

@@ -36,9 +36,13 @@ struct CrossMeshBoundary {
 };
 
 struct CrossMeshPipeline {
-  int stage = -1;     // the stage `rank` runs
+  int stage = -1;     // the (physical) stage `rank` runs: its first virtual stage
   int mesh_rank = 0;  // its rank in that stage's mesh
-  // This rank's lowering on its stage's mesh (groups in world ranks).
+  // The virtual stages `rank` runs (stage, stage + p, ...; one without
+  // virtual stages), all on one mesh (validate_plan).
+  std::vector<int> chunks;
+  // This rank's lowering on its stage's mesh (groups in world ranks); under
+  // virtual stages each parameter in the layout of the chunk holding it.
   LoweredProgram lowered;
   // Every stage's collective groups, in world ranks, the same lists on every
   // rank (a CommCollectiveRunner per stage is built over them collectively;
