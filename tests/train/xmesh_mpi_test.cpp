@@ -84,7 +84,7 @@ ModelSpec mlp4() {
 // The model a plan kind trains ("gpt_..." the GPT, "mlp4_..." the
 // four-layer MLP, else the MLP).
 ModelSpec spec_of(const std::string& kind) {
-  return kind.starts_with("gpt") ? gpt() : kind.starts_with("mlp4") ? mlp4() : mlp();
+  return kind.starts_with("gpt") ? gpt() : kind.find("mlp4") != std::string::npos ? mlp4() : mlp();
 }
 
 TrainerOptions options(const std::string& optimizer) {
@@ -408,6 +408,19 @@ std::string gpt_plan(const std::string& kind) {
         {"layers": ["block1", "ln_f"], "ranks": [2], "mesh": []}],
       "microbatches": 4})";
   }
+  if (kind == "gpt_interleaved") {
+    // Virtual stages: {0, 1} (tp = 2) runs the embeddings (a vocabulary-
+    // parallel wte) and block1, {2} block0 and ln_f with the tied head
+    // (wte whole): the two holders of wte run on different ranks.
+    return R"({"mesh": [{"name": "world", "size": 3}], "values": {"wte": {"dims": ["tp"]}, )" +
+           gpt_block_values("block1") + R"(},
+      "stages": [
+        {"layers": ["wte", "wpe"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+        {"layers": ["block0"], "ranks": [2], "mesh": []},
+        {"layers": ["block1"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+        {"layers": ["ln_f"], "ranks": [2], "mesh": []}],
+      "microbatches": 4, "virtual_stages": 2})";
+  }
   return R"({"mesh": [{"name": "world", "size": 3}], "values": {)" + gpt_block_values("block1") +
          R"(},
     "stages": [
@@ -444,9 +457,9 @@ std::shared_ptr<const Plan> xmesh_plan(const std::string& kind, const ModelSpec&
     json.replace(json.find(m4), m4.size(), R"("microbatches": 2)");
   }
   Plan plan = plan_from_json(json, kind);
-  plan.schedule = base == "mlp4_interleaved" ? ScheduleKind::interleaved
-                  : base == "mlp4_zbv"       ? ScheduleKind::zbv
-                                             : ScheduleKind::one_f_one_b;
+  plan.schedule = base.ends_with("interleaved") ? ScheduleKind::interleaved
+                  : base.ends_with("zbv")       ? ScheduleKind::zbv
+                                                : ScheduleKind::one_f_one_b;
   const ModelGraph m = build_model(spec, kCkBatch);
   validate_plan(plan, m.graph, ranks_of(kind), kCkBatch, kind);
   return std::make_shared<const Plan>(std::move(plan));
@@ -602,6 +615,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"},
                       // Virtual stages on stage meshes (the four-layer MLP).
                       Handover{"mlp4_interleaved", "dp"}, Handover{"mlp4_zbv", "mlp4_interleaved"},
+                      Handover{"gpt_interleaved", "dp"},
+                      Handover{"dp2_mlp4_interleaved_zero1", "dp2_mlp4_zbv_zero3"},
                       // At 6 ranks: two model replicas of a stage-mesh plan.
                       Handover{"dp2_tp2_to_tp1", "dp"}, Handover{"dp", "dp2_tp1_to_tp2"},
                       Handover{"gpt_dp2_tp2_to_tp1", "gpt_dp2_tp1_to_tp2"},
@@ -878,7 +893,8 @@ TEST_P(StageMeshesF16LoudMpi, AnOverflowSomeRanksSeeIsSkippedByAll) {
 
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16Mpi,
                          ::testing::Values("tp2_to_tp1", "tp1_to_tp2", "gpt_tp2_to_tp1",
-                                           "gpt_tp1_to_tp2", "gpt_dp2_tp1_to_tp2"),
+                                           "gpt_tp1_to_tp2", "gpt_dp2_tp1_to_tp2", "mlp4_zbv",
+                                           "gpt_interleaved"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16LoudMpi,
                          ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),
