@@ -259,8 +259,12 @@ std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
   }
   for (const auto& stage : p.boundaries) {
     for (const CrossMeshBoundary& cb : stage) {
-      out += fmt::format("  boundary stage {} -> {}: {} {} {}\n", cb.stage, cb.stage + 1, cb.value,
-                         cb.shape.str(), dtype_name(cb.dtype));
+      // Two virtual stages of one physical stage: resharded inside its ranks.
+      const std::vector<int>& from = plan.stages[static_cast<size_t>(cb.stage)].ranks;
+      const bool inside = from == plan.stages[static_cast<size_t>(cb.stage + 1)].ranks;
+      out += fmt::format("  boundary stage {} -> {}: {} {} {}{}\n", cb.stage, cb.stage + 1,
+                         cb.value, cb.shape.str(), dtype_name(cb.dtype),
+                         inside ? fmt::format(" (inside ranks {})", fmt::join(from, ",")) : "");
       out +=
           fmt::format("    from {}\n    to   {}\n", cb.producer.describe(), cb.consumer.describe());
       auto per_rank = [&](const ReshardPlan& rp) {
