@@ -10,7 +10,9 @@
 // consumer's: replicated or split); the two, over the world ranks of the
 // two stages, give the boundary's forward and backward ReshardPlan
 // (plan_boundary, spmd/reshard.h), which the pipeline runtime runs in place
-// of its plain send / recv (PipelineOptions::cross_mesh). Pure: no
+// of its plain send / recv (PipelineOptions::cross_mesh). With virtual
+// stages the same holds per virtual stage; two consecutive ones on the same
+// ranks (ZBV's turn) are a boundary inside that rank group. Pure: no
 // communication.
 #pragma once
 
@@ -38,8 +40,8 @@ struct CrossMeshBoundary {
 struct CrossMeshPipeline {
   int stage = -1;     // the (physical) stage `rank` runs: its first virtual stage
   int mesh_rank = 0;  // its rank in that stage's mesh
-  // The virtual stages `rank` runs (stage, stage + p, ...; one without
-  // virtual stages), all on one mesh (validate_plan).
+  // The virtual stages `rank` runs, in order (those stage_owner maps to
+  // `stage`; one without virtual stages), all on one mesh (validate_plan).
   std::vector<int> chunks;
   // This rank's lowering on its stage's mesh (groups in world ranks); under
   // virtual stages each parameter in the layout of the chunk holding it.
@@ -69,7 +71,9 @@ struct CrossMeshPipeline {
 // cannot pair (a split that is not one dimension's, a value the stages'
 // lowerings name differently). A parameter several stages share (GPT's
 // tied embedding) gets the plans that sum its gradient over the holders'
-// layouts (one-dimension splits or replicated, as boundaries).
+// layouts (one-dimension splits or replicated, as boundaries); under
+// virtual stages its holders must run on different ranks (ConfigError
+// naming it and the stages otherwise).
 CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan& plan, int rank);
 
 // For `meshtrain inspect`: each stage's mesh and ranks, and per boundary the
