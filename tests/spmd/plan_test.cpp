@@ -438,26 +438,46 @@ TEST(Plan, StageMeshesRunVirtualStagesEachChunkOnItsMesh) {
             "plan p.json: stages[2].mesh: sp=2, but virtual stage 2 runs on the ranks of "
             "stages[1], whose mesh is tp=2 (the virtual stages of one physical stage share its "
             "mesh; give them other values instead)");
-  // GPT's tied wte read by two chunks of one rank group (the V's two ends).
+  // GPT's tied wte read by two chunks of one rank group (the V's two ends):
+  // they share the runtime's one copy, so they must hold it alike.
   const ModelGraph g = small_gpt(4);
-  const Plan gv = plan_from_json(R"({"mesh": [{"name": "world", "size": 3}], "stages": [
+  const std::string gv = R"({"mesh": [{"name": "world", "size": 3}],
+      "values": {"wte": {"dims": ["tp"]}}, "stages": [
       {"layers": ["wte", "wpe"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
       {"layers": ["block0"], "ranks": [2], "mesh": []},
       {"layers": ["block1"], "ranks": [2], "mesh": []},
-      {"layers": ["ln_f"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]}],
-      "microbatches": 2, "virtual_stages": 2, "schedule": "zbv"})",
-                                 "p.json");
-  validate_plan(gv, g.graph, 3, 4, "plan p.json");
+      {"layers": ["ln_f"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]LAST}],
+      "microbatches": 2, "virtual_stages": 2, "schedule": "zbv"})";
+  auto gpt_v = [&](const std::string& last) {
+    std::string s = gv;
+    return plan_from_json(s.replace(s.find("LAST"), 4, last), "p.json");
+  };
+  const Plan apart = gpt_v("");
+  validate_plan(apart, g.graph, 3, 4, "plan p.json");
   try {
-    plan_cross_mesh(g.graph, g.loss, gv, 0);
-    ADD_FAILURE() << "a parameter shared by two chunks of one rank group was accepted";
+    plan_cross_mesh(g.graph, g.loss, apart, 0);
+    ADD_FAILURE() << "two chunks of one rank group holding wte differently were accepted";
   } catch (const ConfigError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "plan: parameter wte is read by stages 0 and 3, which run on the same ranks (0, 1; "
-              "virtual stages under zbv); a parameter shared by two virtual stages of one "
-              "physical stage is not supported with stage meshes yet (use a schedule whose "
-              "holders run on different ranks, e.g. interleaved)");
+              "plan: parameter wte is read by stages 0 and 3, which run on the same ranks (0, 1) "
+              "but hold it differently ({0: [0:128, 0:32], 1: [128:256, 0:32]} and {0: [0:256, "
+              "0:32], 1: [0:256, 0:32]}); virtual stages of one physical stage share one copy of "
+              "a parameter (give stages[3].values.wte the spec stage 0 uses)");
   }
+  const Plan alike = gpt_v(R"(, "values": {"wte": {"dims": ["tp"]}})");
+  validate_plan(alike, g.graph, 3, 4, "plan p.json");
+  for (int rank = 0; rank < 3; ++rank) {
+    const CrossMeshPipeline x = plan_cross_mesh(g.graph, g.loss, alike, rank);
+    ASSERT_EQ(x.shared.size(), 1u);
+    EXPECT_EQ(x.shared[0].holders, (std::vector<int>{0, 3}));
+    EXPECT_EQ(x.shared[0].plans.stages, (std::vector<int>{0}));  // one copy: nothing to sum
+    EXPECT_EQ(x.shared[0].plans.bytes_sent(rank), 0u);
+  }
+  const std::string gtext = describe_cross_mesh(plan_cross_mesh(g.graph, g.loss, alike, 0), alike);
+  EXPECT_NE(gtext.find("shared parameter wte (stages 0, 3; stages on the same ranks hold one "
+                       "copy): its gradient summed over"),
+            std::string::npos)
+      << gtext;
 }
 
 TEST(Plan, MalformedFilesNameTheKeyPath) {

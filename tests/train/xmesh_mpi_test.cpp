@@ -364,16 +364,17 @@ INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesMpi,
 // the tolerance of the other plan-checkpoint tests (1e-4, above). Plans:
 // "tp2_to_tp1" (kPlanTp2ToTp1), "tp1_to_tp2" (kPlanTp1ToTp2), "dp" (plain
 // data parallelism at 3 ranks). AdamW with a cosine schedule: a resume that
-// lost the moments or restarted the schedule is off by far more.
+// lost the moments or restarted the schedule is off by far more. (A
+// handover may ask for SGD with momentum instead, below.)
 constexpr int64_t kCkBatch = 12;  // 3 dp ranks x 4; 4 micro-batches of 3
 
-TrainerOptions checkpoint_options() {
-  TrainerOptions o = options("adamw");
+TrainerOptions checkpoint_options(const std::string& optimizer = "adamw") {
+  TrainerOptions o = options(optimizer);
   o.batch_size = kCkBatch;
   o.epochs = 2;  // 96 examples: 8 steps an epoch
   o.eval = false;
   o.optim.adamw.weight_decay = 0.01;
-  o.schedule.lr = 0.003;
+  if (optimizer == "adamw") o.schedule.lr = 0.003;
   o.schedule.kind = LrScheduleKind::cosine;
   return o;
 }
@@ -419,6 +420,19 @@ std::string gpt_plan(const std::string& kind) {
         {"layers": ["block0"], "ranks": [2], "mesh": []},
         {"layers": ["block1"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
         {"layers": ["ln_f"], "ranks": [2], "mesh": []}],
+      "microbatches": 4, "virtual_stages": 2})";
+  }
+  if (kind == "gpt_zbv") {
+    // The V: {0, 1} (tp = 2) runs the embeddings and ln_f with the tied
+    // head, both ends holding wte vocabulary-parallel (one copy, its
+    // gradient accumulated from both), {2} block0 and block1 (the turn).
+    return R"({"mesh": [{"name": "world", "size": 3}], "values": {"wte": {"dims": ["tp"]}},
+      "stages": [
+        {"layers": ["wte", "wpe"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+        {"layers": ["block0"], "ranks": [2], "mesh": []},
+        {"layers": ["block1"], "ranks": [2], "mesh": []},
+        {"layers": ["ln_f"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}],
+         "values": {"wte": {"dims": ["tp"]}}}],
       "microbatches": 4, "virtual_stages": 2})";
   }
   return R"({"mesh": [{"name": "world", "size": 3}], "values": {)" + gpt_block_values("block1") +
@@ -556,6 +570,12 @@ std::string shared_tmp_dir(const char* what) {
 
 struct Handover {
   std::string from, to;
+  // SGD with momentum (its buffer is checkpointed too) where AdamW's
+  // per-element division turns the rounding of near-zero gradients into
+  // differences near the tolerance: GPT ZBV -> interleaved measured 1.02e-4
+  // in one element of block0.proj.w under AdamW, 3.3e-8 under SGD (the
+  // same effect as in the GPT's DP handovers, docs/plan.md).
+  std::string optimizer = "adamw";
 };
 
 void PrintTo(const Handover& h, std::ostream* os) {
@@ -569,7 +589,7 @@ TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   const int ranks = ranks_of(h.from == "dp" ? h.to : h.from);
   if (world().size() != ranks) GTEST_SKIP() << "runs at " << ranks << " ranks";
   const ModelSpec spec = spec_of(h.from == "dp" ? h.to : h.from);
-  const TrainerOptions base = checkpoint_options();
+  const TrainerOptions base = checkpoint_options(h.optimizer);
   const CkReference ref = ck_single_run(spec, base);
   const std::string dir = shared_tmp_dir("xmesh-ckpt");
   TrainerOptions first = base, second = base;
@@ -607,21 +627,20 @@ TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
 
 INSTANTIATE_TEST_SUITE_P(
     Plans, StageMeshesCheckpointMpi,
-    ::testing::Values(Handover{"tp2_to_tp1", "dp"}, Handover{"tp2_to_tp1", "tp2_to_tp1"},
-                      Handover{"dp", "tp1_to_tp2"}, Handover{"tp1_to_tp2", "tp2_to_tp1"},
-                      Handover{"gpt_tp2_to_tp1", "dp"},
-                      Handover{"gpt_tp2_to_tp1", "gpt_tp2_to_tp1"},
-                      Handover{"dp", "gpt_tp1_to_tp2"},
-                      Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"},
-                      // Virtual stages on stage meshes (the four-layer MLP).
-                      Handover{"mlp4_interleaved", "dp"}, Handover{"mlp4_zbv", "mlp4_interleaved"},
-                      Handover{"gpt_interleaved", "dp"},
-                      Handover{"dp2_mlp4_interleaved_zero1", "dp2_mlp4_zbv_zero3"},
-                      // At 6 ranks: two model replicas of a stage-mesh plan.
-                      Handover{"dp2_tp2_to_tp1", "dp"}, Handover{"dp", "dp2_tp1_to_tp2"},
-                      Handover{"gpt_dp2_tp2_to_tp1", "gpt_dp2_tp1_to_tp2"},
-                      Handover{"dp2_tp2_to_tp1_zero1", "dp2_tp1_to_tp2_zero3"},
-                      Handover{"dp", "gpt_dp2_tp1_to_tp2_zero3"}),
+    ::testing::Values(
+        Handover{"tp2_to_tp1", "dp"}, Handover{"tp2_to_tp1", "tp2_to_tp1"},
+        Handover{"dp", "tp1_to_tp2"}, Handover{"tp1_to_tp2", "tp2_to_tp1"},
+        Handover{"gpt_tp2_to_tp1", "dp"}, Handover{"gpt_tp2_to_tp1", "gpt_tp2_to_tp1"},
+        Handover{"dp", "gpt_tp1_to_tp2"}, Handover{"gpt_tp1_to_tp2", "gpt_tp2_to_tp1"},
+        // Virtual stages on stage meshes (the four-layer MLP).
+        Handover{"mlp4_interleaved", "dp"}, Handover{"mlp4_zbv", "mlp4_interleaved"},
+        Handover{"gpt_interleaved", "dp"}, Handover{"gpt_zbv", "gpt_interleaved", "sgd"},
+        Handover{"dp2_mlp4_interleaved_zero1", "dp2_mlp4_zbv_zero3"},
+        // At 6 ranks: two model replicas of a stage-mesh plan.
+        Handover{"dp2_tp2_to_tp1", "dp"}, Handover{"dp", "dp2_tp1_to_tp2"},
+        Handover{"gpt_dp2_tp2_to_tp1", "gpt_dp2_tp1_to_tp2"},
+        Handover{"dp2_tp2_to_tp1_zero1", "dp2_tp1_to_tp2_zero3"},
+        Handover{"dp", "gpt_dp2_tp1_to_tp2_zero3"}),
     [](const ::testing::TestParamInfo<Handover>& p) { return p.param.from + "_to_" + p.param.to; });
 
 // Test of the test: the same comparison catches a resumed half whose
@@ -894,7 +913,7 @@ TEST_P(StageMeshesF16LoudMpi, AnOverflowSomeRanksSeeIsSkippedByAll) {
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16Mpi,
                          ::testing::Values("tp2_to_tp1", "tp1_to_tp2", "gpt_tp2_to_tp1",
                                            "gpt_tp1_to_tp2", "gpt_dp2_tp1_to_tp2", "mlp4_zbv",
-                                           "gpt_interleaved"),
+                                           "gpt_interleaved", "gpt_zbv"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesF16LoudMpi,
                          ::testing::Values("tp2_to_tp1", "tp1_to_tp2"),

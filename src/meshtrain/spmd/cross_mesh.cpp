@@ -95,36 +95,39 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
   for (const auto& [name, holders] : cuts[0].shared_params) {
     const auto gv = forward.find(name);
     MT_CHECK(gv.has_value(), "plan_cross_mesh: shared parameter {} not in the model", name);
-    // Virtual stages: the runtime holds one tensor per name and rank, so
-    // two holders on the same ranks would need one layout of it.
-    for (size_t a = 0; a < holders.size(); ++a) {
-      for (size_t b = a + 1; b < holders.size(); ++b) {
-        if (stage_owner(plan.schedule, p, holders[a]) ==
-            stage_owner(plan.schedule, p, holders[b])) {
-          throw ConfigError(fmt::format(
-              "plan: parameter {} is read by stages {} and {}, which run on the same ranks ({}; "
-              "virtual stages under {}); a parameter shared by two virtual stages of one "
-              "physical stage is not supported with stage meshes yet (use a schedule whose "
-              "holders run on different ranks, e.g. interleaved)",
-              name, holders[a], holders[b],
-              fmt::join(plan.stages[static_cast<size_t>(holders[a])].ranks, ", "),
-              schedule_name(plan.schedule)));
-        }
-      }
-    }
     const Shape& shape = forward.value(*gv).shape;
     CrossMeshPipeline::Shared sh;
+    sh.holders = holders;
     sh.plans.name = name;
-    sh.plans.stages = holders;
+    std::vector<int> owners;  // the physical stage of each holder in plans.stages
     for (int h : holders) {
       const StagePlan& hs = plan.stages[static_cast<size_t>(h)];
-      sh.layouts.push_back(
+      TensorLayout l =
           layout_over(lps[static_cast<size_t>(h)].layout[static_cast<size_t>(*gv)], shape,
                       stage_view(plan, h).mesh, hs.ranks,
                       fmt::format("plan: parameter {} (shared by stages {}) in stage {}", name,
-                                  fmt::join(holders, ", "), h)));
+                                  fmt::join(holders, ", "), h));
+      // Virtual stages: two holders on the same ranks (ZBV's V ends) share
+      // the runtime's one tensor of it, whose gradient both accumulate; so
+      // they must hold it alike.
+      const int owner = stage_owner(plan.schedule, p, h);
+      if (const auto o = std::ranges::find(owners, owner); o != owners.end()) {
+        const size_t k = static_cast<size_t>(o - owners.begin());
+        if (!(sh.layouts[k].describe() == l.describe())) {
+          throw ConfigError(fmt::format(
+              "plan: parameter {} is read by stages {} and {}, which run on the same ranks ({}) "
+              "but hold it differently ({} and {}); virtual stages of one physical stage share "
+              "one copy of a parameter (give stages[{}].values.{} the spec stage {} uses)",
+              name, sh.plans.stages[k], h, fmt::join(hs.ranks, ", "), sh.layouts[k].describe(),
+              l.describe(), h, name, sh.plans.stages[k]));
+        }
+        continue;
+      }
+      owners.push_back(owner);
+      sh.plans.stages.push_back(h);
+      sh.layouts.push_back(std::move(l));
     }
-    for (size_t k = 1; k < holders.size(); ++k) {
+    for (size_t k = 1; k < sh.layouts.size(); ++k) {
       sh.plans.to_first.push_back(
           plan_reshard(shape, DType::f32, sh.layouts[k], sh.layouts.front()));
       sh.plans.from_first.push_back(
@@ -282,8 +285,11 @@ std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
     }
   }
   for (const CrossMeshPipeline::Shared& sh : p.shared) {
-    out += fmt::format("  shared parameter {} (stages {}): its gradient summed over\n",
-                       sh.plans.name, fmt::join(sh.plans.stages, ", "));
+    out += fmt::format("  shared parameter {} (stages {}{}): its gradient summed over\n",
+                       sh.plans.name, fmt::join(sh.holders, ", "),
+                       sh.holders.size() == sh.plans.stages.size()
+                           ? ""
+                           : "; stages on the same ranks hold one copy");
     for (const TensorLayout& l : sh.layouts) out += fmt::format("    {}\n", l.describe());
     std::vector<std::string> v;
     for (int r = 0; r < world; ++r) {

@@ -58,7 +58,10 @@ struct CrossMeshPipeline {
   std::vector<std::vector<CrossMeshBoundary>> boundaries;
   // A parameter several stages hold (GPT's tied wte): its gradient summed
   // over the holders' layouts (one per holder stage, over world ranks).
+  // Under virtual stages the holders on one rank group share one copy:
+  // plans.stages (and layouts) keep the first holder of each.
   struct Shared {
+    std::vector<int> holders;  // every (virtual) stage reading it
     std::vector<TensorLayout> layouts;
     SharedParamReshard plans;
   };
@@ -72,8 +75,8 @@ struct CrossMeshPipeline {
 // lowerings name differently). A parameter several stages share (GPT's
 // tied embedding) gets the plans that sum its gradient over the holders'
 // layouts (one-dimension splits or replicated, as boundaries); under
-// virtual stages its holders must run on different ranks (ConfigError
-// naming it and the stages otherwise).
+// virtual stages holders on the same ranks must hold it alike (ConfigError
+// naming it, the stages and both layouts otherwise).
 CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan& plan, int rank);
 
 // For `meshtrain inspect`: each stage's mesh and ranks, and per boundary the
