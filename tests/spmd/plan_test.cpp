@@ -409,6 +409,7 @@ TEST(Plan, StageMeshesRunVirtualStagesEachChunkOnItsMesh) {
   const std::string tp2 = R"([{"name": "tp", "size": 2}])";
   EXPECT_EQ(error_of(v_plan(tp2), m.graph, 3, 8), "no error");
   const Plan p = plan_from_json(v_plan(tp2), "p.json");
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "mem"), p);  // --write-plan and back
   for (int rank = 0; rank < 3; ++rank) {
     const CrossMeshPipeline x = plan_cross_mesh(m.graph, m.loss, p, rank);
     EXPECT_EQ(x.stage, rank < 2 ? 1 : 0);
