@@ -297,6 +297,23 @@ const char* kPlanV = R"({
   "virtual_stages": 2
 })";
 
+// The same with recomputation on the tp group's two chunks (their forwards,
+// collectives included, run again before their backwards): checked for
+// equality and bytes here, not for the memory it saves.
+const char* kPlanVRecompute = R"({
+  "mesh": [{"name": "world", "size": 3}],
+  "values": {"fc2.w": {"dims": [null, "tp"]}, "fc2.b": {"dims": ["tp"]},
+             "fc3.w": {"dims": ["tp"]}},
+  "stages": [
+    {"layers": ["fc1"], "ranks": [2], "mesh": []},
+    {"layers": ["fc2"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}], "recompute": true},
+    {"layers": ["fc3"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}], "recompute": true},
+    {"layers": ["head"], "ranks": [2], "mesh": []}
+  ],
+  "microbatches": 4,
+  "virtual_stages": 2
+})";
+
 // Per micro-batch the boundary is [2, 24] f32 (relu of fc1 or its input
 // layout): h = 2 * 24 * 4 = 192 bytes; per step x 4 micro-batches.
 constexpr uint64_t kH24 = 2 * 24 * 4 * 4, kH18 = 2 * 18 * 4 * 4, kH12 = 2 * 12 * 4 * 4;
@@ -351,6 +368,13 @@ INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesMpi,
                                    "lamb",
                                    ScheduleKind::dualpipev,
                                    kPlanV,
+                                   {kH24 + kH24 / 2 + kH18 / 2 + kH12 / 2 + kH12,
+                                    kH24 / 2 + kH18 / 2 + kH12 / 2, kH24 + kH12},
+                                   true},
+                             XCase{"mlp4_zbv_recompute_sgd",
+                                   "sgd",
+                                   ScheduleKind::zbv,
+                                   kPlanVRecompute,
                                    {kH24 + kH24 / 2 + kH18 / 2 + kH12 / 2 + kH12,
                                     kH24 / 2 + kH18 / 2 + kH12 / 2, kH24 + kH12},
                                    true}),
