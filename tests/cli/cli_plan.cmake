@@ -217,7 +217,7 @@ set(xmesh_v "{\"model\": \"mlp\", \"mesh\": [{\"name\": \"world\", \"size\": 3}]
     {\"layers\": [\"head\"], \"ranks\": [2], \"mesh\": []}],
   \"microbatches\": 4, \"virtual_stages\": 2, \"schedule\": \"zbv\"}")
 file(WRITE ${dir}/xmesh_v.json "${xmesh_v}")
-run(0 "stages: 2 physical x 2 virtual.*boundary stage 1 -> 2: relu_5 \\[32, 48\\] f32 \\(inside ranks 0,1\\).*forward per micro-batch: 6144 B in all \\(0:3072 1:3072\\)"
+run(0 "stages: 2 physical x 2 virtual.*boundary stage 1 -> 2: relu_5 \\[32, 48\\] f32 \\(inside ranks 0,1\\).*forward per micro-batch: 6144 B in all \\(0:3072 1:3072\\).*rank 0 \\(mesh rank 0 of tp=2\\): virtual stages 1, 2.*stage 2 \\(fc3\\): fc3.w \\[48, 32\\] -> \\[0:24, 0:32\\] over tp"
   "" inspect ${mlp} --set "model.hidden=[64, 48, 32]" --set dist.nproc=3 --plan ${dir}/xmesh_v.json)
 run(0 "steps 2  final loss" "" train ${mlp} ${quick} --set "model.hidden=[64, 48, 32]" --nproc 3
   --plan ${dir}/xmesh_v.json)

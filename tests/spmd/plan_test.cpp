@@ -382,7 +382,7 @@ TEST(Plan, StageMeshesSumATiedParameterAcrossMeshes) {
 
 // Virtual stages on stage meshes (ZBV, p = 2, v = 2) on a four-layer MLP:
 // ranks {0, 1} (tp = 2) run virtual stages 1 (fc2, column-parallel) and 2
-// (fc3, row-parallel), rank 2 stages 0 and 3. Each rank's program holds
+// (fc3.w split by rows), rank 2 stages 0 and 3. Each rank's program holds
 // every parameter in the layout of the chunk that holds it, and the turn
 // of the V (1 -> 2) is resharded inside {0, 1}: each rank's column half
 // to the other, the gradient kept where it is.
@@ -434,6 +434,16 @@ TEST(Plan, StageMeshesRunVirtualStagesEachChunkOnItsMesh) {
   EXPECT_NE(text.find("boundary stage 1 -> 2: relu_5 [4, 32] f32 (inside ranks 0,1)"),
             std::string::npos)
       << text;
+  // inspect's per-rank programs: each rank's chunks, with their boxes.
+  const std::string programs = describe_cross_mesh_programs(m.graph, m.loss, p);
+  for (const char* want :
+       {"rank 0 (mesh rank 0 of tp=2): virtual stages 1, 2",
+        "stage 2 (fc3): fc3.w [32, 16] -> [0:16, 0:16] over tp; fc3.b",
+        "rank 1 (mesh rank 1 of tp=2): virtual stages 1, 2",
+        "stage 1 (fc2): fc2.w [64, 32] -> [0:64, 16:32] over tp; fc2.b [32] -> [16:32] over tp",
+        "rank 2 (mesh rank 0 of (no axes: 1 device)): virtual stages 0, 3"}) {
+    EXPECT_NE(programs.find(want), std::string::npos) << want << "\n" << programs;
+  }
   // The chunks of one physical stage share its mesh.
   EXPECT_EQ(error_of(v_plan(R"([{"name": "sp", "size": 2}])"), m.graph, 3, 8),
             "plan p.json: stages[2].mesh: sp=2, but virtual stage 2 runs on the ranks of "

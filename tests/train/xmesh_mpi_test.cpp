@@ -279,10 +279,11 @@ const char* kPlanInterleaved = R"({
 })";
 // V-shaped (ZBV, DualPipeV): rank 2 runs virtual stages 0 and 3, the tp
 // group {0, 1} stages 1 and 2 (the turn of the V): fc2 column-parallel,
-// fc3 row-parallel, so stage 1 -> 2 is resharded inside the group (each
-// rank's column half gathered; the gradient back is kept where it is);
-// fc3's all-reduce runs inside stage 2 (before its relu), so stage 2's
-// output is replicated on {0, 1}.
+// fc3.w split by rows. Stage 2 reads its input whole (fc2 is not its layer,
+// so its view has fc2's output replicated), so stage 1 -> 2 is resharded
+// inside the group (each rank's column half gathered; the gradient back is
+// kept where it is), and its lowering gathers fc3.w for the whole input
+// (inspect prints the gather): stage 2's output is replicated on {0, 1}.
 const char* kPlanV = R"({
   "mesh": [{"name": "world", "size": 3}],
   "values": {"fc2.w": {"dims": [null, "tp"]}, "fc2.b": {"dims": ["tp"]},

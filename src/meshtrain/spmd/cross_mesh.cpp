@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/graph/collective.h"
 #include "meshtrain/spmd/schedule.h"
 
 namespace mt {
@@ -303,6 +304,52 @@ std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
   for (int r = 0; r < world; ++r)
     out += fmt::format(" {}:{}", r, cross_mesh_bytes(p, r, plan.microbatches));
   return out + "\n";
+}
+
+std::string describe_cross_mesh_programs(const Graph& forward, ValueId loss, const Plan& plan) {
+  int world = 0;
+  for (const StagePlan& st : plan.stages) {
+    for (int r : st.ranks) world = std::max(world, r + 1);
+  }
+  std::string out = "per-rank programs (each virtual stage lowered on its stage's mesh):\n";
+  for (int r = 0; r < world; ++r) {
+    const CrossMeshPipeline x = plan_cross_mesh(forward, loss, plan, r);
+    if (x.stage < 0) continue;
+    const Mesh& mesh = plan.stages[static_cast<size_t>(x.stage)].mesh;
+    out += fmt::format("  rank {} (mesh rank {} of {}): virtual stage{} {}\n", r, x.mesh_rank,
+                       mesh.describe(), x.chunks.size() == 1 ? "" : "s", fmt::join(x.chunks, ", "));
+    for (int s : x.chunks) {
+      const PipelineStage& st = x.cut.stages[static_cast<size_t>(s)];
+      std::vector<std::string> params;
+      for (const std::string& name : st.params) {
+        const LoweredParam* lp = x.lowered.param(name);
+        if (lp == nullptr || lp->axis.empty()) {
+          params.push_back(name);
+          continue;
+        }
+        std::vector<std::string> box;
+        for (size_t d = 0; d < lp->box.begin.size(); ++d) {
+          box.push_back(fmt::format("{}:{}", lp->box.begin[d], lp->box.end[d]));
+        }
+        params.push_back(fmt::format("{} {} -> [{}] over {}", name, lp->global.str(),
+                                     fmt::join(box, ", "), lp->axis));
+      }
+      out += fmt::format("    stage {} ({}): {}\n", s, fmt::join(st.layers, ", "),
+                         params.empty() ? std::string("no parameters")
+                                        : fmt::format("{}", fmt::join(params, "; ")));
+      // The collectives its passes run inside the stage's mesh, per micro-batch.
+      for (const auto& [pass, what] :
+           {std::pair{&st.forward, "forward"}, std::pair{&st.backward, "backward"}}) {
+        for (const Node& n : pass->graph.nodes()) {
+          if (!is_group_op(n.op)) continue;
+          out +=
+              fmt::format("      {} {} {} ({} bytes per micro-batch)\n", what, op_name(n.op),
+                          n.name, static_cast<int64_t>(collective_payload_bytes(pass->graph, n)));
+        }
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace mt

@@ -84,6 +84,11 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
 // forward and backward.
 std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan);
 
+// For `meshtrain inspect`: per rank of one model replica, the virtual
+// stages it runs and, per stage, its parameters' boxes and the collectives
+// its forward and backward run inside the stage's mesh.
+std::string describe_cross_mesh_programs(const Graph& forward, ValueId loss, const Plan& plan);
+
 // The bytes rank `rank` sends per step for the boundaries (m micro-batches)
 // and the shared parameters' gradients.
 uint64_t cross_mesh_bytes(const CrossMeshPipeline& p, int rank, int microbatches);
