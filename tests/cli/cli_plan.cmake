@@ -205,6 +205,23 @@ file(WRITE ${dir}/xmesh_bad.json "${xmesh_bad}")
 run(1 "" "error: plan ${dir}/xmesh_bad.json: stages\\[0\\].mesh: tp=3 has 3 devices but the stage has 2 ranks \\(0, 1\\); expected a mesh of 2"
   train ${mlp} ${quick} --nproc 3 --plan ${dir}/xmesh_bad.json)
 
+# Virtual stages on stage meshes (ZBV, four layers): {0, 1} (tp = 2) runs
+# virtual stages 1 and 2, whose boundary is resharded inside the group.
+set(xmesh_v "{\"model\": \"mlp\", \"mesh\": [{\"name\": \"world\", \"size\": 3}],
+  \"values\": {\"fc2.w\": {\"dims\": [null, \"tp\"]}, \"fc2.b\": {\"dims\": [\"tp\"]},
+             \"fc3.w\": {\"dims\": [\"tp\"]}},
+  \"stages\": [
+    {\"layers\": [\"fc1\"], \"ranks\": [2], \"mesh\": []},
+    {\"layers\": [\"fc2\"], \"ranks\": [0, 1], \"mesh\": [{\"name\": \"tp\", \"size\": 2}]},
+    {\"layers\": [\"fc3\"], \"ranks\": [0, 1], \"mesh\": [{\"name\": \"tp\", \"size\": 2}]},
+    {\"layers\": [\"head\"], \"ranks\": [2], \"mesh\": []}],
+  \"microbatches\": 4, \"virtual_stages\": 2, \"schedule\": \"zbv\"}")
+file(WRITE ${dir}/xmesh_v.json "${xmesh_v}")
+run(0 "stages: 2 physical x 2 virtual.*boundary stage 1 -> 2: relu_5 \\[32, 48\\] f32 \\(inside ranks 0,1\\).*forward per micro-batch: 6144 B in all \\(0:3072 1:3072\\).*rank 0 \\(mesh rank 0 of tp=2\\): virtual stages 1, 2.*stage 2 \\(fc3\\): fc3.w \\[48, 32\\] -> \\[0:24, 0:32\\] over tp"
+  "" inspect ${mlp} --set "model.hidden=[64, 48, 32]" --set dist.nproc=3 --plan ${dir}/xmesh_v.json)
+run(0 "steps 2  final loss" "" train ${mlp} ${quick} --set "model.hidden=[64, 48, 32]" --nproc 3
+  --plan ${dir}/xmesh_v.json)
+
 # Bad plans, each before any step, naming the key and what was expected.
 run(1 "" "error: parallel: mesh: mesh dp=2 has 2 devices but the job has 1 rank .*--nproc 2"
   train ${mlp} ${quick} --set parallel.dp=2)

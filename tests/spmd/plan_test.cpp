@@ -380,6 +380,117 @@ TEST(Plan, StageMeshesSumATiedParameterAcrossMeshes) {
       << text;
 }
 
+// Virtual stages on stage meshes (ZBV, p = 2, v = 2) on a four-layer MLP:
+// ranks {0, 1} (tp = 2) run virtual stages 1 (fc2, column-parallel) and 2
+// (fc3.w split by rows), rank 2 stages 0 and 3. Each rank's program holds
+// every parameter in the layout of the chunk that holds it, and the turn
+// of the V (1 -> 2) is resharded inside {0, 1}: each rank's column half
+// to the other, the gradient kept where it is.
+const char* kPlanV = R"({"mesh": [{"name": "world", "size": 3}],
+    "values": {"fc2.w": {"dims": [null, "tp"]}, "fc2.b": {"dims": ["tp"]},
+               "fc3.w": {"dims": ["tp"]}},
+    "stages": [
+      {"layers": ["fc1"], "ranks": [2], "mesh": []},
+      {"layers": ["fc2"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+      {"layers": ["fc3"], "ranks": [0, 1], "mesh": MESH2},
+      {"layers": ["head"], "ranks": [2], "mesh": []}],
+    "microbatches": 2, "virtual_stages": 2, "schedule": "zbv"})";
+
+std::string v_plan(const std::string& mesh2) {
+  std::string s = kPlanV;
+  return s.replace(s.find("MESH2"), 5, mesh2);
+}
+
+TEST(Plan, StageMeshesRunVirtualStagesEachChunkOnItsMesh) {
+  ModelSpec spec;
+  spec.kind = "mlp";
+  spec.hidden = {64, 32, 16};
+  const ModelGraph m = build_model(spec, 4);  // a micro-batch of 4
+  const std::string tp2 = R"([{"name": "tp", "size": 2}])";
+  EXPECT_EQ(error_of(v_plan(tp2), m.graph, 3, 8), "no error");
+  const Plan p = plan_from_json(v_plan(tp2), "p.json");
+  EXPECT_EQ(plan_from_json(plan_to_json(p), "mem"), p);  // --write-plan and back
+  for (int rank = 0; rank < 3; ++rank) {
+    const CrossMeshPipeline x = plan_cross_mesh(m.graph, m.loss, p, rank);
+    EXPECT_EQ(x.stage, rank < 2 ? 1 : 0);
+    EXPECT_EQ(x.chunks, (rank < 2 ? std::vector<int>{1, 2} : std::vector<int>{0, 3}));
+    if (rank == 2) continue;
+    const LoweredParam* w2 = x.lowered.param("fc2.w");
+    const LoweredParam* w3 = x.lowered.param("fc3.w");
+    ASSERT_TRUE(w2 != nullptr && w3 != nullptr);
+    EXPECT_EQ(w2->box.str(), rank == 0 ? "[0:64, 0:16]" : "[0:64, 16:32]");  // columns
+    EXPECT_EQ(w3->box.str(), rank == 0 ? "[0:16, 0:16]" : "[16:32, 0:16]");  // rows
+    const CrossMeshBoundary& turn = x.boundaries[1][0];
+    EXPECT_EQ(turn.producer.describe(), "{0: [0:4, 0:16], 1: [0:4, 16:32]}");
+    EXPECT_EQ(turn.consumer.describe(), "{0: [0:4, 0:32], 1: [0:4, 0:32]}");
+    const uint64_t h = 4 * 32 * 4;
+    EXPECT_EQ(turn.plans.forward.bytes_sent(rank), h / 2);
+    EXPECT_EQ(turn.plans.backward.bytes_sent(rank), 0u);
+    // Its cut: stage 1's output a column half, stage 2's input whole.
+    EXPECT_EQ(x.cut.stages[1].outputs[0].shape, Shape({4, 16}));
+    EXPECT_EQ(x.cut.stages[2].inputs[0].shape, Shape({4, 32}));
+  }
+  const std::string text = describe_cross_mesh(plan_cross_mesh(m.graph, m.loss, p, 0), p);
+  EXPECT_NE(text.find("boundary stage 1 -> 2: relu_5 [4, 32] f32 (inside ranks 0,1)"),
+            std::string::npos)
+      << text;
+  // inspect's per-rank programs: each rank's chunks, with their boxes.
+  const std::string programs = describe_cross_mesh_programs(m.graph, m.loss, p);
+  for (const char* want :
+       {"rank 0 (mesh rank 0 of tp=2): virtual stages 1, 2",
+        "stage 2 (fc3): fc3.w [32, 16] -> [0:16, 0:16] over tp; fc3.b",
+        "rank 1 (mesh rank 1 of tp=2): virtual stages 1, 2",
+        "stage 1 (fc2): fc2.w [64, 32] -> [0:64, 16:32] over tp; fc2.b [32] -> [16:32] over tp",
+        "rank 2 (mesh rank 0 of (no axes: 1 device)): virtual stages 0, 3"}) {
+    EXPECT_NE(programs.find(want), std::string::npos) << want << "\n" << programs;
+  }
+  // The chunks of one physical stage share its mesh.
+  EXPECT_EQ(error_of(v_plan(R"([{"name": "sp", "size": 2}])"), m.graph, 3, 8),
+            "plan p.json: stages[2].mesh: sp=2, but virtual stage 2 runs on the ranks of "
+            "stages[1], whose mesh is tp=2 (the virtual stages of one physical stage share its "
+            "mesh; give them other values instead)");
+  // GPT's tied wte read by two chunks of one rank group (the V's two ends):
+  // they share the runtime's one copy, so they must hold it alike.
+  const ModelGraph g = small_gpt(4);
+  const std::string gv = R"({"mesh": [{"name": "world", "size": 3}],
+      "values": {"wte": {"dims": ["tp"]}}, "stages": [
+      {"layers": ["wte", "wpe"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+      {"layers": ["block0"], "ranks": [2], "mesh": []},
+      {"layers": ["block1"], "ranks": [2], "mesh": []},
+      {"layers": ["ln_f"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]LAST}],
+      "microbatches": 2, "virtual_stages": 2, "schedule": "zbv"})";
+  auto gpt_v = [&](const std::string& last) {
+    std::string s = gv;
+    return plan_from_json(s.replace(s.find("LAST"), 4, last), "p.json");
+  };
+  const Plan apart = gpt_v("");
+  validate_plan(apart, g.graph, 3, 4, "plan p.json");
+  try {
+    plan_cross_mesh(g.graph, g.loss, apart, 0);
+    ADD_FAILURE() << "two chunks of one rank group holding wte differently were accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "plan: parameter wte is read by stages 0 and 3, which run on the same ranks (0, 1) "
+              "but hold it differently ({0: [0:128, 0:32], 1: [128:256, 0:32]} and {0: [0:256, "
+              "0:32], 1: [0:256, 0:32]}); virtual stages of one physical stage share one copy of "
+              "a parameter (give stages[3].values.wte the spec stage 0 uses)");
+  }
+  const Plan alike = gpt_v(R"(, "values": {"wte": {"dims": ["tp"]}})");
+  validate_plan(alike, g.graph, 3, 4, "plan p.json");
+  for (int rank = 0; rank < 3; ++rank) {
+    const CrossMeshPipeline x = plan_cross_mesh(g.graph, g.loss, alike, rank);
+    ASSERT_EQ(x.shared.size(), 1u);
+    EXPECT_EQ(x.shared[0].holders, (std::vector<int>{0, 3}));
+    EXPECT_EQ(x.shared[0].plans.stages, (std::vector<int>{0}));  // one copy: nothing to sum
+    EXPECT_EQ(x.shared[0].plans.bytes_sent(rank), 0u);
+  }
+  const std::string gtext = describe_cross_mesh(plan_cross_mesh(g.graph, g.loss, alike, 0), alike);
+  EXPECT_NE(gtext.find("shared parameter wte (stages 0, 3; stages on the same ranks hold one "
+                       "copy): its gradient summed over"),
+            std::string::npos)
+      << gtext;
+}
+
 TEST(Plan, MalformedFilesNameTheKeyPath) {
   const Graph& g = small_gpt().graph;
   EXPECT_EQ(error_of(R"({"mesh": [{"name": "dp", "size": 2}], "stagse": []})", g, 2),

@@ -929,6 +929,7 @@ int cmd_inspect(const CommandOptions& opts) {
         // Each stage lowered on its own mesh; the boundaries' reshard plans.
         fmt::print("{}",
                    describe_cross_mesh(plan_cross_mesh(mm.graph, mm.loss, *pplan, 0), *pplan));
+        fmt::print("{}", describe_cross_mesh_programs(mm.graph, mm.loss, *pplan));
       }
       fmt::print(
           "meshtrain train runs this plan through the pipeline runtime (docs/plan.md); the "

@@ -6,6 +6,8 @@
 #include <algorithm>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/graph/collective.h"
+#include "meshtrain/spmd/schedule.h"
 
 namespace mt {
 
@@ -80,31 +82,53 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
     // cast (f16 / bf16) runs in the stage that reads the copy.
     co.param_casts_join_consumers = plan.async == AsyncMode::none;
     cuts[static_cast<size_t>(s)] = cut_pipeline(lp.graph, lp[loss], plan.stages, co);
-    if (me != st.ranks.end()) {
-      out.stage = s;
+    if (me != st.ranks.end() && out.stage < 0) {
+      out.stage = s;  // the first of its virtual stages: its physical stage
       out.mesh_rank = m;
     }
+    if (me != st.ranks.end()) out.chunks.push_back(s);
     lps[static_cast<size_t>(s)] = std::move(lp);
   }
   // A parameter several stages hold: its layout in each holder's lowering,
   // and the plans that sum its gradient onto the first holder and back.
   out.cut.shared_params = cuts[0].shared_params;
+  const int p = std::max(1, n / std::max(1, plan.virtual_stages));
   for (const auto& [name, holders] : cuts[0].shared_params) {
     const auto gv = forward.find(name);
     MT_CHECK(gv.has_value(), "plan_cross_mesh: shared parameter {} not in the model", name);
     const Shape& shape = forward.value(*gv).shape;
     CrossMeshPipeline::Shared sh;
+    sh.holders = holders;
     sh.plans.name = name;
-    sh.plans.stages = holders;
+    std::vector<int> owners;  // the physical stage of each holder in plans.stages
     for (int h : holders) {
       const StagePlan& hs = plan.stages[static_cast<size_t>(h)];
-      sh.layouts.push_back(
+      TensorLayout l =
           layout_over(lps[static_cast<size_t>(h)].layout[static_cast<size_t>(*gv)], shape,
                       stage_view(plan, h).mesh, hs.ranks,
                       fmt::format("plan: parameter {} (shared by stages {}) in stage {}", name,
-                                  fmt::join(holders, ", "), h)));
+                                  fmt::join(holders, ", "), h));
+      // Virtual stages: two holders on the same ranks (ZBV's V ends) share
+      // the runtime's one tensor of it, whose gradient both accumulate; so
+      // they must hold it alike.
+      const int owner = stage_owner(plan.schedule, p, h);
+      if (const auto o = std::ranges::find(owners, owner); o != owners.end()) {
+        const size_t k = static_cast<size_t>(o - owners.begin());
+        if (!(sh.layouts[k].describe() == l.describe())) {
+          throw ConfigError(fmt::format(
+              "plan: parameter {} is read by stages {} and {}, which run on the same ranks ({}) "
+              "but hold it differently ({} and {}); virtual stages of one physical stage share "
+              "one copy of a parameter (give stages[{}].values.{} the spec stage {} uses)",
+              name, sh.plans.stages[k], h, fmt::join(hs.ranks, ", "), sh.layouts[k].describe(),
+              l.describe(), h, name, sh.plans.stages[k]));
+        }
+        continue;
+      }
+      owners.push_back(owner);
+      sh.plans.stages.push_back(h);
+      sh.layouts.push_back(std::move(l));
     }
-    for (size_t k = 1; k < holders.size(); ++k) {
+    for (size_t k = 1; k < sh.layouts.size(); ++k) {
       sh.plans.to_first.push_back(
           plan_reshard(shape, DType::f32, sh.layouts[k], sh.layouts.front()));
       sh.plans.from_first.push_back(
@@ -186,7 +210,24 @@ CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan
     cons.inputs = std::move(inputs);
     cons.input_grads = std::move(input_grads);
   }
-  out.lowered = std::move(lps[static_cast<size_t>(std::max(0, out.stage))]);
+  // The rank's program: its first chunk's lowering, each parameter of its
+  // other chunks (virtual stages) in the layout of the chunk that holds it.
+  LoweredProgram mine = std::move(lps[static_cast<size_t>(std::max(0, out.stage))]);
+  for (int s : out.chunks) {
+    if (s == out.stage) continue;
+    const LoweredProgram& other = lps[static_cast<size_t>(s)];
+    for (const std::string& name : out.cut.stages[static_cast<size_t>(s)].params) {
+      const LoweredParam* lp = other.param(name);
+      const auto it =
+          std::ranges::find_if(mine.params, [&](const LoweredParam& q) { return q.name == name; });
+      if (lp == nullptr || it == mine.params.end()) continue;
+      *it = *lp;
+      if (const auto gv = forward.find(name)) {
+        mine.layout[static_cast<size_t>(*gv)] = other.layout[static_cast<size_t>(*gv)];
+      }
+    }
+  }
+  out.lowered = std::move(mine);
   return out;
 }
 
@@ -222,8 +263,12 @@ std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
   }
   for (const auto& stage : p.boundaries) {
     for (const CrossMeshBoundary& cb : stage) {
-      out += fmt::format("  boundary stage {} -> {}: {} {} {}\n", cb.stage, cb.stage + 1, cb.value,
-                         cb.shape.str(), dtype_name(cb.dtype));
+      // Two virtual stages of one physical stage: resharded inside its ranks.
+      const std::vector<int>& from = plan.stages[static_cast<size_t>(cb.stage)].ranks;
+      const bool inside = from == plan.stages[static_cast<size_t>(cb.stage + 1)].ranks;
+      out += fmt::format("  boundary stage {} -> {}: {} {} {}{}\n", cb.stage, cb.stage + 1,
+                         cb.value, cb.shape.str(), dtype_name(cb.dtype),
+                         inside ? fmt::format(" (inside ranks {})", fmt::join(from, ",")) : "");
       out +=
           fmt::format("    from {}\n    to   {}\n", cb.producer.describe(), cb.consumer.describe());
       auto per_rank = [&](const ReshardPlan& rp) {
@@ -241,8 +286,11 @@ std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
     }
   }
   for (const CrossMeshPipeline::Shared& sh : p.shared) {
-    out += fmt::format("  shared parameter {} (stages {}): its gradient summed over\n",
-                       sh.plans.name, fmt::join(sh.plans.stages, ", "));
+    out += fmt::format("  shared parameter {} (stages {}{}): its gradient summed over\n",
+                       sh.plans.name, fmt::join(sh.holders, ", "),
+                       sh.holders.size() == sh.plans.stages.size()
+                           ? ""
+                           : "; stages on the same ranks hold one copy");
     for (const TensorLayout& l : sh.layouts) out += fmt::format("    {}\n", l.describe());
     std::vector<std::string> v;
     for (int r = 0; r < world; ++r) {
@@ -256,6 +304,52 @@ std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan) {
   for (int r = 0; r < world; ++r)
     out += fmt::format(" {}:{}", r, cross_mesh_bytes(p, r, plan.microbatches));
   return out + "\n";
+}
+
+std::string describe_cross_mesh_programs(const Graph& forward, ValueId loss, const Plan& plan) {
+  int world = 0;
+  for (const StagePlan& st : plan.stages) {
+    for (int r : st.ranks) world = std::max(world, r + 1);
+  }
+  std::string out = "per-rank programs (each virtual stage lowered on its stage's mesh):\n";
+  for (int r = 0; r < world; ++r) {
+    const CrossMeshPipeline x = plan_cross_mesh(forward, loss, plan, r);
+    if (x.stage < 0) continue;
+    const Mesh& mesh = plan.stages[static_cast<size_t>(x.stage)].mesh;
+    out += fmt::format("  rank {} (mesh rank {} of {}): virtual stage{} {}\n", r, x.mesh_rank,
+                       mesh.describe(), x.chunks.size() == 1 ? "" : "s", fmt::join(x.chunks, ", "));
+    for (int s : x.chunks) {
+      const PipelineStage& st = x.cut.stages[static_cast<size_t>(s)];
+      std::vector<std::string> params;
+      for (const std::string& name : st.params) {
+        const LoweredParam* lp = x.lowered.param(name);
+        if (lp == nullptr || lp->axis.empty()) {
+          params.push_back(name);
+          continue;
+        }
+        std::vector<std::string> box;
+        for (size_t d = 0; d < lp->box.begin.size(); ++d) {
+          box.push_back(fmt::format("{}:{}", lp->box.begin[d], lp->box.end[d]));
+        }
+        params.push_back(fmt::format("{} {} -> [{}] over {}", name, lp->global.str(),
+                                     fmt::join(box, ", "), lp->axis));
+      }
+      out += fmt::format("    stage {} ({}): {}\n", s, fmt::join(st.layers, ", "),
+                         params.empty() ? std::string("no parameters")
+                                        : fmt::format("{}", fmt::join(params, "; ")));
+      // The collectives its passes run inside the stage's mesh, per micro-batch.
+      for (const auto& [pass, what] :
+           {std::pair{&st.forward, "forward"}, std::pair{&st.backward, "backward"}}) {
+        for (const Node& n : pass->graph.nodes()) {
+          if (!is_group_op(n.op)) continue;
+          out +=
+              fmt::format("      {} {} {} ({} bytes per micro-batch)\n", what, op_name(n.op),
+                          n.name, static_cast<int64_t>(collective_payload_bytes(pass->graph, n)));
+        }
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace mt

@@ -10,7 +10,9 @@
 // consumer's: replicated or split); the two, over the world ranks of the
 // two stages, give the boundary's forward and backward ReshardPlan
 // (plan_boundary, spmd/reshard.h), which the pipeline runtime runs in place
-// of its plain send / recv (PipelineOptions::cross_mesh). Pure: no
+// of its plain send / recv (PipelineOptions::cross_mesh). With virtual
+// stages the same holds per virtual stage; two consecutive ones on the same
+// ranks (ZBV's turn) are a boundary inside that rank group. Pure: no
 // communication.
 #pragma once
 
@@ -36,9 +38,13 @@ struct CrossMeshBoundary {
 };
 
 struct CrossMeshPipeline {
-  int stage = -1;     // the stage `rank` runs
+  int stage = -1;     // the (physical) stage `rank` runs: its first virtual stage
   int mesh_rank = 0;  // its rank in that stage's mesh
-  // This rank's lowering on its stage's mesh (groups in world ranks).
+  // The virtual stages `rank` runs, in order (those stage_owner maps to
+  // `stage`; one without virtual stages), all on one mesh (validate_plan).
+  std::vector<int> chunks;
+  // This rank's lowering on its stage's mesh (groups in world ranks); under
+  // virtual stages each parameter in the layout of the chunk holding it.
   LoweredProgram lowered;
   // Every stage's collective groups, in world ranks, the same lists on every
   // rank (a CommCollectiveRunner per stage is built over them collectively;
@@ -52,7 +58,10 @@ struct CrossMeshPipeline {
   std::vector<std::vector<CrossMeshBoundary>> boundaries;
   // A parameter several stages hold (GPT's tied wte): its gradient summed
   // over the holders' layouts (one per holder stage, over world ranks).
+  // Under virtual stages the holders on one rank group share one copy:
+  // plans.stages (and layouts) keep the first holder of each.
   struct Shared {
+    std::vector<int> holders;  // every (virtual) stage reading it
     std::vector<TensorLayout> layouts;
     SharedParamReshard plans;
   };
@@ -65,13 +74,20 @@ struct CrossMeshPipeline {
 // cannot pair (a split that is not one dimension's, a value the stages'
 // lowerings name differently). A parameter several stages share (GPT's
 // tied embedding) gets the plans that sum its gradient over the holders'
-// layouts (one-dimension splits or replicated, as boundaries).
+// layouts (one-dimension splits or replicated, as boundaries); under
+// virtual stages holders on the same ranks must hold it alike (ConfigError
+// naming it, the stages and both layouts otherwise).
 CrossMeshPipeline plan_cross_mesh(const Graph& forward, ValueId loss, const Plan& plan, int rank);
 
 // For `meshtrain inspect`: each stage's mesh and ranks, and per boundary the
 // two layouts, the routes and the bytes each rank sends per micro-batch
 // forward and backward.
 std::string describe_cross_mesh(const CrossMeshPipeline& p, const Plan& plan);
+
+// For `meshtrain inspect`: per rank of one model replica, the virtual
+// stages it runs and, per stage, its parameters' boxes and the collectives
+// its forward and backward run inside the stage's mesh.
+std::string describe_cross_mesh_programs(const Graph& forward, ValueId loss, const Plan& plan);
 
 // The bytes rank `rank` sends per step for the boundaries (m micro-batches)
 // and the shared parameters' gradients.

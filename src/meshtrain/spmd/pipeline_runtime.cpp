@@ -161,6 +161,9 @@ struct PipelineRuntime::Impl {
   // receiving stage, and the reductions inside q of a partial source.
   std::vector<std::unique_ptr<Communicator>> act_relay, grad_relay;
   std::unique_ptr<Communicator> shared;
+  // Stages on different meshes: a boundary between two virtual stages of
+  // this rank's physical stage (ZBV's turn) resharded inside its ranks.
+  std::unique_ptr<Communicator> local;
 
   Impl(Communicator& c, const PipelineCut& k, PipelineSchedule s, PipelineOptions o)
       : comm(c), cut(k), sched(std::move(s)), opts(std::move(o)) {}
@@ -188,10 +191,10 @@ struct PipelineRuntime::Impl {
     rank = me = comm.rank();
     if (opts.cross_mesh) {
       xm = &*opts.cross_mesh;
-      if (static_cast<int>(xm->stage_ranks.size()) != p || sched.virtual_stages != 1) {
+      if (static_cast<int>(xm->stage_ranks.size()) != p) {
         throw ConfigError(fmt::format(
             "pipeline: stages on different meshes: {} rank sets for a schedule of {} stages x {} "
-            "virtual (expected one set per stage, one virtual stage each)",
+            "virtual (expected one set per physical stage)",
             xm->stage_ranks.size(), p, sched.virtual_stages));
       }
       rank = -1;
@@ -267,6 +270,7 @@ struct PipelineRuntime::Impl {
       }
     }
     shared = comm.split(0, me, comm.name() + "/pp_shared");
+    if (xm != nullptr) local = comm.split(0, me, comm.name() + "/pp_local");
     plan_views();
     for (size_t i = 0; i < fwd_slot.size(); ++i) {
       StageRt& r = stages.at(sched.actions[ix(rank)][i].stage);
@@ -830,11 +834,23 @@ struct PipelineRuntime::Impl {
     std::erase_if(sends, [](const auto& s) { return s.first.done() && (s.first.wait(), true); });
   }
 
-  // A neighbour on the same rank (one physical stage): hand tensors over directly.
+  // A neighbour on the same rank (one physical stage): hand tensors over
+  // directly; across meshes through the boundary's plan, inside this
+  // physical stage's ranks (every one of them runs this action now).
   void local_inputs(int vs, int mb) {
     if (vs == 0 || owner(vs - 1) != rank) return;
     Stash& prev = stash[{vs - 1, mb}];
-    for (const StageBoundary& b : st(vs).inputs) put(stash[{vs, mb}], b.name, prev.at(b.name));
+    const PipelineStage& ps = st(vs - 1);
+    const auto& ins = st(vs).inputs;
+    for (size_t k = 0; k < ins.size(); ++k) {
+      if (xm == nullptr) {
+        put(stash[{vs, mb}], ins[k].name, prev.at(ins[k].name));
+        continue;
+      }
+      put(stash[{vs, mb}], ins[k].name,
+          reshard_local(xm->boundaries[ix(vs - 1)][k].forward, prev.at(ps.outputs[k].name),
+                        ins[k].shape, ins[k].dtype));
+    }
   }
   void local_grads(int vs, int mb) {
     if (vs + 1 >= sched.virtual_count() || owner(vs + 1) != rank) return;
@@ -843,10 +859,23 @@ struct PipelineRuntime::Impl {
     size_t g = 0;
     for (size_t k = 0; k < next.inputs.size(); ++k) {
       if (!next.inputs[k].has_grad) continue;
-      put(stash[{vs, mb}], "dout/" + next.inputs[k].name, ns.at(next.input_grads[g]));
-      erase(ns, next.input_grads[g]);
-      ++g;
+      const std::string& name = next.input_grads[g++];
+      if (xm == nullptr) {
+        put(stash[{vs, mb}], "dout/" + next.inputs[k].name, ns.at(name));
+      } else {
+        const StageBoundary& out = st(vs).outputs[k];
+        put(stash[{vs, mb}], "dout/" + out.name,
+            reshard_local(xm->boundaries[ix(vs)][k].backward, ns.at(name), out.shape, out.dtype));
+      }
+      erase(ns, name);
     }
+  }
+  Tensor reshard_local(const ReshardPlan& plan, const Tensor& piece, const Shape& shape,
+                       DType dtype) {
+    MemoryScope in_comm(MemoryCategory::comm);
+    Tensor dest = Tensor::empty(shape, dtype);
+    execute_reshard(*local, plan, piece, dest);
+    return dest;
   }
 
   void send_action(const PipelineAction& a) {
@@ -954,6 +983,7 @@ struct PipelineRuntime::Impl {
     for (auto& c : act_relay) all.push_back(c.get());
     for (auto& c : grad_relay) all.push_back(c.get());
     all.push_back(shared.get());
+    if (local) all.push_back(local.get());
     for (Communicator* c : all) c->reset_counters();
 
     posted = 0;
@@ -1096,15 +1126,17 @@ struct PipelineRuntime::Impl {
   void exchange_shared_across_meshes() {
     uint32_t t = 1;
     for (const SharedParamReshard& sp : xm->shared) {
-      const bool holds = std::ranges::find(sp.stages, rank) != sp.stages.end();
-      const bool first = rank == sp.stages.front();
+      // Holders are virtual stages, each on its own physical stage.
+      const bool holds = std::ranges::any_of(sp.stages, [&](int h) { return owner(h) == rank; });
+      const bool first = rank == owner(sp.stages.front());
       Tensor none;
       Tensor& g = holds ? grads.at(sp.name) : none;
       for (size_t k = 0; k < sp.to_first.size(); ++k) {
         CollectiveOptions o;
         o.tag = t++;
         Tensor part = first ? Tensor::empty(g.shape(), g.dtype()) : Tensor();
-        execute_reshard(*shared, sp.to_first[k], rank == sp.stages[k + 1] ? g : none, part, o);
+        execute_reshard(*shared, sp.to_first[k], rank == owner(sp.stages[k + 1]) ? g : none, part,
+                        o);
         if (first) add_into(g, part, sp.name);
       }
       for (size_t k = 0; k < sp.from_first.size(); ++k) {
@@ -1112,7 +1144,7 @@ struct PipelineRuntime::Impl {
         o.tag = t++;
         Tensor sink;
         execute_reshard(*shared, sp.from_first[k], first ? g : none,
-                        rank == sp.stages[k + 1] ? g : sink, o);
+                        rank == owner(sp.stages[k + 1]) ? g : sink, o);
       }
     }
   }

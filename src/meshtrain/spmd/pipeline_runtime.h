@@ -69,16 +69,17 @@
 namespace mt {
 
 // Stages on different meshes (spmd/cross_mesh.h): the runtime's `comm` is
-// the whole job, stage q runs on the ranks stage_ranks[q] of it (disjoint
-// sets, one virtual stage each), and the tensors crossing boundary s -> s+1
-// move by boundaries[s][k] (output k of stage s) instead of one send per
-// tensor. The schedule's actions stay: a send action queues the routes this
-// rank starts (a partial source first takes the addend of the rank before
-// it in the reduction, adds its own and passes it on); a receive is posted
-// ahead for the routes' first hops into this rank, and when its action
-// waits the rank receives the hops relayed inside its own stage, passes
-// them on along the route's chain and assembles its piece. Activations and
-// gradients sent by stage q, and the relays of each, travel on their own
+// the whole job, physical stage q runs on the ranks stage_ranks[q] of it
+// (disjoint sets; its virtual stages all there), and the tensors crossing
+// boundary s -> s+1 (virtual stages) move by boundaries[s][k] (output k of
+// stage s) instead of one send per tensor; between two virtual stages of
+// one physical stage (ZBV's turn) by execute_reshard inside its ranks, all
+// of which run that forward / backward at the same point of their lists. The schedule's actions
+// stay: a send action queues the routes this rank starts (a partial source first takes the addend
+// of the rank before it in the reduction, adds its own and passes it on); a receive is posted ahead
+// for the routes' first hops into this rank, and when its action waits the rank receives the hops
+// relayed inside its own stage, passes them on along the route's chain and assembles its piece.
+// Activations and gradients sent by stage q, and the relays of each, travel on their own
 // communicators, so no posted receive holds up a send.
 // A parameter several stages hold (GPT's tied embedding) has its gradient
 // summed over the holders' meshes after the step's backwards by `shared`

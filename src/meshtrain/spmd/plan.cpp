@@ -162,12 +162,7 @@ void validate_stage_meshes(const Plan& plan, const Graph& g, const std::vector<s
   for (int s = 0; s < n; ++s) {
     if (plan.stages[static_cast<size_t>(s)].has_mesh) with = s;
   }
-  if (plan.virtual_stages != 1) {
-    throw ConfigError(fmt::format(
-        "{}: virtual_stages: {} with stage meshes (stages[{}].mesh); stages on different meshes "
-        "run one virtual stage per rank yet (expected 1)",
-        where, plan.virtual_stages, with));
-  }
+  const int p = std::max(1, n / std::max(1, plan.virtual_stages));
   for (int s = 0; s < n; ++s) {
     const StagePlan& st = plan.stages[static_cast<size_t>(s)];
     const std::string at = fmt::format("{}: stages[{}]", where, s);
@@ -176,6 +171,18 @@ void validate_stage_meshes(const Plan& plan, const Graph& g, const std::vector<s
           "{}: no \"mesh\", but stages[{}] has one (in a plan whose stages carry meshes every "
           "stage gives its own, e.g. [{{\"name\": \"tp\", \"size\": 1}}])",
           at, with));
+    }
+    // Virtual stages: a rank's chunks run on one mesh (their executors
+    // share one collective runner over its groups); their values may differ.
+    if (const int first = stage_owner(plan.schedule, p, s);
+        s >= p && plan.stages[static_cast<size_t>(first)].has_mesh &&
+        !(st.mesh == plan.stages[static_cast<size_t>(first)].mesh)) {
+      throw ConfigError(fmt::format(
+          "{}.mesh: {}, but virtual stage {} runs on the ranks of stages[{}], whose mesh is {} "
+          "(the virtual stages of one physical stage share its mesh; give them other values "
+          "instead)",
+          at, st.mesh.describe(), s, first,
+          plan.stages[static_cast<size_t>(first)].mesh.describe()));
     }
     if (st.mesh.size() != static_cast<int>(st.ranks.size())) {
       throw ConfigError(fmt::format(

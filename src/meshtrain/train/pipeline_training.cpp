@@ -265,7 +265,9 @@ struct PipelineTraining::Impl {
       trank = xp.mesh_rank;
       tmesh = &plan.stages[static_cast<size_t>(my_stage)].mesh;
       CrossMeshExchange ex;
-      for (const StagePlan& st : plan.stages) ex.stage_ranks.push_back(st.ranks);
+      // One rank set per physical stage (virtual stage q < p runs on q).
+      for (int q = 0; q < p; ++q)
+        ex.stage_ranks.push_back(plan.stages[static_cast<size_t>(q)].ranks);
       for (const auto& bs : xp.boundaries) {
         std::vector<BoundaryReshard> plans;
         for (const CrossMeshBoundary& b : bs) plans.push_back(b.plans);

@@ -45,7 +45,9 @@
 // by reshard plans. A dp axis runs model replicas (the stages list one
 // replica's ranks; each replica's pipeline runs over a communicator of its
 // own), gradients averaged (ZeRO: sharded) over dp. Checkpoints, train.init
-// and f16 as for other plans. One virtual stage per rank.
+// and f16 as for other plans. Virtual stages: each chunk on its stage's
+// mesh (the chunks of one rank group share it), a rank's parameters in the
+// layouts of the chunks holding them.
 //
 // ZeRO on the dp axis (dist.zero_stage 1, 2, 3): each stage's parameters
 // move into one flat buffer that sync/DataParallel shards over the stage's
