@@ -1,7 +1,8 @@
 # Asynchronous pipelining through the binary: an MLP trains with
 # parallel.async = pipedream and spectrain at pp = 2 (the summary names the
-# mode and rank 0's stash), inspect prints the version gaps, and what async
-# does not carry is refused before any step naming parallel.async.
+# mode and rank 0's stash), the GPT too (also at dp 2 x pp 2), inspect
+# prints the version gaps, and what async does not carry is refused before
+# any step naming parallel.async.
 cmake_minimum_required(VERSION 3.25)
 set(mlp --config ${SRC}/configs/mlp_fashion.toml --set model.hidden=[32,32]
   --set train.batch_size=16 --set data.limit_train=256)
@@ -59,8 +60,23 @@ run(1 "" "parallel.async: spectrain .*needs a pipeline"
 run(1 "" "parallel.async: .*optim.clip_grad_norm"
   train ${mlp} ${quick} ${pp} --set parallel.async=\"pipedream\" --set optim.clip_grad_norm=1
   --nproc 2)
-run(1 "" "parallel.async: pipedream cannot run.*parameter.*'wte'.*shared"
+# The GPT (tied wte on the first and last stage) trains under both modes,
+# and with a dp axis (PipeDream's hybrid: dp 2 x pp 2).
+foreach(mode pipedream spectrain)
+  run(0 "steps 3  final loss" "" train ${gpt} ${quick} ${pp} --set parallel.async=\"${mode}\"
+    --set optim.clip_grad_norm=0 --nproc 2)
+endforeach()
+run(0 "steps 3  final loss" "" train ${gpt} ${quick} ${pp} --set parallel.async=\"pipedream\"
+  --set optim.clip_grad_norm=0 --set parallel.dp=2 --nproc 4)
+# Still refused, before any step: tensor axes, f16, ZeRO.
+run(1 "" "parallel.async: pipedream .*a mesh with axes besides pp and dp"
   train ${gpt} ${quick} ${pp} --set parallel.async=\"pipedream\" --set optim.clip_grad_norm=0
+  --set parallel.tp=2 --nproc 4)
+run(1 "" "parallel.async: pipedream .*train.precision = f16"
+  train ${mlp} ${quick} ${pp} --set parallel.async=\"pipedream\" --set train.precision=\"f16\"
   --nproc 2)
+run(1 "" "parallel.async: pipedream .*dist.zero_stage > 0"
+  train ${mlp} ${quick} ${pp} --set parallel.async=\"pipedream\" --set parallel.dp=2
+  --set dist.zero_stage=1 --nproc 4)
 run(1 "" "parallel.async.*unknown|parallel.async.*expected"
   train ${mlp} ${quick} ${pp} --set parallel.async=\"stale\" --nproc 2)

@@ -72,17 +72,22 @@ void check_pipeline_options(const TrainerOptions& o) {
     auto refuse_async = [&](bool bad, const std::string& what) {
       if (!bad) return;
       throw ConfigError(fmt::format(
-          "parallel.async: {} runs on a plain pipeline (dp = tp = 1) and updates each stage on "
-          "its own after every micro-batch; {} is not supported with it",
+          "parallel.async: {} runs on a pipeline with a dp axis at most (tp = 1) and updates "
+          "each stage on its own after every micro-batch; {} is not supported with it",
           mode, what));
     };
-    const Mesh& mesh = o.dist.plan->mesh;
-    refuse_async(mesh.size() != o.dist.plan->pipeline_stages(),
-                 fmt::format("a mesh with axes besides pp ({})", mesh.describe()));
+    const Plan& plan = *o.dist.plan;
+    const Mesh& mesh = plan.mesh;
+    refuse_async(plan.stage_meshes(), "stages on meshes of their own");
+    refuse_async(mesh.size() != plan.pipeline_stages() * mesh.axis_size("dp"),
+                 fmt::format("a mesh with axes besides pp and dp ({})", mesh.describe()));
     refuse_async(o.clip_grad_norm > 0,
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
     refuse_async(o.precision == DType::f16,
-                 "train.precision = f16 (the loss scaler's skip decision is per step)");
+                 "train.precision = f16 (the last stage scales each micro-batch's loss, but an "
+                 "overflow shows up on an earlier stage p-1-r updates later, after the scaler "
+                 "has scaled the micro-batches behind it: a skip decision cannot be agreed per "
+                 "micro-batch without synchronizing the stages)");
     refuse_async(o.dist.dp.stage > 0,
                  "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
   }
@@ -234,9 +239,11 @@ struct PipelineTraining::Impl {
     po.exec.slowdown =
         rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
     // Asynchronous pipelining: the optimizer steps after each micro-batch's
-    // backward, on this stage's parameters, at the step's learning rate.
+    // backward, on this stage's parameters, at the step's learning rate;
+    // with a dp axis on the micro-batch's gradients averaged over the
+    // stage's replicas first (PipeDream's hybrid).
     po.async = plan.async;
-    if (plan.async != AsyncMode::none) po.update = [this](int) { optimizer_step(current_step); };
+    if (plan.async != AsyncMode::none) po.update = [this](int) { async_update(); };
     schedule = plan_schedule(plan);
     if (xmesh) {
       // Every stage lowered on its own mesh, the boundaries' reshard plans
@@ -812,7 +819,7 @@ struct PipelineTraining::Impl {
       }
       zero->end_micro_step();
       if (zero3) zero_grads = Tensor();  // reduce-scattered into DataParallel's shard
-    } else if (dp_world > 1) {
+    } else if (dp_world > 1 && plan.async == AsyncMode::none) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
         dp_comm->all_reduce(g, ReduceOp::sum, o.dist.dp.collective);
@@ -828,6 +835,28 @@ struct PipelineTraining::Impl {
     if (plan.async == AsyncMode::none) optimizer_step(at, used_scale);
     drop_whole();  // ZeRO-3: the shards were updated; the whole copy goes
     return red[0] / used_scale;
+  }
+
+  // Async: after one micro-batch's backward (its gradients in the runtime,
+  // a tied parameter's parts summed by its owner), averaged over the dp
+  // replicas of this stage, which run the same micro-batch index of their
+  // shares of the global batch; mirrors of a tied parameter stay as the
+  // runtime set them (its owner updates it).
+  void async_update() {
+    std::vector<ParamRef> refs;
+    for (const std::string& name : runtime->param_names()) {
+      if (runtime->async_mirrored(name)) continue;
+      Tensor prm = runtime->param(name);
+      Tensor g = runtime->grad(name);
+      if (dp_world > 1) {
+        dp_comm->all_reduce(g, ReduceOp::sum, o.dist.dp.collective);
+        float* d = g.data<float>();
+        const auto inv = static_cast<float>(1.0 / static_cast<double>(dp_world));
+        for (int64_t k = 0, n = g.numel(); k < n; ++k) d[k] *= inv;
+      }
+      refs.push_back(ParamRef{name, prm, g, prm.rank(), counted[name]});
+    }
+    optimizer->step(refs, lr->lr_at(current_step));
   }
 
   // Clipping and the optimizer on this rank's parameters with their
