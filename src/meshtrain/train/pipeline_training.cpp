@@ -85,9 +85,9 @@ void check_pipeline_options(const TrainerOptions& o) {
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
     refuse_async(o.precision == DType::f16,
                  "train.precision = f16 (the last stage scales each micro-batch's loss, but an "
-                 "overflow shows up on an earlier stage p-1-r updates later, after the scaler "
-                 "has scaled the micro-batches behind it: a skip decision cannot be agreed per "
-                 "micro-batch without synchronizing the stages)");
+                 "overflow may show up only on an earlier stage, after the later stages applied "
+                 "that micro-batch's update and scaled the ones behind it: a skip cannot be "
+                 "agreed per micro-batch without synchronizing the stages)");
     refuse_async(o.dist.dp.stage > 0,
                  "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
   }
