@@ -72,15 +72,11 @@ void check_pipeline_options(const TrainerOptions& o) {
     auto refuse_async = [&](bool bad, const std::string& what) {
       if (!bad) return;
       throw ConfigError(fmt::format(
-          "parallel.async: {} runs on a pipeline with a dp axis at most (tp = 1) and updates "
-          "each stage on its own after every micro-batch; {} is not supported with it",
+          "parallel.async: {} updates each stage on its own after every micro-batch; {} is "
+          "not supported with it",
           mode, what));
     };
-    const Plan& plan = *o.dist.plan;
-    const Mesh& mesh = plan.mesh;
-    refuse_async(plan.stage_meshes(), "stages on meshes of their own");
-    refuse_async(mesh.size() != plan.pipeline_stages() * mesh.axis_size("dp"),
-                 fmt::format("a mesh with axes besides pp and dp ({})", mesh.describe()));
+    refuse_async(o.dist.plan->stage_meshes(), "stages on meshes of their own");
     refuse_async(o.clip_grad_norm > 0,
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
     refuse_async(o.precision == DType::f16,
