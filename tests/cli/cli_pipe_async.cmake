@@ -1,7 +1,9 @@
 # Asynchronous pipelining through the binary: an MLP trains with
 # parallel.async = pipedream and spectrain at pp = 2 (the summary names the
-# mode and rank 0's stash), inspect prints the version gaps, and what async
-# does not carry is refused before any step naming parallel.async.
+# mode and rank 0's stash), the GPT too (also at dp 2 x pp 2 and
+# tp 2 x pp 2), inspect
+# prints the version gaps, and what async does not carry is refused before
+# any step naming parallel.async.
 cmake_minimum_required(VERSION 3.25)
 set(mlp --config ${SRC}/configs/mlp_fashion.toml --set model.hidden=[32,32]
   --set train.batch_size=16 --set data.limit_train=256)
@@ -59,8 +61,30 @@ run(1 "" "parallel.async: spectrain .*needs a pipeline"
 run(1 "" "parallel.async: .*optim.clip_grad_norm"
   train ${mlp} ${quick} ${pp} --set parallel.async=\"pipedream\" --set optim.clip_grad_norm=1
   --nproc 2)
-run(1 "" "parallel.async: pipedream cannot run.*parameter.*'wte'.*shared"
-  train ${gpt} ${quick} ${pp} --set parallel.async=\"pipedream\" --set optim.clip_grad_norm=0
+# The GPT (tied wte on the first and last stage) trains under both modes,
+# and with a dp axis (PipeDream's hybrid: dp 2 x pp 2).
+foreach(mode pipedream spectrain)
+  run(0 "steps 3  final loss" "" train ${gpt} ${quick} ${pp} --set parallel.async=\"${mode}\"
+    --set optim.clip_grad_norm=0 --nproc 2)
+endforeach()
+run(0 "steps 3  final loss" "" train ${gpt} ${quick} ${pp} --set parallel.async=\"pipedream\"
+  --set optim.clip_grad_norm=0 --set parallel.dp=2 --nproc 4)
+run(0 "steps 3  final loss" "" train ${gpt} ${quick} ${pp} --set parallel.async=\"spectrain\"
+  --set optim.clip_grad_norm=0 --set parallel.tp=2 --nproc 4)
+# Still refused, before any step: stages on meshes of their own, f16, ZeRO.
+file(WRITE ${dir}/xmesh.json "{\"model\": \"mlp\", \"mesh\": [{\"name\": \"world\", \"size\": 3}],
+  \"values\": {\"fc1.w\": {\"dims\": [null, \"tp\"]}, \"fc1.b\": {\"dims\": [\"tp\"]}},
+  \"stages\": [
+    {\"layers\": [\"fc1\"], \"ranks\": [0, 1], \"mesh\": [{\"name\": \"tp\", \"size\": 2}]},
+    {\"layers\": [\"fc2\", \"head\"], \"ranks\": [2], \"mesh\": []}],
+  \"schedule\": \"1f1b\", \"async\": \"pipedream\", \"microbatches\": 2}")
+run(1 "" "parallel.async: pipedream .*stages on meshes of their own"
+  train ${mlp} ${quick} --nproc 3 --plan ${dir}/xmesh.json)
+run(1 "" "parallel.async: pipedream .*train.precision = f16"
+  train ${mlp} ${quick} ${pp} --set parallel.async=\"pipedream\" --set train.precision=\"f16\"
   --nproc 2)
+run(1 "" "parallel.async: pipedream .*dist.zero_stage > 0"
+  train ${mlp} ${quick} ${pp} --set parallel.async=\"pipedream\" --set parallel.dp=2
+  --set dist.zero_stage=1 --nproc 4)
 run(1 "" "parallel.async.*unknown|parallel.async.*expected"
   train ${mlp} ${quick} ${pp} --set parallel.async=\"stale\" --nproc 2)

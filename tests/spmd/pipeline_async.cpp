@@ -73,15 +73,28 @@ Tensor draw(const Shape& s, DType dt, uint64_t seed, int classes) {
 }  // namespace
 
 void check_async_matches_reference(Communicator& comm, AsyncMode mode,
-                                   const std::vector<int64_t>& stage_layers, int m) {
+                                   const std::vector<int64_t>& stage_layers, int m,
+                                   const std::string& kind) {
   const int p = comm.size();
   ModelSpec s;
-  s.kind = "mlp";
-  s.image_channels = 1;
-  s.image_size = 4;
-  s.hidden = {12, 10};
-  s.classes = 5;
-  const int64_t micro = 3;
+  s.kind = kind;
+  int64_t micro = 3;
+  int x_classes = 0;
+  if (kind == "gpt") {
+    s.layers = 2;
+    s.d_model = 8;
+    s.heads = 2;
+    s.seq_len = 4;
+    s.vocab = 11;
+    s.classes = s.vocab;
+    micro = 2;
+    x_classes = static_cast<int>(s.vocab);
+  } else {
+    s.image_channels = 1;
+    s.image_size = 4;
+    s.hidden = {12, 10};
+    s.classes = 5;
+  }
   ModelGraph fwd = build_model(s, micro);
   ModelGraph ref = build_model(s, micro);
   build_backward(ref.graph, ref.loss);
@@ -99,13 +112,14 @@ void check_async_matches_reference(Communicator& comm, AsyncMode mode,
   ASSERT_EQ(static_cast<int>(plan.size()), p);
   const PipelineCut cut = cut_pipeline(fwd.graph, fwd.loss, plan);
 
-  // Initial weights, and which stage holds each parameter.
+  // Initial weights, and which stage holds each parameter (GPT's tied wte:
+  // the first stage, which owns its updates).
   std::map<std::string, int> stage_of;
   Weights w0;
   for (ValueId id : ref.graph.params())
     w0[ref.graph.value(id).name] = init_param(ref.graph.value(id));
   for (int r = 0; r < p; ++r) {
-    for (const std::string& n : cut.stages[static_cast<size_t>(r)].params) stage_of[n] = r;
+    for (const std::string& n : cut.stages[static_cast<size_t>(r)].params) stage_of.emplace(n, r);
   }
 
   PipelineOptions po;
@@ -140,7 +154,8 @@ void check_async_matches_reference(Communicator& comm, AsyncMode mode,
     double want_loss = 0;
     for (int i = 0; i < m; ++i) {
       const uint64_t seed = 1000 + static_cast<uint64_t>(step * m + i);
-      xs.push_back(draw(fwd.graph.value(fwd.x).shape, DType::f32, seed, 0));
+      xs.push_back(
+          draw(fwd.graph.value(fwd.x).shape, fwd.graph.value(fwd.x).dtype, seed, x_classes));
       ys.push_back(draw(fwd.graph.value(fwd.y).shape, fwd.graph.value(fwd.y).dtype, seed + 7,
                         static_cast<int>(s.classes)));
       const int k = step * m + i;
@@ -181,10 +196,20 @@ void check_async_matches_reference(Communicator& comm, AsyncMode mode,
     pipe.run_step([&](int mb, const std::string& name) -> Tensor {
       if (name == fwd.graph.value(fwd.x).name) return xs.at(static_cast<size_t>(mb));
       if (name == fwd.graph.value(fwd.y).name) return ys.at(static_cast<size_t>(mb));
+      for (const auto& [id, t] : fwd.constants) {
+        if (fwd.graph.value(id).name == name) return t;
+      }
       return Tensor();
     });
     if (pipe.has_loss()) {
       EXPECT_NEAR(pipe.loss(), want_loss, kRel * std::abs(want_loss)) << "step " << step;
+    }
+    // From the second window on (the steady state: every forward's tied
+    // value differs from the initial one) the bytes sent are the runtime's
+    // prediction exactly: boundary tensors, and under GPT one wte each way
+    // per micro-batch between the first and last stage.
+    if (step >= 1 && step * m >= p) {
+      EXPECT_EQ(pipe.bytes_sent(), pipe.predicted_bytes_sent()) << "step " << step;
     }
     // Stage r owes the backwards of its last p - 1 - r micro-batches.
     EXPECT_EQ(pipe.weight_version(), (step + 1) * m - (p - 1 - comm.rank()));

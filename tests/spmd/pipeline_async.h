@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "meshtrain/comm/communicator.h"
@@ -21,8 +22,12 @@ namespace mt::test {
 // spectrain that version minus g times the smoothed change; each stage's
 // update of micro-batch k applies to its version k. The loss of every step
 // (on the last stage) and every parameter at the end agree within 2e-5
-// relative (pipeline_async.cpp says why).
+// relative (pipeline_async.cpp says why). kind "gpt": a tiny GPT whose
+// tied wte is held by the first and the last stage; the reference gives it
+// the first stage's versions (the owner's) and the whole model's gradient
+// (the sum of both uses), as the runtime's owner applies it.
 void check_async_matches_reference(Communicator& comm, AsyncMode mode,
-                                   const std::vector<int64_t>& stage_layers, int microbatches);
+                                   const std::vector<int64_t>& stage_layers, int microbatches,
+                                   const std::string& kind = "mlp");
 
 }  // namespace mt::test

@@ -29,6 +29,10 @@ TEST(PipelineAsyncMpi, SpecTrainForwardUsesPredictedWeights) {
   test::check_async_matches_reference(world(), AsyncMode::spectrain, {1, 2}, 4);
 }
 
+TEST(PipelineAsyncMpi, PipeDreamGptTiedEmbeddingIsOneParameter) {
+  test::check_async_matches_reference(world(), AsyncMode::pipedream, {3, 2}, 4, "gpt");
+}
+
 }  // namespace
 }  // namespace mt
 

@@ -151,6 +151,19 @@ struct PipelineRuntime::Impl {
   Weights smooth;                           // spectrain: smoothed change per update
   bool swapped = false;
   int64_t wstash_now = 0, wstash_peak = 0;
+  // Async with a parameter shared by stages (GPT's tied wte): its lowest
+  // holder owns it (updates it with the summed gradient, stashes and
+  // predicts it with its other weights); the other holders, the last stage
+  // (version gap 0), mirror it: before the forward of micro-batch j they
+  // receive the value the owner's forward of j used, after its backward
+  // they send the owner their part of j's gradient, and they never update
+  // it themselves (async_mirrored()). Index k: the tag's slot.
+  struct Tied {
+    std::string name;
+    int owner = 0;
+    std::vector<int> mirrors;
+  };
+  std::vector<Tied> tied;
   int wversions_peak = 0;
   // act[q] / grad[q]: what physical stage q sends; shared: the tied-gradient
   // exchange. Declared last so that they are destroyed first: a
@@ -342,11 +355,25 @@ struct PipelineRuntime::Impl {
   void check_async_setup() {
     const std::string_view mode = async_name(opts.async);
     check_async(opts.async, sched.kind, "parallel");
-    if (!cut.shared_params.empty()) {
-      throw ConfigError(fmt::format(
-          "parallel.async: {} cannot run with parameter '{}' shared by several stages (a tied "
-          "embedding: its copies would update at different times and drift apart)",
-          mode, cut.shared_params.front().first));
+    for (const auto& [name, vstages] : cut.shared_params) {
+      const std::vector<int> h = holders(vstages);
+      if (h.size() < 2) continue;
+      if (xm != nullptr) {
+        throw ConfigError(fmt::format(
+            "parallel.async: {} with parameter '{}' shared by stages on different meshes is "
+            "not supported",
+            mode, name));
+      }
+      Tied t{name, h.front(), {h.begin() + 1, h.end()}};
+      for (int q : t.mirrors) {
+        if (async_version_gap(p, q, 1 << 20) != 0) {
+          throw ConfigError(fmt::format(
+              "parallel.async: {} with parameter '{}' shared by stages {} and {}: only the last "
+              "stage (version gap 0) can mirror a parameter another stage updates",
+              mode, name, t.owner, q));
+        }
+      }
+      tied.push_back(std::move(t));
     }
     for (const PipelineStage& s : cut.stages) {
       if (s.recompute) {
@@ -377,6 +404,84 @@ struct PipelineRuntime::Impl {
     if (!swapped) return;
     copy_weights(current, params);
     swapped = false;
+  }
+
+  // Tags of the tied parameters' messages on `shared` (weights owner ->
+  // mirror, gradients mirror -> owner: opposite directions never match
+  // each other); fewer than tied_tag_m micro-batches are in flight.
+  int tied_tag_m() const { return 2 * (m + p); }
+  uint32_t tied_tag(int mb, size_t k) const {
+    return static_cast<uint32_t>(1 + (mb % tied_tag_m()) * static_cast<int>(tied.size()) +
+                                 static_cast<int>(k));
+  }
+  // The owner's weight version at the forward of micro-batch mb (1F1B
+  // stream): the mirror receives a value only once it differs from the
+  // initial one both start from.
+  bool tied_changed(int owner, int mb) const { return mb - async_version_gap(p, owner, mb) > 0; }
+  bool mirrors_here(const std::string& name) const {
+    return std::ranges::any_of(tied, [&](const Tied& t) {
+      return t.name == name && std::ranges::find(t.mirrors, rank) != t.mirrors.end();
+    });
+  }
+  // Before F(mb), after async_forward: the owner sends the value this
+  // forward uses (spectrain: the prediction); a mirror receives it.
+  void tied_forward(int mb) {
+    for (size_t k = 0; k < tied.size(); ++k) {
+      const Tied& t = tied[k];
+      if (!tied_changed(t.owner, mb) || !params.contains(t.name)) continue;
+      Tensor& w = params.at(t.name);
+      if (rank == t.owner) {
+        MT_CHECK(version == mb - async_version_gap(p, rank, mb),
+                 "pipeline async: stage {} is at weight version {} at the forward of micro-batch "
+                 "{}, not the 1F1B stream's",
+                 rank, version, mb);
+        for (int q : t.mirrors) send(*shared, w.clone(), q, tied_tag(mb, k));
+      } else if (std::ranges::find(t.mirrors, rank) != t.mirrors.end()) {
+        CollectiveOptions o;
+        o.tag = tied_tag(mb, k);
+        shared->recv(w.raw(), static_cast<size_t>(w.numel()), w.dtype(), t.owner, o);
+      }
+    }
+  }
+  // After B(mb), before the update: a mirror sends its part of the
+  // gradient; the owner adds the mirrors' parts to its own, so its update
+  // applies micro-batch mb's whole gradient (both uses at the weights mb's
+  // forward saw: the mirror's copy changes only before its forwards, and
+  // its backward follows its forward directly).
+  void tied_backward(int mb) {
+    for (size_t k = 0; k < tied.size(); ++k) {
+      const Tied& t = tied[k];
+      if (!grads.contains(t.name)) continue;
+      Tensor& g = grads.at(t.name);
+      if (rank == t.owner) {
+        Tensor part = Tensor::empty(g.shape(), g.dtype());
+        for (int q : t.mirrors) {
+          CollectiveOptions o;
+          o.tag = tied_tag(mb, k);
+          shared->recv(part.raw(), static_cast<size_t>(part.numel()), part.dtype(), q, o);
+          add_into(g, part, t.name);
+        }
+      } else if (std::ranges::find(t.mirrors, rank) != t.mirrors.end()) {
+        send(*shared, g.clone(), t.owner, tied_tag(mb, k));
+      }
+    }
+  }
+  // After the drain: the mirrors take the owner's final value.
+  void tied_final() {
+    for (size_t k = 0; k < tied.size(); ++k) {
+      const Tied& t = tied[k];
+      if (!params.contains(t.name)) continue;
+      Tensor& w = params.at(t.name);
+      CollectiveOptions o;
+      o.tag = static_cast<uint32_t>(1 + tied_tag_m() * static_cast<int>(tied.size()) +
+                                    static_cast<int>(k));
+      const auto n = static_cast<size_t>(w.numel());
+      if (rank == t.owner) {
+        for (int q : t.mirrors) shared->send(w.raw(), n, w.dtype(), q, o);
+      } else if (std::ranges::find(t.mirrors, rank) != t.mirrors.end()) {
+        shared->recv(w.raw(), n, w.dtype(), t.owner, o);
+      }
+    }
   }
 
   // Before F(mb): record the version; spectrain: predict gap updates ahead.
@@ -931,6 +1036,7 @@ struct PipelineRuntime::Impl {
     draining = true;
     run_actions([](int, const std::string&) { return Tensor(); });
     draining = false;
+    tied_final();
     MT_CHECK(fwd_version.empty() && versions.empty(),
              "pipeline async: stage {} still has micro-batches in flight after the drain", rank);
     MT_CHECK(stash_now == 0, "pipeline async: stage {} holds {} stashed bytes after the drain",
@@ -1017,7 +1123,10 @@ struct PipelineRuntime::Impl {
         case ActionKind::forward: {
           wait_recvs(0, vs, mb, a.kind);
           local_inputs(vs, mb);
-          if (async) async_forward(mb);
+          if (async) {
+            async_forward(mb);
+            tied_forward(mb);
+          }
           run_pass(r.forward_in(async ? 0 : fwd_slot[i]), vs, mb, a.kind, data, then_send,
                    !async && keep_views[i]);
           swap_back();
@@ -1043,7 +1152,10 @@ struct PipelineRuntime::Impl {
           // Async: the update right after needs the gradients now.
           run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send, false,
                    !async && forward_next(i + (then_send != nullptr ? 2 : 1)));
-          if (async) async_update(mb);
+          if (async) {
+            tied_backward(mb);
+            async_update(mb);
+          }
           if (whole) release(vs, mb);
           break;
         }
@@ -1082,7 +1194,7 @@ struct PipelineRuntime::Impl {
       const int64_t n = g.numel();
       for (int64_t i = 0; i < n; ++i) d[i] *= inv;
     }
-    exchange_shared();
+    if (!async) exchange_shared();  // async: per micro-batch (tied_backward)
     sent = 0;
     for (Communicator* c : all) sent += c->counters().total_sent();
   }
@@ -1179,7 +1291,10 @@ struct PipelineRuntime::Impl {
     for (const auto& [name, vstages] : cut.shared_params) {
       const std::vector<int> h = holders(vstages);
       if (h.size() < 2 || std::find(h.begin(), h.end(), rank) == h.end()) continue;
-      const uint64_t bytes = static_cast<uint64_t>(grads.at(name).nbytes());
+      // Async: per micro-batch, the owner's value to each mirror and the
+      // mirror's gradient back (steady state); synchronous: once per step.
+      const uint64_t bytes = static_cast<uint64_t>(grads.at(name).nbytes()) *
+                             static_cast<uint64_t>(opts.async == AsyncMode::none ? 1 : m);
       b += rank == h.front() ? (h.size() - 1) * bytes : bytes;
     }
     return b;
@@ -1273,9 +1388,14 @@ void PipelineRuntime::drain() {
   impl_->drain();
 }
 
+bool PipelineRuntime::async_mirrored(const std::string& name) const {
+  return impl_->mirrors_here(name);
+}
+
 void PipelineRuntime::sgd_step(double lr) {
   const auto a = static_cast<float>(lr);
   for (auto& [name, p] : impl_->params) {
+    if (impl_->mirrors_here(name)) continue;
     MT_CHECK(p.dtype() == DType::f32, "pipeline sgd: parameter '{}' is {}", name, p.desc());
     float* w = p.data<float>();
     const float* g = impl_->grads.at(name).data<float>();

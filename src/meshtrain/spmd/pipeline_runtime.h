@@ -104,9 +104,15 @@ struct PipelineOptions {
   // spectrain: the forward uses W - s * u (s: its version gap, u: the
   // smoothed change per update, an exponential average with factor 0.9
   // starting from the first change), the backward the current weights.
-  // Without the flush: see run_step / drain. Refused (ConfigError) with
-  // parameters shared by stages, recomputing stages or a schedule other
-  // than 1f1b.
+  // Without the flush: see run_step / drain. A parameter shared by stages
+  // (GPT's tied embedding) is updated by its lowest holder with the sum of
+  // every holder's gradient of the micro-batch; the other holder, which
+  // must be the last stage, mirrors it (async_mirrored: `update` leaves it
+  // alone there): it receives the value the owner's forward of micro-batch
+  // j used before its own forward of j, and sends its gradient part back.
+  // Refused (ConfigError) with recomputing stages, a schedule other than
+  // 1f1b, a shared parameter on a stage other than the first and last, or
+  // on stages with meshes of their own.
   AsyncMode async = AsyncMode::none;
   std::function<void(int microbatch)> update;
   // Set: stages on different meshes (above).
@@ -186,7 +192,10 @@ class PipelineRuntime {
   // backwards (and updates) still owed, at the end of training. A no-op
   // when synchronous.
   void drain();
-  // p -= lr * grad for every parameter held here.
+  // Async: the parameter is a mirror of another stage's (above), which
+  // this rank's update must not change.
+  bool async_mirrored(const std::string& name) const;
+  // p -= lr * grad for every parameter held here (not the async mirrors).
   void sgd_step(double lr);
 
   // The last stage's rank: the mean of the step's micro-batch losses.

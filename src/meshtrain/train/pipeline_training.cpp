@@ -72,17 +72,18 @@ void check_pipeline_options(const TrainerOptions& o) {
     auto refuse_async = [&](bool bad, const std::string& what) {
       if (!bad) return;
       throw ConfigError(fmt::format(
-          "parallel.async: {} runs on a plain pipeline (dp = tp = 1) and updates each stage on "
-          "its own after every micro-batch; {} is not supported with it",
+          "parallel.async: {} updates each stage on its own after every micro-batch; {} is "
+          "not supported with it",
           mode, what));
     };
-    const Mesh& mesh = o.dist.plan->mesh;
-    refuse_async(mesh.size() != o.dist.plan->pipeline_stages(),
-                 fmt::format("a mesh with axes besides pp ({})", mesh.describe()));
+    refuse_async(o.dist.plan->stage_meshes(), "stages on meshes of their own");
     refuse_async(o.clip_grad_norm > 0,
                  "optim.clip_grad_norm (a global norm would synchronize the stages)");
     refuse_async(o.precision == DType::f16,
-                 "train.precision = f16 (the loss scaler's skip decision is per step)");
+                 "train.precision = f16 (the last stage scales each micro-batch's loss, but an "
+                 "overflow may show up only on an earlier stage, after the later stages applied "
+                 "that micro-batch's update and scaled the ones behind it: a skip cannot be "
+                 "agreed per micro-batch without synchronizing the stages)");
     refuse_async(o.dist.dp.stage > 0,
                  "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
   }
@@ -234,9 +235,11 @@ struct PipelineTraining::Impl {
     po.exec.slowdown =
         rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
     // Asynchronous pipelining: the optimizer steps after each micro-batch's
-    // backward, on this stage's parameters, at the step's learning rate.
+    // backward, on this stage's parameters, at the step's learning rate;
+    // with a dp axis on the micro-batch's gradients averaged over the
+    // stage's replicas first (PipeDream's hybrid).
     po.async = plan.async;
-    if (plan.async != AsyncMode::none) po.update = [this](int) { optimizer_step(current_step); };
+    if (plan.async != AsyncMode::none) po.update = [this](int) { async_update(); };
     schedule = plan_schedule(plan);
     if (xmesh) {
       // Every stage lowered on its own mesh, the boundaries' reshard plans
@@ -814,7 +817,7 @@ struct PipelineTraining::Impl {
       }
       zero->end_micro_step();
       if (zero3) zero_grads = Tensor();  // reduce-scattered into DataParallel's shard
-    } else if (dp_world > 1) {
+    } else if (dp_world > 1 && plan.async == AsyncMode::none) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
         dp_comm->all_reduce(g, ReduceOp::sum, o.dist.dp.collective);
@@ -831,6 +834,44 @@ struct PipelineTraining::Impl {
     drop_whole();  // ZeRO-3: the shards were updated; the whole copy goes
     return red[0] / used_scale;
   }
+
+  // Async: after one micro-batch's backward (its gradients in the runtime,
+  // a tied parameter's parts summed by its owner), averaged over the dp
+  // replicas of this stage, which run the same micro-batch index of their
+  // shares of the global batch; mirrors of a tied parameter stay as the
+  // runtime set them (its owner updates it).
+  // The replicas' average runs as one all-reduce of the stage's gradients
+  // packed into one buffer (a collective per parameter and micro-batch
+  // would pay its latency ~50 times per micro-batch for the GPT).
+  void async_update() {
+    std::vector<ParamRef> refs;
+    int64_t total = 0;
+    for (const std::string& name : runtime->param_names()) {
+      if (runtime->async_mirrored(name)) continue;
+      Tensor prm = runtime->param(name);
+      Tensor g = runtime->grad(name);
+      total += g.numel();
+      refs.push_back(ParamRef{name, prm, g, prm.rank(), counted[name]});
+    }
+    if (dp_world > 1) {
+      if (async_flat.raw() == nullptr || async_flat.numel() != total) {
+        MemoryScope tag(MemoryCategory::grads);
+        async_flat = Tensor::empty({total}, DType::f32);
+      }
+      float* f = async_flat.data<float>();
+      for (const ParamRef& r : refs) f = std::copy_n(r.grad.data<float>(), r.grad.numel(), f);
+      dp_comm->all_reduce(async_flat, ReduceOp::sum, o.dist.dp.collective);
+      const auto inv = static_cast<float>(1.0 / static_cast<double>(dp_world));
+      const float* from = async_flat.data<float>();
+      for (ParamRef& r : refs) {
+        float* d = r.grad.data<float>();
+        for (int64_t k = 0, n = r.grad.numel(); k < n; ++k) d[k] = from[k] * inv;
+        from += r.grad.numel();
+      }
+    }
+    optimizer->step(refs, lr->lr_at(current_step));
+  }
+  Tensor async_flat;  // async with a dp axis: the stage's gradients, packed
 
   // Clipping and the optimizer on this rank's parameters with their
   // gradients in the runtime.

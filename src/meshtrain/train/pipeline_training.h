@@ -34,7 +34,11 @@
 // parallel.async (pipedream / spectrain, docs/plan.md): the optimizer runs
 // after each micro-batch's backward on each stage, micro-batches stay in
 // flight across steps, and the runtime drains after the run's last step;
-// only on a plain pipeline (no dp / tp axes), without clipping.
+// with a dp axis each micro-batch's gradients are averaged over the stage's
+// replicas before its update (PipeDream's hybrid), tensor axes run as
+// they do synchronously; GPT's tied wte is updated by the first stage and
+// mirrored by the last (the runtime). Not with stages on meshes of their
+// own, clipping, f16 or ZeRO.
 //
 // Stages on different meshes (StagePlan::has_mesh, e.g. stage 0 tensor-
 // parallel on ranks {0, 1}, stage 1 on rank 2): each stage's layers lowered
