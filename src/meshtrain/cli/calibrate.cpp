@@ -20,6 +20,7 @@
 #include "meshtrain/comm/probe.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/op_registry.h"
+#include "meshtrain/planner/simulator.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -85,6 +86,12 @@ struct KernelRun {
   // thread through the run (as a pipeline stage computes while it waits
   // for the next message), repetitions interleaved.
   double plain_s = 0, pending_s = 0;
+  // With ranks running it at once (started together by a barrier): per
+  // repetition, how late the last rank finished after the ranks' mean, as
+  // a fraction of the mean, averaged over the repetitions, over
+  // E[max of n standard normals] -- the relative standard deviation of a
+  // rank's compute (DeviceKind::compute_jitter). -1: not measured.
+  double jitter = -1;
 };
 
 // Forward + backward of `spec` at `batch` through the executor, its profile
@@ -124,6 +131,7 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
       paired ? together->split(0, together->rank(), "calibrate-b") : nullptr;
   Communicator* inbox = paired ? (together->rank() % 2 == 0 ? a.get() : b.get()) : nullptr;
   Communicator* outbox = paired ? (together->rank() % 2 == 0 ? b.get() : a.get()) : nullptr;
+  std::vector<double> walls;  // this rank's run time per repetition
   for (int rep = 0; rep < reps; ++rep) {
     if (paired) {
       // The same run with a receive pending, not profiled into the rates.
@@ -140,6 +148,7 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
     const double t0 = now_s();
     ex.run();
     const double wall = now_s() - t0;
+    walls.push_back(wall);
     k.plain_s = std::min(k.plain_s, wall);
     double in_ops = 0;
     int64_t kernels = 0;
@@ -160,6 +169,23 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
       r.seconds += static_cast<double>(p.total_ns) * 1e-9;
     }
     for (const auto& [op, r] : run) all[op].push_back(r);
+  }
+  if (together && together->size() > 1 && !walls.empty()) {
+    const int n = together->size();
+    std::vector<double> all_walls(walls.size() * static_cast<size_t>(n));
+    together->all_gather(walls.data(), all_walls.data(), walls.size(), DType::f64);
+    double late = 0;
+    for (size_t rep = 0; rep < walls.size(); ++rep) {
+      double sum = 0, most = 0;
+      for (int r = 0; r < n; ++r) {
+        const double w = all_walls[static_cast<size_t>(r) * walls.size() + rep];
+        sum += w;
+        most = std::max(most, w);
+      }
+      const double mean = sum / n;
+      if (mean > 0) late += (most - mean) / mean;
+    }
+    k.jitter = late / static_cast<double>(walls.size()) / planner::expected_max_normal(n);
   }
   // Per operator kind, the fastest of the repetitions. The median, tried
   // in i12-time to match the trainer's median step, made the file follow
@@ -489,13 +515,39 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
         "# per kernel, the executor's run time less its kernels': {}\nop_overhead_us = {}\n",
         overhead_detail, g3(overheads[overheads.size() / 2] * 1e6));
   }
+  // How much a rank's compute varies between ranks running the same work at
+  // once: the median over the model sizes (each the mean over its
+  // repetitions). The simulator makes each collective wait for its last
+  // member by it (DeviceKind::compute_jitter).
+  std::vector<double> jitters;
+  std::string jitter_detail;
+  for (const KernelRun& k : runs) {
+    if (k.jitter < 0) continue;
+    jitters.push_back(k.jitter);
+    jitter_detail +=
+        fmt::format("{}{} {:.2f}%", jitter_detail.empty() ? "" : "; ", k.label, k.jitter * 100);
+  }
+  if (!jitters.empty()) {
+    std::sort(jitters.begin(), jitters.end());
+    out += fmt::format(
+        "# the ranks' run times side by side: the last rank's lateness after their mean, as a\n"
+        "# fraction of it, over E[max of {} standard normals] (relative standard deviation): "
+        "{}\ncompute_jitter = {}\n",
+        world, jitter_detail, g3(jitters[jitters.size() / 2]));
+  }
   out += fmt::format("source = \"meshtrain calibrate on {}, {} ({}), {}\"\n", host, cpu.model,
                      cpu.isa_flags(), when);
   out += "[devices.cpu.efficiency]\n";
   for (const auto& [op, e] : eff) {
     out += fmt::format("# {}: {}\n\"{}\" = {}\n", op, per_size[op], op, g3(e));
   }
-  out += fmt::format("\n[[nodes]]\nname = \"{}\"\nranks_per_node = {}\n", host, world);
+  // The cores the node's ranks share: with more ranks than cores (a plan
+  // of 4 ranks here on 2 cores) each computes on a share of one, which the
+  // cost model prices (ClusterModel::node_core_sharing).
+  out += fmt::format(
+      "\n[[nodes]]\nname = \"{}\"\nranks_per_node = {}\n# the CPU cores the node's ranks share\n"
+      "cores = {}\n",
+      host, world, cores);
   for (const Fit& f : fits) {
     out += fmt::format(
         "\n# {}: measured (median of the repetitions, slowest rank) {};\n"

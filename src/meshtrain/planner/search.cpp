@@ -399,11 +399,27 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                 bp.what = "examples";
                 bp.min_units.assign(static_cast<size_t>(s.sh.dp), 1);
                 bp.time_per_unit.assign(static_cast<size_t>(s.sh.dp), 0);
+                bp.fixed_time.assign(static_cast<size_t>(s.sh.dp), 0);
                 bp.max_units.assign(static_cast<size_t>(s.sh.dp), 1e300);
                 for (int r = 0; r < world; ++r) {
                   const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
                   const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
-                  bp.time_per_unit[d] = std::max(bp.time_per_unit[d], re.compute_s / per);
+                  // The LP balances what each replica computes before the
+                  // gradient sync: forward and backward, a_i per example
+                  // plus the runtime's per-kernel time as the constant
+                  // term (balance.h's b_i: the same whatever the share;
+                  // counted per example, it handed slow ranks too many).
+                  // The optimizer's update is left out: it follows the
+                  // sync, so the step waits for the slowest rank's update
+                  // whatever the shares, and giving that rank fewer
+                  // examples to make up for it only makes the others'
+                  // backward -- and the sync -- later
+                  // (PlanSearch.LpSharesCountTheFixedCostsAsAConstant).
+                  const double before_sync = std::max(0.0, re.compute_s - re.optimizer_s);
+                  const double fixed = std::min(before_sync, re.overhead_s);
+                  bp.time_per_unit[d] =
+                      std::max(bp.time_per_unit[d], std::max(before_sync - fixed, 1e-12) / per);
+                  bp.fixed_time[d] = std::max(bp.fixed_time[d], fixed);
                   // Memory grows at most in proportion to the examples (a
                   // conservative bound above the even share).
                   bp.max_units[d] = std::min(
@@ -442,11 +458,16 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                 bp.what = "heads";
                 bp.min_units.assign(static_cast<size_t>(s.sh.tp), 1);
                 bp.time_per_unit.assign(static_cast<size_t>(s.sh.tp), 0);
+                bp.fixed_time.assign(static_cast<size_t>(s.sh.tp), 0);
                 const double per = static_cast<double>(spec.heads) / s.sh.tp;
                 for (int r = 0; r < world; ++r) {
                   const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
-                  bp.time_per_unit[t] = std::max(bp.time_per_unit[t],
-                                                 est.ranks[static_cast<size_t>(r)].compute_s / per);
+                  // The per-kernel time does not move with the heads.
+                  const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
+                  const double fixed = std::min(re.compute_s, re.overhead_s);
+                  bp.time_per_unit[t] =
+                      std::max(bp.time_per_unit[t], std::max(re.compute_s - fixed, 1e-12) / per);
+                  bp.fixed_time[t] = std::max(bp.fixed_time[t], fixed);
                 }
                 u.shape.tp_ratios = round_shares(bp, lp(bp));
                 have = true;
