@@ -520,9 +520,11 @@ def run(ctx):
         ctx.emit(line)
 
     # --- Heterogeneous ranks: the planner's pick against the best even plan.
-    if not only or "hetero" in only:
-        for model, batch in HETERO_BATCH.items():
-            for factors in ([1, 2], [1, 1, 2, 3]):
+    # (`--only hetero` all four, `--only hetero_mlp_slow1123` one of them)
+    for model, batch in HETERO_BATCH.items():
+        for factors in ([1, 2], [1, 1, 2, 3]):
+            one = f"hetero_{model}_slow{''.join(str(f) for f in factors)}"
+            if not only or "hetero" in only or one in only:
                 hetero(ctx, exe, model, factors, cluster2 if len(factors) == 2 else cluster4,
                        base, batch)
 

@@ -88,10 +88,11 @@ struct KernelRun {
   double plain_s = 0, pending_s = 0;
   // With ranks running it at once (started together by a barrier): per
   // repetition, how late the last rank finished after the ranks' mean, as
-  // a fraction of the mean, averaged over the repetitions, over
+  // a fraction of the mean, the median over the repetitions, over
   // E[max of n standard normals] -- the relative standard deviation of a
   // rank's compute (DeviceKind::compute_jitter). -1: not measured.
   double jitter = -1;
+  std::vector<double> lateness;  // per repetition, the same before the division
 };
 
 // Forward + backward of `spec` at `batch` through the executor, its profile
@@ -174,7 +175,7 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
     const int n = together->size();
     std::vector<double> all_walls(walls.size() * static_cast<size_t>(n));
     together->all_gather(walls.data(), all_walls.data(), walls.size(), DType::f64);
-    double late = 0;
+    std::vector<double> late;
     for (size_t rep = 0; rep < walls.size(); ++rep) {
       double sum = 0, most = 0;
       for (int r = 0; r < n; ++r) {
@@ -183,9 +184,13 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
         most = std::max(most, w);
       }
       const double mean = sum / n;
-      if (mean > 0) late += (most - mean) / mean;
+      if (mean > 0) late.push_back((most - mean) / mean);
     }
-    k.jitter = late / static_cast<double>(walls.size()) / planner::expected_max_normal(n);
+    // The median repetition: a repetition in which another process took a
+    // rank's core says what the load did, not what the ranks do.
+    std::sort(late.begin(), late.end());
+    if (!late.empty()) k.jitter = late[late.size() / 2] / planner::expected_max_normal(n);
+    k.lateness = late;
   }
   // Per operator kind, the fastest of the repetitions. The median, tried
   // in i12-time to match the trainer's median step, made the file follow
@@ -516,14 +521,14 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
         overhead_detail, g3(overheads[overheads.size() / 2] * 1e6));
   }
   // How much a rank's compute varies between ranks running the same work at
-  // once: the median over the model sizes (each the mean over its
-  // repetitions). The simulator makes each collective wait for its last
+  // once: the median over every repetition of every model size (the
+  // per-size medians in the comment). The simulator makes each collective wait for its last
   // member by it (DeviceKind::compute_jitter).
-  std::vector<double> jitters;
+  std::vector<double> jitters;  // every repetition of every size
   std::string jitter_detail;
   for (const KernelRun& k : runs) {
     if (k.jitter < 0) continue;
-    jitters.push_back(k.jitter);
+    for (double l : k.lateness) jitters.push_back(l / planner::expected_max_normal(world));
     jitter_detail +=
         fmt::format("{}{} {:.2f}%", jitter_detail.empty() ? "" : "; ", k.label, k.jitter * 100);
   }
@@ -531,8 +536,9 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
     std::sort(jitters.begin(), jitters.end());
     out += fmt::format(
         "# the ranks' run times side by side: the last rank's lateness after their mean, as a\n"
-        "# fraction of it, over E[max of {} standard normals] (relative standard deviation): "
-        "{}\ncompute_jitter = {}\n",
+        "# fraction of it (median repetition), over E[max of {} standard normals] (relative\n"
+        "# standard deviation), per size: {}; written: the median of all repetitions\n"
+        "compute_jitter = {}\n",
         world, jitter_detail, g3(jitters[jitters.size() / 2]));
   }
   out += fmt::format("source = \"meshtrain calibrate on {}, {} ({}), {}\"\n", host, cpu.model,

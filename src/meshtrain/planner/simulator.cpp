@@ -28,8 +28,8 @@ struct ProgramIndex {
   std::vector<int> prev_in_lane;        // per task: the previous task of its lane, or -1
   std::vector<std::vector<int>> lanes;  // per lane: task indices in order
   // Per collective task: the compute-lane seconds the rank ran since its
-  // previous synchronisation on that lane (a compute-lane collective or
-  // receive) up to the task, or up to the compute task it waits for
+  // previous synchronisation (a compute-lane collective or receive, or a
+  // compute task's wait for a collective) up to the task, or up to the compute task it waits for
   // (`after`) on another lane: the work whose jitter makes members late.
   std::vector<double> segment;
 };
@@ -60,6 +60,11 @@ ProgramIndex index_program(const Program& p) {
   for (size_t i = 0; i < p.tasks.size(); ++i) {
     const Task& t = p.tasks[i];
     if (t.lane == 0 && t.kind == Task::Kind::compute) {
+      // Waiting for a collective (the optimizer for the last gradient
+      // bucket, a pass for its ZeRO-3 gather) synchronises too.
+      for (int a : t.after) {
+        if (p.tasks[static_cast<size_t>(a)].kind == Task::Kind::collective) acc = 0;
+      }
       acc += t.seconds;
       acc_at[i] = acc;
     } else if (t.kind == Task::Kind::collective) {
