@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/planner/balance.h"
 #include "meshtrain/planner/search.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -233,6 +234,69 @@ TEST(PlanSearch, LpSharesCountTheFixedCostsAsAConstant) {
   EXPECT_LT(uneven->estimate.step_s, price(whole_per_example));
   EXPECT_LT(uneven->estimate.step_s, price(per_example));
   EXPECT_LT(uneven->estimate.step_s, price(with_update));
+}
+
+// The model's compute is not linear in a replica's examples (a matmul's
+// weight bytes do not shrink with the batch: max(FLOPs, bytes) turns
+// bytes-bound on a small share), so the shares from the even plan's slope
+// leave the slowest rank's predicted compute long. The search prices the
+// LP's shares, takes each replica's secant through the two priced points
+// (a_i, b_i) and solves again: by hand here, the refined shares are that
+// LP's, and they balance the predicted compute better than the first ones
+// and price a shorter step.
+TEST(PlanSearch, LpSharesRefinedFromTwoPricedPoints) {
+  ClusterModel c = cluster(4, 1e12, 4);
+  c.kinds[0].memory_bandwidth = 4e9;  // dW of 1024 x 1024 bytes-bound below ~25 examples
+  c.slowdown = {1, 1, 2, 6};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  ModelSpec m = mlp();
+  m.hidden = {1024, 1024};
+  const int64_t batch = 256;
+  const SearchResult r = search_plans(m, options(batch), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.dp != 4) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr);
+  ASSERT_NE(uneven, nullptr);
+  auto fb = [](const RankEstimate& e) { return e.compute_s - e.optimizer_s; };
+  // The first LP, by hand from the even plan (per-kernel time constant).
+  BalanceProblem first;
+  first.total = static_cast<double>(batch);
+  first.min_units.assign(4, 1);
+  for (int i = 0; i < 4; ++i) {
+    const RankEstimate& e = even->estimate.ranks[static_cast<size_t>(i)];
+    first.time_per_unit.push_back((fb(e) - e.overhead_s) / (static_cast<double>(batch) / 4));
+    first.fixed_time.push_back(e.overhead_s);
+  }
+  const std::vector<int64_t> x1 = round_shares(first, balance_lp(first));
+  TrainerOptions o1 = options(batch);
+  o1.dist.batch_shares = x1;
+  const StepEstimate e1 = estimate_step(m, o1, c);
+  auto spread = [&](const StepEstimate& e) {
+    double lo = 1e300, hi = 0;
+    for (const RankEstimate& x : e.ranks) lo = std::min(lo, fb(x)), hi = std::max(hi, fb(x));
+    return hi / lo;
+  };
+  // The secant LP, by hand.
+  BalanceProblem second = first;
+  for (size_t i = 0; i < 4; ++i) {
+    const double x = static_cast<double>(x1[i]), per = static_cast<double>(batch) / 4;
+    if (std::abs(x - per) < 0.5) continue;
+    const double a = (fb(e1.ranks[i]) - fb(even->estimate.ranks[i])) / (x - per);
+    second.time_per_unit[i] = a;
+    second.fixed_time[i] = std::max(0.0, fb(even->estimate.ranks[i]) - a * per);
+  }
+  const std::vector<int64_t> x2 = round_shares(second, balance_lp(second));
+  EXPECT_NE(x2, x1) << "the first shares are already the secant's";
+  EXPECT_EQ(uneven->shape.batch_shares, x2);
+  EXPECT_LT(spread(uneven->estimate), spread(e1));
+  EXPECT_LT(uneven->estimate.step_s, e1.step_s);
 }
 
 TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {

@@ -389,6 +389,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
             PlanCandidate u = c;
             u.uneven = true;
             bool have = false;
+            bool dp_lp = false;  // batch shares over dp: dp_bp is their LP
+            BalanceProblem dp_bp;
             try {
               if (s.sh.pp == 1 && s.sh.dp > 1) {
                 // Examples over the dp replicas: a replica is as slow as its slowest rank.
@@ -428,6 +430,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                           std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
                 }
                 u.shape.batch_shares = round_shares(bp, lp(bp));
+                dp_bp = bp;
+                dp_lp = true;
                 have = true;
               } else if (s.sh.pp > 1) {
                 // Layers over the stages: a stage is as slow as its slowest rank.
@@ -478,6 +482,53 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
             const bool same = u.shape.batch_shares.empty() && u.shape.stage_layers.empty() &&
                               u.shape.tp_ratios.empty();
             if (have && !same) sr.uneven = price(u);
+            if (dp_lp && sr.uneven && sr.uneven->kind == Priced::fits) {
+              // The model's compute is not linear in a replica's examples
+              // (kernels' bytes that do not shrink with the batch, the
+              // per-kernel time): with two priced points per replica --
+              // the even share and the LP's -- the secant gives each its
+              // own a_i and constant b_i; solved again, the shares are
+              // kept when they price a shorter step (i12-model,
+              // PlanSearch.LpSharesRefinedFromTwoPricedPoints).
+              const StepEstimate& ue = sr.uneven->c.estimate;
+              const auto replicas = static_cast<size_t>(s.sh.dp);
+              std::vector<double> ce(replicas, 0), cu(replicas, 0);
+              for (int r = 0; r < world; ++r) {
+                const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
+                const RankEstimate& e0 = est.ranks[static_cast<size_t>(r)];
+                const RankEstimate& e1 = ue.ranks[static_cast<size_t>(r)];
+                ce[d] = std::max(ce[d], e0.compute_s - e0.optimizer_s);
+                cu[d] = std::max(cu[d], e1.compute_s - e1.optimizer_s);
+              }
+              BalanceProblem bp2 = dp_bp;
+              const double per = static_cast<double>(base.batch_size) / s.sh.dp;
+              bool ok = true;
+              for (size_t d = 0; d < replicas; ++d) {
+                const double xu = static_cast<double>(u.shape.batch_shares[d]);
+                if (std::abs(xu - per) < 0.5) continue;  // one point: keep the first a_i, b_i
+                double a = (cu[d] - ce[d]) / (xu - per);
+                double b = ce[d] - a * per;
+                if (b < 0) b = 0, a = cu[d] / xu;
+                ok = ok && a > 0;
+                bp2.time_per_unit[d] = a;
+                bp2.fixed_time[d] = b;
+              }
+              if (ok) {
+                PlanCandidate u2 = u;
+                try {
+                  u2.shape.batch_shares = round_shares(bp2, lp(bp2));
+                } catch (const ConfigError&) {
+                  u2.shape.batch_shares = u.shape.batch_shares;  // keep the first shares
+                }
+                if (u2.shape.batch_shares != u.shape.batch_shares) {
+                  Priced p2 = price(u2);
+                  if (p2.kind == Priced::fits &&
+                      p2.c.estimate.step_s < sr.uneven->c.estimate.step_s) {
+                    sr.uneven = std::move(p2);
+                  }
+                }
+              }
+            }
           }
         }
         std::lock_guard<std::mutex> hold(progress_mutex);
