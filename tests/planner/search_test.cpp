@@ -241,9 +241,9 @@ TEST(PlanSearch, LpSharesCountTheFixedCostsAsAConstant) {
 // bytes-bound on a small share), so the shares from the even plan's slope
 // leave the slowest rank's predicted compute long. The search prices the
 // LP's shares, takes each replica's secant through the two priced points
-// (a_i, b_i) and solves again: by hand here, the refined shares are that
-// LP's, and they balance the predicted compute better than the first ones
-// and price a shorter step.
+// (a_i, b_i) and solves again, keeping the new shares when they price a
+// step at least 1% shorter: by hand here, the refined shares are that
+// LP's, and they balance the predicted compute better than the first ones.
 TEST(PlanSearch, LpSharesRefinedFromTwoPricedPoints) {
   ClusterModel c = cluster(4, 1e12, 4);
   c.kinds[0].memory_bandwidth = 4e9;  // dW of 1024 x 1024 bytes-bound below ~25 examples
@@ -296,7 +296,7 @@ TEST(PlanSearch, LpSharesRefinedFromTwoPricedPoints) {
   EXPECT_NE(x2, x1) << "the first shares are already the secant's";
   EXPECT_EQ(uneven->shape.batch_shares, x2);
   EXPECT_LT(spread(uneven->estimate), spread(e1));
-  EXPECT_LT(uneven->estimate.step_s, e1.step_s);
+  EXPECT_LT(uneven->estimate.step_s, 0.99 * e1.step_s);
 }
 
 TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
