@@ -220,7 +220,9 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
                 // Members run equal work at one predicted time, but each
                 // rank's compute jitters: the call starts when the last one
                 // arrives, E[max of n] standard deviations after their mean.
-                in.ready += in.jitter_s * expected_max_normal(static_cast<int>(group.size()));
+                if (in.jitter_s > 0) {
+                  in.ready += in.jitter_s * expected_max_normal(static_cast<int>(group.size()));
+                }
                 for (const auto& [mr, mi] : in.members) {
                   RankState& ms = st[static_cast<size_t>(mr)];
                   ms.start[static_cast<size_t>(mi)] = in.ready;
