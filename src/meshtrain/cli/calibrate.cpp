@@ -556,9 +556,14 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
         "# the ranks' run times side by side: the last rank's lateness after their mean, as a\n"
         "# fraction of it (median of the repetitions in which every rank had a core: CPU /\n"
         "# wall >= 0.9), over E[max of {} standard normals] (relative\n"
-        "# standard deviation), per size: {}; written: the median of all repetitions\n"
+        "# standard deviation), per size: {}; written: the median of all those repetitions\n"
         "compute_jitter = {}\n",
         world, jitter_detail, g3(jitters[jitters.size() / 2]));
+  } else if (together && world > 1) {
+    out +=
+        "# compute_jitter: not measured (no repetition in which every rank had its core, CPU /\n"
+        "# wall >= 0.9: the machine is loaded); the planner then takes the ranks as arriving\n"
+        "# together\n";
   }
   out += fmt::format("source = \"meshtrain calibrate on {}, {} ({}), {}\"\n", host, cpu.model,
                      cpu.isa_flags(), when);
