@@ -29,8 +29,10 @@ step time, with:
       activation stash only): its lines have no memory error.
   measured_fast_step_ms / step_rel_err_fast  the same against the 90th
       percentile of the per-step rates (the steps others left alone)
-  predicted_step_ms_cores_shared  for plans with more ranks than cores:
-      simulate again with every rank slowed by ranks / cores
+  (plans with more ranks than cores: the calibrated file's `[[nodes]]
+      cores` has the model price each rank's kernels on ranks / cores of a
+      core; until i12-model the line carried that as a second prediction,
+      predicted_step_ms_cores_shared, every rank slowed by ranks / cores)
 A plan that fails in simulate or train keeps its line, with "error".
 
 Then `meshtrain plan --nproc 2` for the GPT on the calibrated file: its
@@ -61,6 +63,11 @@ the measured compute) and the even plan; compute_cpu_spread the same from
 compute_cpu_s_per_step (the kernels' and update's thread CPU time times
 the slowdown: the rank's compute had it a core of its own, without the
 waits for a core that the wall time holds on a shared machine);
+compute_spread_before_update / compute_cpu_spread_before_update the
+same without the rank's optimizer update (summary update_s_per_step /
+update_cpu_s_per_step): the forward and backward that the shares move and
+the LP balances (the update follows the gradient sync, and a slowed
+rank's stretched update is in the step whatever the shares, i12-model);
 pick_predicted_compute_spread the model's (`meshtrain simulate` of the
 pick: its compute per rank program), which whole examples / layers / heads
 keep above 1; load = the 1-minute load average
@@ -232,9 +239,12 @@ def plan_sets(desc):
     return sets
 
 
-def compute_spread(run, key="compute_s_per_step"):
-    per = [r.get(key) for r in (run.summary or {}).get("ranks") or []]
-    per = [c for c in per if c]
+def compute_spread(run, key="compute_s_per_step", minus=None):
+    ranks = (run.summary or {}).get("ranks") or []
+    if minus and not all(minus in r for r in ranks):
+        return None, []  # a trainer without the split (pipelines)
+    per = [r.get(key) - (r.get(minus) or 0 if minus else 0) for r in ranks if r.get(key)]
+    per = [c for c in per if c > 0]
     if not per:
         return None, []
     return max(per) / min(per), [round(c * 1e3, 2) for c in per]
@@ -347,6 +357,14 @@ def hetero(ctx, exe, model, factors, cluster, base, batch):
     es, ec = compute_spread(ev)
     psc, pcc = compute_spread(pick, "compute_cpu_s_per_step")
     esc, ecc = compute_spread(ev, "compute_cpu_s_per_step")
+    # Before the update: the forward and backward the shares move (the
+    # update follows the gradient sync; the LP leaves it out, i12-model).
+    pfs, pfc = compute_spread(pick, "compute_cpu_s_per_step", "update_cpu_s_per_step")
+    pfw, pfwc = compute_spread(pick, "compute_s_per_step", "update_s_per_step")
+    line.update({"compute_cpu_spread_before_update": pfs,
+                 "pick_compute_cpu_before_update_ms_per_rank": pfc,
+                 "compute_spread_before_update": pfw,
+                 "pick_compute_before_update_ms_per_rank": pfwc})
     line.update({"pick_measured_ms": pm, "even_measured_ms": em, "value": em / pm,
                  "measured": em / pm,
                  "compute_spread": ps, "pick_compute_ms_per_rank": pc,
@@ -407,14 +425,9 @@ def run(ctx):
         all_sets = base + [f"dist.nproc={nproc}"] + sets
         line.update(simulate(ctx, exe, name, config, cluster4 if nproc == 4 else cluster2,
                              all_sets))
-        if nproc > ctx.ncpu and not any(kv.startswith("dist.slowdown=") for kv in sets):
-            # More ranks than cores: each rank gets ncpu / nproc of a core,
-            # which the cluster file (one device per rank) does not say.
-            f = nproc / ctx.ncpu
-            shared = simulate(ctx, exe, f"{name}-shared", config, cluster4, all_sets + [
-                "dist.slowdown=[" + ",".join([f"{f:g}"] * nproc) + "]"])
-            line["predicted_step_ms_cores_shared"] = shared.get("predicted_step_ms")
-            line["cores_shared_slowdown"] = f
+        # More ranks than cores: the calibrated file's `cores` makes the
+        # model price each rank's kernels on its share of a core.
+        line["cores"] = ctx.ncpu
         mt = meshtrain.train(ctx, model, steps, 1, nproc=nproc, sets=sets,
                              name=f"train-{name}")
         if mt.error:
@@ -423,9 +436,6 @@ def run(ctx):
             line.update(measured(mt, batch))
         line["value"] = line.get("measured_step_ms")
         line["step_rel_err"] = rel(line.get("predicted_step_ms"), line.get("measured_step_ms"))
-        if "predicted_step_ms_cores_shared" in line:
-            line["step_rel_err_cores_shared"] = rel(line["predicted_step_ms_cores_shared"],
-                                                    line.get("measured_step_ms"))
         line["step_rel_err_fast"] = rel(line.get("predicted_step_ms"),
                                         line.get("measured_fast_step_ms"))
         per_prog = line.get("predicted_peak_mib_per_program") or []
@@ -510,9 +520,11 @@ def run(ctx):
         ctx.emit(line)
 
     # --- Heterogeneous ranks: the planner's pick against the best even plan.
-    if not only or "hetero" in only:
-        for model, batch in HETERO_BATCH.items():
-            for factors in ([1, 2], [1, 1, 2, 3]):
+    # (`--only hetero` all four, `--only hetero_mlp_slow1123` one of them)
+    for model, batch in HETERO_BATCH.items():
+        for factors in ([1, 2], [1, 1, 2, 3]):
+            one = f"hetero_{model}_slow{''.join(str(f) for f in factors)}"
+            if not only or "hetero" in only or one in only:
                 hetero(ctx, exe, model, factors, cluster2 if len(factors) == 2 else cluster4,
                        base, batch)
 
@@ -541,8 +553,6 @@ def run(ctx):
     ok_f = [abs(x["step_rel_err_fast"]) for x in results
             if x.get("step_rel_err_fast") is not None]
     ok_t = [abs(x["step_rel_err"]) for x in results if x.get("step_rel_err") is not None]
-    ok_s = [abs(x.get("step_rel_err_cores_shared", x["step_rel_err"])) for x in results
-            if x.get("step_rel_err") is not None]
     ok_m = [abs(x["mem_rel_err"]) for x in results if x.get("mem_rel_err") is not None]
     ctx.emit({
         "name": "plan_summary", "unit": "relative error", "peer": None,
@@ -551,7 +561,6 @@ def run(ctx):
         "median_abs_mem_rel_err": statistics.median(ok_m) if ok_m else None,
         "step_within_10pct": sum(1 for e in ok_t if e <= 0.10),
         "median_abs_step_rel_err_fast": statistics.median(ok_f) if ok_f else None,
-        "median_abs_step_rel_err_cores_shared": statistics.median(ok_s) if ok_s else None,
         "mem_within_5pct": sum(1 for e in ok_m if e <= 0.05),
         "goal_step": 0.10, "goal_mem": 0.05,
         "value": statistics.median(ok_t) if ok_t else None,

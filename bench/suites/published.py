@@ -9,9 +9,9 @@ sequence 2048, mixed precision (bf16 here; the same 312 TFLOP/s peak),
 activation recomputation on every stage (parallel.recompute = true).
 Priced as Megatron-LM ran them (megatron_runtime below: 16-bit
 activations, fused element-wise kernels, attention dropout, blocking
-pipeline p2p; NCCL's achieved bus bandwidth, nccl_collectives; the A100's
-achieved memory bandwidth, ACHIEVED_HBM_GB_S; --without leaves any of the
-four out; --runtime meshtrain prices
+pipeline p2p; NCCL's achieved bus bandwidth and the A100's achieved
+memory bandwidth, both the cluster file's own values with their sources;
+--without leaves any of the four out; --runtime meshtrain prices
 meshtrain's own executor instead); Table 1's rows interleaved, as the
 paper's Section 5.1 says (v chunks per stage: interleave_chunks), Table 2's
 1F1B (--schedule 1f1b: every row 1F1B).
@@ -92,41 +92,22 @@ def megatron_runtime(without):
     return "\n".join(lines) + "\n"
 
 
-# NCCL's achieved bus bandwidth on the links these runs used, as the
-# cluster file's measured collective fits ([collectives.ALGORITHM.KIND],
-# docs/cluster.md; the bus bandwidth of nccl-tests is the per-link rate of
-# the ring model the cost model uses): inside a DGX A100 (NVLink 3 through
-# NVSwitch) ~230 GB/s all-reduce bus bandwidth -- S. Jeaugey (NCCL), NVIDIA/
-# nccl-tests issue #149 (2023-07-05): each NVLink's 25 GB/s line rate is ~20
-# GB/s effective with NCCL's 128-byte payloads, 240 GB/s for 12 links, "~230
-# GB/s" with other bottlenecks; between nodes 24 GB/s per 200 Gbit/s HDR port
-# -- S. Jeaugey, NVIDIA/nccl issue #412 (2023-04-24): "~24 GB/s inter-node"
-# bus bandwidth at 8 GB; and NCCL's @AddyLaddy in NVIDIA/nccl issue #812
-# (quoted in #1576): 192 GB/s all-reduce bus bandwidth measured on a DGX
-# A100's 8 x 200 Gbit/s IB cards, 24 per card. Every algorithm the cost model may pick over a link kind is priced
-# at NCCL's rate (the runs' collectives were NCCL's); latency the file's.
-NCCL_GBIT = {"intra_node": (230 * 8, 0.002), "inter_node": (24 * 8, 0.0006)}
-NCCL_ALGORITHMS = {"intra_node": ("ring", "halving_doubling", "tree", "pairwise", "shared_memory"),
-                   "inter_node": ("ring", "halving_doubling", "tree", "pairwise")}
+# NCCL's achieved bus bandwidth and the A100's achieved memory bandwidth
+# are the shipped cluster file's own values (configs/cluster/a100_ib200.toml,
+# its [collectives.ALGORITHM.KIND] fits and memory_bandwidth_gb_s, with
+# their sources there). --without takes them back out of this run's copy:
+# nccl drops the collective fits (the links' line rates then price every
+# collective), hbm puts back the datasheet figure the file's comment names.
+def without_nccl(text):
+    """The file without its [collectives.*] sections."""
+    return re.sub(r"(?ms)^\[collectives\.[^\]]*\]\n(?:(?!\[)[^\n]*\n)*", "", text)
 
 
-def nccl_collectives():
-    out = [""]
-    for kind, algs in NCCL_ALGORITHMS.items():
-        gbit, lat = NCCL_GBIT[kind]
-        for a in algs:
-            out += [f"[collectives.{a}.{kind}]", f"bandwidth_gbit_s = {gbit}",
-                    f"latency_ms = {lat}"]
-    return "\n".join(out) + "\n"
-
-
-# A100 80GB HBM2e bandwidth achieved by a streaming read kernel: 1.80 of the
-# datasheet's 2.039 TB/s (88%, Nsight Compute agreeing), NVIDIA developer
-# forums, "Trouble to Reach Peak Bandwidth of A100" (topic 339083), citing a GTC
-# talk's best kernels at ~90% of peak. The cost model's memory-bound
-# operators (layer norms, the fused element-wise runs, softmax, dropout, the
-# optimizer) are priced at it.
-ACHIEVED_HBM_GB_S = 1800
+def datasheet_hbm(text):
+    """The datasheet memory bandwidth named in the file's comment, or None."""
+    m = re.search(r"(?m)^memory_bandwidth_gb_s = [0-9.]+\s*#.*datasheet's \[A100\] is ([0-9.]+)",
+                  text)
+    return float(m.group(1)) if m else None
 
 
 def interleave_chunks(layers, p):
@@ -215,16 +196,18 @@ def run(ctx):
                 ctx.emit(line)
                 continue
         if ctx.args.runtime == "megatron":
-            if "hbm" not in without:
+            if "hbm" in without:
+                sheet = datasheet_hbm(text)
                 text, n = re.subn(r"(?m)^memory_bandwidth_gb_s = [0-9.]+",
-                                  f"memory_bandwidth_gb_s = {ACHIEVED_HBM_GB_S}", text)
+                                  f"memory_bandwidth_gb_s = {sheet:g}", text) if sheet else (text, 0)
                 if n != 1:
-                    line["error"] = "a100_ib200.toml has no `memory_bandwidth_gb_s =` line"
+                    line["error"] = ("a100_ib200.toml has no `memory_bandwidth_gb_s =` line "
+                                     "naming the datasheet's figure")
                     ctx.emit(line)
                     continue
+            if "nccl" in without:
+                text = without_nccl(text)
             text += megatron_runtime(without)
-            if "nccl" not in without:
-                text += nccl_collectives()
         cluster = ctx.workdir / f"{name}-cluster.toml"
         cluster.write_text(text)
         config = ctx.workdir / f"{name}.toml"

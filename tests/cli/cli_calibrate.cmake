@@ -23,11 +23,20 @@ foreach(re "\\[devices\\.cpu\\]" "peak_tflops_f32 = [0-9.e-]+" "memory_gb = [0-9
     "all_reduce 4096 B [0-9.]+ us \\(blocking [0-9.]+\\)"
     # The executor's own time per kernel.
     "# per kernel, the executor's run time less its kernels': mlp hidden [0-9]+ [0-9.]+ us \\([0-9]+ kernels\\)"
-    "\nop_overhead_us = [0-9.e-]+\n")
+    "\nop_overhead_us = [0-9.e-]+\n"
+    # The cores the node's ranks share (the model prices more ranks than cores).
+    "\ncores = [1-9][0-9]*\n")
   if(NOT cal MATCHES "${re}")
     message(FATAL_ERROR "cal.toml does not match '${re}':\n${cal}")
   endif()
 endforeach()
+# With the ranks timed at once: how late the last one is (compute_jitter).
+# (or says why not: a loaded machine left no repetition with every rank on
+# its core).
+if(cal MATCHES "timed on all 2 ranks at once" AND NOT cal MATCHES
+   "\ncompute_jitter = [0-9.e-]+\n" AND NOT cal MATCHES "# compute_jitter: not measured \\(no repetition")
+  message(FATAL_ERROR "cal.toml has no compute_jitter:\n${cal}")
+endif()
 # Every fitted bandwidth is positive (the fit keeps W > 0, latency >= 0).
 string(REGEX MATCHALL "bandwidth_gbit_s = [^\n]+" bws "${cal}")
 foreach(bw IN LISTS bws)

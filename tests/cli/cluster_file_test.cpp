@@ -224,6 +224,29 @@ TEST(ClusterFile, BadDeviceKindsNameTheKey) {
       "defines several kinds");
 }
 
+// `[[nodes]] cores`: ranks that outnumber their node's cores time-share
+// them, so each rank's kernels take ranks / cores as long (slowdown_of);
+// with enough cores, or without the key, nothing changes.
+TEST(ClusterFile, NodeCoresSharedByMoreRanksSlowThem) {
+  const std::string dev = "[devices.cpu]\npeak_tflops = 1\nmemory_gb = 8\n";
+  const planner::ClusterModel shared = cluster_model(
+      parse_cluster_file(dev + "[[nodes]]\nname = \"a\"\nranks_per_node = 4\ncores = 2\n"
+                               "[[nodes]]\nname = \"b\"\nranks_per_node = 3\ncores = 8\n",
+                         "c.toml"));
+  ASSERT_EQ(shared.world(), 7);
+  for (int r = 0; r < 4; ++r) EXPECT_DOUBLE_EQ(shared.slowdown_of(r), 2.0) << r;
+  for (int r = 4; r < 7; ++r) EXPECT_DOUBLE_EQ(shared.slowdown_of(r), 1.0) << r;
+  planner::ClusterModel slowed = shared;
+  slowed.slowdown = {1, 3, 1, 1, 2, 1, 1};  // an emulated slowdown multiplies
+  EXPECT_DOUBLE_EQ(slowed.slowdown_of(1), 6.0);
+  EXPECT_DOUBLE_EQ(slowed.slowdown_of(4), 2.0);
+  const planner::ClusterModel plain =
+      cluster_model(parse_cluster_file(dev + "[[nodes]]\nranks_per_node = 4\n", "p.toml"));
+  EXPECT_TRUE(plain.node_core_sharing.empty());
+  EXPECT_DOUBLE_EQ(plain.slowdown_of(3), 1.0);
+  expect_rejected("[[nodes]]\nranks_per_node = 2\ncores = 0\n", 2, "nodes[0].cores:");
+}
+
 // [devices.NAME.runtime] and the matmul tiling keys reach the device kind;
 // bad values name the key.
 TEST(ClusterFile, RuntimeSettingsAndMatmulTiling) {

@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "meshtrain/base/error.h"
+#include "meshtrain/planner/balance.h"
 #include "meshtrain/planner/search.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -157,7 +159,144 @@ TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
   // The uneven plan carries its shares: the settings and the plan's batch split.
   const std::vector<std::string> s = uneven->settings(2);
   EXPECT_NE(std::find(s.begin(), s.end(), "dist.batch_shares=[32,16]"), s.end());
-  EXPECT_THAT(plan_to_json(uneven->plan), HasSubstr("32"));
+  EXPECT_THAT(plan_to_json(uneven->plan), HasSubstr("[32,16]"));
+}
+
+// The LP's constant term (i12-model): what a replica computes before the
+// gradient sync is a_i x_i per example plus the runtime's per-kernel time,
+// which no share moves (b_i); the optimizer's update follows the sync and
+// is left out. Hand-computed: the shares are the LP's optimum of
+// a_i x_i + b_i = T, x_0 + x_1 = batch, with a_i, b_i from the even
+// plan's predicted forward + backward; the uneven plan's predicted forward
+// + backward are equal within 10%; and its step is shorter than both the
+// split that counts the per-kernel time per example (as before i12-model)
+// and the split that also balances the update (which gives the slow rank,
+// whose update is stretched 3x, fewer examples: the others' backward, and
+// so the sync, end later, and the slow update still follows it).
+TEST(PlanSearch, LpSharesCountTheFixedCostsAsAConstant) {
+  ClusterModel c = cluster(2, 1e12);
+  c.kinds[0].memory_bandwidth = 1e10;  // an update of over 20% of the compute
+  c.kinds[0].op_overhead_s = 1e-4;     // a large per-kernel time
+  c.slowdown = {1, 3};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  const int64_t batch = 96;
+  const SearchResult r = search_plans(mlp(), options(batch), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.dp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr);
+  ASSERT_NE(uneven, nullptr);
+  auto before_sync = [](const RankEstimate& e) { return e.compute_s - e.optimizer_s; };
+  double a[2], b[2], whole[2];
+  for (int i = 0; i < 2; ++i) {
+    const RankEstimate& e = even->estimate.ranks[static_cast<size_t>(i)];
+    b[i] = e.overhead_s;
+    a[i] = (before_sync(e) - b[i]) / (static_cast<double>(batch) / 2);
+    whole[i] = e.compute_s;
+    EXPECT_GT(e.overhead_s, 0.2 * before_sync(e)) << i;
+    EXPECT_GT(e.optimizer_s, 0.2 * e.compute_s) << i;
+  }
+  EXPECT_DOUBLE_EQ(b[0], b[1]);  // not slowed: the emulation stretches kernels only
+  // By hand: a0 x0 + b0 = a1 x1 + b1 = T, x0 + x1 = batch.
+  const double t = (static_cast<double>(batch) + b[0] / a[0] + b[1] / a[1]) / (1 / a[0] + 1 / a[1]);
+  const double x1 = (t - b[1]) / a[1];
+  ASSERT_EQ(uneven->shape.batch_shares.size(), 2u);
+  EXPECT_NEAR(static_cast<double>(uneven->shape.batch_shares[1]), x1, 1.0);
+  const double u0 = before_sync(uneven->estimate.ranks[0]);
+  const double u1 = before_sync(uneven->estimate.ranks[1]);
+  EXPECT_LT(std::max(u0, u1) / std::min(u0, u1), 1.10) << u0 << " vs " << u1;
+  // The two other splits, priced the same way.
+  auto price = [&](double slow_share) {
+    TrainerOptions po = options(batch);
+    const auto s1 = static_cast<int64_t>(std::llround(slow_share));
+    po.dist.batch_shares = {batch - s1, s1};
+    return estimate_step(mlp(), po, c).step_s;
+  };
+  // Counting the per-kernel time per example gives the slow rank more; the
+  // LP that also balances the update (b_i + the rank's update) fewer.
+  const double per_example = static_cast<double>(batch) * (1 / (a[1] + b[1] / 48)) /
+                             (1 / (a[0] + b[0] / 48) + 1 / (a[1] + b[1] / 48));
+  const double f0 = b[0] + even->estimate.ranks[0].optimizer_s;
+  const double f1 = b[1] + even->estimate.ranks[1].optimizer_s;
+  const double tu = (static_cast<double>(batch) + f0 / a[0] + f1 / a[1]) / (1 / a[0] + 1 / a[1]);
+  const double with_update = (tu - f1) / a[1];
+  EXPECT_GT(per_example, x1 + 1.5);
+  EXPECT_LT(with_update, x1 - 1.5);
+  // Before i12-model: the whole compute, update included, per example.
+  const double whole_per_example =
+      static_cast<double>(batch) * (1 / whole[1]) / (1 / whole[0] + 1 / whole[1]);
+  EXPECT_LT(uneven->estimate.step_s, price(whole_per_example));
+  EXPECT_LT(uneven->estimate.step_s, price(per_example));
+  EXPECT_LT(uneven->estimate.step_s, price(with_update));
+}
+
+// The model's compute is not linear in a replica's examples (a matmul's
+// weight bytes do not shrink with the batch: max(FLOPs, bytes) turns
+// bytes-bound on a small share), so the shares from the even plan's slope
+// leave the slowest rank's predicted compute long. The search prices the
+// LP's shares, takes each replica's secant through the two priced points
+// (a_i, b_i) and solves again, keeping the new shares when they price a
+// step at least 1% shorter: by hand here, the refined shares are that
+// LP's, and they balance the predicted compute better than the first ones.
+TEST(PlanSearch, LpSharesRefinedFromTwoPricedPoints) {
+  ClusterModel c = cluster(4, 1e12, 4);
+  c.kinds[0].memory_bandwidth = 4e9;  // dW of 1024 x 1024 bytes-bound below ~25 examples
+  c.slowdown = {1, 1, 2, 6};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  ModelSpec m = mlp();
+  m.hidden = {1024, 1024};
+  const int64_t batch = 256;
+  const SearchResult r = search_plans(m, options(batch), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.dp != 4) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr);
+  ASSERT_NE(uneven, nullptr);
+  auto fb = [](const RankEstimate& e) { return e.compute_s - e.optimizer_s; };
+  // The first LP, by hand from the even plan (per-kernel time constant).
+  BalanceProblem first;
+  first.total = static_cast<double>(batch);
+  first.min_units.assign(4, 1);
+  for (int i = 0; i < 4; ++i) {
+    const RankEstimate& e = even->estimate.ranks[static_cast<size_t>(i)];
+    first.time_per_unit.push_back((fb(e) - e.overhead_s) / (static_cast<double>(batch) / 4));
+    first.fixed_time.push_back(e.overhead_s);
+  }
+  const std::vector<int64_t> x1 = round_shares(first, balance_lp(first));
+  TrainerOptions o1 = options(batch);
+  o1.dist.batch_shares = x1;
+  const StepEstimate e1 = estimate_step(m, o1, c);
+  auto spread = [&](const StepEstimate& e) {
+    double lo = 1e300, hi = 0;
+    for (const RankEstimate& x : e.ranks) lo = std::min(lo, fb(x)), hi = std::max(hi, fb(x));
+    return hi / lo;
+  };
+  // The secant LP, by hand.
+  BalanceProblem second = first;
+  for (size_t i = 0; i < 4; ++i) {
+    const double x = static_cast<double>(x1[i]), per = static_cast<double>(batch) / 4;
+    if (std::abs(x - per) < 0.5) continue;
+    const double a = (fb(e1.ranks[i]) - fb(even->estimate.ranks[i])) / (x - per);
+    second.time_per_unit[i] = a;
+    second.fixed_time[i] = std::max(0.0, fb(even->estimate.ranks[i]) - a * per);
+  }
+  const std::vector<int64_t> x2 = round_shares(second, balance_lp(second));
+  EXPECT_NE(x2, x1) << "the first shares are already the secant's";
+  EXPECT_EQ(uneven->shape.batch_shares, x2);
+  EXPECT_LT(spread(uneven->estimate), spread(e1));
+  EXPECT_LT(uneven->estimate.step_s, 0.99 * e1.step_s);
 }
 
 TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {

@@ -20,6 +20,7 @@
 #include "meshtrain/comm/probe.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/op_registry.h"
+#include "meshtrain/planner/simulator.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/training_plan.h"
 
@@ -62,6 +63,13 @@ CalibrationFit fit_alpha_beta(const std::vector<double>& steps, const std::vecto
 
 namespace {
 
+// CPU time of the whole process (the kernels' thread and any other).
+double process_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -85,6 +93,13 @@ struct KernelRun {
   // thread through the run (as a pipeline stage computes while it waits
   // for the next message), repetitions interleaved.
   double plain_s = 0, pending_s = 0;
+  // With ranks running it at once (started together by a barrier): per
+  // repetition, how late the last rank finished after the ranks' mean, as
+  // a fraction of the mean, the median over the repetitions, over
+  // E[max of n standard normals] -- the relative standard deviation of a
+  // rank's compute (DeviceKind::compute_jitter). -1: not measured.
+  double jitter = -1;
+  std::vector<double> lateness;  // per repetition, the same before the division
 };
 
 // Forward + backward of `spec` at `batch` through the executor, its profile
@@ -124,6 +139,8 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
       paired ? together->split(0, together->rank(), "calibrate-b") : nullptr;
   Communicator* inbox = paired ? (together->rank() % 2 == 0 ? a.get() : b.get()) : nullptr;
   Communicator* outbox = paired ? (together->rank() % 2 == 0 ? b.get() : a.get()) : nullptr;
+  std::vector<double> walls;     // this rank's run time per repetition
+  std::vector<double> had_core;  // its CPU time / wall time
   for (int rep = 0; rep < reps; ++rep) {
     if (paired) {
       // The same run with a receive pending, not profiled into the rates.
@@ -138,8 +155,12 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
     if (together) together->barrier();  // every rank's repetition at once
     ex.reset_profile();
     const double t0 = now_s();
+    const double c0 = process_cpu_s();
     ex.run();
     const double wall = now_s() - t0;
+    walls.push_back(wall);
+    // The share of a core the run had: below 0.9 another process took it.
+    had_core.push_back(wall > 0 ? (process_cpu_s() - c0) / wall : 0.0);
     k.plain_s = std::min(k.plain_s, wall);
     double in_ops = 0;
     int64_t kernels = 0;
@@ -160,6 +181,34 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
       r.seconds += static_cast<double>(p.total_ns) * 1e-9;
     }
     for (const auto& [op, r] : run) all[op].push_back(r);
+  }
+  if (together && together->size() > 1 && !walls.empty()) {
+    const int n = together->size();
+    std::vector<double> all_walls(walls.size() * static_cast<size_t>(n));
+    std::vector<double> all_cores(walls.size() * static_cast<size_t>(n));
+    together->all_gather(walls.data(), all_walls.data(), walls.size(), DType::f64);
+    together->all_gather(had_core.data(), all_cores.data(), walls.size(), DType::f64);
+    std::vector<double> late;
+    for (size_t rep = 0; rep < walls.size(); ++rep) {
+      double sum = 0, most = 0, least_core = 1;
+      for (int r = 0; r < n; ++r) {
+        const size_t at = static_cast<size_t>(r) * walls.size() + rep;
+        sum += all_walls[at];
+        most = std::max(most, all_walls[at]);
+        least_core = std::min(least_core, all_cores[at]);
+      }
+      const double mean = sum / n;
+      // Only repetitions in which every rank had its core: as the rates
+      // are the kernels' with the core, the jitter is the ranks' own
+      // (caches, memory bandwidth, the other rank), not another process
+      // taking a core (at load 4-14 the median of all repetitions gave
+      // 4-42%, i12-model).
+      if (mean > 0 && least_core >= 0.9) late.push_back((most - mean) / mean);
+    }
+    // The median of those repetitions.
+    std::sort(late.begin(), late.end());
+    if (!late.empty()) k.jitter = late[late.size() / 2] / planner::expected_max_normal(n);
+    k.lateness = late;
   }
   // Per operator kind, the fastest of the repetitions. The median, tried
   // in i12-time to match the trainer's median step, made the file follow
@@ -489,13 +538,46 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
         "# per kernel, the executor's run time less its kernels': {}\nop_overhead_us = {}\n",
         overhead_detail, g3(overheads[overheads.size() / 2] * 1e6));
   }
+  // How much a rank's compute varies between ranks running the same work at
+  // once: the median over every repetition of every model size (the
+  // per-size medians in the comment). The simulator makes each collective wait for its last
+  // member by it (DeviceKind::compute_jitter).
+  std::vector<double> jitters;  // every repetition of every size
+  std::string jitter_detail;
+  for (const KernelRun& k : runs) {
+    if (k.jitter < 0) continue;
+    for (double l : k.lateness) jitters.push_back(l / planner::expected_max_normal(world));
+    jitter_detail +=
+        fmt::format("{}{} {:.2f}%", jitter_detail.empty() ? "" : "; ", k.label, k.jitter * 100);
+  }
+  if (!jitters.empty()) {
+    std::sort(jitters.begin(), jitters.end());
+    out += fmt::format(
+        "# the ranks' run times side by side: the last rank's lateness after their mean, as a\n"
+        "# fraction of it (median of the repetitions in which every rank had a core: CPU /\n"
+        "# wall >= 0.9), over E[max of {} standard normals] (relative\n"
+        "# standard deviation), per size: {}; written: the median of all those repetitions\n"
+        "compute_jitter = {}\n",
+        world, jitter_detail, g3(jitters[jitters.size() / 2]));
+  } else if (together && world > 1) {
+    out +=
+        "# compute_jitter: not measured (no repetition in which every rank had its core, CPU /\n"
+        "# wall >= 0.9: the machine is loaded); the planner then takes the ranks as arriving\n"
+        "# together\n";
+  }
   out += fmt::format("source = \"meshtrain calibrate on {}, {} ({}), {}\"\n", host, cpu.model,
                      cpu.isa_flags(), when);
   out += "[devices.cpu.efficiency]\n";
   for (const auto& [op, e] : eff) {
     out += fmt::format("# {}: {}\n\"{}\" = {}\n", op, per_size[op], op, g3(e));
   }
-  out += fmt::format("\n[[nodes]]\nname = \"{}\"\nranks_per_node = {}\n", host, world);
+  // The cores the node's ranks share: with more ranks than cores (a plan
+  // of 4 ranks here on 2 cores) each computes on a share of one, which the
+  // cost model prices (ClusterModel::node_core_sharing).
+  out += fmt::format(
+      "\n[[nodes]]\nname = \"{}\"\nranks_per_node = {}\n# the CPU cores the node's ranks share\n"
+      "cores = {}\n",
+      host, world, cores);
   for (const Fit& f : fits) {
     out += fmt::format(
         "\n# {}: measured (median of the repetitions, slowest rank) {};\n"

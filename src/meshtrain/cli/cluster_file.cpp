@@ -141,7 +141,7 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       rd.only(d, p,
               {"peak_tflops", "peak_tflops_f32", "peak_tflops_tf32", "peak_tflops_bf16",
                "memory_gb", "memory_bandwidth_gb_s", "efficiency", "default_efficiency", "source",
-               "runtime", "compute_units", "matmul_tile", "op_overhead_us"});
+               "runtime", "compute_units", "matmul_tile", "op_overhead_us", "compute_jitter"});
       ClusterFile::Device dev;
       if (d.get("peak_tflops") && d.get("peak_tflops_f32")) {
         rd.fail(p + "peak_tflops_f32", "give peak_tflops or peak_tflops_f32 (the same), not both");
@@ -160,6 +160,9 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       }
       if (const toml::node* x = d.get("memory_bandwidth_gb_s")) {
         dev.memory_bandwidth_gb_s = rd.number(*x, p + "memory_bandwidth_gb_s", 0, true);
+      }
+      if (const toml::node* x = d.get("compute_jitter")) {
+        dev.compute_jitter = rd.number(*x, p + "compute_jitter", 0, false);
       }
       if (const toml::node* x = d.get("op_overhead_us")) {
         dev.op_overhead_us = rd.number(*x, p + "op_overhead_us", 0, false);
@@ -266,7 +269,7 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
     for (size_t i = 0; i < arr.size(); ++i) {
       const std::string p = fmt::format("nodes[{}].", i);
       const toml::table& t = rd.table(arr[i], p.substr(0, p.size() - 1));
-      rd.only(t, p, {"name", "ranks", "device", "count", "ranks_per_node"});
+      rd.only(t, p, {"name", "ranks", "device", "count", "ranks_per_node", "cores"});
       const std::string base =
           t.get("name") ? rd.string(*t.get("name"), p + "name") : fmt::format("node{}", i);
       std::string device;
@@ -274,11 +277,14 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
         device = rd.string(*d, p + "device");
         known_device(p + "device", device);
       }
+      const int cores =
+          t.get("cores") ? static_cast<int>(rd.integer(*t.get("cores"), p + "cores", 1)) : 0;
       auto add = [&](ClusterFile::Node node, const std::string& key) {
         if (!names.insert(node.name).second) {
           rd.fail(key, fmt::format("node \"{}\" is defined twice", node.name));
         }
         node.device = device;
+        node.cores = cores;
         f.nodes.push_back(std::move(node));
       };
       const toml::node* rn = t.get("ranks");
@@ -561,6 +567,7 @@ planner::ClusterModel cluster_model(const ClusterFile& f, int world) {
     k.memory_bytes = d.memory_gb.value_or(0) * 1e9;
     k.memory_bandwidth = d.memory_bandwidth_gb_s.value_or(0) * 1e9;
     k.op_overhead_s = d.op_overhead_us * 1e-6;
+    k.compute_jitter = d.compute_jitter;
     k.efficiency = d.efficiency;
     if (d.default_efficiency) k.default_efficiency = *d.default_efficiency;
     k.source = d.source;
@@ -613,6 +620,20 @@ planner::ClusterModel cluster_model(const ClusterFile& f, int world) {
     }
   }
   m.slowdown = f.slowdown;
+  // Nodes whose ranks outnumber their cores: each rank computes on
+  // cores / ranks of a core (the ranks time-share them).
+  if (f.node_size == 0) {
+    std::vector<int> on_node(m.layout.node_names.size(), 0);
+    for (int r = 0; r < world; ++r)
+      ++on_node[static_cast<size_t>(m.layout.node_of[static_cast<size_t>(r)])];
+    for (size_t i = 0; i < f.nodes.size() && i < on_node.size(); ++i) {
+      const int cores = f.nodes[i].cores;
+      if (cores > 0 && on_node[i] > cores) {
+        m.node_core_sharing.resize(on_node.size(), 1.0);
+        m.node_core_sharing[i] = static_cast<double>(on_node[i]) / cores;
+      }
+    }
+  }
   m.algorithm_links = f.collectives;
   return m;
 }

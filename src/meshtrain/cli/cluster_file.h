@@ -28,6 +28,8 @@ struct ClusterFile {
     std::string name;
     std::vector<int> ranks;
     std::string device;  // a key of `devices`, or ""
+    // CPU cores the node's ranks share (`cores`); 0: a device per rank.
+    int cores = 0;
   };
   std::vector<Node> nodes;
   struct Site {
@@ -51,6 +53,7 @@ struct ClusterFile {
     std::optional<double> memory_gb;
     std::optional<double> memory_bandwidth_gb_s;
     double op_overhead_us = 0;                 // the executor's time per kernel run
+    double compute_jitter = 0;                 // relative std. dev. of compute between syncs
     std::map<std::string, double> efficiency;  // operator name -> fraction of peak
     std::optional<double> default_efficiency;
     int64_t compute_units = 0;                 // 0: not given

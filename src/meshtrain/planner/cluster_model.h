@@ -28,6 +28,15 @@ struct DeviceKind {
   // run under fused_elementwise. Not scaled by a rank's slowdown (the
   // emulation stretches kernels only). `meshtrain calibrate` measures it.
   double op_overhead_s = 0;
+  // Relative standard deviation of a rank's compute time between two
+  // synchronisations (run-to-run and rank-to-rank variation on this
+  // device). Ranks of equal programs then reach a collective at different
+  // times and the call waits for the last: the simulator starts each
+  // collective of n members E[max of n standard normals] x compute_jitter
+  // x (the compute since the members' previous synchronisation) after the
+  // predicted arrival. 0 = ranks arrive together. `meshtrain calibrate`
+  // measures it (ranks running the same work at once, started together).
+  double compute_jitter = 0;
   // Fraction of peak an operator kind reaches, measured (`meshtrain
   // calibrate`) or from published figures, keyed by the graph's operator
   // name (e.g. "matmul", "softmax"); operators not listed use
@@ -79,7 +88,13 @@ struct ClusterModel {
   std::vector<DeviceKind> kinds;
   std::vector<int> kind_of;      // per world rank: index into kinds
   std::vector<double> slowdown;  // per world rank (>= 1); empty = none
-  ClusterLayout layout;          // nodes, sites and links (comm/cluster.h)
+  // Per node (layout's index): how many ranks share each of its CPU cores,
+  // ranks / cores where the ranks outnumber the cores (cluster file
+  // `[[nodes]] cores`, `meshtrain calibrate` writes it); empty or 1 = a
+  // core (a device) per rank. A rank's kernels take this much longer: the
+  // ranks time-share the cores.
+  std::vector<double> node_core_sharing;
+  ClusterLayout layout;  // nodes, sites and links (comm/cluster.h)
   // Measured latency / bandwidth of one collective algorithm over one link
   // kind, keyed "ALGORITHM/LINK_KIND" (e.g. "ring/intra_node",
   // "shared_memory/intra_node"); where absent the link's own spec is used.
@@ -89,8 +104,14 @@ struct ClusterModel {
   const DeviceKind& device(int rank) const {
     return kinds.at(static_cast<size_t>(kind_of.at(static_cast<size_t>(rank))));
   }
+  // The rank's emulated slowdown (dist.slowdown, the file's ranks.slowdown)
+  // times its node's core sharing: how much longer its kernels take.
   double slowdown_of(int rank) const {
-    return slowdown.empty() ? 1.0 : slowdown.at(static_cast<size_t>(rank));
+    double s = slowdown.empty() ? 1.0 : slowdown.at(static_cast<size_t>(rank));
+    if (!node_core_sharing.empty()) {
+      s *= node_core_sharing.at(static_cast<size_t>(layout.node_of.at(static_cast<size_t>(rank))));
+    }
+    return s;
   }
 };
 

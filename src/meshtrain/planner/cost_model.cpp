@@ -560,16 +560,18 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
       std::vector<int> pending;  // gathers the next compute task waits for
       for (int k = 0; k < K; ++k) {
         const bool last_micro = k == K - 1;
-        double run_s = 0, run_flops = 0;
+        double run_s = 0, run_flops = 0, run_overhead = 0;
         bool run_backward = false;
         auto flush = [&]() {
           if (run_s <= 0 && run_flops <= 0 && pending.empty()) return;
           const int t = b.compute(fmt::format("{} {}", run_backward ? "backward" : "forward", k),
                                   run_backward ? "backward" : "forward", run_s, run_flops, pending);
+          b.p.tasks[static_cast<size_t>(t)].overhead_s = run_overhead;
           pending.clear();
           (run_backward ? last_backward : last_forward) = t;
           run_s = 0;
           run_flops = 0;
+          run_overhead = 0;
         };
         std::vector<char> gathered(buckets.buckets().size(), 0);
         bool in_backward = false;
@@ -621,6 +623,9 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
           }
           run_s += seconds[static_cast<size_t>(i)];
           run_flops += op_cost(g, n).flops;
+          // node_seconds charges each kernel's overhead once (a fused run's
+          // to its last operator, 0 to the others).
+          if (seconds[static_cast<size_t>(i)] > 0) run_overhead += dev.op_overhead_s;
           auto c = completes.find(i);
           if (last_micro && c != completes.end() && dp_world > 1) {
             flush();

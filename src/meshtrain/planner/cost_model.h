@@ -170,6 +170,10 @@ struct Task {
   int64_t tag = 0;
   uint64_t bytes = 0;  // send / recv: the message's bytes
   double flops = 0;    // compute
+  // compute: the part of `seconds` that is the runtime's own time per
+  // kernel (DeviceKind::op_overhead_s x kernels), which does not grow with
+  // the rank's share of the work.
+  double overhead_s = 0;
 };
 
 // A rank program: what one rank does in one optimizer step. Ranks that do
@@ -237,6 +241,7 @@ struct RankEstimate {
   double comm_s = 0;     // in collectives / sends on the critical lane (not hidden)
   double idle_s = 0;     // step - compute - comm (bubbles, waiting for peers)
   double forward_s = 0, backward_s = 0, optimizer_s = 0;  // compute by phase
+  double overhead_s = 0;  // of compute_s: the runtime's per-kernel time (op_overhead_s)
   int64_t peak_memory_bytes = 0;
   uint64_t bytes_sent = 0;  // per step
   double utilisation = 0;   // compute_s / step_s

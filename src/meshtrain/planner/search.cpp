@@ -389,6 +389,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
             PlanCandidate u = c;
             u.uneven = true;
             bool have = false;
+            bool dp_lp = false;  // batch shares over dp: dp_bp is their LP
+            BalanceProblem dp_bp;
             try {
               if (s.sh.pp == 1 && s.sh.dp > 1) {
                 // Examples over the dp replicas: a replica is as slow as its slowest rank.
@@ -399,11 +401,27 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                 bp.what = "examples";
                 bp.min_units.assign(static_cast<size_t>(s.sh.dp), 1);
                 bp.time_per_unit.assign(static_cast<size_t>(s.sh.dp), 0);
+                bp.fixed_time.assign(static_cast<size_t>(s.sh.dp), 0);
                 bp.max_units.assign(static_cast<size_t>(s.sh.dp), 1e300);
                 for (int r = 0; r < world; ++r) {
                   const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
                   const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
-                  bp.time_per_unit[d] = std::max(bp.time_per_unit[d], re.compute_s / per);
+                  // The LP balances what each replica computes before the
+                  // gradient sync: forward and backward, a_i per example
+                  // plus the runtime's per-kernel time as the constant
+                  // term (balance.h's b_i: the same whatever the share;
+                  // counted per example, it handed slow ranks too many).
+                  // The optimizer's update is left out: it follows the
+                  // sync, so the step waits for the slowest rank's update
+                  // whatever the shares, and giving that rank fewer
+                  // examples to make up for it only makes the others'
+                  // backward -- and the sync -- later
+                  // (PlanSearch.LpSharesCountTheFixedCostsAsAConstant).
+                  const double before_sync = std::max(0.0, re.compute_s - re.optimizer_s);
+                  const double fixed = std::min(before_sync, re.overhead_s);
+                  bp.time_per_unit[d] =
+                      std::max(bp.time_per_unit[d], std::max(before_sync - fixed, 1e-12) / per);
+                  bp.fixed_time[d] = std::max(bp.fixed_time[d], fixed);
                   // Memory grows at most in proportion to the examples (a
                   // conservative bound above the even share).
                   bp.max_units[d] = std::min(
@@ -412,6 +430,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                           std::max<double>(1.0, static_cast<double>(re.peak_memory_bytes)));
                 }
                 u.shape.batch_shares = round_shares(bp, lp(bp));
+                dp_bp = bp;
+                dp_lp = true;
                 have = true;
               } else if (s.sh.pp > 1) {
                 // Layers over the stages: a stage is as slow as its slowest rank.
@@ -442,11 +462,16 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                 bp.what = "heads";
                 bp.min_units.assign(static_cast<size_t>(s.sh.tp), 1);
                 bp.time_per_unit.assign(static_cast<size_t>(s.sh.tp), 0);
+                bp.fixed_time.assign(static_cast<size_t>(s.sh.tp), 0);
                 const double per = static_cast<double>(spec.heads) / s.sh.tp;
                 for (int r = 0; r < world; ++r) {
                   const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
-                  bp.time_per_unit[t] = std::max(bp.time_per_unit[t],
-                                                 est.ranks[static_cast<size_t>(r)].compute_s / per);
+                  // The per-kernel time does not move with the heads.
+                  const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
+                  const double fixed = std::min(re.compute_s, re.overhead_s);
+                  bp.time_per_unit[t] =
+                      std::max(bp.time_per_unit[t], std::max(re.compute_s - fixed, 1e-12) / per);
+                  bp.fixed_time[t] = std::max(bp.fixed_time[t], fixed);
                 }
                 u.shape.tp_ratios = round_shares(bp, lp(bp));
                 have = true;
@@ -457,6 +482,58 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
             const bool same = u.shape.batch_shares.empty() && u.shape.stage_layers.empty() &&
                               u.shape.tp_ratios.empty();
             if (have && !same) sr.uneven = price(u);
+            if (dp_lp && sr.uneven && sr.uneven->kind == Priced::fits) {
+              // The model's compute is not linear in a replica's examples
+              // (kernels' bytes that do not shrink with the batch, the
+              // per-kernel time): with two priced points per replica --
+              // the even share and the LP's -- the secant gives each its
+              // own a_i and constant b_i; solved again, the shares are
+              // kept when they price a step >= 1% shorter (i12-model,
+              // PlanSearch.LpSharesRefinedFromTwoPricedPoints).
+              const StepEstimate& ue = sr.uneven->c.estimate;
+              const auto replicas = static_cast<size_t>(s.sh.dp);
+              std::vector<double> ce(replicas, 0), cu(replicas, 0);
+              for (int r = 0; r < world; ++r) {
+                const auto d = static_cast<size_t>(p.mesh.coord(r, "dp"));
+                const RankEstimate& e0 = est.ranks[static_cast<size_t>(r)];
+                const RankEstimate& e1 = ue.ranks[static_cast<size_t>(r)];
+                ce[d] = std::max(ce[d], e0.compute_s - e0.optimizer_s);
+                cu[d] = std::max(cu[d], e1.compute_s - e1.optimizer_s);
+              }
+              BalanceProblem bp2 = dp_bp;
+              const double per = static_cast<double>(base.batch_size) / s.sh.dp;
+              bool ok = true;
+              for (size_t d = 0; d < replicas; ++d) {
+                const double xu = static_cast<double>(u.shape.batch_shares[d]);
+                if (std::abs(xu - per) < 0.5) continue;  // one point: keep the first a_i, b_i
+                double a = (cu[d] - ce[d]) / (xu - per);
+                double b = ce[d] - a * per;
+                if (b < 0) b = 0, a = cu[d] / xu;
+                ok = ok && a > 0;
+                bp2.time_per_unit[d] = a;
+                bp2.fixed_time[d] = b;
+              }
+              if (ok) {
+                PlanCandidate u2 = u;
+                try {
+                  u2.shape.batch_shares = round_shares(bp2, lp(bp2));
+                } catch (const ConfigError&) {
+                  u2.shape.batch_shares = u.shape.batch_shares;  // keep the first shares
+                }
+                if (u2.shape.batch_shares != u.shape.batch_shares) {
+                  Priced p2 = price(u2);
+                  // At least 1% shorter: a smaller gain is one whole
+                  // example moved between ranks within the model's own
+                  // error (GPT [1,1,2,3] at batch 48: [17,17,8,6] ->
+                  // [18,17,8,5] priced 0.05% shorter, measured 1.12 ->
+                  // 1.23 compute spread, i12-model).
+                  if (p2.kind == Priced::fits &&
+                      p2.c.estimate.step_s < 0.99 * sr.uneven->c.estimate.step_s) {
+                    sr.uneven = std::move(p2);
+                  }
+                }
+              }
+            }
           }
         }
         std::lock_guard<std::mutex> hold(progress_mutex);

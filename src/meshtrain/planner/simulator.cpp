@@ -6,8 +6,10 @@
 #include "meshtrain/planner/simulator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <tuple>
 
@@ -25,6 +27,11 @@ constexpr double kUnset = -1.0;
 struct ProgramIndex {
   std::vector<int> prev_in_lane;        // per task: the previous task of its lane, or -1
   std::vector<std::vector<int>> lanes;  // per lane: task indices in order
+  // Per collective task: the compute-lane seconds the rank ran since its
+  // previous synchronisation (a compute-lane collective or receive, or a
+  // compute task's wait for a collective) up to the task, or up to the compute task it waits for
+  // (`after`) on another lane: the work whose jitter makes members late.
+  std::vector<double> segment;
 };
 
 ProgramIndex index_program(const Program& p) {
@@ -47,6 +54,33 @@ ProgramIndex index_program(const Program& p) {
       }
     }
   }
+  ix.segment.assign(p.tasks.size(), 0.0);
+  std::vector<double> acc_at(p.tasks.size(), 0.0);
+  double acc = 0;
+  for (size_t i = 0; i < p.tasks.size(); ++i) {
+    const Task& t = p.tasks[i];
+    if (t.lane == 0 && t.kind == Task::Kind::compute) {
+      // Waiting for a collective (the optimizer for the last gradient
+      // bucket, a pass for its ZeRO-3 gather) synchronises too.
+      for (int a : t.after) {
+        if (p.tasks[static_cast<size_t>(a)].kind == Task::Kind::collective) acc = 0;
+      }
+      acc += t.seconds;
+      acc_at[i] = acc;
+    } else if (t.kind == Task::Kind::collective) {
+      if (t.lane == 0) {
+        ix.segment[i] = acc;
+      } else {
+        for (int a : t.after) {
+          const Task& at = p.tasks[static_cast<size_t>(a)];
+          if (at.lane == 0 && at.kind == Task::Kind::compute) {
+            ix.segment[i] = std::max(ix.segment[i], acc_at[static_cast<size_t>(a)]);
+          }
+        }
+      }
+    }
+    if (t.lane == 0 && (t.kind == Task::Kind::collective || t.kind == Task::Kind::recv)) acc = 0;
+  }
   return ix;
 }
 
@@ -62,10 +96,35 @@ struct RankState {
 struct Instance {  // one collective call on one group
   int arrived = 0;
   double ready = 0;
+  double jitter_s = 0;                       // the largest member's compute_jitter x segment
   std::vector<std::pair<int, int>> members;  // (rank, task)
 };
 
 }  // namespace
+
+// E[max of n independent standard normal variables] (0 for n = 1): how
+// far, in standard deviations, the last of n members arrives after their
+// mean. Numerically, E = integral of x n phi(x) Phi(x)^(n-1) dx.
+double expected_max_normal(int n) {
+  if (n <= 1) return 0.0;
+  static std::mutex mutex;
+  static std::map<int, double> cache;
+  std::lock_guard<std::mutex> hold(mutex);
+  auto it = cache.find(n);
+  if (it != cache.end()) return it->second;
+  const double lo = -12, hi = 12;
+  const int steps = 24000;
+  const double h = (hi - lo) / steps;
+  double sum = 0;
+  for (int k = 0; k <= steps; ++k) {
+    const double x = lo + h * k;
+    const double phi = std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI);
+    const double cdf = 0.5 * std::erfc(-x / std::sqrt(2.0));
+    const double f = x * n * phi * std::pow(cdf, n - 1);
+    sum += (k == 0 || k == steps ? 0.5 : 1.0) * f;
+  }
+  return cache[n] = sum * h;
+}
 
 StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
                       const SimulationOptions& options) {
@@ -152,10 +211,18 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
               Instance& in = instances[{gid, t.seq}];
               ++in.arrived;
               in.ready = std::max(in.ready, ready);
+              in.jitter_s = std::max(in.jitter_s, cluster.device(r).compute_jitter *
+                                                      ix.segment[static_cast<size_t>(i)]);
               in.members.emplace_back(r, i);
               const auto& group = programs.groups[static_cast<size_t>(gid)];
               if (in.arrived == static_cast<int>(group.size())) {
                 const comm::CollectiveEstimate& e = estimate(gid, b.program, t.shape);
+                // Members run equal work at one predicted time, but each
+                // rank's compute jitters: the call starts when the last one
+                // arrives, E[max of n] standard deviations after their mean.
+                if (in.jitter_s > 0) {
+                  in.ready += in.jitter_s * expected_max_normal(static_cast<int>(group.size()));
+                }
                 for (const auto& [mr, mi] : in.members) {
                   RankState& ms = st[static_cast<size_t>(mr)];
                   ms.start[static_cast<size_t>(mi)] = in.ready;
@@ -248,6 +315,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
         if (t.category == "forward") e.forward_s += t.seconds;
         if (t.category == "backward") e.backward_s += t.seconds;
         if (t.category == "optimizer") e.optimizer_s += t.seconds;
+        e.overhead_s += t.overhead_s;
       } else if (t.lane == 0 && t.kind != Task::Kind::recv) {
         lane0_comm += s.finish[i] - s.start[i];
       }

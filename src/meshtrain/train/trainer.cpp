@@ -1683,7 +1683,13 @@ struct Trainer::Impl {
     const nlohmann::json ranks = memory_by_rank(
         *comm, r.peak_rss_bytes, r.allocated, o.dist.dp.collective, o.dist.sync.scheme != "ps",
         {{"compute_s_per_step", compute_s_per_step},
-         {"compute_cpu_s_per_step", compute_cpu_s_per_step}});
+         {"compute_cpu_s_per_step", compute_cpu_s_per_step},
+         // Of those, the optimizer's update (after the gradient sync: a
+         // rank's batch share does not move it).
+         {"update_s_per_step",
+          optimizer_steps > 0 ? update_seconds / static_cast<double>(optimizer_steps) : 0.0},
+         {"update_cpu_s_per_step",
+          optimizer_steps > 0 ? update_cpu_seconds / static_cast<double>(optimizer_steps) : 0.0}});
     const DataParallelStats st = dp->stats();
     nlohmann::json summary = {
         {"summary", true},
