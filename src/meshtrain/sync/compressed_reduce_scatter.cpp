@@ -38,8 +38,9 @@ CompressedReduceScatter::CompressedReduceScatter(Communicator& comm, std::string
     if (counts_[q] == 0) continue;
     spec.check_fits(counts_[q],
                     fmt::format("{} chunk of rank {} ({} elements)", name_, q, counts_[q]));
-    encoders_[q] = std::make_unique<FeedbackEncoder>(make_payload_codec(spec, counts_[q]),
-                                                     spec.error_feedback);
+    encoders_[q] =
+        std::make_unique<FeedbackEncoder>(make_payload_codec(spec, counts_[q]), spec.error_feedback,
+                                          contraction_factor(spec, counts_[q]));
     send_counts_[q] = encoders_[q]->codec().payload_bytes();
   }
   recv_counts_.assign(n, send_counts_[me]);
@@ -105,8 +106,8 @@ void CompressedReduceScatter::run(std::span<const float> in, std::span<float> ou
   if (encoders_[me]) {
     const size_t b = send_counts_[me];
     for (size_t q = 0; q < n; ++q) {  // rank order: the same bits on every rank
-      encoders_[me]->codec().decode_add(std::span<const std::byte>(recv_).subspan(q * b, b), 1.0f,
-                                        out);
+      encoders_[me]->codec().decode_add(std::span<const std::byte>(recv_).subspan(q * b, b),
+                                        encoders_[me]->scale(), out);
     }
   }
   ++step_;
