@@ -13,6 +13,8 @@
 #include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/data/loader.h"
+#include "meshtrain/graph/autodiff.h"
+#include "meshtrain/graph/bf16_stash.h"
 #include "meshtrain/graph/builder.h"
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/spmd/cross_mesh.h"
@@ -21,7 +23,9 @@
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/sync/codec_spec.h"
+#include "meshtrain/sync/compressed_all_reduce.h"
 #include "meshtrain/sync/data_parallel.h"
+#include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/kernels.h"
@@ -34,6 +38,7 @@
 #include "meshtrain/train/memory_report.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
+#include "meshtrain/train/precision.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/step_checkpoints.h"
@@ -56,17 +61,29 @@ void check_pipeline_options(const TrainerOptions& o) {
         "without it (docs/plan.md, \"Pipeline runtime\")",
         what));
   };
-  refuse(o.precision_auto || o.bf16_storage,
-         "train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's "
-         "stashes are the runtime's)");
+  if (o.bf16_storage && o.exec.recompute) {
+    throw ConfigError(
+        "train.precision = \"bf16_storage\" with exec.recompute = true: both shrink the "
+        "activations the backward reads (one stores them in bf16, the other recomputes them); "
+        "pick one");
+  }
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
-  refuse(parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none,
-         fmt::format("sync.codec = \"{}\" (a stage's gradients are all-reduced or "
-                     "reduce-scattered over the dp axis uncompressed)",
-                     o.dist.sync.codec));
+  // sync.codec: each stage's dp-axis gradient all-reduce goes through one
+  // CompressedAllReduce per parameter (as plain DP's); ZeRO's reduce-
+  // scatter under a pipeline (DataParallel::add_grad) has no codec hook.
+  if (parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none) {
+    const std::string codec = fmt::format("sync.codec = \"{}\"", o.dist.sync.codec);
+    refuse(o.dist.dp.stage > 0,
+           codec +
+               " with dist.zero_stage > 0 (the stage's reduce-scatter runs uncompressed; "
+               "dist.zero_stage = 0 compresses the dp axis's all-reduce)");
+    refuse(o.dist.sync.codec_momentum > 0, "sync.codec_momentum");
+    refuse(o.dist.sync.codec_warmup_steps > 0, "sync.codec_warmup_steps");
+    refuse(o.dist.sync.powersgd_batched, "sync.powersgd_batched");
+  }
   if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
     const std::string_view mode = async_name(o.dist.plan->async);
     auto refuse_async = [&](bool bad, const std::string& what) {
@@ -100,6 +117,11 @@ struct PipelineTraining::Impl {
   const Plan& plan;
   int rank = 0, p = 1, dp_rank = 0, dp_world = 1;
   std::unique_ptr<Communicator> pp_comm, dp_comm, norm_comm;
+  // sync.codec (ZeRO 0, dp > 1): one compressed all-reduce of each of this
+  // rank's parameters over the dp group (runtime's order), error-feedback
+  // state across steps; empty without a codec.
+  std::vector<std::unique_ptr<CompressedAllReduce>> dp_codecs;
+  uint64_t dp_bytes_in_steps = 0;  // dp_comm's bytes during the steps (not evaluations)
   std::unique_ptr<DataLoader> loader;
   int64_t local_batch = 0, micro_batch = 0, total_steps = 0;
   ModelGraph model;
@@ -144,6 +166,8 @@ struct PipelineTraining::Impl {
   // overflow is agreed over the pipeline, tensor and (ZeRO) dp groups.
   DynamicLossScaler scaler;
   Tensor loss_scale;
+  // train.precision: what ran, and for auto (and bf16) rank 0's measurement.
+  PrecisionDecision precision;
   int64_t step = 0;          // optimizer steps completed (a resumed run starts later)
   int64_t current_step = 0;  // the step running (its learning rate)
   int64_t saved_step = -1;   // the step of the last checkpoint written
@@ -225,12 +249,15 @@ struct PipelineTraining::Impl {
     if (o.max_steps > 0) total_steps = std::min(total_steps, o.max_steps);
     if (total_steps <= 0) throw ConfigError("train.epochs / train.steps: the run has no steps");
 
+    decide_precision_once();
+
     // Tensor axes inside the pipeline: the micro-batch model is lowered for
     // this rank first (spmd/lower.h), then cut; the stages' executors run
     // its collectives over the tensor groups.
     const ModelGraph whole = build_model(spec, micro_batch);
     PipelineOptions po;
     po.exec = o.exec;
+    po.bf16_stash = o.bf16_storage;
     po.exec.slowdown =
         rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
     // Asynchronous pipelining: the optimizer steps after each micro-batch's
@@ -359,6 +386,7 @@ struct PipelineTraining::Impl {
     }
 
     if (o.dist.dp.stage > 0) attach_zero();
+    attach_codecs();
 
     // A parameter is whole on each rank that holds it (a shared one
     // identical on its holders), or under tensor axes split over its tensor
@@ -403,6 +431,94 @@ struct PipelineTraining::Impl {
 
   void notice(const std::string& msg) const {
     if (rank == 0 && o.on_notice) o.on_notice(msg);
+  }
+
+  // train.precision auto (and bf16, which warns when slower): decided once
+  // for the job, not per stage, so every stage runs the same mode and the
+  // pipeline matches the single-process run's choice. Rank 0 measures the
+  // whole model's f32 and bf16 matmuls on its micro-batch training graph
+  // and the casts of what the single-process stash pass would keep in bf16
+  // (train/precision.h), and every rank follows its decision (broadcast
+  // over the world). The memory-limit clause of auto is not applied here
+  // (no per-rank plan of the pipeline's memory yet).
+  void decide_precision_once() {
+    const std::string requested = o.precision_auto ? std::string("auto")
+                                  : o.bf16_storage ? std::string("bf16_storage")
+                                                   : std::string(dtype_name(o.precision));
+    const bool measure = o.precision_auto || o.precision == DType::bf16;
+    std::vector<MatmulUse> uses;
+    std::vector<int64_t> stash_sizes;
+    if (measure && rank == 0) {
+      ModelSpec f32_spec = spec;
+      f32_spec.compute = DType::f32;
+      ModelGraph m = build_model(f32_spec, micro_batch);
+      build_backward(m.graph, m.loss);
+      uses = matmul_uses(m.graph);
+      if (o.precision_auto && !o.exec.recompute) {
+        Graph g = m.graph;
+        const Bf16StashReport st = stash_in_bf16(g);
+        for (ValueId v : st.stashed) stash_sizes.push_back(g.value(v).shape.numel());
+      }
+    }
+    precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
+                                 o.bf16_rate_factor_for_testing, stash_sizes,
+                                 o.storage_cost_factor_for_testing);
+    if (measure && world.size() > 1) {
+      Tensor t = Tensor::empty({8}, DType::f64);
+      double* d = t.data<double>();
+      d[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
+      d[1] = precision.f32_gflops;
+      d[2] = precision.bf16_gflops;
+      d[3] = precision.measured ? 1.0 : 0.0;
+      d[4] = precision.bf16_storage ? 1.0 : 0.0;
+      d[5] = static_cast<double>(precision.stash_elements);
+      d[6] = precision.f32_matmul_s;
+      d[7] = precision.storage_cast_s;
+      world.broadcast(t, 0);
+      precision.measured = d[3] != 0.0;
+      precision.f32_gflops = d[1];
+      precision.bf16_gflops = d[2];
+      precision.stash_elements = static_cast<int64_t>(d[5]);
+      precision.f32_matmul_s = d[6];
+      precision.storage_cast_s = d[7];
+      apply_precision_policy(precision);
+      precision.chosen = d[0] != 0.0 ? DType::bf16 : DType::f32;
+      precision.bf16_storage = d[4] != 0.0;
+    }
+    o.precision = precision.chosen;
+    o.bf16_storage = precision.bf16_storage;
+    spec.compute = precision.chosen;
+    if (measure) notice(precision.reason);
+  }
+
+  // sync.codec on the dp axis (ZeRO 0; check_pipeline_options refuses the
+  // rest): the exchange plain DP runs (sync/compressed_all_reduce.h), per
+  // parameter this rank holds, in the runtime's order on every rank of the
+  // dp group (its ranks hold the same stages and pieces).
+  void attach_codecs() {
+    CompressedAllReduceOptions co;
+    co.codec = parse_codec_spec(o.dist.sync.codec);
+    if (co.codec.kind == CodecKind::none) return;
+    if (dp_world == 1) {
+      throw ConfigError(fmt::format(
+          "sync.codec = \"{}\": the plan's mesh ({}) has no dp axis, so no gradients are "
+          "exchanged to compress; drop sync.codec or add a dp axis",
+          o.dist.sync.codec, plan.mesh.describe()));
+    }
+    co.codec.error_feedback = o.dist.sync.codec_error_feedback;
+    co.collective = o.dist.dp.collective;
+    for (const std::string& name : runtime->param_names()) {
+      const Tensor t = runtime->param(name);
+      dp_codecs.push_back(std::make_unique<CompressedAllReduce>(
+          *dp_comm, fmt::format("{} (dp axis, stage {})", name, my_stage), t.shape(), co));
+    }
+  }
+
+  // The bytes one step's dp exchange sends per the codecs' plans (0 without one).
+  uint64_t dp_codec_bytes_predicted() const {
+    uint64_t n = 0;
+    for (const auto& c : dp_codecs) n += c->predicted_traffic().bytes_sent;
+    return n;
   }
 
   // ZeRO-1 / 2 over the dp group (sync/data_parallel.h), the same sharded
@@ -812,6 +928,15 @@ struct PipelineTraining::Impl {
       }
       zero->end_micro_step();
       if (zero3) zero_grads = Tensor();  // reduce-scattered into DataParallel's shard
+    } else if (!dp_codecs.empty()) {
+      // The average over the dp group of what each rank's codec sent.
+      const uint64_t before = sync_bytes_sent(*dp_comm);
+      for (size_t i = 0; i < names.size(); ++i) {
+        Tensor g = runtime->grad(names[i]);
+        const std::span<float> v(g.data<float>(), static_cast<size_t>(g.numel()));
+        dp_codecs[i]->run(v, v);
+      }
+      dp_bytes_in_steps += sync_bytes_sent(*dp_comm) - before;
     } else if (dp_world > 1) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
@@ -1116,11 +1241,30 @@ struct PipelineTraining::Impl {
           {"pipeline_bytes_sent_per_step",
            static_cast<double>(sent) / static_cast<double>(std::max<int64_t>(1, step - first))},
           {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
+          {"bf16_stash_elements_per_step", runtime->bf16_stashed_elements()},
+          {"dp_codec", o.dist.sync.codec},
+          {"dp_codec_bytes_sent_per_step",
+           static_cast<double>(dp_bytes_in_steps) /
+               static_cast<double>(std::max<int64_t>(1, step - first))},
+          {"dp_codec_bytes_sent_per_step_predicted", dp_codec_bytes_predicted()},
           {"peak_stash_bytes", peak_stash},
           {"async", std::string(async_name(plan.async))},
           {"peak_weight_stash_bytes", peak_weight_stash},
           {"peak_weight_versions", peak_weight_versions},
           {"planned_peak_stash_bytes", planned_stash_bytes(cut, schedule, my_stage)}}}};
+    summary["precision"] = precision.mode();
+    summary["precision_decision"] = {{"requested", precision.requested},
+                                     {"chosen", precision.mode()},
+                                     {"reason", precision.reason},
+                                     {"decided", "once for the job, by rank 0"}};
+    if (precision.measured) {
+      summary["precision_decision"]["f32_matmul_gflops_1t"] = precision.f32_gflops;
+      summary["precision_decision"]["bf16_matmul_gflops_1t"] = precision.bf16_gflops;
+    }
+    if (precision.stash_elements > 0) {
+      summary["precision_decision"]["stash_elements"] = precision.stash_elements;
+      summary["precision_decision"]["storage_cost_of_matmul_time"] = precision.storage_cost();
+    }
     if (r.final_loss) summary["final_loss"] = *r.final_loss;
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
     if (r.test_loss) {
@@ -1166,6 +1310,26 @@ void PipelineTraining::gather_params() {
 
 uint64_t PipelineTraining::pipeline_bytes_sent() const {
   return impl_->runtime->bytes_sent();
+}
+
+std::string PipelineTraining::precision_mode() const {
+  return impl_->precision.mode();
+}
+
+int64_t PipelineTraining::bf16_stashed_elements() const {
+  return impl_->runtime->bf16_stashed_elements();
+}
+
+int64_t PipelineTraining::peak_stash_bytes() const {
+  return impl_->runtime->peak_stash_bytes();
+}
+
+uint64_t PipelineTraining::dp_codec_bytes_sent() const {
+  return impl_->dp_bytes_in_steps;
+}
+
+uint64_t PipelineTraining::dp_codec_bytes_predicted_per_step() const {
+  return impl_->dp_codec_bytes_predicted();
 }
 
 uint64_t PipelineTraining::pipeline_bytes_predicted() const {
