@@ -122,6 +122,11 @@ struct PipelineTraining::Impl {
   // state across steps; empty without a codec.
   std::vector<std::unique_ptr<CompressedAllReduce>> dp_codecs;
   uint64_t dp_bytes_in_steps = 0;  // dp_comm's bytes during the steps (not evaluations)
+  // Checkpoints of the codecs' state (residuals, PowerSGD's Q): row `rank`
+  // of "sync/pp.codec.state" ([world, codec_row]), this rank's states one
+  // after another, zero-padded to the longest rank's.
+  int64_t codec_row = 0;
+  Tensor codec_buf;
   std::unique_ptr<DataLoader> loader;
   int64_t local_batch = 0, micro_batch = 0, total_steps = 0;
   ModelGraph model;
@@ -512,6 +517,27 @@ struct PipelineTraining::Impl {
       dp_codecs.push_back(std::make_unique<CompressedAllReduce>(
           *dp_comm, fmt::format("{} (dp axis, stage {})", name, my_stage), t.shape(), co));
     }
+    int64_t n = 0;
+    for (const auto& c : dp_codecs) n += static_cast<int64_t>(c->state_numel());
+    world.all_reduce(&n, &codec_row, 1, DType::i64, ReduceOp::max, o.dist.dp.collective);
+    codec_buf = Tensor::zeros({std::max<int64_t>(1, codec_row)}, DType::f32);
+  }
+
+  // What a checkpoint's codec rows must match to be this run's: the codec,
+  // the mesh and every stage's layers (so each rank holds the same
+  // parameters), the row length. The same on every rank.
+  std::string codec_layout() const {
+    std::string s = fmt::format("{} {} row {}", parse_codec_spec(o.dist.sync.codec).to_string(),
+                                plan.mesh.describe(), codec_row);
+    for (const StagePlan& st : plan.stages)
+      s += " [" + fmt::format("{}", fmt::join(st.layers, ",")) + "]";
+    return s;
+  }
+
+  ShardPiece codec_piece() {
+    const int64_t row = std::max<int64_t>(1, codec_row);
+    return ShardPiece{"sync/pp.codec.state", Shape({world.size(), row}), rank * row,
+                      (rank + 1) * row, codec_buf};
   }
 
   // The bytes one step's dp exchange sends per the codecs' plans (0 without one).
@@ -724,10 +750,22 @@ struct PipelineTraining::Impl {
         pieces.push_back(std::move(pc));
       }
     }
+    std::map<std::string, std::string> meta = state_metadata();
+    if (!dp_codecs.empty()) {
+      // Each rank's codec state as its row (resumed by the same plan and codec).
+      float* x = codec_buf.data<float>();
+      for (const auto& c : dp_codecs) {
+        const size_t m = c->state_numel();
+        c->save_state({x, m});
+        x += m;
+      }
+      pieces.push_back(codec_piece());
+      meta["pp.codec.layout"] = codec_layout();
+    }
     SaveShardedOptions so;
     so.mode = "pp+" + plan.mesh.describe();
     so.collective = o.dist.dp.collective;
-    save_sharded(&world, path, pieces, state_metadata(), so);
+    save_sharded(&world, path, pieces, meta, so);
     drop_whole();
   }
 
@@ -841,6 +879,22 @@ struct PipelineTraining::Impl {
         if (updates > 0 && sl.end > sl.begin) st.steps[sl.name] = updates;
       }
     }
+    // The codecs' state where the checkpoint has this run's (same codec and
+    // plan); otherwise it starts afresh (every rank decides alike, from the
+    // metadata).
+    bool codec_state = false;
+    if (!dp_codecs.empty()) {
+      auto it = idx.metadata.find("pp.codec.layout");
+      codec_state = it != idx.metadata.end() && it->second == codec_layout();
+      if (codec_state) {
+        wanted.push_back(codec_piece());
+      } else {
+        notice(fmt::format(
+            "sync.codec = \"{}\": checkpoint {} holds no codec state of this codec and plan; "
+            "the residuals start at zero",
+            o.dist.sync.codec, path));
+      }
+    }
     LoadShardedOptions lo;
     lo.collective = o.dist.dp.collective;
     load_sharded(&world, path, wanted, lo);
@@ -849,6 +903,14 @@ struct PipelineTraining::Impl {
     }
     optimizer->load_state(st);
     step = meta_int(idx.metadata, "step", path);
+    if (codec_state) {
+      const float* x = codec_buf.data<float>();
+      for (const auto& c : dp_codecs) {
+        const size_t m = c->state_numel();
+        c->load_state({x, m}, static_cast<uint64_t>(step));  // one run per step
+        x += m;
+      }
+    }
     if (o.precision == DType::f16) {
       LossScalerState ls;
       auto it = idx.metadata.find("loss_scale");

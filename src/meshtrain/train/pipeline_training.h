@@ -77,7 +77,9 @@
 // it is the uncompressed all-reduce. Refused: with ZeRO (its reduce-
 // scatter under a pipeline has no codec hook), sync.codec_momentum,
 // sync.codec_warmup_steps, sync.powersgd_batched, and on a mesh without a
-// dp axis. The residuals are not in checkpoints (as for plain DP's).
+// dp axis. Each rank's codec state is its row of the checkpoint's
+// "sync/pp.codec.state", resumed under the same codec and plan (metadata
+// "pp.codec.layout"), else afresh.
 //
 // train.precision bf16_storage: the runtime stashes each forward's f32
 // activations for the backward in bf16 (PipelineOptions::bf16_stash), every
