@@ -20,6 +20,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -333,6 +335,15 @@ TEST(SyncCheckpointMpi, AllReduceCodecStateResumesExactly) {
   mo.optim.sgd.momentum = 0;  // the codec's momentum replaces the optimizer's
   expect_resume_is_exact(mo, 5, "allreduce, topk:0.1, DGC momentum and warm-up");
 
+  // ZeRO with a codec: each rank's chunk residuals of every bucket.
+  for (int64_t stage : {1, 2, 3}) {
+    SyncOptions z = scheme("allreduce");
+    z.codec = stage == 2 ? "qsgd:4" : "topk:0.1";
+    TrainerOptions zo = options(z);
+    zo.dist.dp.stage = stage;
+    expect_resume_is_exact(zo, 5, fmt::format("allreduce ZeRO-{}, {}", stage, z.codec));
+  }
+
   const std::string dir = temp_dir("allreduce_codec");
   TrainerOptions w = options(a);
   w.halt_after = 4;
@@ -349,6 +360,10 @@ TEST(SyncCheckpointMpi, AllReduceCodecStateResumesExactly) {
   TrainerOptions b = options(t);
   b.resume_path = dir;
   expect_refused<CheckpointError>(b, "written with sync.codec = \"randk:0.2:compact\"");
+  TrainerOptions z = options(a);
+  z.dist.dp.stage = 1;
+  z.resume_path = dir;
+  expect_refused<CheckpointError>(z, "written with dist.zero_stage = 0 and sync.codec");
   remove_dir(dir);
 }
 

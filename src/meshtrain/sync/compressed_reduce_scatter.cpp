@@ -59,6 +59,37 @@ std::vector<float> CompressedReduceScatter::residual() const {
   return r;
 }
 
+size_t CompressedReduceScatter::state_numel() const {
+  size_t n = 0;
+  for (const auto& e : encoders_) {
+    if (e) n += e->residual().size() + e->state().size();
+  }
+  return n;
+}
+
+void CompressedReduceScatter::save_state(std::span<float> out) const {
+  MT_CHECK_EQ(out.size(), state_numel());
+  auto at = out.begin();
+  for (const auto& e : encoders_) {
+    if (!e) continue;
+    at = std::copy(e->residual().begin(), e->residual().end(), at);
+    at = std::copy(e->state().begin(), e->state().end(), at);
+  }
+}
+
+void CompressedReduceScatter::load_state(std::span<const float> in, uint64_t steps) {
+  MT_CHECK_EQ(in.size(), state_numel());
+  size_t at = 0;
+  for (const auto& e : encoders_) {
+    if (!e) continue;
+    const size_t r = e->residual().size(), s = e->state().size();
+    e->set_residual(in.subspan(at, r));
+    e->set_state(in.subspan(at + r, s));
+    at += r + s;
+  }
+  step_ = steps;
+}
+
 CodecTraffic CompressedReduceScatter::predicted_traffic() const {
   CodecTraffic t;
   const int n = comm_.size();

@@ -347,6 +347,41 @@ class ZeroCompressedSync : public DataParallelSync {
   }
   std::string name() const override { return "allreduce+" + codec_; }
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
+
+  // Checkpoints: ZeRO's shards are saved as without a codec; each rank's
+  // row holds its buckets' chunk residuals (and codec state) and the run
+  // count (the stochastic codecs' seeds; every bucket runs once a step).
+  RankCheckpoint rank_checkpoint() const override {
+    return exchanges_.empty() ? RankCheckpoint::kNone : RankCheckpoint::kRanks;
+  }
+
+  void prepare_checkpoint() override {
+    float* x = state().data<float>();
+    for (const auto& e : exchanges_) {
+      const size_t m = e->state_numel();
+      e->save_state({x, m});
+      x += m;
+    }
+    counters().data<int64_t>()[0] = static_cast<int64_t>(exchanges_.front()->steps());
+  }
+
+  std::vector<StatePiece> checkpoint_state() override {
+    if (exchanges_.empty()) return {};
+    const int r = group_.rank(), n = group_.size();
+    return {{"zero.counters", r, n, counters()}, {"codec.state", r, n, state()}};
+  }
+
+  void restore_checkpoint(int64_t step, bool with_state) override {
+    if (!with_state || exchanges_.empty()) return;  // residuals at zero
+    const int64_t runs = counters().data<int64_t>()[0];
+    const float* x = state().data<float>();
+    for (const auto& e : exchanges_) {
+      const size_t m = e->state_numel();
+      e->load_state({x, m}, static_cast<uint64_t>(runs));
+      x += m;
+    }
+    (void)step;  // ZeRO's exchanges run once per step, skipped f16 steps included
+  }
   std::vector<float> codec_residual() const override {
     // Each bucket's chunks in order are its flat range [begin, end).
     std::vector<float> r(static_cast<size_t>(dp_.plan().flat_numel()), 0.0f);
@@ -371,11 +406,25 @@ class ZeroCompressedSync : public DataParallelSync {
     return dp;
   }
 
+  Tensor& counters() {
+    if (!counters_.defined()) counters_ = Tensor::zeros({1}, DType::i64);
+    return counters_;
+  }
+  Tensor& state() {
+    if (!state_.defined()) {
+      size_t m = 0;
+      for (const auto& e : exchanges_) m += e->state_numel();
+      state_ = Tensor::zeros({static_cast<int64_t>(std::max<size_t>(m, 1))}, DType::f32);
+    }
+    return state_;
+  }
+
   Communicator& group_;
   CollectiveOptions collective_;
   std::vector<std::unique_ptr<CompressedReduceScatter>> exchanges_;
   DataParallel dp_;  // after exchanges_: its hook reads them
   std::string codec_;
+  Tensor counters_, state_;  // checkpoints (prepare_checkpoint())
 };
 
 }  // namespace

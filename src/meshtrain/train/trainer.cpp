@@ -833,6 +833,10 @@ struct Trainer::Impl {
         {"sync.ranks", std::to_string(s.scheme == "ps" ? world : dp_world)}};
     if (s.scheme == "ps") m["sync.servers"] = std::to_string(s.servers);
     m["sync.codec"] = parse_codec_spec(s.codec).to_string();
+    // All-reduce codec rows: ZeRO 0's are per parameter, ZeRO's per bucket.
+    if (dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kRanks) {
+      m["sync.zero_stage"] = std::to_string(o.dist.dp.stage);
+    }
     if (s.scheme == "diloco") {
       m["sync.fragments"] = std::to_string(s.fragments);
       m["sync.overlap_steps"] = std::to_string(s.overlap_steps);
@@ -1068,6 +1072,14 @@ struct Trainer::Impl {
     if (s.scheme == "diloco") {
       same("sync.fragments", s.fragments);
       same("sync.overlap_steps", s.overlap_steps);
+    }
+    if (per == "ranks" && get("sync.zero_stage") != std::to_string(o.dist.dp.stage)) {
+      throw CheckpointError(fmt::format(
+          "checkpoint {}: written with dist.zero_stage = {} and sync.codec = \"{}\", this run "
+          "has dist.zero_stage = {}: each rank's saved codec state is laid out for that stage "
+          "(per parameter at 0, per bucket chunk under ZeRO); resume with dist.zero_stage = {}, "
+          "or without sync.codec",
+          path, get("sync.zero_stage"), saved, o.dist.dp.stage, get("sync.zero_stage")));
     }
   }
 
