@@ -24,6 +24,7 @@
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/sync/codec_spec.h"
 #include "meshtrain/sync/compressed_all_reduce.h"
+#include "meshtrain/sync/compressed_reduce_scatter.h"
 #include "meshtrain/sync/data_parallel.h"
 #include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/sync/straggler.h"
@@ -71,15 +72,10 @@ void check_pipeline_options(const TrainerOptions& o) {
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
-  // sync.codec: each stage's dp-axis gradient all-reduce goes through one
-  // CompressedAllReduce per parameter (as plain DP's); ZeRO's reduce-
-  // scatter under a pipeline (DataParallel::add_grad) has no codec hook.
+  // sync.codec: each stage's dp-axis gradients go through plain DP's
+  // exchanges (a CompressedAllReduce per parameter, under ZeRO a
+  // CompressedReduceScatter per bucket); its ZeRO-0 extras are not here.
   if (parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none) {
-    const std::string codec = fmt::format("sync.codec = \"{}\"", o.dist.sync.codec);
-    refuse(o.dist.dp.stage > 0,
-           codec +
-               " with dist.zero_stage > 0 (the stage's reduce-scatter runs uncompressed; "
-               "dist.zero_stage = 0 compresses the dp axis's all-reduce)");
     refuse(o.dist.sync.codec_momentum > 0, "sync.codec_momentum");
     refuse(o.dist.sync.codec_warmup_steps > 0, "sync.codec_warmup_steps");
     refuse(o.dist.sync.powersgd_batched, "sync.powersgd_batched");
@@ -119,8 +115,11 @@ struct PipelineTraining::Impl {
   std::unique_ptr<Communicator> pp_comm, dp_comm, norm_comm;
   // sync.codec (ZeRO 0, dp > 1): one compressed all-reduce of each of this
   // rank's parameters over the dp group (runtime's order), error-feedback
-  // state across steps; empty without a codec.
+  // state across steps; empty without a codec. Under ZeRO 1-3 one
+  // compressed reduce-scatter per bucket of DataParallel's plan instead
+  // (its reduce_bucket hook), as plain ZeRO with a codec.
   std::vector<std::unique_ptr<CompressedAllReduce>> dp_codecs;
+  std::vector<std::unique_ptr<CompressedReduceScatter>> zero_codecs;
   uint64_t dp_bytes_in_steps = 0;  // dp_comm's bytes during the steps (not evaluations)
   // Checkpoints of the codecs' state (residuals, PowerSGD's Q): row `rank`
   // of "sync/pp.codec.state" ([world, codec_row]), this rank's states one
@@ -513,12 +512,13 @@ struct PipelineTraining::Impl {
     co.codec.error_feedback = o.dist.sync.codec_error_feedback;
     co.collective = o.dist.dp.collective;
     for (const std::string& name : runtime->param_names()) {
+      if (zero) break;  // the reduce-scatters of attach_zero()
       const Tensor t = runtime->param(name);
       dp_codecs.push_back(std::make_unique<CompressedAllReduce>(
           *dp_comm, fmt::format("{} (dp axis, stage {})", name, my_stage), t.shape(), co));
     }
     int64_t n = 0;
-    for (const auto& c : dp_codecs) n += static_cast<int64_t>(c->state_numel());
+    for_each_codec([&](const auto& c) { n += static_cast<int64_t>(c.state_numel()); });
     world.all_reduce(&n, &codec_row, 1, DType::i64, ReduceOp::max, o.dist.dp.collective);
     codec_buf = Tensor::zeros({std::max<int64_t>(1, codec_row)}, DType::f32);
   }
@@ -527,8 +527,9 @@ struct PipelineTraining::Impl {
   // the mesh and every stage's layers (so each rank holds the same
   // parameters), the row length. The same on every rank.
   std::string codec_layout() const {
-    std::string s = fmt::format("{} {} row {}", parse_codec_spec(o.dist.sync.codec).to_string(),
-                                plan.mesh.describe(), codec_row);
+    std::string s =
+        fmt::format("{} {} zero {} row {}", parse_codec_spec(o.dist.sync.codec).to_string(),
+                    plan.mesh.describe(), o.dist.dp.stage, codec_row);
     for (const StagePlan& st : plan.stages)
       s += " [" + fmt::format("{}", fmt::join(st.layers, ",")) + "]";
     return s;
@@ -540,10 +541,19 @@ struct PipelineTraining::Impl {
                       (rank + 1) * row, codec_buf};
   }
 
-  // The bytes one step's dp exchange sends per the codecs' plans (0 without one).
+  // Every codec exchange of this rank: the compressed all-reduces (ZeRO 0)
+  // or reduce-scatters (ZeRO 1-3), in order.
+  template <typename F>
+  void for_each_codec(F&& f) const {
+    for (const auto& c : dp_codecs) f(*c);
+    for (const auto& c : zero_codecs) f(*c);
+  }
+
+  // The bytes one step's codec exchanges send per their plans (0 without
+  // a codec; under ZeRO not counting its f32 parameter all-gathers).
   uint64_t dp_codec_bytes_predicted() const {
     uint64_t n = 0;
-    for (const auto& c : dp_codecs) n += c->predicted_traffic().bytes_sent;
+    for_each_codec([&](const auto& c) { n += c.predicted_traffic().bytes_sent; });
     return n;
   }
 
@@ -577,6 +587,12 @@ struct PipelineTraining::Impl {
     DataParallelOptions dpo = o.dist.dp;
     dpo.accumulation_steps = 1;  // the pipeline's micro-batches accumulate
     zero3 = dpo.stage == 3;
+    const bool codec = parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none;
+    if (codec && dp_world > 1) {
+      dpo.reduce_bucket = [this](int bucket, std::span<const float> g, std::span<float> chunk) {
+        zero_codecs[static_cast<size_t>(bucket)]->run(g, chunk);
+      };
+    }
     if (zero3) {
       // The runtime's initial values move into the flat buffer first;
       // DataParallel copies its shard out of it. The whole buffers stay
@@ -588,6 +604,20 @@ struct PipelineTraining::Impl {
     }
     zero = std::make_unique<DataParallel>(*dp_comm, zero_layout, zero_params, dpo);
     zero->use_external_grads();
+    if (dpo.reduce_bucket) {
+      CompressedAllReduceOptions co;
+      co.codec = parse_codec_spec(o.dist.sync.codec);
+      co.codec.error_feedback = o.dist.sync.codec_error_feedback;
+      co.collective = o.dist.dp.collective;
+      const BucketPlan& bp = zero->plan();
+      for (size_t b = 0; b < bp.buckets().size(); ++b) {
+        zero_codecs.push_back(std::make_unique<CompressedReduceScatter>(
+            *dp_comm,
+            fmt::format("bucket {} ({}) of stage {}", b, bp.bucket_params(static_cast<int>(b)),
+                        my_stage),
+            bp.buckets()[b].counts, co));
+      }
+    }
     if (zero3) return;
     for (const ParamLayoutEntry& e : zero_layout) {
       runtime->bind_storage(e.name,
@@ -751,14 +781,14 @@ struct PipelineTraining::Impl {
       }
     }
     std::map<std::string, std::string> meta = state_metadata();
-    if (!dp_codecs.empty()) {
+    if (codec_row > 0) {
       // Each rank's codec state as its row (resumed by the same plan and codec).
       float* x = codec_buf.data<float>();
-      for (const auto& c : dp_codecs) {
-        const size_t m = c->state_numel();
-        c->save_state({x, m});
+      for_each_codec([&](const auto& c) {
+        const size_t m = c.state_numel();
+        c.save_state({x, m});
         x += m;
-      }
+      });
       pieces.push_back(codec_piece());
       meta["pp.codec.layout"] = codec_layout();
     }
@@ -883,7 +913,7 @@ struct PipelineTraining::Impl {
     // plan); otherwise it starts afresh (every rank decides alike, from the
     // metadata).
     bool codec_state = false;
-    if (!dp_codecs.empty()) {
+    if (codec_row > 0) {
       auto it = idx.metadata.find("pp.codec.layout");
       codec_state = it != idx.metadata.end() && it->second == codec_layout();
       if (codec_state) {
@@ -905,9 +935,15 @@ struct PipelineTraining::Impl {
     step = meta_int(idx.metadata, "step", path);
     if (codec_state) {
       const float* x = codec_buf.data<float>();
+      // One run per step (every parameter, every bucket).
       for (const auto& c : dp_codecs) {
         const size_t m = c->state_numel();
-        c->load_state({x, m}, static_cast<uint64_t>(step));  // one run per step
+        c->load_state({x, m}, static_cast<uint64_t>(step));
+        x += m;
+      }
+      for (const auto& c : zero_codecs) {
+        const size_t m = c->state_numel();
+        c->load_state({x, m}, static_cast<uint64_t>(step));
         x += m;
       }
     }
@@ -970,6 +1006,7 @@ struct PipelineTraining::Impl {
     const bool f16 = o.precision == DType::f16;
     const double used_scale = f16 ? micro_loss_scale() : 1.0;
     if (f16) loss_scale.fill(used_scale);
+    const uint64_t dp_before = codec_row > 0 ? sync_bytes_sent(*dp_comm) : 0;
     gather_whole(/*grads=*/true);  // ZeRO-3: once per step, for every micro-batch
     runtime->run_step([&](int i, const std::string& input) -> Tensor {
       if (input == model.graph.value(model.x).name) {
@@ -992,13 +1029,11 @@ struct PipelineTraining::Impl {
       if (zero3) zero_grads = Tensor();  // reduce-scattered into DataParallel's shard
     } else if (!dp_codecs.empty()) {
       // The average over the dp group of what each rank's codec sent.
-      const uint64_t before = sync_bytes_sent(*dp_comm);
       for (size_t i = 0; i < names.size(); ++i) {
         Tensor g = runtime->grad(names[i]);
         const std::span<float> v(g.data<float>(), static_cast<size_t>(g.numel()));
         dp_codecs[i]->run(v, v);
       }
-      dp_bytes_in_steps += sync_bytes_sent(*dp_comm) - before;
     } else if (dp_world > 1) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
@@ -1014,6 +1049,7 @@ struct PipelineTraining::Impl {
     world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
     if (plan.async == AsyncMode::none) optimizer_step(at, used_scale);
     drop_whole();  // ZeRO-3: the shards were updated; the whole copy goes
+    if (codec_row > 0) dp_bytes_in_steps += sync_bytes_sent(*dp_comm) - dp_before;
     return red[0] / used_scale;
   }
 

@@ -70,12 +70,13 @@
 // skip-on-overflow decision is agreed over every rank (pipeline, tensor and
 // ZeRO dp groups; under stage meshes the whole job).
 //
-// sync.codec (dist.zero_stage 0): each stage's gradients go over the dp
-// axis through the compressed all-reduce plain DP uses
-// (sync/compressed_all_reduce.h), one per parameter this rank holds, with
-// error feedback unless sync.codec_error_feedback is off; with topk:1.0
-// it is the uncompressed all-reduce. Refused: with ZeRO (its reduce-
-// scatter under a pipeline has no codec hook), sync.codec_momentum,
+// sync.codec: each stage's gradients go over the dp axis through the
+// exchanges plain DP uses: at dist.zero_stage 0 the compressed all-reduce
+// (sync/compressed_all_reduce.h), one per parameter this rank holds; under
+// ZeRO 1-3 a compressed reduce-scatter per bucket (DataParallel's
+// reduce_bucket hook, sync/compressed_reduce_scatter.h); error feedback
+// unless sync.codec_error_feedback is off; topk:1.0 is the uncompressed
+// exchange. Refused: sync.codec_momentum,
 // sync.codec_warmup_steps, sync.powersgd_batched, and on a mesh without a
 // dp axis. Each rank's codec state is its row of the checkpoint's
 // "sync/pp.codec.state", resumed under the same codec and plan (metadata
