@@ -15,8 +15,12 @@
 // key: another scheme, another number of ranks, other DiLoCo fragments,
 // sync.servers; adpsgd; checkpoint_every under ps. All-reduce and
 // parameter-server checkpoints (whole tensors) resume under other schemes.
+// All-reduce with a codec: each rank's codec state (residuals, PowerSGD's
+// Q, DGC's velocity) resumes bitwise too.
 #include <gtest/gtest.h>
 #include <unistd.h>
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
@@ -306,6 +310,60 @@ TEST(SyncCheckpointMpi, CodecStateResumesExactly) {
   TrainerOptions b = options(scheme("local_sgd", 3));
   b.resume_path = dir;
   expect_refused<CheckpointError>(b, "written with sync.codec = \"topk:0.1\"");
+  remove_dir(dir);
+}
+
+// All-reduce with a codec (ZeRO 0): the replicas are identical, saved as
+// all-reduce DP saves them, and each rank's exchanges' residuals (PowerSGD's
+// Q), their run counts (qsgd's seeds) and DGC's velocity are its own rows;
+// resumed runs are bitwise the uninterrupted ones (before, the residuals
+// restarted at zero and the resumed run differed). Stopped mid-warm-up too.
+// Resumed without a codec, or under another scheme, the whole tensors are
+// read and the state starts afresh; another codec is refused naming the key.
+TEST(SyncCheckpointMpi, AllReduceCodecStateResumesExactly) {
+  SyncOptions a = scheme("allreduce");
+  for (const char* codec : {"topk:0.1", "qsgd:4", "powersgd:2", "randk:0.2:compact"}) {
+    a.codec = codec;
+    expect_resume_is_exact(options(a), 5, std::string("allreduce, ") + codec);
+  }
+  SyncOptions m = scheme("allreduce");
+  m.codec = "topk:0.1";
+  m.codec_momentum = 0.9;    // DGC: the velocity is state too
+  m.codec_warmup_steps = 8;  // stopped in the warm-up's third stage
+  m.codec_warmup_density = 0.5;
+  TrainerOptions mo = options(m);
+  mo.optim.sgd.momentum = 0;  // the codec's momentum replaces the optimizer's
+  expect_resume_is_exact(mo, 5, "allreduce, topk:0.1, DGC momentum and warm-up");
+
+  // ZeRO with a codec: each rank's chunk residuals of every bucket.
+  for (int64_t stage : {1, 2, 3}) {
+    SyncOptions z = scheme("allreduce");
+    z.codec = stage == 2 ? "qsgd:4" : "topk:0.1";
+    TrainerOptions zo = options(z);
+    zo.dist.dp.stage = stage;
+    expect_resume_is_exact(zo, 5, fmt::format("allreduce ZeRO-{}, {}", stage, z.codec));
+  }
+
+  const std::string dir = temp_dir("allreduce_codec");
+  TrainerOptions w = options(a);
+  w.halt_after = 4;
+  w.checkpoint_path = dir;
+  train(w);
+  TrainerOptions plain = options(scheme("allreduce"));
+  plain.resume_path = dir;
+  EXPECT_EQ(train(plain).steps, kSteps);
+  TrainerOptions other = options(scheme("local_sgd", 3));
+  other.resume_path = dir;
+  EXPECT_EQ(train(other).steps, kSteps);
+  SyncOptions t = scheme("allreduce");
+  t.codec = "topk:0.2";
+  TrainerOptions b = options(t);
+  b.resume_path = dir;
+  expect_refused<CheckpointError>(b, "written with sync.codec = \"randk:0.2:compact\"");
+  TrainerOptions z = options(a);
+  z.dist.dp.stage = 1;
+  z.resume_path = dir;
+  expect_refused<CheckpointError>(z, "written with dist.zero_stage = 0 and sync.codec");
   remove_dir(dir);
 }
 

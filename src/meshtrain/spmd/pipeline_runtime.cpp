@@ -125,7 +125,8 @@ struct PipelineRuntime::Impl {
   double loss_sum = 0;
   int losses = 0;
   int64_t stash_now = 0, stash_peak = 0;
-  int64_t copied = 0;  // bytes cloned out of the arenas this step
+  int64_t copied = 0;         // bytes cloned out of the arenas this step
+  int64_t bf16_elements = 0;  // opts.bf16_stash: elements stashed in bf16 this step
   uint64_t sent = 0;
   size_t posted = 0;  // actions whose receives are posted
   // Per action of this rank's list: a forward whose stash may stay in its
@@ -314,7 +315,7 @@ struct PipelineRuntime::Impl {
     const auto& list = sched.actions[ix(rank)];
     keep_views.assign(list.size(), false);
     fwd_slot.assign(list.size(), 0);
-    if (opts.async != AsyncMode::none) return;
+    if (opts.async != AsyncMode::none || opts.bf16_stash) return;
     // Per stage, per arena: the last action reading the views it holds.
     std::map<int, std::vector<size_t>> held;
     for (size_t i = 0; i < list.size(); ++i) {
@@ -794,6 +795,9 @@ struct PipelineRuntime::Impl {
       Tensor t;
       if (it != s.end()) {
         t = it->second;
+        // opts.bf16_stash: an activation kept in bf16, widened for the pass
+        // (the executor holds the f32 copy while it runs).
+        if (t.dtype() == DType::bf16 && v.dtype == DType::f32) t = widen_bf16(t);
       } else if (data) {
         t = data(mb, v.name);
       }
@@ -853,6 +857,15 @@ struct PipelineRuntime::Impl {
       Tensor t = pass.exec->get(*g.find(name));
       const bool output = std::ranges::any_of(
           st(vs).outputs, [&](const StageBoundary& b) { return b.name == name; });
+      if (opts.bf16_stash && kind == ActionKind::forward && !output && name != st(vs).loss &&
+          t.dtype() == DType::f32 &&
+          static_cast<int64_t>(t.nbytes()) >= opts.bf16_stash_min_bytes) {
+        Tensor h = narrow_bf16(t);
+        copied += static_cast<int64_t>(h.nbytes());
+        bf16_elements += h.numel();
+        put(s, name, std::move(h));
+        continue;
+      }
       if (!views || output) copied += static_cast<int64_t>(t.nbytes());
       put(s, name, views && !output ? std::move(t) : t.clone());
     }
@@ -861,6 +874,22 @@ struct PipelineRuntime::Impl {
       if (!defer_grads) flush_grads();
     }
     spans.push_back({vs, mb, kind, t0, t1, cpu, (t0 - tb) + (now_ns() - t1), recomputing});
+  }
+
+  // opts.bf16_stash: an f32 tensor rounded to bf16 (nearest even), and back.
+  static Tensor narrow_bf16(const Tensor& t) {
+    Tensor h = Tensor::empty(t.shape(), DType::bf16);
+    const float* x = t.data<float>();
+    bf16* y = h.data<bf16>();
+    for (int64_t i = 0, n = t.numel(); i < n; ++i) y[i] = f32_to_bf16(x[i]);
+    return h;
+  }
+  static Tensor widen_bf16(const Tensor& h) {
+    Tensor t = Tensor::empty(h.shape(), DType::f32);
+    const bf16* x = h.data<bf16>();
+    float* y = t.data<float>();
+    for (int64_t i = 0, n = h.numel(); i < n; ++i) y[i] = bf16_to_f32(x[i]);
+    return t;
   }
 
   // Recomputation: drops what the forward of (vs, mb) left in the stash but
@@ -1079,6 +1108,7 @@ struct PipelineRuntime::Impl {
     loss_sum = 0;
     losses = 0;
     copied = 0;
+    bf16_elements = 0;
     if (async) {
       for (auto& [name, g] : grads) g.zero_();
     }
@@ -1437,6 +1467,10 @@ uint64_t PipelineRuntime::predicted_bytes_sent() const {
 }
 int64_t PipelineRuntime::stash_copied_bytes() const {
   return impl_->copied;
+}
+
+int64_t PipelineRuntime::bf16_stashed_elements() const {
+  return impl_->bf16_elements;
 }
 
 int64_t PipelineRuntime::peak_stash_bytes() const {

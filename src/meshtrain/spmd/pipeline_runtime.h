@@ -117,6 +117,16 @@ struct PipelineOptions {
   std::function<void(int microbatch)> update;
   // Set: stages on different meshes (above).
   std::optional<CrossMeshExchange> cross_mesh;
+  // train.precision = "bf16_storage" (graph/bf16_stash.h for the
+  // single-process graph): what a forward leaves for its backward passes
+  // -- each f32 activation of at least bf16_stash_min_bytes that is not a
+  // stage output or the loss -- is stashed rounded to bf16 (half the
+  // bytes) and widened to f32 where a backward pass binds it; every pass
+  // still computes in f32. Forwards then always copy their stash out (no
+  // views of the arenas, which would keep the f32 values alive). Received
+  // inputs and the tensors sent stay f32.
+  bool bf16_stash = false;
+  int64_t bf16_stash_min_bytes = 16 * 1024;
 };
 
 struct PipelineSpan {
@@ -219,6 +229,9 @@ class PipelineRuntime {
   uint64_t predicted_bytes_sent() const;
   // The largest total of stashed tensors this rank held during the last step.
   int64_t peak_stash_bytes() const;
+  // PipelineOptions::bf16_stash: the elements the last step's forwards
+  // stashed in bf16 (0 otherwise).
+  int64_t bf16_stashed_elements() const;
   // The bytes the last step's passes copied out of their arenas into the
   // stashes (the rest of the stash is views of the arenas or received).
   int64_t stash_copied_bytes() const;

@@ -79,11 +79,7 @@ class LocalLowRankCodec : public PayloadCodec {
 }  // namespace
 
 float choco_factor(const CodecSpec& spec, size_t numel) {
-  if (spec.kind != CodecKind::qsgd || numel == 0) return 1.0F;
-  const double b = static_cast<double>(spec.chunk == 0 ? numel : std::min(spec.chunk, numel));
-  const double s = static_cast<double>((1u << (spec.bits - 1)) - 1);
-  const double omega = std::min(b / (s * s), std::sqrt(b) / s);
-  return static_cast<float>(1.0 / (1.0 + omega));
+  return contraction_factor(spec, numel);
 }
 
 std::unique_ptr<PayloadCodec> make_choco_payload_codec(const CodecSpec& spec, const Shape& shape,

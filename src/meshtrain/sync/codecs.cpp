@@ -591,9 +591,19 @@ std::vector<uint32_t> top_k_indices(std::span<const float> e, size_t k) {
   return idx;
 }
 
-FeedbackEncoder::FeedbackEncoder(std::unique_ptr<PayloadCodec> codec, bool error_feedback)
+float contraction_factor(const CodecSpec& spec, size_t numel) {
+  if (spec.kind != CodecKind::qsgd || numel == 0) return 1.0F;
+  const double b = static_cast<double>(spec.chunk == 0 ? numel : std::min(spec.chunk, numel));
+  const double s = static_cast<double>((1u << (spec.bits - 1)) - 1);
+  const double omega = std::min(b / (s * s), std::sqrt(b) / s);
+  return static_cast<float>(1.0 / (1.0 + omega));
+}
+
+FeedbackEncoder::FeedbackEncoder(std::unique_ptr<PayloadCodec> codec, bool error_feedback,
+                                 float scale)
     : codec_(std::move(codec)),
       error_feedback_(error_feedback),
+      scale_(error_feedback ? scale : 1.0f),
       residual_(codec_->numel(), 0.0f),
       e_(codec_->numel()),
       state_(codec_->state_numel(), 0.0f) {}
@@ -609,10 +619,10 @@ void FeedbackEncoder::encode(std::span<const float> grad, uint64_t seed,
   }
   for (size_t i = 0; i < n; ++i) e_[i] = grad[i] + residual_[i];
   codec_->encode_with_state(e_, seed, payload, state_);
-  // residual = e - decoded: x + (-1) * x is exactly 0 where a sparse codec
-  // sent e's own value.
+  // residual = e - scale * decoded: x + (-1) * x is exactly 0 where a
+  // sparse codec sent e's own value.
   std::copy(e_.begin(), e_.end(), residual_.begin());
-  codec_->decode_add(payload, -1.0f, residual_);
+  codec_->decode_add(payload, -scale_, residual_);
 }
 
 void FeedbackEncoder::set_residual(std::span<const float> r) {

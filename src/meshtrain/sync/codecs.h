@@ -122,12 +122,30 @@ uint64_t codec_seed(uint64_t base, int rank, uint64_t step);
 // The k largest-magnitude indices of e, ascending (ties to the lower index).
 std::vector<uint32_t> top_k_indices(std::span<const float> e, size_t k);
 
+// Error feedback needs a contraction, E||x - C(x)||^2 <= (1 - delta) ||x||^2
+// (Stich et al. 2018; Karimireddy et al. 2019): top-k, rand-k (not
+// rescaled), the casts and sign with its mean-magnitude scale are; QSGD is
+// unbiased with variance up to omega ||x||^2, omega = min(b / s^2,
+// sqrt(b) / s) for buckets of b elements and s levels, and becomes one when
+// scaled by 1 / (1 + omega) (Koloskova et al. 2019, section 3; Beznosikov
+// et al. 2020, lemma 1). This returns that factor for qsgd on tensors of
+// `numel` elements, 1 for every other codec. Unscaled, QSGD's error grows
+// through the residual until training diverges (qsgd:4 on the MLP: NaN
+// near step 88).
+float contraction_factor(const CodecSpec& spec, size_t numel);
+
 class FeedbackEncoder {
  public:
-  // error_feedback false: the residual stays zero (e = grad).
-  FeedbackEncoder(std::unique_ptr<PayloadCodec> codec, bool error_feedback);
+  // error_feedback false: the residual stays zero (e = grad) and `scale` is
+  // 1. With error feedback what is sent is `scale` x the decoded payload
+  // (contraction_factor(): 1 but for QSGD); every decoder multiplies by
+  // scale() as well.
+  FeedbackEncoder(std::unique_ptr<PayloadCodec> codec, bool error_feedback, float scale = 1.0f);
   const PayloadCodec& codec() const { return *codec_; }
-  // e = grad + residual; payload = encode(e, seed); residual = e - decoded.
+  // What a decoded payload is scaled by (above).
+  float scale() const { return scale_; }
+  // e = grad + residual; payload = encode(e, seed); residual = e - scale *
+  // decoded.
   void encode(std::span<const float> grad, uint64_t seed, std::span<std::byte> payload);
   std::span<const float> residual() const { return residual_; }
   // Replaces the residual (e.g. restored from a checkpoint); size numel.
@@ -139,6 +157,7 @@ class FeedbackEncoder {
  private:
   std::unique_ptr<PayloadCodec> codec_;
   bool error_feedback_;
+  float scale_ = 1.0f;
   std::vector<float> residual_;
   std::vector<float> e_;
   std::vector<float> state_;

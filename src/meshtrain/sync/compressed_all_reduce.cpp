@@ -154,8 +154,8 @@ CompressedAllReduce::CompressedAllReduce(Communicator& comm, std::string name, S
       break;
     }
     default:
-      encoder_ =
-          std::make_unique<FeedbackEncoder>(make_payload_codec(spec, numel_), spec.error_feedback);
+      encoder_ = std::make_unique<FeedbackEncoder>(
+          make_payload_codec(spec, numel_), spec.error_feedback, contraction_factor(spec, numel_));
       payload_.resize(encoder_->codec().payload_bytes());
       if (!plan_.empty() && plan_[0].kind == Collective::all_gather) {
         gathered_.resize(payload_.size() * static_cast<size_t>(comm_.size()));
@@ -212,7 +212,7 @@ void CompressedAllReduce::finish(std::span<float> out) {
   started_ = false;
   std::fill(out.begin(), out.end(), 0.0f);
   if (plan_.front().kind == Collective::all_reduce) {  // a cast, reduced in its own dtype
-    encoder_->codec().decode_add(payload_, 1.0f, out);
+    encoder_->codec().decode_add(payload_, encoder_->scale(), out);
     return;
   }
   decode_payloads(out);
@@ -224,8 +224,8 @@ void CompressedAllReduce::decode_payloads(std::span<float> out) {
   const int n = comm_.size();
   for (int r = 0; r < n; ++r) {
     codec.decode_add(
-        std::span<const std::byte>(gathered_).subspan(static_cast<size_t>(r) * bytes, bytes), 1.0f,
-        out);
+        std::span<const std::byte>(gathered_).subspan(static_cast<size_t>(r) * bytes, bytes),
+        encoder_->scale(), out);
   }
   if (n > 1) {
     const auto fn = static_cast<float>(n);
@@ -299,11 +299,11 @@ void CompressedAllReduce::run_payload(std::span<const float> grad, std::span<flo
   const PlannedCollective& call = plan_.front();
   if (call.kind == Collective::all_reduce) {
     if (call.dtype == DType::f32) {  // sparse, densified on request
-      codec.decode_add(payload_, 1.0f, out);
+      codec.decode_add(payload_, encoder_->scale(), out);
       comm_.all_reduce(out.data(), out.data(), numel_, DType::f32, ReduceOp::avg, co);
     } else {  // a cast, reduced in its own dtype
       comm_.all_reduce(payload_.data(), payload_.data(), numel_, call.dtype, ReduceOp::avg, co);
-      codec.decode_add(payload_, 1.0f, out);
+      codec.decode_add(payload_, encoder_->scale(), out);
     }
     return;
   }

@@ -37,7 +37,10 @@
 //               faster from 20% on at 1M-4M elements (1.04-1.4x). By bytes
 //               the crossover is at density 1/n.
 //   qsgd, sign  all_gather of the packed payloads, decoded and summed in f32
-//               in rank order, / n.
+//               in rank order, / n. With error feedback QSGD's decoded
+//               payloads (and so the residual's) are scaled by
+//               contraction_factor() (sync/codecs.h), which makes it a
+//               contraction; unscaled its residual grows without bound.
 //   powersgd    M = tensor as shape[0] x (numel / shape[0]), Q (cols x r)
 //               warm-started from the previous step (the first from a
 //               normal draw of the spec's seed, equal on every rank):

@@ -38,8 +38,9 @@ CompressedReduceScatter::CompressedReduceScatter(Communicator& comm, std::string
     if (counts_[q] == 0) continue;
     spec.check_fits(counts_[q],
                     fmt::format("{} chunk of rank {} ({} elements)", name_, q, counts_[q]));
-    encoders_[q] = std::make_unique<FeedbackEncoder>(make_payload_codec(spec, counts_[q]),
-                                                     spec.error_feedback);
+    encoders_[q] =
+        std::make_unique<FeedbackEncoder>(make_payload_codec(spec, counts_[q]), spec.error_feedback,
+                                          contraction_factor(spec, counts_[q]));
     send_counts_[q] = encoders_[q]->codec().payload_bytes();
   }
   recv_counts_.assign(n, send_counts_[me]);
@@ -56,6 +57,37 @@ std::vector<float> CompressedReduceScatter::residual() const {
     if (e) r.insert(r.end(), e->residual().begin(), e->residual().end());
   }
   return r;
+}
+
+size_t CompressedReduceScatter::state_numel() const {
+  size_t n = 0;
+  for (const auto& e : encoders_) {
+    if (e) n += e->residual().size() + e->state().size();
+  }
+  return n;
+}
+
+void CompressedReduceScatter::save_state(std::span<float> out) const {
+  MT_CHECK_EQ(out.size(), state_numel());
+  auto at = out.begin();
+  for (const auto& e : encoders_) {
+    if (!e) continue;
+    at = std::copy(e->residual().begin(), e->residual().end(), at);
+    at = std::copy(e->state().begin(), e->state().end(), at);
+  }
+}
+
+void CompressedReduceScatter::load_state(std::span<const float> in, uint64_t steps) {
+  MT_CHECK_EQ(in.size(), state_numel());
+  size_t at = 0;
+  for (const auto& e : encoders_) {
+    if (!e) continue;
+    const size_t r = e->residual().size(), s = e->state().size();
+    e->set_residual(in.subspan(at, r));
+    e->set_state(in.subspan(at + r, s));
+    at += r + s;
+  }
+  step_ = steps;
 }
 
 CodecTraffic CompressedReduceScatter::predicted_traffic() const {
@@ -105,8 +137,8 @@ void CompressedReduceScatter::run(std::span<const float> in, std::span<float> ou
   if (encoders_[me]) {
     const size_t b = send_counts_[me];
     for (size_t q = 0; q < n; ++q) {  // rank order: the same bits on every rank
-      encoders_[me]->codec().decode_add(std::span<const std::byte>(recv_).subspan(q * b, b), 1.0f,
-                                        out);
+      encoders_[me]->codec().decode_add(std::span<const std::byte>(recv_).subspan(q * b, b),
+                                        encoders_[me]->scale(), out);
     }
   }
   ++step_;

@@ -77,6 +77,11 @@ class CompressedReduceScatter {
   std::vector<float> residual() const;
   size_t residual_numel() const { return numel_; }
   uint64_t steps() const { return step_; }
+  // Checkpoints: what run() carries to the next call on this rank besides
+  // steps() (each chunk's residual and codec state), state_numel() floats.
+  size_t state_numel() const;
+  void save_state(std::span<float> out) const;
+  void load_state(std::span<const float> in, uint64_t steps);
   // Payload bytes to rank q per run.
   size_t payload_bytes(int q) const { return send_counts_[static_cast<size_t>(q)]; }
   // This rank's bytes per run (and the handshake's), as the communicator

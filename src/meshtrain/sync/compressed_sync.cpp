@@ -99,11 +99,98 @@ class CompressedSync : public DataParallelSync {
   }
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
 
+  // Checkpoints: the parameters and optimizer state are whole (identical
+  // replicas); each rank's row holds its exchanges' state (residuals,
+  // PowerSGD's Q) and run counts (stochastic codecs' seeds), step() calls,
+  // and DGC's velocity. The sparsity warm-up's stage is rebuilt from the
+  // step count at the next step, taking over the restored state.
+  RankCheckpoint rank_checkpoint() const override { return RankCheckpoint::kRanks; }
+
+  void prepare_checkpoint() override {
+    float* x = codec_state().data<float>();
+    int64_t* c = counters().data<int64_t>();
+    c[0] = steps_;
+    for (size_t i = 0; i < exchanges_.size(); ++i) {
+      const CompressedAllReduce& e = exchange(i);
+      const size_t m = e.state_numel();
+      e.save_state({x, m});
+      x += m;
+      c[1 + i] = static_cast<int64_t>(e.steps());
+    }
+    if (!velocity_.empty()) {
+      float* v = velocity_state().data<float>();
+      for (const auto& u : velocity_) v = std::copy(u.begin(), u.end(), v);
+    }
+  }
+
+  std::vector<StatePiece> checkpoint_state() override {
+    const int r = group_.rank(), n = group_.size();
+    std::vector<StatePiece> out = {{"allreduce.counters", r, n, counters()},
+                                   {"codec.state", r, n, codec_state()}};
+    if (!velocity_.empty()) out.push_back({"codec.velocity", r, n, velocity_state()});
+    return out;
+  }
+
+  void restore_checkpoint(int64_t step, bool with_state) override {
+    warm_.clear();
+    if (!with_state) {
+      // A checkpoint without this codec's state: residuals and velocity
+      // start at zero, the warm-up's stage follows the step.
+      steps_ = step;
+      return;
+    }
+    const int64_t* c = counters().data<int64_t>();
+    if (c[0] != step) {
+      throw CheckpointError(fmt::format(
+          "sync.codec = \"{}\": the checkpoint's codec state is at step {}, its metadata says "
+          "step {}",
+          options_.codec, c[0], step));
+    }
+    steps_ = c[0];
+    const float* x = codec_state().data<float>();
+    for (size_t i = 0; i < exchanges_.size(); ++i) {
+      const size_t m = exchanges_[i]->state_numel();
+      exchanges_[i]->load_state({x, m}, static_cast<uint64_t>(c[1 + i]));
+      x += m;
+    }
+    if (!velocity_.empty()) {
+      const float* v = velocity_state().data<float>();
+      for (auto& u : velocity_) {
+        std::copy(v, v + u.size(), u.begin());
+        v += u.size();
+      }
+    }
+  }
+
  protected:
   DataParallel& dp() override { return local_; }
   const DataParallel& dp() const override { return local_; }
 
  private:
+  // Checkpoint buffers (checkpoint_state()'s views), made at first use.
+  Tensor& counters() {
+    if (!counters_.defined()) {
+      counters_ = Tensor::zeros({1 + static_cast<int64_t>(exchanges_.size())}, DType::i64);
+    }
+    return counters_;
+  }
+  Tensor& codec_state() {
+    if (!codec_state_.defined()) {
+      size_t m = 0;
+      for (const auto& e : exchanges_) m += e->state_numel();
+      codec_state_ = Tensor::zeros({static_cast<int64_t>(m)}, DType::f32);
+    }
+    return codec_state_;
+  }
+  Tensor& velocity_state() {
+    if (!velocity_state_.defined()) {
+      size_t m = 0;
+      for (const auto& u : velocity_) m += u.size();
+      velocity_state_ = Tensor::zeros({static_cast<int64_t>(m)}, DType::f32);
+    }
+    return velocity_state_;
+  }
+
   // Deep Gradient Compression's momentum correction (SyncOptions::
   // codec_momentum): the velocity u = m u + g goes into the codec (Nesterov:
   // g + m u), so the residual accumulates velocity; with masking, u is zeroed
@@ -218,9 +305,10 @@ class CompressedSync : public DataParallelSync {
   float momentum_ = 0;
   bool nesterov_ = false;
   bool masking_ = true;
-  std::vector<std::vector<float>> velocity_;  // per parameter, with codec_momentum
-  std::vector<float> e_;                      // residual + x, to find what is sent
-  std::vector<float> batch_;                  // powersgd_batched: the factors of every tensor
+  std::vector<std::vector<float>> velocity_;        // per parameter, with codec_momentum
+  std::vector<float> e_;                            // residual + x, to find what is sent
+  std::vector<float> batch_;                        // powersgd_batched: the factors of every tensor
+  Tensor counters_, codec_state_, velocity_state_;  // checkpoints (prepare_checkpoint())
 };
 
 // ZeRO stages 1-3 with a codec: DataParallel on the group as without one,
@@ -259,6 +347,41 @@ class ZeroCompressedSync : public DataParallelSync {
   }
   std::string name() const override { return "allreduce+" + codec_; }
   uint64_t bytes_sent() const override { return sync_bytes_sent(group_); }
+
+  // Checkpoints: ZeRO's shards are saved as without a codec; each rank's
+  // row holds its buckets' chunk residuals (and codec state) and the run
+  // count (the stochastic codecs' seeds; every bucket runs once a step).
+  RankCheckpoint rank_checkpoint() const override {
+    return exchanges_.empty() ? RankCheckpoint::kNone : RankCheckpoint::kRanks;
+  }
+
+  void prepare_checkpoint() override {
+    float* x = state().data<float>();
+    for (const auto& e : exchanges_) {
+      const size_t m = e->state_numel();
+      e->save_state({x, m});
+      x += m;
+    }
+    counters().data<int64_t>()[0] = static_cast<int64_t>(exchanges_.front()->steps());
+  }
+
+  std::vector<StatePiece> checkpoint_state() override {
+    if (exchanges_.empty()) return {};
+    const int r = group_.rank(), n = group_.size();
+    return {{"zero.counters", r, n, counters()}, {"codec.state", r, n, state()}};
+  }
+
+  void restore_checkpoint(int64_t step, bool with_state) override {
+    if (!with_state || exchanges_.empty()) return;  // residuals at zero
+    const int64_t runs = counters().data<int64_t>()[0];
+    const float* x = state().data<float>();
+    for (const auto& e : exchanges_) {
+      const size_t m = e->state_numel();
+      e->load_state({x, m}, static_cast<uint64_t>(runs));
+      x += m;
+    }
+    (void)step;  // ZeRO's exchanges run once per step, skipped f16 steps included
+  }
   std::vector<float> codec_residual() const override {
     // Each bucket's chunks in order are its flat range [begin, end).
     std::vector<float> r(static_cast<size_t>(dp_.plan().flat_numel()), 0.0f);
@@ -283,11 +406,25 @@ class ZeroCompressedSync : public DataParallelSync {
     return dp;
   }
 
+  Tensor& counters() {
+    if (!counters_.defined()) counters_ = Tensor::zeros({1}, DType::i64);
+    return counters_;
+  }
+  Tensor& state() {
+    if (!state_.defined()) {
+      size_t m = 0;
+      for (const auto& e : exchanges_) m += e->state_numel();
+      state_ = Tensor::zeros({static_cast<int64_t>(std::max<size_t>(m, 1))}, DType::f32);
+    }
+    return state_;
+  }
+
   Communicator& group_;
   CollectiveOptions collective_;
   std::vector<std::unique_ptr<CompressedReduceScatter>> exchanges_;
   DataParallel dp_;  // after exchanges_: its hook reads them
   std::string codec_;
+  Tensor counters_, state_;  // checkpoints (prepare_checkpoint())
 };
 
 }  // namespace

@@ -401,6 +401,7 @@ class ParamServerSync : public ReplicaSync {
   // sync.codec: each parameter's payload codec (pure; both sides) and, on a
   // worker, its error-feedback encoder (layout order). Empty: f32 pushes.
   std::vector<std::unique_ptr<PayloadCodec>> codecs_;
+  std::vector<float> factors_;  // per parameter: contraction_factor(), 1 without error feedback
   std::vector<std::unique_ptr<FeedbackEncoder>> encoders_;
 
   void setup_codecs() {
@@ -417,8 +418,14 @@ class ParamServerSync : public ReplicaSync {
     };
     for (const ParamLayoutEntry& e : layout_) {  // ConfigError when k does not fit
       codecs_.push_back(make(e));
+      // With error feedback QSGD is scaled to a contraction (sync/codecs.h),
+      // by the worker's residual and the server's decode alike.
+      const float f = spec.error_feedback
+                          ? contraction_factor(spec, static_cast<size_t>(e.shape.numel()))
+                          : 1.0F;
+      factors_.push_back(f);
       if (!is_server()) {
-        encoders_.push_back(std::make_unique<FeedbackEncoder>(make(e), spec.error_feedback));
+        encoders_.push_back(std::make_unique<FeedbackEncoder>(make(e), spec.error_feedback, f));
       }
     }
   }
@@ -443,7 +450,7 @@ class ParamServerSync : public ReplicaSync {
     for (size_t i : server_params_) {
       const auto n = static_cast<size_t>(layout_[i].shape.numel());
       if (!add) std::fill(acc, acc + n, 0.0F);
-      codecs_[i]->decode_add({payloads, push_param_bytes(i)}, scale, {acc, n});
+      codecs_[i]->decode_add({payloads, push_param_bytes(i)}, scale * factors_[i], {acc, n});
       payloads += push_param_bytes(i);
       acc += n;
     }

@@ -245,8 +245,12 @@ class ReplicaSync {
   // replica's parameters and optimizer state differ, so each is saved as
   // its own row; kServers: the parameter servers' shards and optimizer
   // state are whole tensors (saved as all-reduce DP saves them), only the
-  // scheme's counters are per rank. kNone: nothing of the scheme's own.
-  enum class RankCheckpoint { kNone, kReplicas, kServers };
+  // scheme's counters are per rank. kRanks: identical replicas saved as
+  // all-reduce DP saves them, plus each rank's own state rows (all-reduce
+  // with a codec: its error-feedback residuals, PowerSGD's Q, DGC's
+  // velocity); it resumes with that state under the same scheme, codec and
+  // rank count, and afresh elsewhere. kNone: nothing of the scheme's own.
+  enum class RankCheckpoint { kNone, kReplicas, kServers, kRanks };
   virtual RankCheckpoint rank_checkpoint() const { return RankCheckpoint::kNone; }
   // Collective over the scheme's group, before a save: lands or completes
   // what is in flight (a partial group's average, DiLoCo's exchanges:

@@ -13,6 +13,8 @@
 #include "meshtrain/base/plural.h"
 #include "meshtrain/base/timer.h"
 #include "meshtrain/data/loader.h"
+#include "meshtrain/graph/autodiff.h"
+#include "meshtrain/graph/bf16_stash.h"
 #include "meshtrain/graph/builder.h"
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/spmd/cross_mesh.h"
@@ -21,7 +23,10 @@
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/sync/codec_spec.h"
+#include "meshtrain/sync/compressed_all_reduce.h"
+#include "meshtrain/sync/compressed_reduce_scatter.h"
 #include "meshtrain/sync/data_parallel.h"
+#include "meshtrain/sync/replica_sync.h"
 #include "meshtrain/sync/straggler.h"
 #include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/kernels.h"
@@ -34,6 +39,7 @@
 #include "meshtrain/train/memory_report.h"
 #include "meshtrain/train/metrics.h"
 #include "meshtrain/train/param_store.h"
+#include "meshtrain/train/precision.h"
 #include "meshtrain/train/progress.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/step_checkpoints.h"
@@ -56,17 +62,24 @@ void check_pipeline_options(const TrainerOptions& o) {
         "without it (docs/plan.md, \"Pipeline runtime\")",
         what));
   };
-  refuse(o.precision_auto || o.bf16_storage,
-         "train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's "
-         "stashes are the runtime's)");
+  if (o.bf16_storage && o.exec.recompute) {
+    throw ConfigError(
+        "train.precision = \"bf16_storage\" with exec.recompute = true: both shrink the "
+        "activations the backward reads (one stores them in bf16, the other recomputes them); "
+        "pick one");
+  }
   refuse(!o.dist.batch_shares.empty(), "dist.batch_shares");
   refuse(o.dist.dp.accumulation_steps != 1,
          "dist.accumulation_steps (the pipeline's micro-batches accumulate)");
   refuse(o.dist.sync.scheme != "allreduce", "sync.scheme other than allreduce");
-  refuse(parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none,
-         fmt::format("sync.codec = \"{}\" (a stage's gradients are all-reduced or "
-                     "reduce-scattered over the dp axis uncompressed)",
-                     o.dist.sync.codec));
+  // sync.codec: each stage's dp-axis gradients go through plain DP's
+  // exchanges (a CompressedAllReduce per parameter, under ZeRO a
+  // CompressedReduceScatter per bucket); its ZeRO-0 extras are not here.
+  if (parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none) {
+    refuse(o.dist.sync.codec_momentum > 0, "sync.codec_momentum");
+    refuse(o.dist.sync.codec_warmup_steps > 0, "sync.codec_warmup_steps");
+    refuse(o.dist.sync.powersgd_batched, "sync.powersgd_batched");
+  }
   if (o.dist.plan && o.dist.plan->async != AsyncMode::none) {
     const std::string_view mode = async_name(o.dist.plan->async);
     auto refuse_async = [&](bool bad, const std::string& what) {
@@ -86,6 +99,12 @@ void check_pipeline_options(const TrainerOptions& o) {
                  "agreed per micro-batch without synchronizing the stages)");
     refuse_async(o.dist.dp.stage > 0,
                  "dist.zero_stage > 0 (ZeRO shards a step's update over the dp axis)");
+    refuse_async(parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none,
+                 "sync.codec (the replicas average each micro-batch's gradients in the runtime, "
+                 "uncompressed)");
+    refuse_async(o.precision_auto || o.bf16_storage,
+                 "train.precision auto / bf16_storage (the bf16 activation stash is not checked "
+                 "against weight stashing yet)");
   }
 }
 
@@ -101,6 +120,19 @@ struct PipelineTraining::Impl {
   const Plan& plan;
   int rank = 0, p = 1, dp_rank = 0, dp_world = 1;
   std::unique_ptr<Communicator> pp_comm, dp_comm, norm_comm;
+  // sync.codec (ZeRO 0, dp > 1): one compressed all-reduce of each of this
+  // rank's parameters over the dp group (runtime's order), error-feedback
+  // state across steps; empty without a codec. Under ZeRO 1-3 one
+  // compressed reduce-scatter per bucket of DataParallel's plan instead
+  // (its reduce_bucket hook), as plain ZeRO with a codec.
+  std::vector<std::unique_ptr<CompressedAllReduce>> dp_codecs;
+  std::vector<std::unique_ptr<CompressedReduceScatter>> zero_codecs;
+  uint64_t dp_bytes_in_steps = 0;  // dp_comm's bytes during the steps (not evaluations)
+  // Checkpoints of the codecs' state (residuals, PowerSGD's Q): row `rank`
+  // of "sync/pp.codec.state" ([world, codec_row]), this rank's states one
+  // after another, zero-padded to the longest rank's.
+  int64_t codec_row = 0;
+  Tensor codec_buf;
   std::unique_ptr<DataLoader> loader;
   int64_t local_batch = 0, micro_batch = 0, total_steps = 0;
   ModelGraph model;
@@ -145,6 +177,8 @@ struct PipelineTraining::Impl {
   // overflow is agreed over the pipeline, tensor and (ZeRO) dp groups.
   DynamicLossScaler scaler;
   Tensor loss_scale;
+  // train.precision: what ran, and for auto (and bf16) rank 0's measurement.
+  PrecisionDecision precision;
   int64_t step = 0;          // optimizer steps completed (a resumed run starts later)
   int64_t current_step = 0;  // the step running (its learning rate)
   int64_t saved_step = -1;   // the step of the last checkpoint written
@@ -226,12 +260,15 @@ struct PipelineTraining::Impl {
     if (o.max_steps > 0) total_steps = std::min(total_steps, o.max_steps);
     if (total_steps <= 0) throw ConfigError("train.epochs / train.steps: the run has no steps");
 
+    decide_precision_once();
+
     // Tensor axes inside the pipeline: the micro-batch model is lowered for
     // this rank first (spmd/lower.h), then cut; the stages' executors run
     // its collectives over the tensor groups.
     const ModelGraph whole = build_model(spec, micro_batch);
     PipelineOptions po;
     po.exec = o.exec;
+    po.bf16_stash = o.bf16_storage;
     po.exec.slowdown =
         rank < static_cast<int>(o.dist.slowdown.size()) ? o.dist.slowdown[rank] : 1.0;
     // Asynchronous pipelining: the optimizer steps after each micro-batch's
@@ -364,6 +401,7 @@ struct PipelineTraining::Impl {
     }
 
     if (o.dist.dp.stage > 0) attach_zero();
+    attach_codecs();
 
     // A parameter is whole on each rank that holds it (a shared one
     // identical on its holders), or under tensor axes split over its tensor
@@ -410,6 +448,126 @@ struct PipelineTraining::Impl {
     if (rank == 0 && o.on_notice) o.on_notice(msg);
   }
 
+  // train.precision auto (and bf16, which warns when slower): decided once
+  // for the job, not per stage, so every stage runs the same mode and the
+  // pipeline matches the single-process run's choice. Rank 0 measures the
+  // whole model's f32 and bf16 matmuls on its micro-batch training graph
+  // and the casts of what the single-process stash pass would keep in bf16
+  // (train/precision.h), and every rank follows its decision (broadcast
+  // over the world). The memory-limit clause of auto is not applied here
+  // (no per-rank plan of the pipeline's memory yet).
+  void decide_precision_once() {
+    const std::string requested = o.precision_auto ? std::string("auto")
+                                  : o.bf16_storage ? std::string("bf16_storage")
+                                                   : std::string(dtype_name(o.precision));
+    const bool measure = o.precision_auto || o.precision == DType::bf16;
+    std::vector<MatmulUse> uses;
+    std::vector<int64_t> stash_sizes;
+    if (measure && rank == 0) {
+      ModelSpec f32_spec = spec;
+      f32_spec.compute = DType::f32;
+      ModelGraph m = build_model(f32_spec, micro_batch);
+      build_backward(m.graph, m.loss);
+      uses = matmul_uses(m.graph);
+      if (o.precision_auto && !o.exec.recompute) {
+        Graph g = m.graph;
+        const Bf16StashReport st = stash_in_bf16(g);
+        for (ValueId v : st.stashed) stash_sizes.push_back(g.value(v).shape.numel());
+      }
+    }
+    precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
+                                 o.bf16_rate_factor_for_testing, stash_sizes,
+                                 o.storage_cost_factor_for_testing);
+    if (measure && world.size() > 1) {
+      Tensor t = Tensor::empty({8}, DType::f64);
+      double* d = t.data<double>();
+      d[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
+      d[1] = precision.f32_gflops;
+      d[2] = precision.bf16_gflops;
+      d[3] = precision.measured ? 1.0 : 0.0;
+      d[4] = precision.bf16_storage ? 1.0 : 0.0;
+      d[5] = static_cast<double>(precision.stash_elements);
+      d[6] = precision.f32_matmul_s;
+      d[7] = precision.storage_cast_s;
+      world.broadcast(t, 0);
+      precision.measured = d[3] != 0.0;
+      precision.f32_gflops = d[1];
+      precision.bf16_gflops = d[2];
+      precision.stash_elements = static_cast<int64_t>(d[5]);
+      precision.f32_matmul_s = d[6];
+      precision.storage_cast_s = d[7];
+      apply_precision_policy(precision);
+      precision.chosen = d[0] != 0.0 ? DType::bf16 : DType::f32;
+      precision.bf16_storage = d[4] != 0.0;
+    }
+    o.precision = precision.chosen;
+    o.bf16_storage = precision.bf16_storage;
+    spec.compute = precision.chosen;
+    if (measure) notice(precision.reason);
+  }
+
+  // sync.codec on the dp axis (ZeRO 0; check_pipeline_options refuses the
+  // rest): the exchange plain DP runs (sync/compressed_all_reduce.h), per
+  // parameter this rank holds, in the runtime's order on every rank of the
+  // dp group (its ranks hold the same stages and pieces).
+  void attach_codecs() {
+    CompressedAllReduceOptions co;
+    co.codec = parse_codec_spec(o.dist.sync.codec);
+    if (co.codec.kind == CodecKind::none) return;
+    if (dp_world == 1) {
+      throw ConfigError(fmt::format(
+          "sync.codec = \"{}\": the plan's mesh ({}) has no dp axis, so no gradients are "
+          "exchanged to compress; drop sync.codec or add a dp axis",
+          o.dist.sync.codec, plan.mesh.describe()));
+    }
+    co.codec.error_feedback = o.dist.sync.codec_error_feedback;
+    co.collective = o.dist.dp.collective;
+    for (const std::string& name : runtime->param_names()) {
+      if (zero) break;  // the reduce-scatters of attach_zero()
+      const Tensor t = runtime->param(name);
+      dp_codecs.push_back(std::make_unique<CompressedAllReduce>(
+          *dp_comm, fmt::format("{} (dp axis, stage {})", name, my_stage), t.shape(), co));
+    }
+    int64_t n = 0;
+    for_each_codec([&](const auto& c) { n += static_cast<int64_t>(c.state_numel()); });
+    world.all_reduce(&n, &codec_row, 1, DType::i64, ReduceOp::max, o.dist.dp.collective);
+    codec_buf = Tensor::zeros({std::max<int64_t>(1, codec_row)}, DType::f32);
+  }
+
+  // What a checkpoint's codec rows must match to be this run's: the codec,
+  // the mesh and every stage's layers (so each rank holds the same
+  // parameters), the row length. The same on every rank.
+  std::string codec_layout() const {
+    std::string s =
+        fmt::format("{} {} zero {} row {}", parse_codec_spec(o.dist.sync.codec).to_string(),
+                    plan.mesh.describe(), o.dist.dp.stage, codec_row);
+    for (const StagePlan& st : plan.stages)
+      s += " [" + fmt::format("{}", fmt::join(st.layers, ",")) + "]";
+    return s;
+  }
+
+  ShardPiece codec_piece() {
+    const int64_t row = std::max<int64_t>(1, codec_row);
+    return ShardPiece{"sync/pp.codec.state", Shape({world.size(), row}), rank * row,
+                      (rank + 1) * row, codec_buf};
+  }
+
+  // Every codec exchange of this rank: the compressed all-reduces (ZeRO 0)
+  // or reduce-scatters (ZeRO 1-3), in order.
+  template <typename F>
+  void for_each_codec(F&& f) const {
+    for (const auto& c : dp_codecs) f(*c);
+    for (const auto& c : zero_codecs) f(*c);
+  }
+
+  // The bytes one step's codec exchanges send per their plans (0 without
+  // a codec; under ZeRO not counting its f32 parameter all-gathers).
+  uint64_t dp_codec_bytes_predicted() const {
+    uint64_t n = 0;
+    for_each_codec([&](const auto& c) { n += c.predicted_traffic().bytes_sent; });
+    return n;
+  }
+
   // ZeRO-1 / 2 over the dp group (sync/data_parallel.h), the same sharded
   // update the unpipelined trainer runs, over this stage's parameters: they
   // move into one flat buffer (in the runtime's order) that the passes read
@@ -440,6 +598,12 @@ struct PipelineTraining::Impl {
     DataParallelOptions dpo = o.dist.dp;
     dpo.accumulation_steps = 1;  // the pipeline's micro-batches accumulate
     zero3 = dpo.stage == 3;
+    const bool codec = parse_codec_spec(o.dist.sync.codec).kind != CodecKind::none;
+    if (codec && dp_world > 1) {
+      dpo.reduce_bucket = [this](int bucket, std::span<const float> g, std::span<float> chunk) {
+        zero_codecs[static_cast<size_t>(bucket)]->run(g, chunk);
+      };
+    }
     if (zero3) {
       // The runtime's initial values move into the flat buffer first;
       // DataParallel copies its shard out of it. The whole buffers stay
@@ -451,6 +615,20 @@ struct PipelineTraining::Impl {
     }
     zero = std::make_unique<DataParallel>(*dp_comm, zero_layout, zero_params, dpo);
     zero->use_external_grads();
+    if (dpo.reduce_bucket) {
+      CompressedAllReduceOptions co;
+      co.codec = parse_codec_spec(o.dist.sync.codec);
+      co.codec.error_feedback = o.dist.sync.codec_error_feedback;
+      co.collective = o.dist.dp.collective;
+      const BucketPlan& bp = zero->plan();
+      for (size_t b = 0; b < bp.buckets().size(); ++b) {
+        zero_codecs.push_back(std::make_unique<CompressedReduceScatter>(
+            *dp_comm,
+            fmt::format("bucket {} ({}) of stage {}", b, bp.bucket_params(static_cast<int>(b)),
+                        my_stage),
+            bp.buckets()[b].counts, co));
+      }
+    }
     if (zero3) return;
     for (const ParamLayoutEntry& e : zero_layout) {
       runtime->bind_storage(e.name,
@@ -613,10 +791,22 @@ struct PipelineTraining::Impl {
         pieces.push_back(std::move(pc));
       }
     }
+    std::map<std::string, std::string> meta = state_metadata();
+    if (codec_row > 0) {
+      // Each rank's codec state as its row (resumed by the same plan and codec).
+      float* x = codec_buf.data<float>();
+      for_each_codec([&](const auto& c) {
+        const size_t m = c.state_numel();
+        c.save_state({x, m});
+        x += m;
+      });
+      pieces.push_back(codec_piece());
+      meta["pp.codec.layout"] = codec_layout();
+    }
     SaveShardedOptions so;
     so.mode = "pp+" + plan.mesh.describe();
     so.collective = o.dist.dp.collective;
-    save_sharded(&world, path, pieces, state_metadata(), so);
+    save_sharded(&world, path, pieces, meta, so);
     drop_whole();
   }
 
@@ -730,6 +920,22 @@ struct PipelineTraining::Impl {
         if (updates > 0 && sl.end > sl.begin) st.steps[sl.name] = updates;
       }
     }
+    // The codecs' state where the checkpoint has this run's (same codec and
+    // plan); otherwise it starts afresh (every rank decides alike, from the
+    // metadata).
+    bool codec_state = false;
+    if (codec_row > 0) {
+      auto it = idx.metadata.find("pp.codec.layout");
+      codec_state = it != idx.metadata.end() && it->second == codec_layout();
+      if (codec_state) {
+        wanted.push_back(codec_piece());
+      } else {
+        notice(fmt::format(
+            "sync.codec = \"{}\": checkpoint {} holds no codec state of this codec and plan; "
+            "the residuals start at zero",
+            o.dist.sync.codec, path));
+      }
+    }
     LoadShardedOptions lo;
     lo.collective = o.dist.dp.collective;
     load_sharded(&world, path, wanted, lo);
@@ -738,6 +944,20 @@ struct PipelineTraining::Impl {
     }
     optimizer->load_state(st);
     step = meta_int(idx.metadata, "step", path);
+    if (codec_state) {
+      const float* x = codec_buf.data<float>();
+      // One run per step (every parameter, every bucket).
+      for (const auto& c : dp_codecs) {
+        const size_t m = c->state_numel();
+        c->load_state({x, m}, static_cast<uint64_t>(step));
+        x += m;
+      }
+      for (const auto& c : zero_codecs) {
+        const size_t m = c->state_numel();
+        c->load_state({x, m}, static_cast<uint64_t>(step));
+        x += m;
+      }
+    }
     if (o.precision == DType::f16) {
       LossScalerState ls;
       auto it = idx.metadata.find("loss_scale");
@@ -797,6 +1017,7 @@ struct PipelineTraining::Impl {
     const bool f16 = o.precision == DType::f16;
     const double used_scale = f16 ? micro_loss_scale() : 1.0;
     if (f16) loss_scale.fill(used_scale);
+    const uint64_t dp_before = codec_row > 0 ? sync_bytes_sent(*dp_comm) : 0;
     gather_whole(/*grads=*/true);  // ZeRO-3: once per step, for every micro-batch
     runtime->run_step([&](int i, const std::string& input) -> Tensor {
       if (input == model.graph.value(model.x).name) {
@@ -817,6 +1038,13 @@ struct PipelineTraining::Impl {
       }
       zero->end_micro_step();
       if (zero3) zero_grads = Tensor();  // reduce-scattered into DataParallel's shard
+    } else if (!dp_codecs.empty() && plan.async == AsyncMode::none) {
+      // The average over the dp group of what each rank's codec sent.
+      for (size_t i = 0; i < names.size(); ++i) {
+        Tensor g = runtime->grad(names[i]);
+        const std::span<float> v(g.data<float>(), static_cast<size_t>(g.numel()));
+        dp_codecs[i]->run(v, v);
+      }
     } else if (dp_world > 1 && plan.async == AsyncMode::none) {
       for (const std::string& name : names) {
         Tensor g = runtime->grad(name);
@@ -832,6 +1060,7 @@ struct PipelineTraining::Impl {
     world.all_reduce(red, red, 2, DType::f64, ReduceOp::sum, o.dist.dp.collective);
     if (plan.async == AsyncMode::none) optimizer_step(at, used_scale);
     drop_whole();  // ZeRO-3: the shards were updated; the whole copy goes
+    if (codec_row > 0) dp_bytes_in_steps += sync_bytes_sent(*dp_comm) - dp_before;
     return red[0] / used_scale;
   }
 
@@ -1159,11 +1388,30 @@ struct PipelineTraining::Impl {
           {"pipeline_bytes_sent_per_step",
            static_cast<double>(sent) / static_cast<double>(std::max<int64_t>(1, step - first))},
           {"pipeline_bytes_sent_per_step_predicted", runtime->predicted_bytes_sent()},
+          {"bf16_stash_elements_per_step", runtime->bf16_stashed_elements()},
+          {"dp_codec", o.dist.sync.codec},
+          {"dp_codec_bytes_sent_per_step",
+           static_cast<double>(dp_bytes_in_steps) /
+               static_cast<double>(std::max<int64_t>(1, step - first))},
+          {"dp_codec_bytes_sent_per_step_predicted", dp_codec_bytes_predicted()},
           {"peak_stash_bytes", peak_stash},
           {"async", std::string(async_name(plan.async))},
           {"peak_weight_stash_bytes", peak_weight_stash},
           {"peak_weight_versions", peak_weight_versions},
           {"planned_peak_stash_bytes", planned_stash_bytes(cut, schedule, my_stage)}}}};
+    summary["precision"] = precision.mode();
+    summary["precision_decision"] = {{"requested", precision.requested},
+                                     {"chosen", precision.mode()},
+                                     {"reason", precision.reason},
+                                     {"decided", "once for the job, by rank 0"}};
+    if (precision.measured) {
+      summary["precision_decision"]["f32_matmul_gflops_1t"] = precision.f32_gflops;
+      summary["precision_decision"]["bf16_matmul_gflops_1t"] = precision.bf16_gflops;
+    }
+    if (precision.stash_elements > 0) {
+      summary["precision_decision"]["stash_elements"] = precision.stash_elements;
+      summary["precision_decision"]["storage_cost_of_matmul_time"] = precision.storage_cost();
+    }
     if (r.final_loss) summary["final_loss"] = *r.final_loss;
     if (tokens_per_sample > 0) summary["tokens_per_s"] = *r.tokens_per_s;
     if (r.test_loss) {
@@ -1209,6 +1457,26 @@ void PipelineTraining::gather_params() {
 
 uint64_t PipelineTraining::pipeline_bytes_sent() const {
   return impl_->runtime->bytes_sent();
+}
+
+std::string PipelineTraining::precision_mode() const {
+  return impl_->precision.mode();
+}
+
+int64_t PipelineTraining::bf16_stashed_elements() const {
+  return impl_->runtime->bf16_stashed_elements();
+}
+
+int64_t PipelineTraining::peak_stash_bytes() const {
+  return impl_->runtime->peak_stash_bytes();
+}
+
+uint64_t PipelineTraining::dp_codec_bytes_sent() const {
+  return impl_->dp_bytes_in_steps;
+}
+
+uint64_t PipelineTraining::dp_codec_bytes_predicted_per_step() const {
+  return impl_->dp_codec_bytes_predicted();
 }
 
 uint64_t PipelineTraining::pipeline_bytes_predicted() const {

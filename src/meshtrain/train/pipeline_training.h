@@ -76,15 +76,33 @@
 // skip-on-overflow decision is agreed over every rank (pipeline, tensor and
 // ZeRO dp groups; under stage meshes the whole job).
 //
+// sync.codec: each stage's gradients go over the dp axis through the
+// exchanges plain DP uses: at dist.zero_stage 0 the compressed all-reduce
+// (sync/compressed_all_reduce.h), one per parameter this rank holds; under
+// ZeRO 1-3 a compressed reduce-scatter per bucket (DataParallel's
+// reduce_bucket hook, sync/compressed_reduce_scatter.h); error feedback
+// unless sync.codec_error_feedback is off; topk:1.0 is the uncompressed
+// exchange. Refused: sync.codec_momentum,
+// sync.codec_warmup_steps, sync.powersgd_batched, and on a mesh without a
+// dp axis. Each rank's codec state is its row of the checkpoint's
+// "sync/pp.codec.state", resumed under the same codec and plan (metadata
+// "pp.codec.layout"), else afresh.
+//
+// train.precision bf16_storage: the runtime stashes each forward's f32
+// activations for the backward in bf16 (PipelineOptions::bf16_stash), every
+// pass computing in f32; unlike the single-process stash pass it is always
+// kept (the stash is per micro-batch in flight, so halving it always lowers
+// the peak). auto: decided once for the job by rank 0 on the whole model's
+// micro-batch graph (train/precision.h), every rank following it.
+//
 // Not yet (each refused with a ConfigError naming the key, before any step):
-// train.precision auto / bf16_storage (the bf16 stash is the executor's; the pipeline's
-// stashes are the runtime's), dist.batch_shares, accumulation steps
-// (micro-batches are the pipeline's).
+// dist.batch_shares, accumulation steps (micro-batches are the pipeline's).
 //
 // Collective over the world communicator; one per process.
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "meshtrain/comm/communicator.h"
 #include "meshtrain/data/dataset.h"
@@ -124,6 +142,19 @@ class PipelineTraining {
   // for stages on different meshes, the boundaries' reshard plans) predicts.
   uint64_t pipeline_bytes_sent() const;
   uint64_t pipeline_bytes_predicted() const;
+  // train.precision as it runs on this rank ("f32", "bf16", "f16" or
+  // "bf16_storage"; auto's choice, the same on every rank).
+  std::string precision_mode() const;
+  // bf16_storage: the elements the last step's forwards on this rank
+  // stashed in bf16 (0 otherwise), and the last step's peak of stashed bytes.
+  int64_t bf16_stashed_elements() const;
+  int64_t peak_stash_bytes() const;
+  // sync.codec on the dp axis: the bytes this rank's compressed exchanges
+  // sent over the run's steps (the dp communicator's counters, handshakes
+  // not counted), and what the codecs' plans predict for one step (0
+  // without a codec).
+  uint64_t dp_codec_bytes_sent() const;
+  uint64_t dp_codec_bytes_predicted_per_step() const;
   // What train.init loaded (nullptr without train.init, or when resuming).
   const struct TorchLoadReport* init_report() const;
 

@@ -771,7 +771,10 @@ struct Trainer::Impl {
       pieces.push_back(
           as_row(full_piece("loss_scaler", scaler_row), "replica/", dp_rank, dp_world));
     } else {
-      if (per_rank == ReplicaSync::RankCheckpoint::kServers) dp->prepare_checkpoint();
+      if (per_rank == ReplicaSync::RankCheckpoint::kServers ||
+          per_rank == ReplicaSync::RankCheckpoint::kRanks) {
+        dp->prepare_checkpoint();
+      }
       for (ShardPiece p : whole_pieces(dp->param_pieces(PieceUse::save), false)) {
         p.name = "param/" + p.name;
         pieces.push_back(std::move(p));
@@ -791,7 +794,12 @@ struct Trainer::Impl {
     SaveShardedOptions so;
     so.mode = o.dist.dp.stage == 0 ? "dp" : fmt::format("zero{}", o.dist.dp.stage);
     if (tensor_parallel) so.mode += "+" + o.dist.plan->mesh.describe();
-    if (per_rank != ReplicaSync::RankCheckpoint::kNone) so.mode = o.dist.sync.scheme;
+    // kRanks: whole tensors as all-reduce DP writes them (the mode says how
+    // they are laid out), with each rank's codec rows beside them.
+    if (per_rank == ReplicaSync::RankCheckpoint::kReplicas ||
+        per_rank == ReplicaSync::RankCheckpoint::kServers) {
+      so.mode = o.dist.sync.scheme;
+    }
     so.collective = o.dist.dp.collective;
     save_sharded(comm, path, pieces, meta, so);
   }
@@ -821,16 +829,35 @@ struct Trainer::Impl {
     const SyncOptions& s = o.dist.sync;
     std::map<std::string, std::string> m = {
         {"sync.scheme", s.scheme},
-        {"sync.per_rank",
-         dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kReplicas ? "replicas" : "servers"},
+        {"sync.per_rank", per_rank_name()},
         {"sync.ranks", std::to_string(s.scheme == "ps" ? world : dp_world)}};
     if (s.scheme == "ps") m["sync.servers"] = std::to_string(s.servers);
     m["sync.codec"] = parse_codec_spec(s.codec).to_string();
+    // All-reduce codec rows: ZeRO 0's are per parameter, ZeRO's per bucket.
+    if (dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kRanks) {
+      m["sync.zero_stage"] = std::to_string(o.dist.dp.stage);
+    }
     if (s.scheme == "diloco") {
       m["sync.fragments"] = std::to_string(s.fragments);
       m["sync.overlap_steps"] = std::to_string(s.overlap_steps);
     }
     return m;
+  }
+
+  // How this run's scheme keeps per-rank state in checkpoints: "replicas",
+  // "servers", "ranks" (ReplicaSync::RankCheckpoint), or "" for none.
+  std::string per_rank_name() const {
+    switch (dp->rank_checkpoint()) {
+      case ReplicaSync::RankCheckpoint::kReplicas:
+        return "replicas";
+      case ReplicaSync::RankCheckpoint::kServers:
+        return "servers";
+      case ReplicaSync::RankCheckpoint::kRanks:
+        return "ranks";
+      case ReplicaSync::RankCheckpoint::kNone:
+        break;
+    }
+    return "";
   }
 
   static int64_t meta_int(const std::map<std::string, std::string>& m, const std::string& key,
@@ -1003,6 +1030,11 @@ struct Trainer::Impl {
     const std::string scheme = get("sync.scheme"), ranks = get("sync.ranks");
     const SyncOptions& s = o.dist.sync;
     if (per == "servers" && s.scheme != "ps") return;
+    // All-reduce codec rows: whole tensors besides them, so any scheme, or
+    // all-reduce without a codec, resumes afresh; the same codec resumes
+    // each rank's state (the checks below).
+    if (per == "ranks" && (s.scheme != scheme || parse_codec_spec(s.codec).kind == CodecKind::none))
+      return;
     if (s.scheme != scheme) {
       throw CheckpointError(fmt::format(
           "checkpoint {}: sync.scheme = \"{}\" (this run) cannot resume it: it was written under "
@@ -1040,6 +1072,14 @@ struct Trainer::Impl {
     if (s.scheme == "diloco") {
       same("sync.fragments", s.fragments);
       same("sync.overlap_steps", s.overlap_steps);
+    }
+    if (per == "ranks" && get("sync.zero_stage") != std::to_string(o.dist.dp.stage)) {
+      throw CheckpointError(fmt::format(
+          "checkpoint {}: written with dist.zero_stage = {} and sync.codec = \"{}\", this run "
+          "has dist.zero_stage = {}: each rank's saved codec state is laid out for that stage "
+          "(per parameter at 0, per bucket chunk under ZeRO); resume with dist.zero_stage = {}, "
+          "or without sync.codec",
+          path, get("sync.zero_stage"), saved, o.dist.dp.stage, get("sync.zero_stage")));
     }
   }
 
@@ -1205,10 +1245,7 @@ struct Trainer::Impl {
   // them for this scheme (check_sync_fits() saw to that), else the scheme
   // starts afresh at the checkpoint's step.
   void resume_sync_state(const std::string& path) {
-    const std::string per =
-        dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kReplicas  ? "replicas"
-        : dp->rank_checkpoint() == ReplicaSync::RankCheckpoint::kServers ? "servers"
-                                                                         : "";
+    const std::string per = per_rank_name();
     const bool with_state = !per.empty() && per == resume_per_rank;
     if (with_state) {
       std::vector<ShardPiece> wanted;
