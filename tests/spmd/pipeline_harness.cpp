@@ -210,6 +210,7 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   }
   if (comm.size() == 1) expected_bytes = 0;  // chunks on one rank hand tensors over in memory
 
+  int64_t recv_buffers_first = 0;  // made in the first two steps
   for (int step = 0; step < kSteps; ++step) {
     const Batch b = make_batch(s, single, step);
     ex.bind(single.x, b.x);
@@ -234,6 +235,14 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
     }
     EXPECT_EQ(pipe.bytes_sent(), expected_bytes) << "step " << step << ", rank " << comm.rank();
     EXPECT_EQ(pipe.predicted_bytes_sent(), expected_bytes) << "rank " << comm.rank();
+    if (step == 1) recv_buffers_first = pipe.recv_buffers_made();
+  }
+  // Receive buffers are kept and reused: the steps after the second make
+  // none (a fresh one costs its page faults inside the receiver's copy; the
+  // second step may still add those its executors held bound from the first).
+  EXPECT_EQ(pipe.recv_buffers_made(), recv_buffers_first) << "rank " << comm.rank();
+  if (comm.size() > 1) {
+    EXPECT_GT(recv_buffers_first, 0) << "rank " << comm.rank();
   }
   EXPECT_EQ(pipe.has_loss(), comm.rank() == stage_owner(c.schedule, comm.size(),
                                                         comm.size() * c.virtual_stages - 1));

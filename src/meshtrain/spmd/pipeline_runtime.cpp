@@ -102,6 +102,13 @@ struct PipelineRuntime::Impl {
   // Per step.
   std::map<std::pair<int, int>, Stash> stash;  // (virtual stage, micro-batch)
   std::map<std::tuple<int, int, int>, std::vector<CommHandle>> recvs;  // (kind, stage, mb)
+  // The receive buffers of recvs, kept across micro-batches and steps
+  // (recv_buffer()). A fresh buffer's pages are first touched by the
+  // receiver's copy of the message, inside its poll: 128 page faults per
+  // 512 KB message, 0.25 of the copy's 0.3 ms on the machine measured
+  // (docs/plan.md, "The 1F1B gap"). recv_buffers_made: how many it made.
+  std::vector<Tensor> recv_pool;
+  int64_t recv_buffers_made = 0;
   // Stages on different meshes: the routes' hops into this rank, finished
   // (relayed hops received, passed on, assembled) when the action waits.
   struct Arrival {
@@ -922,6 +929,18 @@ struct PipelineRuntime::Impl {
     }
   }
 
+  // A receive buffer of this shape and dtype that no one else holds now (the
+  // stash dropped it and the receive filling it finished, its handle
+  // releasing it), or a new one, pre-faulted (zeroed) where it is made.
+  Tensor recv_buffer(const Shape& shape, DType dtype) {
+    for (const Tensor& t : recv_pool) {
+      if (t.use_count() == 1 && t.dtype() == dtype && t.shape() == shape) return t;
+    }
+    recv_pool.push_back(Tensor::zeros(shape, dtype));
+    ++recv_buffers_made;
+    return recv_pool.back();
+  }
+
   // Posts the receives of actions [posted, end) of this rank's list.
   void post_recvs(size_t end) {
     const auto& list = actions();
@@ -937,22 +956,20 @@ struct PipelineRuntime::Impl {
       if (a.kind == ActionKind::recv_activation) {
         const auto& ins = st(vs).inputs;
         for (size_t k = 0; k < ins.size(); ++k) {
-          Tensor buf = Tensor::empty(ins[k].shape, ins[k].dtype);
+          Tensor buf = recv_buffer(ins[k].shape, ins[k].dtype);
           CollectiveOptions o;
           o.tag = tag(vs - 1, mb, static_cast<int>(k));
-          recvs[{0, vs, mb}].push_back(act[ix(a.peer)]->recv_now(
-              buf.raw(), static_cast<size_t>(buf.numel()), buf.dtype(), a.peer, o));
+          recvs[{0, vs, mb}].push_back(act[ix(a.peer)]->recv_now(buf, a.peer, o));
           put(stash[{vs, mb}], ins[k].name, std::move(buf));
         }
       } else if (a.kind == ActionKind::recv_grad) {
         const auto& outs = st(vs).outputs;
         for (size_t k = 0; k < outs.size(); ++k) {
           if (!outs[k].has_grad) continue;
-          Tensor buf = Tensor::empty(outs[k].shape, outs[k].dtype);
+          Tensor buf = recv_buffer(outs[k].shape, outs[k].dtype);
           CollectiveOptions o;
           o.tag = tag(vs + 1, mb, static_cast<int>(k));
-          recvs[{1, vs, mb}].push_back(grad[ix(a.peer)]->recv_now(
-              buf.raw(), static_cast<size_t>(buf.numel()), buf.dtype(), a.peer, o));
+          recvs[{1, vs, mb}].push_back(grad[ix(a.peer)]->recv_now(buf, a.peer, o));
           put(stash[{vs, mb}], "dout/" + outs[k].name, std::move(buf));
         }
       }
@@ -1473,6 +1490,9 @@ int64_t PipelineRuntime::bf16_stashed_elements() const {
   return impl_->bf16_elements;
 }
 
+int64_t PipelineRuntime::recv_buffers_made() const {
+  return impl_->recv_buffers_made;
+}
 int64_t PipelineRuntime::peak_stash_bytes() const {
   return impl_->stash_peak;
 }

@@ -235,6 +235,12 @@ class PipelineRuntime {
   // The bytes the last step's passes copied out of their arenas into the
   // stashes (the rest of the stash is views of the arenas or received).
   int64_t stash_copied_bytes() const;
+  // How many receive buffers the runtime has made since construction: it
+  // keeps them and reuses one once no one else holds it (an executor still
+  // binds its last inputs), so a synchronous schedule's steps after the
+  // second make none (stages on one mesh; across meshes receives still
+  // allocate their buffers).
+  int64_t recv_buffers_made() const;
   // Async pipedream: the most bytes of stashed weight versions this rank
   // held at once during the last step (0 otherwise), and how many versions.
   int64_t peak_weight_stash_bytes() const;

@@ -35,6 +35,9 @@ class Tensor {
   int rank() const { return shape_.rank(); }
   int64_t numel() const { return shape_.numel(); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype_); }
+  // How many handles share this tensor's owned memory (views included; 0
+  // when it is borrowed or empty): 1 means this handle is the only one.
+  long use_count() const { return owner_.use_count(); }
 
   void* raw() { return data_; }
   const void* raw() const { return data_; }
