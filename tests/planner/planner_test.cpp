@@ -1088,12 +1088,14 @@ TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
     EXPECT_EQ(e.peak_memory_bytes - d.peak_memory_bytes, param_bytes / dp) << "rank " << r;
     EXPECT_EQ(e.bytes_sent, d.bytes_sent) << "rank " << r;
   }
-  // The dp axis's gradients travel uncompressed under a pipeline: a codec
-  // is refused naming sync.codec, not silently left out.
+  // The runtime compresses a pipeline's dp axis with a codec, but the cost
+  // model prices f32 exchanges only: it refuses the codec naming
+  // sync.codec rather than pricing the run as if it were not there.
   o.dist.sync.codec = "topk:0.1";
+  check_pipeline_options(o);  // the runtime takes it
   try {
-    check_pipeline_options(o);
-    ADD_FAILURE() << "sync.codec under a pipeline plan was not refused";
+    (void)estimate_step(spec, o, c);
+    ADD_FAILURE() << "the cost model priced sync.codec without pricing it";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("sync.codec = \"topk:0.1\""), std::string::npos)
         << e.what();

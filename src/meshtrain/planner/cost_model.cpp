@@ -18,6 +18,7 @@
 #include "meshtrain/spmd/pipeline_stage.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/sync/buckets.h"
+#include "meshtrain/sync/codec_spec.h"
 #include "meshtrain/train/optimizer.h"
 #include "meshtrain/train/param_store.h"
 #include "meshtrain/train/pipeline_training.h"
@@ -1075,6 +1076,22 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options
   const int world = cluster.world();
   if (world < 1) throw ConfigError(fmt::format("cluster {}: no ranks", cluster.source));
   if (options.dist.plan) options.dist.plan->mesh.check_world(world, "the plan's mesh");
+  // The programs exchange f32 gradients by all-reduce (or ZeRO's
+  // reduce-scatter / all-gather); another scheme or a codec moves other
+  // bytes at other times, which the model does not price: refused rather
+  // than priced as if it were not there.
+  if (options.dist.sync.scheme != "allreduce") {
+    throw ConfigError(fmt::format(
+        "sync.scheme = \"{}\": the cost model prices the all-reduce exchange only "
+        "(docs/planner.md); plan or simulate with sync.scheme = \"allreduce\"",
+        options.dist.sync.scheme));
+  }
+  if (parse_codec_spec(options.dist.sync.codec).kind != CodecKind::none) {
+    throw ConfigError(fmt::format(
+        "sync.codec = \"{}\": the cost model prices uncompressed f32 gradient exchanges only "
+        "(docs/planner.md); plan or simulate without it",
+        options.dist.sync.codec));
+  }
   Programs out;
   GroupTable groups;
   const comm::CommCostModel cm = comm_model(cluster);
