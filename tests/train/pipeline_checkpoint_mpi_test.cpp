@@ -51,33 +51,13 @@ Communicator& world() {
   return test::mpi_world();
 }
 
+// Four blocks: interleaved, 2 ranks x 2 virtual stages, a block each.
 ModelSpec gpt_spec() {
-  ModelSpec s;
-  s.kind = "gpt";
-  s.layers = 4;  // interleaved: 2 ranks x 2 virtual stages, a block each
-  s.d_model = 24;
-  s.heads = 6;
-  s.seq_len = 8;
-  s.vocab = 36;
-  return s;
+  return test::plan_gpt(4);
 }
 
 TrainerOptions base_options() {
-  TrainerOptions o;
-  o.batch_size = 8;
-  o.max_steps = kSteps;
-  o.epochs = 1;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 3;
-  o.exec.backend = "reference";
-  o.optimizer = "adamw";
-  o.optim.adamw.weight_decay = 0.01;
-  o.schedule.lr = 0.003;
-  o.schedule.kind =
-      LrScheduleKind::cosine;  // the resumed run must continue the schedule, not restart it
-  o.clip_grad_norm = 0.5;
-  return o;
+  return test::plan_adamw_options(kSteps);
 }
 
 // A plan of the [parallel] shorthand for the world, or none ("" or "dp":

@@ -54,31 +54,11 @@ Communicator& world() {
 }
 
 ModelSpec gpt_spec() {
-  ModelSpec s;
-  s.kind = "gpt";
-  s.layers = 2;
-  s.d_model = 24;
-  s.heads = 6;
-  s.seq_len = 8;
-  s.vocab = 36;
-  return s;
+  return test::plan_gpt(2);
 }
 
 TrainerOptions base_options() {
-  TrainerOptions o;
-  o.batch_size = 8;
-  o.max_steps = kSteps;
-  o.epochs = 1;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 3;
-  o.exec.backend = "reference";
-  o.optimizer = "adamw";
-  o.optim.adamw.weight_decay = 0.01;
-  o.schedule.lr = 0.003;
-  o.schedule.kind = LrScheduleKind::cosine;
-  o.clip_grad_norm = 0.5;  // a global norm: the ZeRO shards' parts summed over dp
-  return o;
+  return test::plan_adamw_options(kSteps);
 }
 
 // "dp_pp", "dp_tp_pp", "tp_pp" or "pp" with an optional "_zeroN" (ZeRO stage

@@ -26,6 +26,34 @@ std::shared_ptr<const Dataset> or_synthetic(std::shared_ptr<const Dataset> data,
 
 }  // namespace
 
+ModelSpec plan_gpt(int64_t layers) {
+  ModelSpec s;
+  s.kind = "gpt";
+  s.layers = layers;
+  s.d_model = 24;
+  s.heads = 6;
+  s.seq_len = 8;
+  s.vocab = 36;
+  return s;
+}
+
+TrainerOptions plan_adamw_options(int steps) {
+  TrainerOptions o;
+  o.batch_size = 8;
+  o.max_steps = steps;
+  o.epochs = 1;
+  o.progress = false;
+  o.eval = false;
+  o.seed = 3;
+  o.exec.backend = "reference";
+  o.optimizer = "adamw";
+  o.optim.adamw.weight_decay = 0.01;
+  o.schedule.lr = 0.003;
+  o.schedule.kind = LrScheduleKind::cosine;
+  o.clip_grad_norm = 0.5;
+  return o;
+}
+
 Reference single_run(const ModelSpec& spec, const TrainerOptions& o,
                      std::shared_ptr<const Dataset> data,
                      std::shared_ptr<const Dataset> test_data) {

@@ -24,6 +24,17 @@
 
 namespace mt::test {
 
+// The GPT the plan tests train: d_model 24 in 6 heads, 8 tokens, a
+// vocabulary of 36, `layers` blocks; wte tied to the head.
+ModelSpec plan_gpt(int64_t layers = 2);
+
+// The options the GPT plan tests start from: batch 8, `steps` steps, AdamW
+// (weight decay 0.01) at 0.003 on a cosine schedule (a resumed run must
+// continue it, not restart it), the gradient norm clipped to 0.5 (a global
+// norm over every stage's and shard's part), seed 3, the reference backend,
+// no progress or evaluation.
+TrainerOptions plan_adamw_options(int steps);
+
 // The single-process run: every step's loss, the test loss (with test
 // data), the final parameters whole.
 struct Reference {

@@ -70,14 +70,7 @@ ModelSpec mlp() {
 // GPT with a tied embedding: wte is read by the first stage (the token
 // embedding) and by the last (the head), which hold it on different meshes.
 ModelSpec gpt() {
-  ModelSpec s;
-  s.kind = "gpt";
-  s.layers = 2;
-  s.d_model = 24;
-  s.heads = 6;
-  s.seq_len = 8;
-  s.vocab = 36;
-  return s;
+  return test::plan_gpt(2);
 }
 
 // Four layers for the virtual-stage plans: fc1 (64 -> 24), fc2 (24 -> 18),
