@@ -112,12 +112,7 @@ TEST_P(PlanCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   test::Handover r;
   ASSERT_NO_FATAL_FAILURE(test::run_handover(spec, under(h.from, spec, base),
                                              under(h.to, spec, base), kSteps, ref, dir, &r));
-  const auto& [worst, where] = r.worst;
-  if (world().rank() == 0) {
-    std::printf("%s -> %s, %d ranks: worst relative error %.3g at %s\n", h.from.c_str(),
-                h.to.c_str(), h.ranks, worst, where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << h.from << " -> " << h.to << " rank " << world().rank() << ": " << where;
+  test::expect_within(r.worst, kRel, fmt::format("{} -> {}, {} ranks", h.from, h.to, h.ranks));
   remove_shared_tmp_dir(dir);
 }
 
@@ -253,12 +248,8 @@ TEST_P(InitUnderPlanMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   const Reference ref = single_run(spec, o);
   const test::PlanRun got = test::run_plan(spec, under(kind, spec, o), &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  const auto [worst, where] = test::divergence(got, ref);
-  if (world().rank() == 0) {
-    std::printf("train.init under %s, %d ranks: worst relative error %.3g at %s\n", param.c_str(),
-                ranks, worst, where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << kind << " rank " << world().rank() << ": " << where;
+  test::expect_within(test::divergence(got, ref), kRel,
+                      fmt::format("train.init under {}, {} ranks", param, ranks));
   EXPECT_GT(std::abs(ref.losses[0] - trained.losses[0]), 100 * kRel * std::abs(ref.losses[0]))
       << "the file's weights should start elsewhere than the seeded ones";
   remove_shared_tmp_dir(dir);

@@ -101,12 +101,8 @@ TEST_P(PipelineZeroMpi, MatchesTheSingleProcessRun) {
   const Reference ref = single_run(spec, base);
   const test::PlanRun got = test::run_plan(spec, under(kind, spec, base), &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  const auto [worst, where] = divergence(got, ref);
-  if (world().rank() == 0) {
-    std::printf("%s, %d ranks, %d steps: worst relative error %.3g at %s\n", kind.c_str(),
-                world().size(), kSteps, worst, where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << kind << " rank " << world().rank() << ": " << where;
+  test::expect_within(divergence(got, ref), kRel,
+                      fmt::format("{}, {} ranks, {} steps", kind, world().size(), kSteps));
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, PipelineZeroMpi,
@@ -234,12 +230,7 @@ TEST_P(PipelineZeroCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   test::Handover r;
   ASSERT_NO_FATAL_FAILURE(test::run_handover(spec, under(h.from, spec, base),
                                              under(h.to, spec, base), kSteps, ref, dir, &r));
-  const auto& [worst, where] = r.worst;
-  if (world().rank() == 0) {
-    std::printf("%s -> %s: worst relative error %.3g at %s\n", h.from.c_str(), h.to.c_str(), worst,
-                where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << h.from << " -> " << h.to << " rank " << world().rank() << ": " << where;
+  test::expect_within(r.worst, kRel, h.from + " -> " + h.to);
   remove_shared_tmp_dir(dir);
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <utility>
 
@@ -149,6 +150,13 @@ Divergence divergence(const PlanRun& got, const Reference& ref) {
   d.worst = worst_loss(got.losses, ref, 0, &d.where);
   if (got.worst_param > d.worst) d.worst = got.worst_param, d.where = "parameter " + got.where;
   return d;
+}
+
+void expect_within(const Divergence& d, double tol, const std::string& label) {
+  if (mpi_world().rank() == 0) {
+    std::printf("%s: worst relative error %.3g at %s\n", label.c_str(), d.worst, d.where.c_str());
+  }
+  EXPECT_LE(d.worst, tol) << label << " rank " << mpi_world().rank() << ": " << d.where;
 }
 
 std::string shared_tmp_dir(const char* what) {

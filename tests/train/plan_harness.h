@@ -92,6 +92,10 @@ double worst_loss(const std::vector<double>& got, const Reference& ref, size_t f
 // loss and the final parameters, and where it is (Divergence: dp_harness.h).
 Divergence divergence(const PlanRun& got, const Reference& ref);
 
+// Prints (rank 0) "`label`: worst relative error W at WHERE" and expects
+// W <= `tol` on every rank, the failure naming the label, rank and where.
+void expect_within(const Divergence& d, double tol, const std::string& label);
+
 // A directory under /tmp that rank 0 names and every rank creates, and its
 // removal after every rank is done with it (collective).
 std::string shared_tmp_dir(const char* what);

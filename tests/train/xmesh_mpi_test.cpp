@@ -503,12 +503,7 @@ TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   test::Handover r;
   ASSERT_NO_FATAL_FAILURE(
       test::run_handover(spec, first, second, kSteps, ref, dir, &r, kPipelineBytes));
-  const auto& [worst, where] = r.worst;
-  if (world().rank() == 0) {
-    std::printf("%s -> %s: worst relative error %.3g at %s\n", h.from.c_str(), h.to.c_str(), worst,
-                where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << h.from << " -> " << h.to << " rank " << world().rank() << ": " << where;
+  test::expect_within(r.worst, kRel, h.from + " -> " + h.to);
   remove_shared_tmp_dir(dir);
 }
 
@@ -573,12 +568,7 @@ TEST_P(StageMeshesInitMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   o.dist.plan = xmesh_plan(kind, spec);
   const test::PlanRun got = test::run_plan(spec, o, &ref, kPipelineBytes);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  const auto [worst, where] = test::divergence(got, ref);
-  if (world().rank() == 0) {
-    std::printf("train.init under %s: worst relative error %.3g at %s\n", kind.c_str(), worst,
-                where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << kind << " rank " << world().rank() << ": " << where;
+  test::expect_within(test::divergence(got, ref), kRel, "train.init under " + kind);
   EXPECT_GT(std::abs(ref.losses[0] - trained.losses[0]), 100 * kRel * std::abs(ref.losses[0]))
       << "the file's weights should start elsewhere than the seeded ones";
   remove_shared_tmp_dir(dir);
