@@ -48,31 +48,19 @@ Communicator& world() {
   return test::mpi_world();
 }
 
-struct Outcome {
-  std::vector<double> losses;
-  std::vector<float> params;
-  std::vector<ParamStore::Entry> entries;
-  uint64_t bytes = 0;
-};
+using Outcome = test::SyncOutcome;
 
 Outcome train(const SyncOptions& sync, double momentum, bool nesterov, int zero = 0) {
-  auto data = std::make_shared<test::SyntheticData>(test::sync_mlp(), 480, 9);
   TrainerOptions o = test::sync_options(sync, {.steps = kSteps});
   o.dist.consistency_every = 0;
   o.optim.sgd.momentum = momentum;
   o.optim.sgd.nesterov = nesterov;
   o.dist.dp.stage = zero;
-  Trainer t(test::sync_mlp(), data, nullptr, o, &world());
-  Outcome out;
-  out.losses = t.run().losses;
-  out.entries = t.params().entries();
-  out.bytes = t.replica_sync().bytes_sent();
-  const Tensor mean = t.gather_params();
-  out.params.assign(mean.data<float>(), mean.data<float>() + mean.numel());
-  return out;
+  return test::train_sync(o);
 }
 
 using test::divergence;
+using test::predicted_exchange;
 
 SyncOptions corrected(const std::string& codec, bool nesterov, bool masking) {
   SyncOptions s;
@@ -81,17 +69,6 @@ SyncOptions corrected(const std::string& codec, bool nesterov, bool masking) {
   s.codec_nesterov = nesterov;
   s.codec_momentum_masking = masking;
   return s;
-}
-
-uint64_t predicted_exchange(const std::vector<ParamStore::Entry>& entries,
-                            const std::string& codec) {
-  CompressedAllReduceOptions co;
-  co.codec = parse_codec_spec(codec);
-  uint64_t b = 0;
-  for (const ParamStore::Entry& e : entries) {
-    b += predict_traffic(world(), compressed_all_reduce_plan(co, e.shape)).bytes_sent;
-  }
-  return b;
 }
 
 TEST(CodecMomentumMpi, FullTopKWithoutMaskingEqualsMomentumSgd) {

@@ -74,44 +74,20 @@ TrainerOptions options(const SyncOptions& sync, int64_t steps) {
   return o;
 }
 
-struct Outcome {
-  std::vector<double> losses;
-  std::vector<float> params;  // the replicas' mean (ps: the servers' final ones)
-  std::vector<float> own;     // this rank's own parameters
-  std::vector<float> residual;
-  std::vector<ParamStore::Entry> entries;
-  uint64_t bytes = 0;
-  bool server = false;
-};
+using Outcome = test::SyncOutcome;
 
+// Between agreements (local_sgd, diloco) each rank reports its own mean
+// loss: the mean of the ranks' is the global one the checks read.
 Outcome train(const SyncOptions& sync, int64_t steps = kSteps, double momentum = 0, int zero = 0) {
-  auto data = std::make_shared<test::SyntheticData>(spec(), 480, 9);
   TrainerOptions o = options(sync, steps);
   o.optim.sgd.momentum = momentum;
   o.dist.dp.stage = zero;
-  Trainer t(spec(), data, nullptr, o, &world());
-  Outcome out;
-  out.losses = t.run().losses;
-  if (t.replica_sync().agreement_period() > 1) {
-    // Between agreements each rank reports its own mean loss: the mean of
-    // the ranks' (equal batches) is the global one the checks read.
-    world().all_reduce(out.losses.data(), out.losses.data(), out.losses.size(), DType::f64);
-    for (double& x : out.losses) x /= world().size();
-  }
-  out.server = t.replica_sync().is_server();
-  if (zero < 3) {  // ZeRO-3 holds no whole parameters between steps
-    const Tensor own = t.params().flat_values();
-    out.own.assign(own.data<float>(), own.data<float>() + own.numel());
-  }
-  out.entries = t.params().entries();
-  out.residual = t.replica_sync().codec_residual();
-  out.bytes = t.replica_sync().bytes_sent();
-  const Tensor mean = t.gather_params();
-  out.params.assign(mean.data<float>(), mean.data<float>() + mean.numel());
-  return out;
+  return test::train_sync(o, {.own_losses = test::OwnLosses::between_agreements});
 }
 
 using test::divergence;
+using test::mean3_falls;
+using test::predicted_exchange;
 
 SyncOptions scheme(const std::string& name, int64_t period = 1, const std::string& codec = "none") {
   SyncOptions s;
@@ -119,25 +95,6 @@ SyncOptions scheme(const std::string& name, int64_t period = 1, const std::strin
   s.period = period;
   s.codec = codec;
   return s;
-}
-
-// This rank's bytes for one compressed exchange of every parameter (the
-// scheme's communicator is a split of the world with the same ranks and
-// collective options), handshakes left out as bytes_sent() leaves them.
-uint64_t predicted_exchange(const std::vector<ParamStore::Entry>& entries,
-                            const std::string& codec) {
-  CompressedAllReduceOptions co;
-  co.codec = parse_codec_spec(codec);
-  uint64_t b = 0;
-  for (const ParamStore::Entry& e : entries) {
-    b += predict_traffic(world(), compressed_all_reduce_plan(co, e.shape)).bytes_sent;
-  }
-  return b;
-}
-
-bool mean3_falls(const std::vector<double>& v) {
-  const size_t n = v.size();
-  return v[n - 1] + v[n - 2] + v[n - 3] < v[0] + v[1] + v[2];
 }
 
 TEST(CodecSchemesMpi, IdentityCodecOnPseudoGradientsEqualsTheScheme) {
@@ -490,17 +447,7 @@ TrainerOptions ps_options(const SyncOptions& sync) {
 }
 
 Outcome train_ps(const SyncOptions& sync) {
-  auto data = std::make_shared<test::SyntheticData>(spec(), 480, 9);
-  Trainer t(spec(), data, nullptr, ps_options(sync), &world());
-  Outcome out;
-  out.losses = t.run().losses;
-  out.server = t.replica_sync().is_server();
-  out.entries = t.params().entries();
-  out.residual = t.replica_sync().codec_residual();
-  out.bytes = t.replica_sync().bytes_sent();
-  const Tensor p = t.gather_params();
-  out.params.assign(p.data<float>(), p.data<float>() + p.numel());
-  return out;
+  return test::train_sync(ps_options(sync));
 }
 
 SyncOptions ps(const std::string& mode, const std::string& codec, int64_t servers = 1) {

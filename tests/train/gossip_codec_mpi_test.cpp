@@ -44,41 +44,17 @@ Communicator& world() {
   return test::mpi_world();
 }
 
-ModelSpec spec() {
-  return test::sync_mlp();
-}
+using Outcome = test::SyncOutcome;
+using test::mean3_falls;
 
-struct Outcome {
-  std::vector<double> losses;
-  std::vector<float> own;  // this rank's own parameters
-  std::vector<float> residual;
-  std::vector<ParamStore::Entry> entries;
-  uint64_t bytes = 0;
-  ReplicaSync::Consensus consensus;
-  std::string name;
-};
-
+// AD-PSGD: each rank reports its own loss; the mean over ranks reads as
+// the global one (equal batches).
 Outcome train(const SyncOptions& sync, int64_t steps = kSteps) {
-  auto data = std::make_shared<test::SyntheticData>(spec(), 480, 9);
   TrainerOptions o = test::sync_options(sync, {.steps = steps});
   o.dist.consistency_every = 0;
-  Trainer t(spec(), data, nullptr, o, &world());
-  Outcome out;
-  out.losses = t.run().losses;
-  if (!t.replica_sync().lock_step()) {
-    // AD-PSGD: each rank reports its own loss; the mean over ranks reads
-    // as the global one (equal batches).
-    world().all_reduce(out.losses.data(), out.losses.data(), out.losses.size(), DType::f64);
-    for (double& x : out.losses) x /= world().size();
-  }
-  const Tensor own = t.params().flat_values();
-  out.own.assign(own.data<float>(), own.data<float>() + own.numel());
-  out.entries = t.params().entries();
-  out.residual = t.replica_sync().codec_residual();
-  out.bytes = t.replica_sync().bytes_sent();
-  out.name = t.replica_sync().name();
-  out.consensus = t.replica_sync().consensus();
-  return out;
+  return test::train_sync(
+      o,
+      {.own_losses = test::OwnLosses::unless_lock_step, .mean_params = false, .consensus = true});
 }
 
 SyncOptions gossip(const std::string& topology, const std::string& codec = "none",
@@ -105,11 +81,6 @@ double divergence(const Outcome& want, const Outcome& got) {
   double worst = test::divergence(want.losses, got.losses, want.own, got.own);
   world().all_reduce(&worst, &worst, 1, DType::f64, ReduceOp::max);
   return worst;
-}
-
-bool mean3_falls(const std::vector<double>& v) {
-  const size_t n = v.size();
-  return v[n - 1] + v[n - 2] + v[n - 3] < v[0] + v[1] + v[2];
 }
 
 // One CHOCO payload of every parameter (what each neighbour gets per step).

@@ -12,7 +12,6 @@
 // twice is off by far more from the first resumed step (the test of the
 // test at the end shows a resume without optimizer state is caught).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -35,9 +34,15 @@
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
+#include "train/plan_harness.h"
 
 namespace mt {
 namespace {
+
+using test::Reference;
+using test::remove_shared_tmp_dir;
+using test::shared_tmp_dir;
+using test::single_run;
 
 constexpr double kRel = 1e-4;
 constexpr int kSteps = 12;
@@ -46,33 +51,13 @@ Communicator& world() {
   return test::mpi_world();
 }
 
+// Four blocks: interleaved, 2 ranks x 2 virtual stages, a block each.
 ModelSpec gpt_spec() {
-  ModelSpec s;
-  s.kind = "gpt";
-  s.layers = 4;  // interleaved: 2 ranks x 2 virtual stages, a block each
-  s.d_model = 24;
-  s.heads = 6;
-  s.seq_len = 8;
-  s.vocab = 36;
-  return s;
+  return test::plan_gpt(4);
 }
 
 TrainerOptions base_options() {
-  TrainerOptions o;
-  o.batch_size = 8;
-  o.max_steps = kSteps;
-  o.epochs = 1;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 3;
-  o.exec.backend = "reference";
-  o.optimizer = "adamw";
-  o.optim.adamw.weight_decay = 0.01;
-  o.schedule.lr = 0.003;
-  o.schedule.kind =
-      LrScheduleKind::cosine;  // the resumed run must continue the schedule, not restart it
-  o.clip_grad_norm = 0.5;
-  return o;
+  return test::plan_adamw_options(kSteps);
 }
 
 // A plan of the [parallel] shorthand for the world, or none ("" or "dp":
@@ -105,78 +90,6 @@ TrainerOptions under(const std::string& kind, const ModelSpec& spec, TrainerOpti
   return o;
 }
 
-struct Reference {
-  std::vector<double> losses;
-  std::map<std::string, Tensor> params;
-};
-
-Reference single_run(const ModelSpec& spec, const TrainerOptions& o) {
-  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-  Trainer t(spec, data, nullptr, o, nullptr);
-  Reference ref;
-  ref.losses = t.run().losses;
-  for (const auto& e : t.params().entries()) ref.params[e.name] = e.value.clone();
-  return ref;
-}
-
-// Elements of box `b` of whole tensor t, row-major.
-std::vector<float> box_of(const Tensor& t, const Box& b) {
-  Tensor piece = Tensor::empty(b.shape(), DType::f32);
-  copy_box_out(t, b, piece);
-  return {piece.data<float>(), piece.data<float>() + piece.numel()};
-}
-
-struct RunResult {
-  std::vector<double> losses;
-  double worst_param = 0;  // largest relative error of any piece against the reference
-  std::string where;
-  int64_t steps = 0;
-};
-
-// Trains under `o` and compares every parameter piece this rank holds with
-// the same box of the reference's parameter.
-RunResult run(const ModelSpec& spec, const TrainerOptions& o, const Reference* ref) {
-  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-  Trainer t(spec, data, nullptr, o, &world());
-  const TrainResult r = t.run();
-  RunResult out;
-  out.losses = r.losses;
-  out.steps = r.steps;
-  if (ref == nullptr) return out;
-  std::vector<std::pair<std::string, Tensor>> held;
-  const LoweredProgram* lp = nullptr;
-  if (PipelineTraining* p = t.pipeline()) {
-    for (const std::string& n : p->param_names()) held.emplace_back(n, p->param(n));
-    lp = p->lowered();
-  } else {
-    for (const auto& e : t.params().entries()) held.emplace_back(e.name, e.value);
-    lp = t.lowered_program();
-  }
-  EXPECT_FALSE(held.empty());
-  for (const auto& [name, got] : held) {
-    const Tensor& whole = ref->params.at(name);
-    const LoweredParam* box = lp != nullptr ? lp->param(name) : nullptr;
-    const std::vector<float> want =
-        box_of(whole, box != nullptr ? box->box : Box::whole(whole.shape()));
-    EXPECT_EQ(static_cast<size_t>(got.numel()), want.size()) << name;
-    if (static_cast<size_t>(got.numel()) != want.size()) continue;
-    double diff = 0, mag = 1e-3;
-    for (size_t k = 0; k < want.size(); ++k) {
-      diff = std::max(diff, std::abs(static_cast<double>(got.data<float>()[k]) - want[k]));
-      mag = std::max(mag, std::abs(static_cast<double>(want[k])));
-    }
-    if (diff / mag > out.worst_param) out.worst_param = diff / mag, out.where = name;
-  }
-  return out;
-}
-
-std::string shared_tmp_dir(const char* what) {
-  std::string dir = fmt::format("/tmp/mt-{}-{:010d}", what, ::getpid());  // same length everywhere
-  world().broadcast(dir.data(), dir.size(), DType::u8, 0);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 struct Handover {
   std::string from, to;
   int ranks = 2;
@@ -196,32 +109,11 @@ TEST_P(PlanCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   const TrainerOptions base = base_options();
   const Reference ref = single_run(spec, base);
   const std::string dir = shared_tmp_dir("pp-ckpt");
-  TrainerOptions first = under(h.from, spec, base), second = under(h.to, spec, base);
-  first.checkpoint_path = dir + "/ck";
-  first.halt_after = kSteps / 2;
-  second.resume_path = dir + "/ck";
-  const RunResult a = run(spec, first, nullptr);
-  ASSERT_EQ(a.steps, kSteps / 2);
-  const RunResult b = run(spec, second, &ref);
-  ASSERT_EQ(b.losses.size(), static_cast<size_t>(kSteps / 2));  // the resumed steps
-  EXPECT_EQ(b.steps, kSteps);
-  double worst = 0;
-  std::string where;
-  for (int i = 0; i < kSteps; ++i) {
-    const double want = ref.losses[static_cast<size_t>(i)];
-    const double got = i < kSteps / 2 ? a.losses[static_cast<size_t>(i)]
-                                      : b.losses[static_cast<size_t>(i - kSteps / 2)];
-    const double d = std::abs(got - want) / std::abs(want);
-    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
-  }
-  if (b.worst_param > worst) worst = b.worst_param, where = "parameter " + b.where;
-  if (world().rank() == 0) {
-    std::printf("%s -> %s, %d ranks: worst relative error %.3g at %s\n", h.from.c_str(),
-                h.to.c_str(), h.ranks, worst, where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << h.from << " -> " << h.to << " rank " << world().rank() << ": " << where;
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  test::Handover r;
+  ASSERT_NO_FATAL_FAILURE(test::run_handover(spec, under(h.from, spec, base),
+                                             under(h.to, spec, base), kSteps, ref, dir, &r));
+  test::expect_within(r.worst, kRel, fmt::format("{} -> {}, {} ranks", h.from, h.to, h.ranks));
+  remove_shared_tmp_dir(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -245,22 +137,15 @@ TEST(PlanCheckpointMpiHarness, CatchesAResumeThatIsSlightlyOff) {
   const TrainerOptions base = base_options();
   const Reference ref = single_run(spec, base);
   const std::string dir = shared_tmp_dir("pp-ckpt-tt");
-  TrainerOptions first = under("pp", spec, base), second = under("dp_zero0", spec, base);
-  first.checkpoint_path = dir + "/ck";
-  first.halt_after = kSteps / 2;
-  second.resume_path = dir + "/ck";
+  TrainerOptions second = under("dp_zero0", spec, base);
   second.schedule.lr *= 1.01;
-  run(spec, first, nullptr);
-  const RunResult b = run(spec, second, &ref);
-  double off = b.worst_param;
-  for (int i = 0; i < kSteps / 2; ++i) {
-    const double want = ref.losses[static_cast<size_t>(i + kSteps / 2)];
-    off = std::max(off, std::abs(b.losses[static_cast<size_t>(i)] - want) / std::abs(want));
-  }
+  test::Handover r;
+  ASSERT_NO_FATAL_FAILURE(
+      test::run_handover(spec, under("pp", spec, base), second, kSteps, ref, dir, &r));
+  const double off = r.resumed.worst;
   if (world().rank() == 0) std::printf("resumed with the learning rate 1%% off: %.3g\n", off);
   EXPECT_GT(off, 3 * kRel);
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 // Step checkpoints under a pipeline: every 2 steps, the newest 2 kept; a
@@ -278,7 +163,7 @@ TEST(PlanCheckpointMpiSteps, EveryKeepAndAutoResume) {
   first.checkpoint_keep = second.checkpoint_keep = 2;
   first.halt_after = kSteps / 2;
   second.resume_path = "auto";
-  const RunResult a = run(spec, first, nullptr);
+  const test::PlanRun a = test::run_plan(spec, first, nullptr);
   world().barrier();
   std::vector<std::string> kept;
   for (const auto& e : std::filesystem::directory_iterator(dir + "/steps")) {
@@ -287,17 +172,13 @@ TEST(PlanCheckpointMpiSteps, EveryKeepAndAutoResume) {
   std::ranges::sort(kept);
   EXPECT_EQ(kept, (std::vector<std::string>{"step_00000004", "step_00000006"}));
   world().barrier();
-  const RunResult b = run(spec, second, &ref);
+  const test::PlanRun b = test::run_plan(spec, second, &ref);
   ASSERT_EQ(b.losses.size(), static_cast<size_t>(kSteps / 2));
-  double worst = b.worst_param;
-  for (int i = 0; i < kSteps / 2; ++i) {
-    const double want = ref.losses[static_cast<size_t>(i + kSteps / 2)];
-    worst = std::max(worst, std::abs(b.losses[static_cast<size_t>(i)] - want) / std::abs(want));
-  }
+  std::string where;
+  const double worst = std::max(b.worst_param, test::worst_loss(b.losses, ref, kSteps / 2, &where));
   EXPECT_LE(worst, kRel);
   EXPECT_EQ(a.steps, kSteps / 2);
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 // What a pipeline run cannot resume from is refused on every rank before
@@ -315,12 +196,12 @@ TEST(PlanCheckpointMpiErrors, RefusedBeforeAnyStepOnEveryRank) {
   TrainerOptions sgd = under("pp", spec, base);
   sgd.optimizer = "sgd";
   sgd.checkpoint_path = dir + "/sgd";
-  run(spec, sgd, nullptr);
+  test::run_plan(spec, sgd, nullptr);
   auto refused = [&](const std::string& resume, const std::string& expect) {
     TrainerOptions o = under("pp", spec, base);
     o.resume_path = resume;
     try {
-      run(spec, o, nullptr);
+      test::run_plan(spec, o, nullptr);
       ADD_FAILURE() << "resuming " << resume << " was not refused";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
@@ -328,8 +209,7 @@ TEST(PlanCheckpointMpiErrors, RefusedBeforeAnyStepOnEveryRank) {
   };
   refused(single.checkpoint_path, "a single-file checkpoint (whole tensors) does not resume");
   refused(dir + "/sgd", "written with optimizer 'sgd' but this run uses 'adamw'");
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 // train.init under TP and PP plans: every rank loads its boxes of a
@@ -366,23 +246,13 @@ TEST_P(InitUnderPlanMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   TrainerOptions o = base;
   o.init_path = weights;
   const Reference ref = single_run(spec, o);
-  const RunResult got = run(spec, under(kind, spec, o), &ref);
+  const test::PlanRun got = test::run_plan(spec, under(kind, spec, o), &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  double worst = got.worst_param;
-  std::string where = "parameter " + got.where;
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    const double d = std::abs(got.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]);
-    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
-  }
-  if (world().rank() == 0) {
-    std::printf("train.init under %s, %d ranks: worst relative error %.3g at %s\n", param.c_str(),
-                ranks, worst, where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << kind << " rank " << world().rank() << ": " << where;
+  test::expect_within(test::divergence(got, ref), kRel,
+                      fmt::format("train.init under {}, {} ranks", param, ranks));
   EXPECT_GT(std::abs(ref.losses[0] - trained.losses[0]), 100 * kRel * std::abs(ref.losses[0]))
       << "the file's weights should start elsewhere than the seeded ones";
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, InitUnderPlanMpi,

@@ -13,7 +13,6 @@
 // Tolerance: 1e-4 relative, as the other pipeline tests (tp_mpi_test.cpp
 // explains: f32 sums re-associated by the plans, carried over the steps).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -21,7 +20,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -30,16 +28,22 @@
 #include "meshtrain/base/error.h"
 #include "meshtrain/spmd/lower.h"
 #include "meshtrain/spmd/shorthand.h"
-#include "meshtrain/tensor/box.h"
 #include "meshtrain/tensor/memory_stats.h"
 #include "meshtrain/train/pipeline_training.h"
 #include "meshtrain/train/sharded_checkpoint.h"
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
+#include "train/plan_harness.h"
 
 namespace mt {
 namespace {
+
+using test::divergence;
+using test::Reference;
+using test::remove_shared_tmp_dir;
+using test::shared_tmp_dir;
+using test::single_run;
 
 constexpr double kRel = 1e-4;
 constexpr int kSteps = 10;
@@ -50,31 +54,11 @@ Communicator& world() {
 }
 
 ModelSpec gpt_spec() {
-  ModelSpec s;
-  s.kind = "gpt";
-  s.layers = 2;
-  s.d_model = 24;
-  s.heads = 6;
-  s.seq_len = 8;
-  s.vocab = 36;
-  return s;
+  return test::plan_gpt(2);
 }
 
 TrainerOptions base_options() {
-  TrainerOptions o;
-  o.batch_size = 8;
-  o.max_steps = kSteps;
-  o.epochs = 1;
-  o.progress = false;
-  o.eval = false;
-  o.seed = 3;
-  o.exec.backend = "reference";
-  o.optimizer = "adamw";
-  o.optim.adamw.weight_decay = 0.01;
-  o.schedule.lr = 0.003;
-  o.schedule.kind = LrScheduleKind::cosine;
-  o.clip_grad_norm = 0.5;  // a global norm: the ZeRO shards' parts summed over dp
-  return o;
+  return test::plan_adamw_options(kSteps);
 }
 
 // "dp_pp", "dp_tp_pp", "tp_pp" or "pp" with an optional "_zeroN" (ZeRO stage
@@ -98,97 +82,6 @@ TrainerOptions under(const std::string& kind, const ModelSpec& spec, TrainerOpti
   return o;
 }
 
-struct Reference {
-  std::vector<double> losses;
-  std::map<std::string, Tensor> params;
-};
-
-Reference single_run(const ModelSpec& spec, const TrainerOptions& o) {
-  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-  Trainer t(spec, data, nullptr, o, nullptr);
-  Reference ref;
-  ref.losses = t.run().losses;
-  for (const auto& e : t.params().entries()) ref.params[e.name] = e.value.clone();
-  return ref;
-}
-
-struct RunResult {
-  std::vector<double> losses;
-  double worst_param = 0;  // largest relative error of any piece against the reference
-  std::string where;
-  int64_t steps = 0;
-  std::vector<int64_t> param_numels;  // of the pieces this rank holds, in the runtime's order
-  MemoryCounters allocated;
-};
-
-// Trains under `o` and compares every parameter piece this rank holds with
-// the same box of the reference's parameter.
-RunResult run(const ModelSpec& spec, const TrainerOptions& o, const Reference* ref) {
-  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-  Trainer t(spec, data, nullptr, o, &world());
-  const TrainResult r = t.run();
-  RunResult out;
-  out.losses = r.losses;
-  out.steps = r.steps;
-  out.allocated = r.allocated;
-  std::vector<std::pair<std::string, Tensor>> held;
-  const LoweredProgram* lp = nullptr;
-  if (PipelineTraining* p = t.pipeline()) {
-    p->gather_params();  // ZeRO-3: whole again (collective); a no-op otherwise
-    for (const std::string& n : p->param_names()) held.emplace_back(n, p->param(n));
-    lp = p->lowered();
-  } else {
-    for (const auto& e : t.params().entries()) held.emplace_back(e.name, e.value);
-    lp = t.lowered_program();
-  }
-  for (const auto& [name, got] : held) out.param_numels.push_back(got.numel());
-  if (ref == nullptr) return out;
-  EXPECT_FALSE(held.empty());
-  for (const auto& [name, got] : held) {
-    const Tensor& whole = ref->params.at(name);
-    const LoweredParam* box = lp != nullptr ? lp->param(name) : nullptr;
-    const Box b = box != nullptr ? box->box : Box::whole(whole.shape());
-    Tensor want = Tensor::empty(b.shape(), DType::f32);
-    copy_box_out(whole, b, want);
-    EXPECT_EQ(got.numel(), want.numel()) << name;
-    if (got.numel() != want.numel()) continue;
-    double diff = 0, mag = 1e-3;
-    for (int64_t k = 0; k < want.numel(); ++k) {
-      const double w = want.data<float>()[k];
-      diff = std::max(diff, std::abs(static_cast<double>(got.data<float>()[k]) - w));
-      mag = std::max(mag, std::abs(w));
-    }
-    if (diff / mag > out.worst_param) out.worst_param = diff / mag, out.where = name;
-  }
-  return out;
-}
-
-// Worst relative error of the losses against the reference's (from step `first`).
-double worst_loss(const std::vector<double>& got, const Reference& ref, size_t first,
-                  std::string* where) {
-  double worst = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double want = ref.losses.at(first + i);
-    const double d = std::abs(got[i] - want) / std::abs(want);
-    if (d > worst) worst = d, *where = "loss of step " + std::to_string(first + i);
-  }
-  return worst;
-}
-
-// A run's worst relative difference from the reference over every step's
-// loss and the final parameters, and where it is.
-struct Divergence {
-  double worst = 0;
-  std::string where;
-};
-
-Divergence divergence(const RunResult& got, const Reference& ref) {
-  Divergence d;
-  d.worst = worst_loss(got.losses, ref, 0, &d.where);
-  if (got.worst_param > d.worst) d.worst = got.worst_param, d.where = "parameter " + got.where;
-  return d;
-}
-
 // The loss scale a run ended with, from its checkpoint's metadata.
 double checkpoint_scale(const std::string& path) {
   return std::stod(read_index(path).metadata.at("loss_scale"));
@@ -206,14 +99,10 @@ TEST_P(PipelineZeroMpi, MatchesTheSingleProcessRun) {
   const ModelSpec spec = gpt_spec();
   const TrainerOptions base = base_options();
   const Reference ref = single_run(spec, base);
-  const RunResult got = run(spec, under(kind, spec, base), &ref);
+  const test::PlanRun got = test::run_plan(spec, under(kind, spec, base), &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  const auto [worst, where] = divergence(got, ref);
-  if (world().rank() == 0) {
-    std::printf("%s, %d ranks, %d steps: worst relative error %.3g at %s\n", kind.c_str(),
-                world().size(), kSteps, worst, where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << kind << " rank " << world().rank() << ": " << where;
+  test::expect_within(divergence(got, ref), kRel,
+                      fmt::format("{}, {} ranks, {} steps", kind, world().size(), kSteps));
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, PipelineZeroMpi,
@@ -239,7 +128,7 @@ TEST(PipelineZeroMemoryMpi, OptimizerStateAndGradientsAsPredicted) {
   const ModelSpec spec = gpt_spec();
   TrainerOptions base = base_options();
   base.max_steps = 3;
-  RunResult by_stage[4];
+  test::PlanRun by_stage[4];
   std::vector<int64_t> params_after_step, grads_after_step;
   int dp_rank = 0;
   for (int stage = 0; stage <= 3; ++stage) {
@@ -252,7 +141,7 @@ TEST(PipelineZeroMemoryMpi, OptimizerStateAndGradientsAsPredicted) {
         grads_after_step.push_back(c.live_of(MemoryCategory::grads));
       };
     }
-    by_stage[stage] = run(spec, o, nullptr);
+    by_stage[stage] = test::run_plan(spec, o, nullptr);
   }
   const std::vector<int64_t>& numels = by_stage[0].param_numels;
   ASSERT_FALSE(numels.empty());
@@ -328,13 +217,6 @@ void PrintTo(const Handover& h, std::ostream* os) {
   *os << h.from << " -> " << h.to;
 }
 
-std::string shared_tmp_dir(const char* what) {
-  std::string dir = fmt::format("/tmp/mt-{}-{:010d}", what, ::getpid());  // same length everywhere
-  world().broadcast(dir.data(), dir.size(), DType::u8, 0);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 class PipelineZeroCheckpointMpi : public ::testing::TestWithParam<Handover> {};
 
 // Checkpointed after half the steps under `from`, resumed under `to`.
@@ -345,27 +227,11 @@ TEST_P(PipelineZeroCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   const TrainerOptions base = base_options();
   const Reference ref = single_run(spec, base);
   const std::string dir = shared_tmp_dir("ppzero-ckpt");
-  TrainerOptions first = under(h.from, spec, base), second = under(h.to, spec, base);
-  first.checkpoint_path = dir + "/ck";
-  first.halt_after = kSteps / 2;
-  second.resume_path = dir + "/ck";
-  const RunResult a = run(spec, first, nullptr);
-  ASSERT_EQ(a.steps, kSteps / 2);
-  const RunResult b = run(spec, second, &ref);
-  ASSERT_EQ(b.losses.size(), static_cast<size_t>(kSteps / 2));
-  EXPECT_EQ(b.steps, kSteps);
-  std::string where, where_a;
-  double worst = worst_loss(b.losses, ref, kSteps / 2, &where);
-  const double first_half = worst_loss(a.losses, ref, 0, &where_a);
-  if (first_half > worst) worst = first_half, where = where_a;
-  if (b.worst_param > worst) worst = b.worst_param, where = "parameter " + b.where;
-  if (world().rank() == 0) {
-    std::printf("%s -> %s: worst relative error %.3g at %s\n", h.from.c_str(), h.to.c_str(), worst,
-                where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << h.from << " -> " << h.to << " rank " << world().rank() << ": " << where;
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  test::Handover r;
+  ASSERT_NO_FATAL_FAILURE(test::run_handover(spec, under(h.from, spec, base),
+                                             under(h.to, spec, base), kSteps, ref, dir, &r));
+  test::expect_within(r.worst, kRel, h.from + " -> " + h.to);
+  remove_shared_tmp_dir(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -400,7 +266,7 @@ TEST_P(PipelineF16Mpi, MatchesTheSingleProcessRunAsTheScaleGrows) {
   const std::string dir = shared_tmp_dir("ppf16");
   TrainerOptions o = under(kind, spec, base);
   o.checkpoint_path = dir + "/ck";
-  const RunResult got = run(spec, o, &ref);
+  const test::PlanRun got = test::run_plan(spec, o, &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
   const auto [worst, where] = divergence(got, ref);
   const double scale = checkpoint_scale(dir + "/ck");
@@ -410,8 +276,7 @@ TEST_P(PipelineF16Mpi, MatchesTheSingleProcessRunAsTheScaleGrows) {
   }
   EXPECT_EQ(scale, 1024.0 * 8) << "three growths (every 3 good steps of 10)";
   EXPECT_LE(worst, kF16Rel) << kind << " rank " << world().rank() << ": " << where;
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 // From 2^24 the first steps overflow and are skipped: every rank must skip
@@ -473,8 +338,7 @@ TEST_P(PipelineF16Mpi, OverflowSkipsTheSameStepsOnEveryRank) {
                 kind.c_str(), scale, copies);
   }
   EXPECT_LT(scale, base.loss_scaler.init_scale) << "no step overflowed: the test tests nothing";
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 // From 2^24 the first steps overflow: the pipeline skips exactly the
@@ -498,7 +362,7 @@ TEST_P(PipelineF16Mpi, OverflowBacksOffAsTheSingleProcessRun) {
   const double ref_scale = checkpoint_scale(single.checkpoint_path);
   TrainerOptions o = under(kind, spec, base);
   o.checkpoint_path = dir + "/ck";
-  const RunResult got = run(spec, o, &ref);
+  const test::PlanRun got = test::run_plan(spec, o, &ref);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
   const auto [worst, where] = divergence(got, ref);
   const double scale = checkpoint_scale(dir + "/ck");
@@ -509,8 +373,7 @@ TEST_P(PipelineF16Mpi, OverflowBacksOffAsTheSingleProcessRun) {
   EXPECT_LT(ref_scale, base.loss_scaler.init_scale) << "no step overflowed: the test tests nothing";
   EXPECT_EQ(scale, ref_scale) << kind << ": the pipeline backed off differently";
   EXPECT_LE(worst, kF16Rel) << kind << " rank " << world().rank() << ": " << where;
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, PipelineF16Mpi,

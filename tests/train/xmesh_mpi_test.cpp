@@ -16,7 +16,6 @@
 // plan re-associates, carried by the optimizer over 12 steps); a wrong
 // boundary (a half not sent, a gradient not returned) is off by far more.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -24,7 +23,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -39,9 +37,18 @@
 #include "meshtrain/train/trainer.h"
 #include "sync/dp_harness.h"
 #include "train/mpi_world.h"
+#include "train/plan_harness.h"
 
 namespace mt {
 namespace {
+
+using test::Reference;
+using test::remove_shared_tmp_dir;
+using test::shared_tmp_dir;
+using test::single_run;
+
+// Pipeline runs here also check their boundary bytes against the prediction.
+constexpr test::PlanRunChecks kPipelineBytes{.pipeline_bytes = true};
 
 constexpr double kRel = 1e-4;
 constexpr int kSteps = 12;
@@ -63,14 +70,7 @@ ModelSpec mlp() {
 // GPT with a tied embedding: wte is read by the first stage (the token
 // embedding) and by the last (the head), which hold it on different meshes.
 ModelSpec gpt() {
-  ModelSpec s;
-  s.kind = "gpt";
-  s.layers = 2;
-  s.d_model = 24;
-  s.heads = 6;
-  s.seq_len = 8;
-  s.vocab = 36;
-  return s;
+  return test::plan_gpt(2);
 }
 
 // Four layers for the virtual-stage plans: fc1 (64 -> 24), fc2 (24 -> 18),
@@ -106,26 +106,6 @@ TrainerOptions options(const std::string& optimizer) {
   return o;
 }
 
-// Elements of box `b` of whole tensor t, row-major.
-std::vector<float> box_of(const Tensor& t, const Box& b) {
-  const Shape bs = b.shape();
-  const int r = t.rank();
-  std::vector<float> out;
-  std::vector<int64_t> idx(static_cast<size_t>(r));
-  for (int64_t i = 0; i < bs.numel(); ++i) {
-    int64_t rest = i, flat = 0;
-    for (int d = r - 1; d >= 0; --d) {
-      idx[static_cast<size_t>(d)] = rest % bs[d];
-      rest /= bs[d];
-    }
-    for (int d = 0; d < r; ++d) {
-      flat = flat * t.shape()[d] + b.begin[static_cast<size_t>(d)] + idx[static_cast<size_t>(d)];
-    }
-    out.push_back(t.data<float>()[flat]);
-  }
-  return out;
-}
-
 struct XCase {
   std::string label;
   std::string optimizer;
@@ -148,64 +128,27 @@ TEST_P(StageMeshesMpi, MatchesTheSingleProcessRunEveryStep) {
   if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
   const ModelSpec spec = c.four_layers ? mlp4() : mlp();
   TrainerOptions o = options(c.optimizer);
-  struct Ref {
-    std::vector<double> losses;
-    std::optional<double> test_loss;
-    std::vector<std::pair<std::string, Tensor>> params;
-  };
-  const Ref ref = [&] {
-    auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-    auto test_data = std::make_shared<test::SyntheticData>(spec, 30, 6);
-    Trainer t(spec, data, test_data, o, nullptr);
-    Ref out;
-    const TrainResult res = t.run();
-    out.losses = res.losses;
-    out.test_loss = res.test_loss;
-    for (const auto& e : t.params().entries()) out.params.emplace_back(e.name, e.value.clone());
-    return out;
-  }();
+  auto test_data = std::make_shared<test::SyntheticData>(spec, 30, 6);
+  const Reference ref = single_run(spec, o, nullptr, test_data);
   Plan plan = plan_from_json(c.plan, c.label);
   plan.schedule = c.schedule;
   const ModelGraph m = build_model(spec, o.batch_size);
   validate_plan(plan, m.graph, 3, o.batch_size, c.label);
   o.dist.plan = std::make_shared<const Plan>(std::move(plan));
   auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-  auto test_data = std::make_shared<test::SyntheticData>(spec, 30, 6);
   Trainer t(spec, data, test_data, o, &world());
   ASSERT_NE(t.pipeline(), nullptr);
   const TrainResult res = t.run();
   ASSERT_EQ(res.losses.size(), ref.losses.size());
   ASSERT_TRUE(res.test_loss && ref.test_loss);
   EXPECT_NEAR(*res.test_loss, *ref.test_loss, kRel * std::abs(*ref.test_loss)) << c.label;
-  double worst = 0;
   std::string where;
-  for (size_t i = 0; i < res.losses.size(); ++i) {
-    const double d = std::abs(res.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]);
-    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
-  }
+  double worst = test::worst_loss(res.losses, ref, 0, &where);
+  ASSERT_NE(t.pipeline()->lowered(), nullptr);
+  const test::PieceDiff pieces = test::compare_pieces(t, ref);
+  if (pieces.worst > worst) worst = pieces.worst, where = "parameter " + pieces.where;
+  const bool split_here = pieces.split;
   const PipelineTraining& pt = *t.pipeline();
-  const std::vector<std::string> held = pt.param_names();
-  ASSERT_FALSE(held.empty());
-  const LoweredProgram* lp = pt.lowered();
-  ASSERT_NE(lp, nullptr);
-  bool split_here = false;
-  for (const std::string& name : held) {
-    const auto w = std::ranges::find_if(ref.params, [&](const auto& p) { return p.first == name; });
-    ASSERT_NE(w, ref.params.end()) << name;
-    const Tensor got = pt.param(name);
-    const LoweredParam* bp = lp->param(name);
-    ASSERT_NE(bp, nullptr) << name;
-    split_here |= !bp->axis.empty();
-    const std::vector<float> want = box_of(w->second, bp->box);
-    ASSERT_EQ(static_cast<size_t>(got.numel()), want.size()) << name;
-    double diff = 0, mag = 1e-3;
-    for (int64_t k = 0; k < got.numel(); ++k) {
-      const double wk = want[static_cast<size_t>(k)];
-      diff = std::max(diff, std::abs(static_cast<double>(got.data<float>()[k]) - wk));
-      mag = std::max(mag, std::abs(wk));
-    }
-    if (diff / mag > worst) worst = diff / mag, where = "parameter " + name;
-  }
   // The tensor-parallel stage's ranks hold halves, the other stage's rank whole tensors.
   const auto& stages = o.dist.plan->stages;
   const int me = world().rank();
@@ -504,11 +447,6 @@ std::shared_ptr<const Plan> xmesh_plan(const std::string& kind, const ModelSpec&
   return std::make_shared<const Plan>(std::move(plan));
 }
 
-struct CkReference {
-  std::vector<double> losses;
-  std::map<std::string, Tensor> params;
-};
-
 // The synthetic examples with their inputs multiplied by `gain` (f16: a
 // loud input makes the first layer's weight gradient overflow at a loss
 // scale where the activations' gradients still fit).
@@ -532,67 +470,6 @@ class LoudData : public Dataset {
   float gain_;
 };
 
-CkReference ck_single_run(const ModelSpec& spec, const TrainerOptions& o, float gain = 1.0f) {
-  auto data = std::make_shared<LoudData>(spec, gain);
-  Trainer t(spec, data, nullptr, o, nullptr);
-  CkReference ref;
-  ref.losses = t.run().losses;
-  for (const auto& e : t.params().entries()) ref.params[e.name] = e.value.clone();
-  return ref;
-}
-
-struct CkRun {
-  std::vector<double> losses;
-  int64_t steps = 0;
-  double worst_param = 0;
-  std::string where;
-};
-
-// Trains under `o` at 3 ranks; with `ref`, compares every piece this rank holds.
-CkRun ck_run(const ModelSpec& spec, const TrainerOptions& o, const CkReference* ref) {
-  auto data = std::make_shared<test::SyntheticData>(spec, 96, 5);
-  Trainer t(spec, data, nullptr, o, &world());
-  const TrainResult r = t.run();
-  CkRun out;
-  out.losses = r.losses;
-  out.steps = r.steps;
-  if (ref == nullptr) return out;
-  std::vector<std::pair<std::string, Tensor>> held;
-  const LoweredProgram* lp = nullptr;
-  if (PipelineTraining* p = t.pipeline()) {
-    p->gather_params();  // ZeRO-3: whole from the dp group's shards
-    for (const std::string& n : p->param_names()) held.emplace_back(n, p->param(n));
-    lp = p->lowered();
-    // The boundaries' and the shared gradients' bytes, as planned.
-    EXPECT_EQ(p->pipeline_bytes_sent(), p->pipeline_bytes_predicted()) << "rank " << world().rank();
-  } else {
-    for (const auto& e : t.params().entries()) held.emplace_back(e.name, e.value);
-  }
-  EXPECT_FALSE(held.empty());
-  for (const auto& [name, got] : held) {
-    const Tensor& whole = ref->params.at(name);
-    const LoweredParam* bp = lp != nullptr ? lp->param(name) : nullptr;
-    const std::vector<float> want =
-        box_of(whole, bp != nullptr ? bp->box : Box::whole(whole.shape()));
-    EXPECT_EQ(static_cast<size_t>(got.numel()), want.size()) << name;
-    if (static_cast<size_t>(got.numel()) != want.size()) continue;
-    double diff = 0, mag = 1e-3;
-    for (size_t k = 0; k < want.size(); ++k) {
-      diff = std::max(diff, std::abs(static_cast<double>(got.data<float>()[k]) - want[k]));
-      mag = std::max(mag, std::abs(static_cast<double>(want[k])));
-    }
-    if (diff / mag > out.worst_param) out.worst_param = diff / mag, out.where = name;
-  }
-  return out;
-}
-
-std::string shared_tmp_dir(const char* what) {
-  std::string dir = fmt::format("/tmp/mt-{}-{:010d}", what, ::getpid());  // same length everywhere
-  world().broadcast(dir.data(), dir.size(), DType::u8, 0);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 struct Handover {
   std::string from, to;
   // SGD with momentum (its buffer is checkpointed too) where AdamW's
@@ -615,7 +492,7 @@ TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   if (world().size() != ranks) GTEST_SKIP() << "runs at " << ranks << " ranks";
   const ModelSpec spec = spec_of(h.from == "dp" ? h.to : h.from);
   const TrainerOptions base = checkpoint_options(h.optimizer);
-  const CkReference ref = ck_single_run(spec, base);
+  const Reference ref = single_run(spec, base);
   const std::string dir = shared_tmp_dir("xmesh-ckpt");
   TrainerOptions first = base, second = base;
   first.dist.plan = xmesh_plan(h.from, spec);
@@ -623,31 +500,11 @@ TEST_P(StageMeshesCheckpointMpi, ResumedRunContinuesTheUninterruptedOne) {
   // "..._zeroK": ZeRO stage K on the plan's dp axis.
   if (h.from.find("_zero") != std::string::npos) first.dist.dp.stage = h.from.back() - '0';
   if (h.to.find("_zero") != std::string::npos) second.dist.dp.stage = h.to.back() - '0';
-  first.checkpoint_path = dir + "/ck";
-  first.halt_after = kSteps / 2;
-  second.resume_path = dir + "/ck";
-  const CkRun a = ck_run(spec, first, nullptr);
-  ASSERT_EQ(a.steps, kSteps / 2);
-  const CkRun b = ck_run(spec, second, &ref);
-  ASSERT_EQ(b.losses.size(), static_cast<size_t>(kSteps / 2));  // the resumed steps
-  EXPECT_EQ(b.steps, kSteps);
-  double worst = 0;
-  std::string where;
-  for (int i = 0; i < kSteps; ++i) {
-    const double want = ref.losses[static_cast<size_t>(i)];
-    const double got = i < kSteps / 2 ? a.losses[static_cast<size_t>(i)]
-                                      : b.losses[static_cast<size_t>(i - kSteps / 2)];
-    const double d = std::abs(got - want) / std::abs(want);
-    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
-  }
-  if (b.worst_param > worst) worst = b.worst_param, where = "parameter " + b.where;
-  if (world().rank() == 0) {
-    std::printf("%s -> %s: worst relative error %.3g at %s\n", h.from.c_str(), h.to.c_str(), worst,
-                where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << h.from << " -> " << h.to << " rank " << world().rank() << ": " << where;
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  test::Handover r;
+  ASSERT_NO_FATAL_FAILURE(
+      test::run_handover(spec, first, second, kSteps, ref, dir, &r, kPipelineBytes));
+  test::expect_within(r.worst, kRel, h.from + " -> " + h.to);
+  remove_shared_tmp_dir(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -675,26 +532,19 @@ TEST(StageMeshesCheckpointMpiHarness, CatchesAResumeThatIsSlightlyOff) {
   if (world().size() != 3) GTEST_SKIP() << "runs at 3 ranks";
   const ModelSpec spec = mlp();
   const TrainerOptions base = checkpoint_options();
-  const CkReference ref = ck_single_run(spec, base);
+  const Reference ref = single_run(spec, base);
   const std::string dir = shared_tmp_dir("xmesh-ckpt-tt");
   TrainerOptions first = base, second = base;
   first.dist.plan = xmesh_plan("tp2_to_tp1", spec);
   second.dist.plan = xmesh_plan("tp2_to_tp1", spec);
-  first.checkpoint_path = dir + "/ck";
-  first.halt_after = kSteps / 2;
-  second.resume_path = dir + "/ck";
   second.schedule.lr *= 1.03;
-  ck_run(spec, first, nullptr);
-  const CkRun b = ck_run(spec, second, &ref);
-  double off = b.worst_param;
-  for (int i = 0; i < kSteps / 2; ++i) {
-    const double want = ref.losses[static_cast<size_t>(i + kSteps / 2)];
-    off = std::max(off, std::abs(b.losses[static_cast<size_t>(i)] - want) / std::abs(want));
-  }
+  test::Handover r;
+  ASSERT_NO_FATAL_FAILURE(
+      test::run_handover(spec, first, second, kSteps, ref, dir, &r, kPipelineBytes));
+  const double off = r.resumed.worst;
   if (world().rank() == 0) std::printf("resumed with the learning rate 3%% off: %.3g\n", off);
   EXPECT_GT(off, 3 * kRel);
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 // train.init under stage meshes: every rank loads its boxes of a
@@ -709,30 +559,19 @@ TEST_P(StageMeshesInitMpi, MatchesTheSingleProcessRunFromTheSameFile) {
   TrainerOptions base = checkpoint_options();
   base.max_steps = 6;
   const std::string dir = shared_tmp_dir("xmesh-init");
-  const CkReference trained = ck_single_run(spec, base);
+  const Reference trained = single_run(spec, base);
   const std::string weights = dir + fmt::format("/w{}.safetensors", world().rank());
   save_torch_weights(weights, spec, trained.params);
   TrainerOptions o = base;
   o.init_path = weights;
-  const CkReference ref = ck_single_run(spec, o);
+  const Reference ref = single_run(spec, o);
   o.dist.plan = xmesh_plan(kind, spec);
-  const CkRun got = ck_run(spec, o, &ref);
+  const test::PlanRun got = test::run_plan(spec, o, &ref, kPipelineBytes);
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  double worst = got.worst_param;
-  std::string where = "parameter " + got.where;
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    const double d = std::abs(got.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]);
-    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
-  }
-  if (world().rank() == 0) {
-    std::printf("train.init under %s: worst relative error %.3g at %s\n", kind.c_str(), worst,
-                where.c_str());
-  }
-  EXPECT_LE(worst, kRel) << kind << " rank " << world().rank() << ": " << where;
+  test::expect_within(test::divergence(got, ref), kRel, "train.init under " + kind);
   EXPECT_GT(std::abs(ref.losses[0] - trained.losses[0]), 100 * kRel * std::abs(ref.losses[0]))
       << "the file's weights should start elsewhere than the seeded ones";
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, StageMeshesInitMpi,
@@ -829,38 +668,20 @@ void f16_case(const std::string& kind, double init_scale) {
   const std::string dir = shared_tmp_dir("xmesh-f16");
   TrainerOptions single = base;
   single.checkpoint_path = dir + "/ref" + std::to_string(world().rank());
-  const CkReference ref = ck_single_run(spec, single);
+  const Reference ref = single_run(spec, single);
   const double ref_scale = checkpoint_scale(single.checkpoint_path);
   TrainerOptions o = base;
   o.dist.plan = xmesh_plan(kind, spec);
   o.checkpoint_path = dir + "/ck";
-  auto data = std::make_shared<LoudData>(spec, 1.0f);
-  Trainer t(spec, data, nullptr, o, &world());
+  Trainer t(spec, std::make_shared<test::SyntheticData>(spec, 96, 5), nullptr, o, &world());
   const TrainResult r = t.run();
   PipelineTraining* p = t.pipeline();
   ASSERT_NE(p, nullptr);
   ASSERT_EQ(r.losses.size(), ref.losses.size());
-  double worst = 0;
   std::string where;
-  for (size_t i = 0; i < ref.losses.size(); ++i) {
-    const double d = std::abs(r.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]);
-    if (d > worst) worst = d, where = "loss of step " + std::to_string(i);
-  }
-  const LoweredProgram* lp = p->lowered();
-
-  for (const std::string& n : p->param_names()) {
-    const Tensor got = p->param(n);
-    const LoweredParam* bp = lp != nullptr ? lp->param(n) : nullptr;
-    const Tensor& w = ref.params.at(n);
-    const std::vector<float> want = box_of(w, bp != nullptr ? bp->box : Box::whole(w.shape()));
-    ASSERT_EQ(static_cast<size_t>(got.numel()), want.size()) << n;
-    double diff = 0, mag = 1e-3;
-    for (size_t k = 0; k < want.size(); ++k) {
-      diff = std::max(diff, std::abs(static_cast<double>(got.data<float>()[k]) - want[k]));
-      mag = std::max(mag, std::abs(static_cast<double>(want[k])));
-    }
-    if (diff / mag > worst) worst = diff / mag, where = "parameter " + n;
-  }
+  double worst = test::worst_loss(r.losses, ref, 0, &where);
+  const test::PieceDiff pieces = test::compare_pieces(t, ref);
+  if (pieces.worst > worst) worst = pieces.worst, where = "parameter " + pieces.where;
   const int copies = equal_copies(spec, *p);
   // Every rank's scale, and the checkpoint's, equal the single-process run's.
   const auto [most, least] = scale_range(*p);
@@ -884,8 +705,7 @@ void f16_case(const std::string& kind, double init_scale) {
     EXPECT_EQ(copies, 2 * (world().size() / 3)) << kind;
   }
   EXPECT_LE(worst, kF16Rel) << kind << " rank " << world().rank() << ": " << where;
-  world().barrier();
-  if (world().rank() == 0) std::filesystem::remove_all(dir);
+  remove_shared_tmp_dir(dir);
 }
 
 TEST_P(StageMeshesF16Mpi, MatchesTheSingleProcessRunAsTheScaleGrows) {
