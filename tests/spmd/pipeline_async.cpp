@@ -149,6 +149,8 @@ void check_async_matches_reference(Communicator& comm, AsyncMode mode,
   }
   for (const auto& [id, t] : ref.constants) ex.bind(id, t);
 
+  uint64_t steady_sent = 0, steady_predicted = 0;
+  int steady_windows = 0;
   for (int step = 0; step < kSteps; ++step) {
     std::vector<Tensor> xs, ys;
     double want_loss = 0;
@@ -206,16 +208,28 @@ void check_async_matches_reference(Communicator& comm, AsyncMode mode,
     }
     // From the second window on (the steady state: every forward's tied
     // value differs from the initial one) the bytes sent are the runtime's
-    // prediction exactly: boundary tensors, and under GPT one wte each way
-    // per micro-batch between the first and last stage.
+    // prediction: boundary tensors, and under GPT one wte each way per
+    // micro-batch between the first and last stage. The communicator
+    // counts a message when it completes, which for a message posted near a
+    // window's end can be in the next window (seen under load: 2080 and
+    // 2784 B in consecutive windows against 2432), so the windows are
+    // summed, and the sum may differ by what was in flight at the first
+    // window's start and the last one's end: at most one micro-batch's
+    // messages each.
     if (step >= 1 && step * m >= p) {
-      EXPECT_EQ(pipe.bytes_sent(), pipe.predicted_bytes_sent()) << "step " << step;
+      steady_sent += pipe.bytes_sent();
+      steady_predicted += pipe.predicted_bytes_sent();
+      ++steady_windows;
     }
     // Stage r owes the backwards of its last p - 1 - r micro-batches.
     EXPECT_EQ(pipe.weight_version(), (step + 1) * m - (p - 1 - comm.rank()));
   }
   pipe.drain();
   EXPECT_EQ(pipe.weight_version(), kSteps * m);
+  ASSERT_GE(steady_windows, 2);
+  const auto edge = static_cast<double>(2 * steady_predicted / (steady_windows * m));
+  EXPECT_NEAR(static_cast<double>(steady_sent), static_cast<double>(steady_predicted), edge)
+      << "bytes over " << steady_windows << " steady windows";
   for (const std::string& n : pipe.param_names()) {
     const Tensor& want = hist.at(n).back();
     const Tensor got = pipe.param(n);

@@ -1081,10 +1081,10 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options
   // bytes at other times, which the model does not price: refused rather
   // than priced as if it were not there.
   if (options.dist.sync.scheme != "allreduce") {
-    throw ConfigError(fmt::format(
-        "sync.scheme = \"{}\": the cost model prices the all-reduce exchange only "
-        "(docs/planner.md); plan or simulate with sync.scheme = \"allreduce\"",
-        options.dist.sync.scheme));
+    throw ConfigError(
+        fmt::format("sync.scheme = \"{}\": the cost model prices the all-reduce exchange only "
+                    "(docs/planner.md); plan or simulate with sync.scheme = \"allreduce\"",
+                    options.dist.sync.scheme));
   }
   if (parse_codec_spec(options.dist.sync.codec).kind != CodecKind::none) {
     throw ConfigError(fmt::format(
