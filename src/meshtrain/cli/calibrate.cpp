@@ -20,6 +20,7 @@
 #include "meshtrain/comm/probe.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/op_registry.h"
+#include "meshtrain/planner/cost_model.h"
 #include "meshtrain/planner/simulator.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/training_plan.h"
@@ -93,6 +94,11 @@ struct KernelRun {
   // thread through the run (as a pipeline stage computes while it waits
   // for the next message), repetitions interleaved.
   double plain_s = 0, pending_s = 0;
+  // Bytes one run's matmuls move of the weights (read) and their gradients
+  // (written): planner::weight_values' values, f32. Priced apart from the
+  // FLOPs (DeviceKind::weight_bandwidth), so taken out of the matmul's
+  // measured time before its rate is computed.
+  double matmul_weight_bytes = 0;
   // With ranks running it at once (started together by a barrier): per
   // repetition, how late the last rank finished after the ranks' mean, as
   // a fraction of the mean, the median over the repetitions, over
@@ -124,6 +130,20 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
   ex.run();
   KernelRun k;
   k.label = label;
+  {
+    const std::vector<char> w = planner::weight_values(g);
+    for (NodeId i = 0; i < g.num_nodes(); ++i) {
+      const Node& n = g.node(i);
+      if (n.op != OpKind::matmul) continue;
+      for (const auto* vs : {&n.inputs, &n.outputs}) {
+        for (ValueId v : *vs) {
+          if (w[static_cast<size_t>(v)]) {
+            k.matmul_weight_bytes += planner::value_bytes(planner::Pricing{}, g.value(v));
+          }
+        }
+      }
+    }
+  }
   k.overhead_s = std::numeric_limits<double>::infinity();
   k.plain_s = k.pending_s = std::numeric_limits<double>::infinity();
   std::map<std::string, std::vector<OpRate>> all;           // per operator kind, one per repetition
@@ -467,6 +487,19 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
   if (rank != 0) return 0;
 
   // 4. The file.
+  // The matmuls' time less their weights' traffic at the copy's bandwidth
+  // (written as weight_bandwidth_gb_s: the planner adds it back per matmul,
+  // in proportion to the weights, not the FLOPs). At most half the time is
+  // taken out: more would say the copy's rate is not the kernels'.
+  std::string traffic_detail;
+  for (KernelRun& k : runs) {
+    auto it = k.ops.find("matmul");
+    if (it == k.ops.end() || mem_bw <= 0 || k.matmul_weight_bytes <= 0) continue;
+    const double t = std::min(k.matmul_weight_bytes / mem_bw, 0.5 * it->second.seconds);
+    traffic_detail += fmt::format("{}{} {:.3f} of {:.3f} ms", traffic_detail.empty() ? "" : "; ",
+                                  k.label, t * 1e3, it->second.seconds * 1e3);
+    it->second.seconds -= t;
+  }
   double peak = 0;
   for (const KernelRun& k : runs) {
     if (auto it = k.ops.find("matmul"); it != k.ops.end()) peak = std::max(peak, it->second.rate());
@@ -508,6 +541,12 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
   out += fmt::format("peak_tflops_f32 = {}\n", g3(peak * 1e-12));
   out += fmt::format("memory_gb = {}\n", g3(static_cast<double>(mem_total_bytes()) / world * 1e-9));
   if (mem_bw > 0) out += fmt::format("memory_bandwidth_gb_s = {}\n", g3(mem_bw * 1e-9));
+  if (mem_bw > 0 && !traffic_detail.empty()) {
+    out += fmt::format(
+        "# matmuls' weight traffic, taken out of their measured time (the rates below): {}\n"
+        "weight_bandwidth_gb_s = {}\n",
+        traffic_detail, g3(mem_bw * 1e-9));
+  }
   // The executor's time per kernel besides the kernel: the median over the
   // model sizes (each the least of its repetitions).
   std::vector<double> overheads;
