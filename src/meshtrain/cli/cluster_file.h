@@ -53,6 +53,7 @@ struct ClusterFile {
     std::optional<double> memory_gb;
     std::optional<double> memory_bandwidth_gb_s;
     double weight_bandwidth_gb_s = 0;  // matmuls' weight traffic, added to their FLOPs; 0 = hidden
+    double cache_mb = 0;               // last-level cache the node's ranks share; 0 = none
     double op_overhead_us = 0;         // the executor's time per kernel run
     double compute_jitter = 0;         // relative std. dev. of compute between syncs
     std::map<std::string, double> efficiency;  // operator name -> fraction of peak

@@ -36,6 +36,12 @@ struct DeviceKind {
   // the matmul costs max(FLOP time, byte time). `meshtrain calibrate`
   // writes the measured memory bandwidth.
   double weight_bandwidth = 0;
+  // Bytes of last-level cache the ranks of a node on this device share (a
+  // CPU's L3). A rank whose weights and their gradients (2 x its parameters'
+  // f32 bytes) fit its share (cache_bytes / the node's ranks) keeps them in
+  // cache between their uses: no weight traffic is priced for it. 0 = no
+  // cache: the traffic is priced whenever weight_bandwidth is set.
+  double cache_bytes = 0;
   // Relative standard deviation of a rank's compute time between two
   // synchronisations (run-to-run and rank-to-rank variation on this
   // device). Ranks of equal programs then reach a collective at different

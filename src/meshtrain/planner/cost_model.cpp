@@ -122,6 +122,20 @@ double weight_traffic_seconds(const DeviceKind& kind, const Pricing& pricing, co
   return weight_bytes(pricing, g, n, weights) / kind.weight_bandwidth * slowdown;
 }
 
+DeviceKind rank_device(const ClusterModel& cluster, int r, const Graph& g) {
+  DeviceKind k = cluster.device(r);
+  if (k.weight_bandwidth <= 0 || k.cache_bytes <= 0) return k;
+  const std::vector<int>& node_of = cluster.layout.node_of;
+  const int node = node_of.at(static_cast<size_t>(r));
+  const auto on_node = std::count(node_of.begin(), node_of.end(), node);
+  double bytes = 0;
+  for (ValueId v : g.params()) bytes += 2.0 * static_cast<double>(g.value(v).shape.numel()) * 4;
+  if (bytes <= k.cache_bytes / static_cast<double>(std::max<int64_t>(1, on_node))) {
+    k.weight_bandwidth = 0;
+  }
+  return k;
+}
+
 namespace {
 
 // A kernel of `flops` and `bytes` (read + written, under `pricing`): the
@@ -595,7 +609,7 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
     bind.program = it->second;
     if (fresh) {
       const Graph& g = built->tg.model.graph;
-      const DeviceKind& dev = cluster.device(r);
+      const DeviceKind dev = rank_device(cluster, r, g);
       const double slow = cluster.slowdown_of(r);
       const Pricing pricing = Pricing::of(dev, o.precision);
       std::vector<double> traffic;
@@ -967,10 +981,13 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         const PipelineStage& ps = cut.stages[s];
         const auto& lg = built->lowered.groups;
         StageTimes& t = st[s];
-        t.f = pass_time(dev, slow, ps.forward, cm, lg, o.precision);
-        t.b = pass_time(dev, slow, ps.backward, cm, lg, o.precision);
-        t.bi = pass_time(dev, slow, ps.backward_input, cm, lg, o.precision);
-        t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg, o.precision);
+        // The stage's weights in or out of the rank's cache share (its
+        // forward pass reads them all).
+        const DeviceKind sdev = rank_device(cluster, r, ps.forward.graph);
+        t.f = pass_time(sdev, slow, ps.forward, cm, lg, o.precision);
+        t.b = pass_time(sdev, slow, ps.backward, cm, lg, o.precision);
+        t.bi = pass_time(sdev, slow, ps.backward_input, cm, lg, o.precision);
+        t.bw = pass_time(sdev, slow, ps.backward_weight, cm, lg, o.precision);
         t.recompute = plan.stages.at(s).recompute;
         // Sent as the runtime keeps them (Pricing::half: 16-bit). A
         // weight's 16-bit copy crosses only under parallel.async (the cut

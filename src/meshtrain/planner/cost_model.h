@@ -119,6 +119,12 @@ bool fusable_elementwise(OpKind op);
 // `kept`: names of values read after the graph (a pipeline pass's stash).
 // With DeviceKind::attention_dropout each softmax and softmax_grad node
 // also carries dropout_seconds (a kernel of its own, outside any fused run).
+// The device as it prices world rank `r`'s graph `g` on `cluster`: its
+// kind, with weight_bandwidth 0 where the rank's weights and gradients (2 x
+// the f32 bytes of g's parameters) fit its share of the node's cache
+// (DeviceKind::cache_bytes / the ranks on its node).
+DeviceKind rank_device(const ClusterModel& cluster, int r, const Graph& g);
+
 // `traffic`: when given, set to each node's weight_traffic_seconds (part of
 // its seconds).
 std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
