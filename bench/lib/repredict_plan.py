@@ -4,12 +4,13 @@ per-line errors without training again (the trainings are the machine's;
 the predictions are the model's).
 
   python3 bench/lib/repredict_plan.py --cluster SAVED-CLUSTER.toml RUN.jsonl [RUN.jsonl ...]
-      [--cores N] [--device KEY=VALUE ...]
+      [--cores N] [--device KEY=VALUE ...] [--efficiency OP=VALUE ...]
 
 For each plan line of bench/suites/plan.py: `meshtrain simulate` with the
 suite's settings on the saved calibrated cluster file as it is ("old"),
 and on the same file with `cores = N` on its node and each --device
-KEY=VALUE added to [devices.cpu] ("new"). Each run's line is then
+KEY=VALUE added to [devices.cpu] and each --efficiency OP=VALUE set in its
+[devices.cpu.efficiency] ("new"). Each run's line is then
 re-predicted as its own prediction x new / old (a run whose cluster file
 was not saved keeps its own calibration that way) and compared with its
 measured step. Prints the per-line errors and each run's median absolute
@@ -35,6 +36,7 @@ def main():
     ap.add_argument("--cluster", required=True)
     ap.add_argument("--cores", type=int, default=0)
     ap.add_argument("--device", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--efficiency", action="append", default=[], metavar="OP=VALUE")
     ap.add_argument("runs", nargs="+")
     a = ap.parse_args()
     import plan  # the suite's PLANS
@@ -52,6 +54,11 @@ def main():
                 k, _ = kv.split("=", 1)
                 t = re.sub(rf"(?m)^{re.escape(k)} = .*\n", "", t)
                 t = t.replace("[devices.cpu]\n", f"[devices.cpu]\n{kv}\n", 1)
+            for kv in a.efficiency:
+                k, v = kv.split("=", 1)
+                t, n = re.subn(rf'(?m)^"{re.escape(k)}" = .*$', f'"{k}" = {v}', t)
+                if n != 1:
+                    sys.exit(f"--efficiency {kv}: no single efficiency line for {k}")
         p = tmp / f"c{n}{'new' if new else 'old'}.toml"
         p.write_text(t)
         return p

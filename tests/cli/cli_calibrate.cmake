@@ -24,6 +24,10 @@ foreach(re "\\[devices\\.cpu\\]" "peak_tflops_f32 = [0-9.e-]+" "memory_gb = [0-9
     # The executor's own time per kernel.
     "# per kernel, the executor's run time less its kernels': mlp hidden [0-9]+ [0-9.]+ us \\([0-9]+ kernels\\)"
     "\nop_overhead_us = [0-9.e-]+\n"
+    # The matmuls' weight traffic: its rate, and per model whether it was
+    # taken out of the matmul's time or the weights fit the cache.
+    "# matmuls' weight traffic, taken out of their measured time \\(the rates below\\): mlp hidden [0-9]+ (in cache|[0-9.]+ of [0-9.]+ ms)"
+    "\nweight_bandwidth_gb_s = [0-9.]+\n"
     # The cores the node's ranks share (the model prices more ranks than cores).
     "\ncores = [1-9][0-9]*\n")
   if(NOT cal MATCHES "${re}")

@@ -128,6 +128,8 @@ memory_gb = 80
 memory_bandwidth_gb_s = 2039
 default_efficiency = 0.4
 op_overhead_us = 4.5
+weight_bandwidth_gb_s = 30
+cache_mb = 32
 source = "datasheet"
 [devices.big.efficiency]
 matmul = 0.7
@@ -169,6 +171,9 @@ bandwidth_gbit_s = 800
   EXPECT_DOUBLE_EQ(m.device(3).default_efficiency, 0.4);
   EXPECT_DOUBLE_EQ(m.device(3).op_overhead_s, 4.5e-6);
   EXPECT_EQ(m.device(5).op_overhead_s, 0.0);  // not given: none
+  EXPECT_DOUBLE_EQ(m.device(3).weight_bandwidth, 30e9);
+  EXPECT_DOUBLE_EQ(m.device(3).cache_bytes, 32e6);
+  EXPECT_EQ(m.device(5).weight_bandwidth, 0.0);  // not given: the traffic overlaps the FLOPs
   EXPECT_EQ(m.device(0).source, "datasheet");
   EXPECT_DOUBLE_EQ(m.device(5).peak_flops_f32, 15.7e12);
   EXPECT_EQ(m.layout.kind(0, 2), LinkKind::inter_node);

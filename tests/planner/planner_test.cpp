@@ -83,6 +83,88 @@ TEST(OpSeconds, FlopsOrBytesWhicheverIsLarger) {
   EXPECT_DOUBLE_EQ(op_seconds(k, h, h.node(0)), flops / (4e12 * 0.8));
 }
 
+// DeviceKind::weight_bandwidth: a matmul's weights (read) and weight
+// gradient (written) move at that rate on top of the FLOP time, instead of
+// hiding under max(FLOP time, byte time); the other operands' bytes still
+// overlap the FLOPs. By hand on a forward matmul and the training graph's.
+TEST(OpSeconds, WeightTrafficAddsToTheFlops) {
+  Graph g;
+  Builder b(g);
+  const ValueId x = b.input("x", {64, 128}, DType::f32);
+  const ValueId w = b.param("w", {128, 256}, ParamInit{});
+  const ValueId y = b.matmul(x, w);
+  build_backward(g, b.sum_to(b.relu(y), Shape{}));
+  DeviceKind k = device(1e12, 1e11);
+  k.efficiency["matmul"] = 0.8;
+  k.op_overhead_s = 5e-6;
+  const double flops = 2.0 * 64 * 128 * 256;
+  const double t_flops = flops / (1e12 * 0.8);  // 5.2 us: above x and y's 1 us of bytes
+  ASSERT_GT(t_flops, (64.0 * 128 + 64.0 * 256) * 4 / 1e11);
+  const Node& fwd = g.node(0);
+  ASSERT_EQ(fwd.op, OpKind::matmul);
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, fwd), t_flops + 5e-6);  // no setting: hidden
+  k.weight_bandwidth = 1e10;
+  const double t_w = 128.0 * 256 * 4 / 1e10;  // 13.1 us
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, fwd), t_flops + t_w + 5e-6);
+  EXPECT_DOUBLE_EQ(op_seconds(k, g, fwd, 2.0), 2 * (t_flops + t_w) + 5e-6);
+  // Which values do not scale with the batch: w and its gradient, not x, y.
+  const std::vector<char> wv = weight_values(g);
+  EXPECT_TRUE(wv[static_cast<size_t>(w)]);
+  EXPECT_FALSE(wv[static_cast<size_t>(x)]);
+  EXPECT_FALSE(wv[static_cast<size_t>(y)]);
+  ASSERT_NE(g.grad_of(w), kNoValue);
+  EXPECT_TRUE(wv[static_cast<size_t>(g.grad_of(w))]);
+  // The backward: dW = x^T dy writes a weight-sized gradient (x needs none):
+  // the same 13.1 us of traffic, the FLOPs the forward's.
+  std::vector<double> traffic;
+  const std::vector<double> t = node_seconds(k, g, DType::f32, 1.0, nullptr, &traffic);
+  int matmuls = 0;
+  double sum = 0;
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    const Node& n = g.node(i);
+    const auto at = static_cast<size_t>(i);
+    if (n.op != OpKind::matmul) {
+      EXPECT_EQ(traffic[at], 0.0) << i;
+      continue;
+    }
+    ++matmuls;
+    sum += traffic[at];
+    EXPECT_DOUBLE_EQ(traffic[at], t_w) << i;
+    EXPECT_DOUBLE_EQ(t[at], t_flops + t_w + 5e-6) << i;
+  }
+  EXPECT_EQ(matmuls, 2);
+  EXPECT_DOUBLE_EQ(sum, 2 * t_w);
+  // A 16-bit copy of the weights is a weight too (value_bytes: 2 per element).
+  Graph h;
+  Builder hb(h);
+  const ValueId xh = hb.input("x", {64, 128}, DType::bf16);
+  const ValueId wh = hb.param("w", {128, 256}, ParamInit{});
+  hb.matmul(xh, hb.cast(wh, DType::bf16));
+  k.memory_bandwidth = 1e14;
+  const std::vector<double> th = node_seconds(k, h, DType::bf16);
+  EXPECT_DOUBLE_EQ(th[1], flops / (4e12 * 0.8) + 128.0 * 256 * 2 / 1e10 + 5e-6);
+}
+
+// DeviceKind::cache_bytes: a rank whose weights and gradients (2 x its
+// parameters' f32 bytes) fit its share of the node's cache prices no
+// weight traffic; the share is the cache over the node's ranks.
+TEST(OpSeconds, WeightsInTheCacheShareMoveNoTraffic) {
+  Graph g;
+  Builder b(g);
+  b.matmul(b.input("x", {64, 512}, DType::f32), b.param("w", {512, 512}, ParamInit{}));
+  const double twice = 2.0 * 512 * 512 * 4;  // 2 MiB
+  ClusterModel c = cluster(4, 0, 0, 4);      // 4 ranks on one node
+  c.kinds[0].weight_bandwidth = 1e10;
+  c.kinds[0].cache_bytes = 4 * twice;  // exactly each rank's share
+  EXPECT_EQ(rank_device(c, 3, g).weight_bandwidth, 0.0);
+  c.kinds[0].cache_bytes = 4 * twice - 4;  // a byte short each
+  EXPECT_EQ(rank_device(c, 3, g).weight_bandwidth, 1e10);
+  c.layout = ClusterLayout::by_node_size(4, 2);  // 2 ranks per node: twice the share
+  EXPECT_EQ(rank_device(c, 3, g).weight_bandwidth, 0.0);
+  c.kinds[0].cache_bytes = 0;  // no cache: always priced
+  EXPECT_EQ(rank_device(c, 3, g).weight_bandwidth, 1e10);
+}
+
 // op_overhead_s (the executor's own time per kernel, `meshtrain calibrate`'s
 // op_overhead_us): added once to every operator that costs anything, not
 // slowed down (the emulation stretches the kernel only); views and

@@ -236,6 +236,82 @@ TEST(PlanSearch, LpSharesCountTheFixedCostsAsAConstant) {
   EXPECT_LT(uneven->estimate.step_s, price(with_update));
 }
 
+// DeviceKind::weight_bandwidth: every replica reads all the weights and
+// writes all their gradients whatever its share of the batch, so that time
+// joins the per-kernel time in the LP's constant term b_i. By hand: the
+// shares from a_i x_i + b_i = T with b_i = overhead + traffic (the traffic
+// slowed with the rank), and they equalise the predicted compute better
+// than the LP that counts the traffic per example (i12-traffic: the 4-rank
+// MLP's measured spread 1.18-1.40 with the traffic per example).
+TEST(PlanSearch, LpConstantTermHoldsTheWeightTraffic) {
+  ClusterModel c = cluster(2, 1e12);
+  c.kinds[0].weight_bandwidth = 4e9;  // 0.6 ms of weights per step, the FLOPs 1.6 ms
+  c.kinds[0].op_overhead_s = 1e-5;
+  c.slowdown = {1, 2};
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  const int64_t batch = 96;
+  const SearchResult r = search_plans(mlp(), options(batch), c, o);
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+  for (const PlanCandidate& p : r.best) {
+    if (p.shape.dp != 2) continue;
+    (p.uneven ? uneven : even) = &p;
+  }
+  ASSERT_NE(even, nullptr);
+  ASSERT_NE(uneven, nullptr);
+  auto before_sync = [](const RankEstimate& e) { return e.compute_s - e.optimizer_s; };
+  double a[2], b[2], a_old[2], b_old[2];
+  // MLP 784-256-256-10: each weight read once forward, once by the input
+  // gradient (not the first layer's: its input needs none), its gradient
+  // written once.
+  const double w_elems = 784.0 * 256 + 256.0 * 256 + 256.0 * 10;
+  const double first = 784.0 * 256;
+  const double traffic = (3 * w_elems - first) * 4 / 4e9;
+  for (int i = 0; i < 2; ++i) {
+    const RankEstimate& e = even->estimate.ranks[static_cast<size_t>(i)];
+    EXPECT_NEAR(e.traffic_s, traffic * c.slowdown[static_cast<size_t>(i)], 1e-9) << i;
+    EXPECT_GT(e.traffic_s, 0.2 * before_sync(e)) << i;
+    b[i] = e.overhead_s + e.traffic_s;
+    a[i] = (before_sync(e) - b[i]) / (static_cast<double>(batch) / 2);
+    b_old[i] = e.overhead_s;
+    a_old[i] = (before_sync(e) - b_old[i]) / (static_cast<double>(batch) / 2);
+  }
+  auto lp_slow_share = [&](const double* ai, const double* bi) {
+    const double t =
+        (static_cast<double>(batch) + bi[0] / ai[0] + bi[1] / ai[1]) / (1 / ai[0] + 1 / ai[1]);
+    return (t - bi[1]) / ai[1];
+  };
+  const double x1 = lp_slow_share(a, b);
+  // Counted per example (the constant the per-kernel time alone), the
+  // traffic hands the slow rank more.
+  EXPECT_GT(lp_slow_share(a_old, b_old), x1 + 1.5);
+  ASSERT_EQ(uneven->shape.batch_shares.size(), 2u);
+  EXPECT_NEAR(static_cast<double>(uneven->shape.batch_shares[1]), x1, 1.0);
+  const double u0 = before_sync(uneven->estimate.ranks[0]);
+  const double u1 = before_sync(uneven->estimate.ranks[1]);
+  EXPECT_LT(std::max(u0, u1) / std::min(u0, u1), 1.05) << u0 << " vs " << u1;
+  // The search on the model before (the traffic hidden under the FLOPs)
+  // hands the slow rank more, which priced with the traffic is unbalanced.
+  ClusterModel hidden = c;
+  hidden.kinds[0].weight_bandwidth = 0;
+  const SearchResult rh = search_plans(mlp(), options(batch), hidden, o);
+  const PlanCandidate* before = nullptr;
+  for (const PlanCandidate& p : rh.best) {
+    if (p.shape.dp == 2 && p.uneven) before = &p;
+  }
+  ASSERT_NE(before, nullptr);
+  EXPECT_GT(static_cast<double>(before->shape.batch_shares[1]), x1 + 1.5);
+  TrainerOptions po = options(batch);
+  po.dist.batch_shares = before->shape.batch_shares;
+  const StepEstimate old = estimate_step(mlp(), po, c);
+  const double o0 = before_sync(old.ranks[0]), o1 = before_sync(old.ranks[1]);
+  EXPECT_GT(std::max(o0, o1) / std::min(o0, o1), 1.05) << o0 << " vs " << o1;
+  EXPECT_LT(uneven->estimate.step_s, old.step_s);
+}
+
 // The model's compute is not linear in a replica's examples (a matmul's
 // weight bytes do not shrink with the batch: max(FLOPs, bytes) turns
 // bytes-bound on a small share), so the shares from the even plan's slope

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <sstream>
 #include <thread>
 
 #include "meshtrain/base/error.h"
@@ -20,6 +22,7 @@
 #include "meshtrain/comm/probe.h"
 #include "meshtrain/exec/executor.h"
 #include "meshtrain/graph/op_registry.h"
+#include "meshtrain/planner/cost_model.h"
 #include "meshtrain/planner/simulator.h"
 #include "meshtrain/tensor/machine.h"
 #include "meshtrain/train/training_plan.h"
@@ -93,6 +96,12 @@ struct KernelRun {
   // thread through the run (as a pipeline stage computes while it waits
   // for the next message), repetitions interleaved.
   double plain_s = 0, pending_s = 0;
+  // Bytes one run's matmuls move of the weights (read) and their gradients
+  // (written): planner::weight_values' values, f32. Priced apart from the
+  // FLOPs (DeviceKind::weight_bandwidth), so taken out of the matmul's
+  // measured time before its rate is computed.
+  double matmul_weight_bytes = 0;
+  double param_bytes = 0;  // f32 bytes of the model's parameters
   // With ranks running it at once (started together by a barrier): per
   // repetition, how late the last rank finished after the ranks' mean, as
   // a fraction of the mean, the median over the repetitions, over
@@ -124,6 +133,22 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
   ex.run();
   KernelRun k;
   k.label = label;
+  {
+    const std::vector<char> w = planner::weight_values(g);
+    for (ValueId v : g.params())
+      k.param_bytes += 4.0 * static_cast<double>(g.value(v).shape.numel());
+    for (NodeId i = 0; i < g.num_nodes(); ++i) {
+      const Node& n = g.node(i);
+      if (n.op != OpKind::matmul) continue;
+      for (const auto* vs : {&n.inputs, &n.outputs}) {
+        for (ValueId v : *vs) {
+          if (w[static_cast<size_t>(v)]) {
+            k.matmul_weight_bytes += planner::value_bytes(planner::Pricing{}, g.value(v));
+          }
+        }
+      }
+    }
+  }
   k.overhead_s = std::numeric_limits<double>::infinity();
   k.plain_s = k.pending_s = std::numeric_limits<double>::infinity();
   std::map<std::string, std::vector<OpRate>> all;           // per operator kind, one per repetition
@@ -220,6 +245,42 @@ KernelRun profile_model(const std::string& label, const ModelSpec& spec, int64_t
         rs.begin(), rs.end(), [](const OpRate& x, const OpRate& y) { return x.rate() < y.rate(); });
   }
   return k;
+}
+
+// Bytes of the largest cache level over the node: one instance's size
+// times the instances (the online CPUs over the CPUs sharing one); 0 where
+// sysfs does not say.
+double last_level_cache_bytes() {
+  const std::string dir = "/sys/devices/system/cpu/cpu0/cache/";
+  int best_level = 0;
+  double best = 0;
+  for (int i = 0; i < 8; ++i) {
+    const std::string idx = dir + "index" + std::to_string(i) + "/";
+    std::ifstream level(idx + "level"), type(idx + "type"), size(idx + "size"),
+        shared(idx + "shared_cpu_list");
+    int lv = 0;
+    std::string ty, sz, list;
+    if (!(level >> lv) || !(type >> ty) || !(size >> sz) || !(shared >> list)) continue;
+    if (ty == "Instruction" || lv <= best_level || sz.empty()) continue;
+    double bytes = std::atof(sz.c_str());
+    if (sz.back() == 'K') bytes *= 1024;
+    if (sz.back() == 'M') bytes *= 1024 * 1024;
+    // CPUs sharing it: "0-1", "0,2", "0-3,8-11".
+    int sharing = 0;
+    std::stringstream ss(list);
+    std::string part;
+    while (std::getline(ss, part, ',')) {
+      const auto dash = part.find('-');
+      sharing += dash == std::string::npos
+                     ? 1
+                     : std::atoi(part.c_str() + dash + 1) - std::atoi(part.c_str()) + 1;
+    }
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (sharing <= 0 || cpus <= 0) continue;
+    best_level = lv;
+    best = bytes * std::max(1.0, static_cast<double>(cpus) / sharing);
+  }
+  return best;
 }
 
 double copy_bandwidth(size_t bytes, int reps) {
@@ -467,6 +528,27 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
   if (rank != 0) return 0;
 
   // 4. The file.
+  // The matmuls' time less their weights' traffic at the copy's bandwidth
+  // (written as weight_bandwidth_gb_s: the planner adds it back per matmul,
+  // in proportion to the weights, not the FLOPs). At most half the time is
+  // taken out: more would say the copy's rate is not the kernels'.
+  // Only for models whose weights and gradients do not fit a rank's share
+  // of the last-level cache (DeviceKind::cache_bytes: the planner prices no
+  // traffic for those either).
+  const double cache = last_level_cache_bytes();
+  std::string traffic_detail;
+  for (KernelRun& k : runs) {
+    auto it = k.ops.find("matmul");
+    if (it == k.ops.end() || mem_bw <= 0 || k.matmul_weight_bytes <= 0) continue;
+    if (cache > 0 && 2 * k.param_bytes <= cache / std::max(1, world)) {
+      traffic_detail += fmt::format("{}{} in cache", traffic_detail.empty() ? "" : "; ", k.label);
+      continue;
+    }
+    const double t = std::min(k.matmul_weight_bytes / mem_bw, 0.5 * it->second.seconds);
+    traffic_detail += fmt::format("{}{} {:.3f} of {:.3f} ms", traffic_detail.empty() ? "" : "; ",
+                                  k.label, t * 1e3, it->second.seconds * 1e3);
+    it->second.seconds -= t;
+  }
   double peak = 0;
   for (const KernelRun& k : runs) {
     if (auto it = k.ops.find("matmul"); it != k.ops.end()) peak = std::max(peak, it->second.rate());
@@ -508,6 +590,16 @@ int cmd_calibrate(const CommandOptions& opts, int argc, char** argv) {
   out += fmt::format("peak_tflops_f32 = {}\n", g3(peak * 1e-12));
   out += fmt::format("memory_gb = {}\n", g3(static_cast<double>(mem_total_bytes()) / world * 1e-9));
   if (mem_bw > 0) out += fmt::format("memory_bandwidth_gb_s = {}\n", g3(mem_bw * 1e-9));
+  if (mem_bw > 0 && !traffic_detail.empty()) {
+    out += fmt::format(
+        "# matmuls' weight traffic, taken out of their measured time (the rates below): {}\n"
+        "weight_bandwidth_gb_s = {}\n",
+        traffic_detail, g3(mem_bw * 1e-9));
+    if (cache > 0) {
+      out += fmt::format("# the last-level cache over the node (sysfs)\ncache_mb = {}\n",
+                         g3(cache * 1e-6));
+    }
+  }
   // The executor's time per kernel besides the kernel: the median over the
   // model sizes (each the least of its repetitions).
   std::vector<double> overheads;

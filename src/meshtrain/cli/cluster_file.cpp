@@ -141,7 +141,8 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       rd.only(d, p,
               {"peak_tflops", "peak_tflops_f32", "peak_tflops_tf32", "peak_tflops_bf16",
                "memory_gb", "memory_bandwidth_gb_s", "efficiency", "default_efficiency", "source",
-               "runtime", "compute_units", "matmul_tile", "op_overhead_us", "compute_jitter"});
+               "runtime", "compute_units", "matmul_tile", "op_overhead_us", "compute_jitter",
+               "weight_bandwidth_gb_s", "cache_mb"});
       ClusterFile::Device dev;
       if (d.get("peak_tflops") && d.get("peak_tflops_f32")) {
         rd.fail(p + "peak_tflops_f32", "give peak_tflops or peak_tflops_f32 (the same), not both");
@@ -160,6 +161,12 @@ ClusterFile parse_cluster_file(const std::string& text, const std::string& sourc
       }
       if (const toml::node* x = d.get("memory_bandwidth_gb_s")) {
         dev.memory_bandwidth_gb_s = rd.number(*x, p + "memory_bandwidth_gb_s", 0, true);
+      }
+      if (const toml::node* x = d.get("weight_bandwidth_gb_s")) {
+        dev.weight_bandwidth_gb_s = rd.number(*x, p + "weight_bandwidth_gb_s", 0, true);
+      }
+      if (const toml::node* x = d.get("cache_mb")) {
+        dev.cache_mb = rd.number(*x, p + "cache_mb", 0, false);
       }
       if (const toml::node* x = d.get("compute_jitter")) {
         dev.compute_jitter = rd.number(*x, p + "compute_jitter", 0, false);
@@ -567,6 +574,8 @@ planner::ClusterModel cluster_model(const ClusterFile& f, int world) {
     k.memory_bytes = d.memory_gb.value_or(0) * 1e9;
     k.memory_bandwidth = d.memory_bandwidth_gb_s.value_or(0) * 1e9;
     k.op_overhead_s = d.op_overhead_us * 1e-6;
+    k.weight_bandwidth = d.weight_bandwidth_gb_s * 1e9;
+    k.cache_bytes = d.cache_mb * 1e6;
     k.compute_jitter = d.compute_jitter;
     k.efficiency = d.efficiency;
     if (d.default_efficiency) k.default_efficiency = *d.default_efficiency;

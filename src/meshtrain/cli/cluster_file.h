@@ -52,8 +52,10 @@ struct ClusterFile {
     std::optional<double> peak_tflops_bf16;  // dense bf16 / f16
     std::optional<double> memory_gb;
     std::optional<double> memory_bandwidth_gb_s;
-    double op_overhead_us = 0;                 // the executor's time per kernel run
-    double compute_jitter = 0;                 // relative std. dev. of compute between syncs
+    double weight_bandwidth_gb_s = 0;  // matmuls' weight traffic, added to their FLOPs; 0 = hidden
+    double cache_mb = 0;               // last-level cache the node's ranks share; 0 = none
+    double op_overhead_us = 0;         // the executor's time per kernel run
+    double compute_jitter = 0;         // relative std. dev. of compute between syncs
     std::map<std::string, double> efficiency;  // operator name -> fraction of peak
     std::optional<double> default_efficiency;
     int64_t compute_units = 0;                 // 0: not given

@@ -28,6 +28,20 @@ struct DeviceKind {
   // run under fused_elementwise. Not scaled by a rank's slowdown (the
   // emulation stretches kernels only). `meshtrain calibrate` measures it.
   double op_overhead_s = 0;
+  // Bytes/s at which a matmul moves the operand that does not scale with
+  // the batch -- the weights it reads and the weight gradient it writes
+  // (weight_values in planner/cost_model.h) -- in addition to its FLOP
+  // time: on this machine's CPU that traffic does not overlap the FLOPs
+  // (i12-traffic, docs/planner.md). 0 = it overlaps, as every other byte:
+  // the matmul costs max(FLOP time, byte time). `meshtrain calibrate`
+  // writes the measured memory bandwidth.
+  double weight_bandwidth = 0;
+  // Bytes of last-level cache the ranks of a node on this device share (a
+  // CPU's L3). A rank whose weights and their gradients (2 x its parameters'
+  // f32 bytes) fit its share (cache_bytes / the node's ranks) keeps them in
+  // cache between their uses: no weight traffic is priced for it. 0 = no
+  // cache: the traffic is priced whenever weight_bandwidth is set.
+  double cache_bytes = 0;
   // Relative standard deviation of a rank's compute time between two
   // synchronisations (run-to-run and rank-to-rank variation on this
   // device). Ranks of equal programs then reach a collective at different

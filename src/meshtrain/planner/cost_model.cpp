@@ -70,13 +70,103 @@ double flop_seconds(const DeviceKind& kind, const Graph& g, const Node& n, doubl
 
 }  // namespace
 
-double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown) {
+std::vector<char> weight_values(const Graph& g) {
+  const auto V = static_cast<size_t>(g.num_values());
+  std::vector<char> w(V, 0);
+  for (ValueId v : g.params()) w[static_cast<size_t>(v)] = 1;
+  // Forward: what is computed from weights alone (nodes come in order).
+  for (NodeId i = 0; i < g.num_nodes(); ++i) {
+    const Node& n = g.node(i);
+    if (n.op == OpKind::matmul || is_group_op(n.op) || n.inputs.empty()) continue;
+    bool all = true;
+    for (ValueId v : n.inputs) all = all && w[static_cast<size_t>(v)];
+    if (all) {
+      for (ValueId v : n.outputs) w[static_cast<size_t>(v)] = 1;
+    }
+  }
+  // Backward from the gradients: the partial sums and conversions feeding them.
+  for (const auto& [param, grad] : g.grads()) {
+    if (grad >= 0) w[static_cast<size_t>(grad)] = 1;
+  }
+  for (NodeId i = g.num_nodes() - 1; i >= 0; --i) {
+    const Node& n = g.node(i);
+    if (n.outputs.size() != 1 || !w[static_cast<size_t>(n.outputs[0])]) continue;
+    if (n.op != OpKind::add && n.op != OpKind::cast && !op_def(n.op).view) continue;
+    const int64_t numel = g.value(n.outputs[0]).shape.numel();
+    for (ValueId v : n.inputs) {
+      if (g.value(v).shape.numel() == numel) w[static_cast<size_t>(v)] = 1;
+    }
+  }
+  return w;
+}
+
+namespace {
+
+// The bytes of a matmul's operands and output that `weights` marks.
+double weight_bytes(const Pricing& pricing, const Graph& g, const Node& n,
+                    const std::vector<char>& weights) {
+  double bytes = 0;
+  for (ValueId v : n.inputs) {
+    if (weights.at(static_cast<size_t>(v))) bytes += value_bytes(pricing, g.value(v));
+  }
+  for (ValueId v : n.outputs) {
+    if (weights.at(static_cast<size_t>(v))) bytes += value_bytes(pricing, g.value(v));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+double weight_traffic_seconds(const DeviceKind& kind, const Pricing& pricing, const Graph& g,
+                              const Node& n, const std::vector<char>& weights, double slowdown) {
+  if (n.op != OpKind::matmul || kind.weight_bandwidth <= 0) return 0.0;
+  return weight_bytes(pricing, g, n, weights) / kind.weight_bandwidth * slowdown;
+}
+
+DeviceKind rank_device(const ClusterModel& cluster, int r, const Graph& g) {
+  DeviceKind k = cluster.device(r);
+  if (k.weight_bandwidth <= 0 || k.cache_bytes <= 0) return k;
+  const std::vector<int>& node_of = cluster.layout.node_of;
+  const int node = node_of.at(static_cast<size_t>(r));
+  const auto on_node = std::count(node_of.begin(), node_of.end(), node);
+  double bytes = 0;
+  for (ValueId v : g.params()) bytes += 2.0 * static_cast<double>(g.value(v).shape.numel()) * 4;
+  if (bytes <= k.cache_bytes / static_cast<double>(std::max<int64_t>(1, on_node))) {
+    k.weight_bandwidth = 0;
+  }
+  return k;
+}
+
+namespace {
+
+// A kernel of `flops` and `bytes` (read + written, under `pricing`): the
+// larger of its FLOP and byte times, or for a matmul under
+// DeviceKind::weight_bandwidth its weights' bytes apart, added.
+double kernel_seconds(const DeviceKind& kind, const Pricing& pricing, const Graph& g, const Node& n,
+                      double flops, double bytes, double slowdown,
+                      const std::vector<char>* weights) {
+  double traffic = 0;
+  if (n.op == OpKind::matmul && kind.weight_bandwidth > 0) {
+    std::vector<char> own;
+    if (weights == nullptr) weights = &(own = weight_values(g));
+    const double wb = weight_bytes(pricing, g, n, *weights);
+    traffic = wb / kind.weight_bandwidth * slowdown;
+    bytes -= wb;  // priced apart, not also in the overlapped part
+  }
+  const double t_bytes =
+      kind.memory_bandwidth > 0 ? std::max(0.0, bytes) / kind.memory_bandwidth : 0.0;
+  return std::max(flop_seconds(kind, g, n, flops), t_bytes) * slowdown + traffic +
+         kind.op_overhead_s;
+}
+
+}  // namespace
+
+double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown,
+                  const std::vector<char>* weights) {
   if (is_group_op(n.op)) return 0.0;
   const OpCost c = op_cost(g, n);
   if (c.flops <= 0 && c.bytes <= 0) return 0.0;
-  const double t_flops = flop_seconds(kind, g, n, c.flops);
-  const double t_bytes = kind.memory_bandwidth > 0 ? c.bytes / kind.memory_bandwidth : 0.0;
-  return std::max(t_flops, t_bytes) * slowdown + kind.op_overhead_s;
+  return kernel_seconds(kind, Pricing{}, g, n, c.flops, c.bytes, slowdown, weights);
 }
 
 Pricing Pricing::of(const DeviceKind& kind, DType precision) {
@@ -144,7 +234,8 @@ double dropout_seconds(const DeviceKind& kind, const Pricing& pricing, const Gra
 namespace {
 
 std::vector<double> node_seconds_no_dropout(const DeviceKind& kind, const Graph& g, DType precision,
-                                            double slowdown, const std::vector<std::string>* kept) {
+                                            double slowdown, const std::vector<std::string>* kept,
+                                            const std::vector<char>& weights) {
   const Pricing pricing = Pricing::of(kind, precision);
   const auto N = static_cast<size_t>(g.num_nodes());
   std::vector<double> out(N, 0.0);
@@ -152,7 +243,7 @@ std::vector<double> node_seconds_no_dropout(const DeviceKind& kind, const Graph&
   // One operator on its own.
   auto single = [&](const Node& n) {
     if (is_group_op(n.op)) return 0.0;
-    if (!pricing.half) return op_seconds(kind, g, n, slowdown);
+    if (!pricing.half) return op_seconds(kind, g, n, slowdown, &weights);
     if (free_cast(pricing, g, n)) return 0.0;
     const OpDef& def = op_def(n.op);
     const double flops = def.flops(g, n);
@@ -161,9 +252,8 @@ std::vector<double> node_seconds_no_dropout(const DeviceKind& kind, const Graph&
       for (ValueId v : n.inputs) bytes += value_bytes(pricing, g.value(v));
       for (ValueId v : n.outputs) bytes += value_bytes(pricing, g.value(v));
     }
-    const double t_bytes = bw > 0 ? bytes / bw : 0.0;
-    if (flops <= 0 && t_bytes <= 0) return 0.0;
-    return std::max(flop_seconds(kind, g, n, flops), t_bytes) * slowdown + kind.op_overhead_s;
+    if (flops <= 0 && (bw <= 0 || bytes <= 0)) return 0.0;
+    return kernel_seconds(kind, pricing, g, n, flops, bytes, slowdown, &weights);
   };
   if (!pricing.fused) {
     for (size_t i = 0; i < N; ++i) out[i] = single(g.node(static_cast<NodeId>(i)));
@@ -253,10 +343,22 @@ std::vector<double> node_seconds_no_dropout(const DeviceKind& kind, const Graph&
 }  // namespace
 
 std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
-                                 double slowdown, const std::vector<std::string>* kept) {
-  std::vector<double> out = node_seconds_no_dropout(kind, g, precision, slowdown, kept);
-  if (!kind.attention_dropout) return out;
+                                 double slowdown, const std::vector<std::string>* kept,
+                                 std::vector<double>* traffic) {
+  const std::vector<char> weights =
+      kind.weight_bandwidth > 0 ? weight_values(g) : std::vector<char>();
+  std::vector<double> out = node_seconds_no_dropout(kind, g, precision, slowdown, kept, weights);
   const Pricing pricing = Pricing::of(kind, precision);
+  if (traffic != nullptr) {
+    traffic->assign(out.size(), 0.0);
+    if (kind.weight_bandwidth > 0) {
+      for (NodeId i = 0; i < g.num_nodes(); ++i) {
+        (*traffic)[static_cast<size_t>(i)] =
+            weight_traffic_seconds(kind, pricing, g, g.node(i), weights, slowdown);
+      }
+    }
+  }
+  if (!kind.attention_dropout) return out;
   for (NodeId i = 0; i < g.num_nodes(); ++i) {
     out[static_cast<size_t>(i)] += dropout_seconds(kind, pricing, g, g.node(i), slowdown);
   }
@@ -508,10 +610,12 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
     bind.program = it->second;
     if (fresh) {
       const Graph& g = built->tg.model.graph;
-      const DeviceKind& dev = cluster.device(r);
+      const DeviceKind dev = rank_device(cluster, r, g);
       const double slow = cluster.slowdown_of(r);
       const Pricing pricing = Pricing::of(dev, o.precision);
-      const std::vector<double> seconds = node_seconds(dev, g, o.precision, slow);
+      std::vector<double> traffic;
+      const std::vector<double> seconds =
+          node_seconds(dev, g, o.precision, slow, nullptr, &traffic);
       ProgramBuilder b;
       b.p.signature = fmt::format(
           "rank {}: {}micro-batch {}, device {}, slowdown {}", r,
@@ -561,18 +665,20 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
       std::vector<int> pending;  // gathers the next compute task waits for
       for (int k = 0; k < K; ++k) {
         const bool last_micro = k == K - 1;
-        double run_s = 0, run_flops = 0, run_overhead = 0;
+        double run_s = 0, run_flops = 0, run_overhead = 0, run_traffic = 0;
         bool run_backward = false;
         auto flush = [&]() {
           if (run_s <= 0 && run_flops <= 0 && pending.empty()) return;
           const int t = b.compute(fmt::format("{} {}", run_backward ? "backward" : "forward", k),
                                   run_backward ? "backward" : "forward", run_s, run_flops, pending);
           b.p.tasks[static_cast<size_t>(t)].overhead_s = run_overhead;
+          b.p.tasks[static_cast<size_t>(t)].traffic_s = run_traffic;
           pending.clear();
           (run_backward ? last_backward : last_forward) = t;
           run_s = 0;
           run_flops = 0;
           run_overhead = 0;
+          run_traffic = 0;
         };
         std::vector<char> gathered(buckets.buckets().size(), 0);
         bool in_backward = false;
@@ -627,6 +733,7 @@ void build_data_parallel(const ModelSpec& spec, const TrainerOptions& o,
           // node_seconds charges each kernel's overhead once (a fused run's
           // to its last operator, 0 to the others).
           if (seconds[static_cast<size_t>(i)] > 0) run_overhead += dev.op_overhead_s;
+          run_traffic += traffic[static_cast<size_t>(i)];
           auto c = completes.find(i);
           if (last_micro && c != completes.end() && dp_world > 1) {
             flush();
@@ -875,10 +982,13 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         const PipelineStage& ps = cut.stages[s];
         const auto& lg = built->lowered.groups;
         StageTimes& t = st[s];
-        t.f = pass_time(dev, slow, ps.forward, cm, lg, o.precision);
-        t.b = pass_time(dev, slow, ps.backward, cm, lg, o.precision);
-        t.bi = pass_time(dev, slow, ps.backward_input, cm, lg, o.precision);
-        t.bw = pass_time(dev, slow, ps.backward_weight, cm, lg, o.precision);
+        // The stage's weights in or out of the rank's cache share (its
+        // forward pass reads them all).
+        const DeviceKind sdev = rank_device(cluster, r, ps.forward.graph);
+        t.f = pass_time(sdev, slow, ps.forward, cm, lg, o.precision);
+        t.b = pass_time(sdev, slow, ps.backward, cm, lg, o.precision);
+        t.bi = pass_time(sdev, slow, ps.backward_input, cm, lg, o.precision);
+        t.bw = pass_time(sdev, slow, ps.backward_weight, cm, lg, o.precision);
         t.recompute = plan.stages.at(s).recompute;
         // Sent as the runtime keeps them (Pricing::half: 16-bit). A
         // weight's 16-bit copy crosses only under parallel.async (the cut

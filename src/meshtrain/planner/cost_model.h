@@ -44,12 +44,36 @@
 
 namespace mt::planner {
 
+struct Pricing;
+
 // Seconds operator `n` of `g` takes on a device of `kind` at `slowdown`
 // (collectives and free ops such as reshape: 0; their cost is comm's).
 // dtype-aware: the peak is peak_flops_bf16 when the node's inputs are bf16
 // or f16 (and that peak is set), else peak_flops_f32. Every operator that
 // costs anything adds the device's op_overhead_s once (not slowed down).
-double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown = 1.0);
+// With DeviceKind::weight_bandwidth a matmul costs
+//   max(FLOP time, (bytes - weight bytes) / memory_bandwidth) x slowdown
+//   + weight_traffic_seconds + op_overhead_s.
+// `weights`: weight_values(g), computed here when null.
+double op_seconds(const DeviceKind& kind, const Graph& g, const Node& n, double slowdown = 1.0,
+                  const std::vector<char>* weights = nullptr);
+
+// Per value of `g` (indexed by ValueId), 1 where it does not scale with the
+// batch: parameters; outputs of non-matmul, non-collective operators whose
+// inputs all are (a parameter's 16-bit copy, its reshape); the parameters'
+// gradients (Graph::grads) and, backwards from them through add, cast and
+// view operators, the inputs of the same size they sum or convert (a tied
+// weight's partial gradients).
+std::vector<char> weight_values(const Graph& g);
+
+// The weights' memory traffic of node `n` under DeviceKind::weight_bandwidth:
+// for a matmul, the bytes (value_bytes under `pricing`) of its operands and
+// output that weight_values marks / weight_bandwidth x slowdown; 0 for
+// other operators or without the setting. It does not shrink with a
+// replica's share of the batch: the LP's constant term with op_overhead_s.
+double weight_traffic_seconds(const DeviceKind& kind, const Pricing& pricing, const Graph& g,
+                              const Node& n, const std::vector<char>& weights,
+                              double slowdown = 1.0);
 
 // The fraction of a matmul's peak rate its tiling leaves (tile and wave
 // quantization): with DeviceKind::compute_units C and matmul_tile (tm, tn),
@@ -95,9 +119,18 @@ bool fusable_elementwise(OpKind op);
 // `kept`: names of values read after the graph (a pipeline pass's stash).
 // With DeviceKind::attention_dropout each softmax and softmax_grad node
 // also carries dropout_seconds (a kernel of its own, outside any fused run).
+// The device as it prices world rank `r`'s graph `g` on `cluster`: its
+// kind, with weight_bandwidth 0 where the rank's weights and gradients (2 x
+// the f32 bytes of g's parameters) fit its share of the node's cache
+// (DeviceKind::cache_bytes / the ranks on its node).
+DeviceKind rank_device(const ClusterModel& cluster, int r, const Graph& g);
+
+// `traffic`: when given, set to each node's weight_traffic_seconds (part of
+// its seconds).
 std::vector<double> node_seconds(const DeviceKind& kind, const Graph& g, DType precision,
                                  double slowdown = 1.0,
-                                 const std::vector<std::string>* kept = nullptr);
+                                 const std::vector<std::string>* kept = nullptr,
+                                 std::vector<double>* traffic = nullptr);
 
 // The dropout kernel DeviceKind::attention_dropout adds at node `n`: for a
 // softmax or softmax_grad node with output of E elements of dtype t,
@@ -174,6 +207,9 @@ struct Task {
   // kernel (DeviceKind::op_overhead_s x kernels), which does not grow with
   // the rank's share of the work.
   double overhead_s = 0;
+  // compute: the part of `seconds` that is the weights' memory traffic
+  // (weight_traffic_seconds), which does not grow with the share either.
+  double traffic_s = 0;
 };
 
 // A rank program: what one rank does in one optimizer step. Ranks that do
@@ -242,6 +278,7 @@ struct RankEstimate {
   double idle_s = 0;     // step - compute - comm (bubbles, waiting for peers)
   double forward_s = 0, backward_s = 0, optimizer_s = 0;  // compute by phase
   double overhead_s = 0;  // of compute_s: the runtime's per-kernel time (op_overhead_s)
+  double traffic_s = 0;   // of compute_s: the weights' memory traffic (weight_traffic_seconds)
   int64_t peak_memory_bytes = 0;
   uint64_t bytes_sent = 0;  // per step
   double utilisation = 0;   // compute_s / step_s

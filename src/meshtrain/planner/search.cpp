@@ -417,8 +417,12 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                   // examples to make up for it only makes the others'
                   // backward -- and the sync -- later
                   // (PlanSearch.LpSharesCountTheFixedCostsAsAConstant).
+                  // The weights' memory traffic (DeviceKind::weight_bandwidth)
+                  // is constant too: a replica reads all the weights and
+                  // writes all their gradients whatever its examples
+                  // (i12-traffic, PlanSearch.LpConstantTermHoldsTheWeightTraffic).
                   const double before_sync = std::max(0.0, re.compute_s - re.optimizer_s);
-                  const double fixed = std::min(before_sync, re.overhead_s);
+                  const double fixed = std::min(before_sync, re.overhead_s + re.traffic_s);
                   bp.time_per_unit[d] =
                       std::max(bp.time_per_unit[d], std::max(before_sync - fixed, 1e-12) / per);
                   bp.fixed_time[d] = std::max(bp.fixed_time[d], fixed);
@@ -466,7 +470,8 @@ SearchResult search_plans(const ModelSpec& spec, const TrainerOptions& base,
                 const double per = static_cast<double>(spec.heads) / s.sh.tp;
                 for (int r = 0; r < world; ++r) {
                   const auto t = static_cast<size_t>(p.mesh.coord(r, "tp"));
-                  // The per-kernel time does not move with the heads.
+                  // The per-kernel time does not move with the heads (the
+                  // weights' traffic does: a rank's weight shard is its heads').
                   const RankEstimate& re = est.ranks[static_cast<size_t>(r)];
                   const double fixed = std::min(re.compute_s, re.overhead_s);
                   bp.time_per_unit[t] =

@@ -316,6 +316,7 @@ StepEstimate simulate(const Programs& programs, const ClusterModel& cluster,
         if (t.category == "backward") e.backward_s += t.seconds;
         if (t.category == "optimizer") e.optimizer_s += t.seconds;
         e.overhead_s += t.overhead_s;
+        e.traffic_s += t.traffic_s;
       } else if (t.lane == 0 && t.kind != Task::Kind::recv) {
         lane0_comm += s.finish[i] - s.start[i];
       }
