@@ -257,11 +257,13 @@ def load1():
         return None
 
 
-# Global batch of the heterogeneous lines: 3x / 4x the configs' own, so
-# that whole examples can come near the LP's shares (at GPT's 16, [1,1,2,3]
-# rounds to [6,6,2,2], compute 6:6:4:6 before anything is measured) and
-# the MLP's kernels are not all per-call overhead.
-HETERO_BATCH = {"gpt": 48, "mlp": 512}
+# Global batch of the heterogeneous lines, by model and rank count: 3x / 6x
+# / 4x the configs' own, so that whole examples can come near the LP's
+# shares (at GPT's 16, [1,1,2,3] rounds to [6,6,2,2], compute 6:6:4:6
+# before anything is measured; at 48 the best whole split, [17,17,8,6],
+# still spreads 18:16 = 1.125, above the 10% goal; at 96, [34,34,17,11]:
+# 1.03) and the MLP's kernels are not all per-call overhead.
+HETERO_BATCH = {"gpt": {2: 48, 4: 96}, "mlp": {2: 512, 4: 512}}
 # The MLP of the heterogeneous lines is wider than configs/mlp_fashion.toml
 # (784-2048-2048-10, 5.8M parameters, instead of 784-512-512-10): at 512
 # hidden units its step is ~2 ms on 2 ranks, and the fixed per-step costs
@@ -526,7 +528,7 @@ def run(ctx):
             one = f"hetero_{model}_slow{''.join(str(f) for f in factors)}"
             if not only or "hetero" in only or one in only:
                 hetero(ctx, exe, model, factors, cluster2 if len(factors) == 2 else cluster4,
-                       base, batch)
+                       base, batch[len(factors)])
 
     # --- Uneven against even under dist.slowdown = [1, 2]: speedups.
     by = {x["name"]: x for x in results}
