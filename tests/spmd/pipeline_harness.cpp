@@ -255,6 +255,13 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
     for (const PipelineAction& a : sched.actions[static_cast<size_t>(comm.rank())]) {
       if (!a.is_compute()) continue;
       const PipelineStage& st = cut.stages[static_cast<size_t>(a.stage)];
+      // A recomputing stage runs its whole backward at the input pass and
+      // nothing at the weight pass.
+      if (st.recompute && a.kind == ActionKind::backward_weight) continue;
+      if (st.recompute && a.kind == ActionKind::backward_input) {
+        want.push_back({a.stage, a.microbatch, ActionKind::backward});
+        continue;
+      }
       if (a.kind == ActionKind::backward_input && st.backward_input.graph.num_nodes() == 0) {
         continue;
       }
@@ -315,10 +322,21 @@ PipeMemory check_pipeline_matches_single(Communicator& comm, const PipeCase& c) 
   for (const StageBoundary& b : cut.stages[static_cast<size_t>(comm.rank())].outputs) {
     outputs += b.shape.numel() * static_cast<int64_t>(dtype_size(b.dtype));
   }
+  const PipelineSchedule sched =
+      make_schedule(c.schedule, comm.size(), m, c.virtual_stages, c.warmup_extra);
+  int64_t boundary = 0;
+  for (const PipelineStage& st : cut.stages) {
+    if (sched.owner(st.index) != comm.rank()) continue;
+    for (const StageBoundary& b : st.outputs) boundary += b.bytes() * (b.has_grad ? 2 : 1);
+    for (const StageBoundary& b : st.inputs) boundary += b.has_grad ? b.bytes() : 0;
+  }
   return PipeMemory{pipe.peak_stash_bytes(),
                     cut.stages[static_cast<size_t>(comm.rank())].stash_bytes,
                     cut.stages[static_cast<size_t>(comm.rank())].recompute_stash_bytes,
-                    pipe.stash_copied_bytes(), outputs};
+                    pipe.stash_copied_bytes(),
+                    outputs,
+                    planned_stash_bytes(cut, sched, comm.rank()),
+                    boundary};
 }
 
 void check_gpipe_idle_fraction(Communicator& comm, int microbatches) {

@@ -29,6 +29,10 @@ struct PipeMemory {
   int64_t planned_per_microbatch_recomputed = 0;  // what recomputation keeps
   int64_t copied = 0;                  // copied out of the arenas into the stash, last step
   int64_t outputs_per_microbatch = 0;  // the stage's boundary outputs, one micro-batch
+  int64_t planned_peak = 0;            // planned_stash_bytes(): the rank's planned peak
+  // Over the rank's virtual stages, one micro-batch: outputs, their
+  // gradients and input gradients (the tensors in transit).
+  int64_t boundary_per_microbatch = 0;
 };
 
 // 10 SGD steps under the pipeline (comm.size() stages) and in one process

@@ -290,6 +290,43 @@ TEST(PipelineLocal, RecomputationMatchesAndHoldsOnlyTheStageInputs) {
   EXPECT_LT(rec[1].planned_per_microbatch_recomputed, rec[1].planned_per_microbatch);
 }
 
+TEST(PipelineLocal, RecomputationUnderTheVLowersTheMeasuredStash) {
+  // GPT on 2 ranks, the V schedules (2 chunks a rank, the turn handed over
+  // in memory on rank 1): recomputation keeps only the chunks' inputs
+  // between forward and backward and rebuilds one stash at a time (the
+  // whole backward at the input pass; a deferred weight pass held one
+  // rebuilt stash per waiting micro-batch, as many as without
+  // recomputation), so each rank's measured peak stash falls below the run
+  // without it and stays within the plan, up to the boundary tensors in
+  // transit the plan leaves out (pipeline_stage.h): each chunk's outputs,
+  // their gradients and its input gradients for one micro-batch.
+  for (ScheduleKind k : {ScheduleKind::zbv, ScheduleKind::dualpipev}) {
+    std::vector<test::PipeMemory> full(2), rec(2);
+    LocalWorldOptions o;
+    o.size = 2;
+    o.comm.timeout = std::chrono::milliseconds(60'000);
+    LocalWorld::run(o, [&](Communicator& w) {
+      full[static_cast<size_t>(w.rank())] =
+          test::check_pipeline_matches_single(w, {"gpt", k, 4, 2, {1, 1, 1, 1}});
+      rec[static_cast<size_t>(w.rank())] =
+          test::check_pipeline_matches_single(w, {"gpt", k, 4, 2, {1, 1, 1, 1}, true});
+    });
+    for (size_t r = 0; r < 2; ++r) {
+      std::printf(
+          "%s rank %zu: peak stash %lld B (planned %lld), recomputed %lld B (planned %lld + "
+          "%lld in transit)\n",
+          std::string(schedule_name(k)).c_str(), r, static_cast<long long>(full[r].peak_stash),
+          static_cast<long long>(full[r].planned_peak), static_cast<long long>(rec[r].peak_stash),
+          static_cast<long long>(rec[r].planned_peak),
+          static_cast<long long>(rec[r].boundary_per_microbatch));
+      EXPECT_LT(rec[r].planned_peak, full[r].planned_peak) << "rank " << r;
+      EXPECT_LT(rec[r].peak_stash, full[r].peak_stash) << "rank " << r;
+      EXPECT_LE(rec[r].peak_stash, rec[r].planned_peak + rec[r].boundary_per_microbatch)
+          << "rank " << r;
+    }
+  }
+}
+
 TEST(PipelineLocal, InterleavedChunksOnOneRankHandOverInMemory) {
   // One physical stage holding four model chunks: every boundary is local.
   on_threads(test::PipeCase{"gpt", ScheduleKind::interleaved, 2, 4, {1, 1, 1, 1}}, 1);

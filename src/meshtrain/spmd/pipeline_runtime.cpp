@@ -996,11 +996,15 @@ struct PipelineRuntime::Impl {
     for (size_t k = 0; k < ins.size(); ++k) {
       if (xm == nullptr) {
         put(stash[{vs, mb}], ins[k].name, prev.at(ins[k].name));
-        continue;
+      } else {
+        put(stash[{vs, mb}], ins[k].name,
+            reshard_local(xm->boundaries[ix(vs - 1)][k].forward, prev.at(ps.outputs[k].name),
+                          ins[k].shape, ins[k].dtype));
       }
-      put(stash[{vs, mb}], ins[k].name,
-          reshard_local(xm->boundaries[ix(vs - 1)][k].forward, prev.at(ps.outputs[k].name),
-                        ins[k].shape, ins[k].dtype));
+      // A recomputing stage rebuilds its outputs for its backward: once
+      // handed over (the V's turn, interleaved chunks) they are the next
+      // stage's input alone, not held (and counted) twice.
+      if (ps.recompute) erase(prev, ps.outputs[k].name);
     }
   }
   void local_grads(int vs, int mb) {
@@ -1194,10 +1198,17 @@ struct PipelineRuntime::Impl {
             run_pass(r.forward, vs, mb, ActionKind::forward, data, nullptr);
             recomputing = false;
           }
-          const bool whole = a.kind == ActionKind::backward;
+          // Recomputation runs the whole backward here, its weight pass
+          // too: the rebuilt stash goes at once instead of waiting for a
+          // deferred weight pass (zero-bubble, the V schedules), which
+          // reads most of it -- with several such waits a rank held as
+          // many rebuilt stashes as without recomputation. The schedule's
+          // weight action then runs nothing (its bubble stays unfilled).
+          const bool whole = a.kind == ActionKind::backward || r.st->recompute;
           if (async) async_backward(mb);
           // Async: the update right after needs the gradients now.
-          run_pass(whole ? r.backward : r.backward_input, vs, mb, a.kind, data, then_send, false,
+          run_pass(whole ? r.backward : r.backward_input, vs, mb,
+                   whole ? ActionKind::backward : a.kind, data, then_send, false,
                    !async && forward_next(i + (then_send != nullptr ? 2 : 1)));
           if (async) {
             tied_backward(mb);
@@ -1207,6 +1218,7 @@ struct PipelineRuntime::Impl {
           break;
         }
         case ActionKind::backward_weight:
+          if (r.st->recompute) break;  // ran with the input pass
           run_pass(r.backward_weight, vs, mb, a.kind, data, nullptr, false, forward_next(i + 1));
           release(vs, mb);
           break;

@@ -127,9 +127,15 @@ PipelineCut cut_pipeline(const Graph& forward, ValueId loss, const std::vector<S
 // The planned peak of stashed bytes on physical stage `rank` under `sched`
 // (schedule.h): the most micro-batch chunks simulate() holds there at once
 // times the largest per-micro-batch stash of its stages (a recomputing
-// stage: what it keeps, plus one whole stash rebuilt for a backward). An
-// upper bound of PipelineRuntime::peak_stash_bytes() up to the outputs
-// waiting to be sent.
+// stage: what it keeps, plus one whole stash rebuilt for a backward -- one
+// at a time, as the runtime runs a recomputing stage's whole backward at
+// its input pass, also under zero-bubble and the V schedules, whose
+// weight pass then runs nothing). An upper bound of
+// PipelineRuntime::peak_stash_bytes() up to the boundary tensors in
+// transit: outputs waiting to be sent or handed to the next chunk on the
+// rank, gradients received ahead and input gradients waiting to be sent.
+// Without recomputation a zero-bubble input pass also keeps, until the
+// weight pass, intermediates the plan does not count.
 int64_t planned_stash_bytes(const PipelineCut& cut, const PipelineSchedule& sched, int rank);
 // One line per virtual stage (stash per micro-batch, what recomputation
 // keeps) and one per rank (planned peak), for meshtrain inspect.
