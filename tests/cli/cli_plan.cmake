@@ -114,7 +114,7 @@ run(0 "steps 2  final loss" "" train ${gpt} --set model.layers=4 --quiet --set t
   --set parallel.microbatches=2 --set parallel.schedule=\"zbv\" --set parallel.virtual_stages=2
   --set parallel.recompute=[0] --trace ${dir}/zbv_trace.json --nproc 2)
 file(READ ${dir}/zbv_trace.json trace)
-foreach(want "\"F1@3\"" "\"BI0@2\"" "\"BW1@0\"" "cpu_ms" "wait recv_act" "send 4096B")
+foreach(want "\"F1@3\"" "\"BI0@2\"" "\"BW1@1\"" "\"B1@0\"" "cpu_ms" "wait recv_act" "send 4096B")
   string(FIND "${trace}" "${want}" at)
   if(at EQUAL -1)
     message(FATAL_ERROR "the zbv trace has no ${want}")
