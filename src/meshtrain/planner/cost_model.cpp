@@ -1186,6 +1186,31 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options
   const int world = cluster.world();
   if (world < 1) throw ConfigError(fmt::format("cluster {}: no ranks", cluster.source));
   if (options.dist.plan) options.dist.plan->mesh.check_world(world, "the plan's mesh");
+  // Two plans the runtime runs but the programs below do not describe:
+  // refused rather than priced as something else.
+  if (options.dist.plan) {
+    const Plan& plan = *options.dist.plan;
+    // Asynchronous pipelining updates every stage after each micro-batch,
+    // without the flush, sends the tied wte each way and all-reduces the dp
+    // gradients per micro-batch; the programs are a flushed step's.
+    if (plan.async != AsyncMode::none) {
+      throw ConfigError(fmt::format(
+          "parallel.async = \"{}\": the cost model prices synchronous pipeline schedules only "
+          "(docs/planner.md), not the per-micro-batch updates and exchanges of asynchronous "
+          "pipelining; plan or simulate with parallel.async = \"none\"",
+          async_name(plan.async)));
+    }
+    // Stages on meshes of their own: the pipeline programs read each rank's
+    // stage and peers off the plan's pp axis, which such a plan has not.
+    for (size_t s = 0; s < plan.stages.size(); ++s) {
+      if (!plan.stages[s].has_mesh) continue;
+      throw ConfigError(fmt::format(
+          "plan: stages[{}].mesh: the cost model prices pipelines on the plan's mesh (a pp "
+          "axis) only, not stages on meshes of their own (docs/planner.md); plan or simulate "
+          "without stage meshes",
+          s));
+    }
+  }
   // The programs exchange f32 gradients by all-reduce (or ZeRO's
   // reduce-scatter / all-gather); another scheme or a codec moves other
   // bytes at other times, which the model does not price: refused rather
