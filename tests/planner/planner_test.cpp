@@ -24,6 +24,7 @@
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/plan.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/pipeline_training.h"
@@ -1199,6 +1200,57 @@ TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
       EXPECT_NE(std::string(e.what()).find("parallel.async"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("dist.zero_stage"), std::string::npos) << e.what();
     }
+  }
+}
+
+// Two plans the runtime runs that the cost model does not describe are
+// refused naming the key, not priced as something else: asynchronous
+// pipelining (no flush, an update, the tied wte each way and, with dp, an
+// all-reduce per micro-batch; the programs are a flushed 1F1B step's, which
+// priced it before) and stages on meshes of their own (the programs read
+// each rank's stage off the plan's pp axis; simulate crashed on one).
+TEST(CostModel, AsyncPipeliningAndStageMeshesAreRefused) {
+  const ModelSpec spec = tiny_gpt();
+  for (int dp : {1, 2}) {
+    const ClusterModel c = cluster(2 * dp, 1e-5, 1e9);
+    TrainerOptions a = pipeline_options(spec, dp, false);
+    (void)estimate_step(spec, a, c);  // the synchronous plan is priced
+    for (AsyncMode mode : {AsyncMode::pipedream, AsyncMode::spectrain}) {
+      Plan ap = *a.dist.plan;
+      ap.async = mode;
+      TrainerOptions o = a;
+      o.dist.plan = std::make_shared<Plan>(ap);
+      check_pipeline_options(o);  // the runtime takes it
+      try {
+        (void)estimate_step(spec, o, c);
+        ADD_FAILURE() << "parallel.async = " << async_name(mode) << " was priced (dp " << dp << ")";
+      } catch (const ConfigError& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find(fmt::format("parallel.async = \"{}\"", async_name(mode))),
+                  std::string::npos)
+            << what;
+        EXPECT_NE(what.find("synchronous pipeline schedules only"), std::string::npos) << what;
+      }
+    }
+  }
+  // docs/plan.md's example: stage 0 tensor-parallel on ranks {0, 1}, stage 1 on rank 2.
+  const ModelSpec xs = mlp();
+  const Plan xp = plan_from_json(
+      R"({"model": "mlp", "mesh": [{"name": "world", "size": 3}],
+          "values": {"fc1.w": {"dims": [null, "tp"]}, "fc1.b": {"dims": ["tp"]}},
+          "stages": [
+            {"layers": ["fc1"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+            {"layers": ["fc2", "head"], "ranks": [2], "mesh": []}],
+          "microbatches": 2})",
+      "xmesh");
+  ASSERT_TRUE(xp.stage_meshes());
+  TrainerOptions x = mlp_options(3);
+  x.dist.plan = std::make_shared<Plan>(xp);
+  try {
+    (void)estimate_step(xs, x, cluster(3, 1e-5, 1e9));
+    ADD_FAILURE() << "a plan with stage meshes was priced";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("stages[0].mesh"), std::string::npos) << e.what();
   }
 }
 
