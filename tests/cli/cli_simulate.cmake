@@ -42,3 +42,31 @@ expect_run(RC 1 STDERR "error: .*${dir}/missing.toml"
   COMMAND ${MESHTRAIN} simulate ${gpt} --cluster ${dir}/missing.toml)
 expect_run(RC 1 STDERR "error: .*(mesh|parallel).*32"
   COMMAND ${MESHTRAIN} simulate ${gpt} ${cluster} --set parallel.tp=3)
+
+# Plans the runtime runs but the cost model does not describe are refused
+# naming the key, not priced as something else: asynchronous pipelining (it
+# was priced as the flushed 1F1B step) and stages on meshes of their own
+# (simulate crashed on docs/plan.md's example).
+foreach(mode pipedream spectrain)
+  expect_run(RC 1 STDERR "error: parallel.async = \"${mode}\": the cost model prices synchronous pipeline schedules only"
+    COMMAND ${MESHTRAIN} simulate ${gpt} ${cluster} --set parallel.pp=2 --set parallel.microbatches=2
+      --set parallel.async=${mode} --set optim.clip_grad_norm=0)
+endforeach()
+file(WRITE ${dir}/three.toml "device = \"cpu\"
+[devices.cpu]
+peak_tflops = 0.1
+memory_gb = 16
+memory_bandwidth_gb_s = 20
+[[nodes]]
+name = \"n0\"
+ranks = [0, 1, 2]
+")
+file(WRITE ${dir}/xmesh.json "{\"model\": \"mlp\", \"mesh\": [{\"name\": \"world\", \"size\": 3}],
+  \"values\": {\"fc1.w\": {\"dims\": [null, \"tp\"]}, \"fc1.b\": {\"dims\": [\"tp\"]}},
+  \"stages\": [
+    {\"layers\": [\"fc1\"], \"ranks\": [0, 1], \"mesh\": [{\"name\": \"tp\", \"size\": 2}]},
+    {\"layers\": [\"fc2\", \"head\"], \"ranks\": [2], \"mesh\": []}],
+  \"microbatches\": 2}")
+expect_run(RC 1 STDERR "error: plan: stages\\[0\\].mesh: the cost model prices pipelines on the plan's mesh"
+  COMMAND ${MESHTRAIN} simulate --config ${SRC}/configs/mlp_fashion.toml --cluster ${dir}/three.toml
+    --plan ${dir}/xmesh.json)
