@@ -1203,34 +1203,72 @@ TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
   }
 }
 
-// Two plans the runtime runs that the cost model does not describe are
-// refused naming the key, not priced as something else: asynchronous
-// pipelining (no flush, an update, the tied wte each way and, with dp, an
-// all-reduce per micro-batch; the programs are a flushed 1F1B step's, which
-// priced it before) and stages on meshes of their own (the programs read
-// each rank's stage off the plan's pp axis; simulate crashed on one).
-TEST(CostModel, AsyncPipeliningAndStageMeshesAreRefused) {
+// Asynchronous pipelining (parallel.async) is priced as its steady-state
+// window: every stage sends what PipelineRuntime::predicted_bytes_sent says
+// (m activations / gradients and the tied wte each way per micro-batch);
+// each backward is followed by the stage's update (m optimizer tasks, after
+// a packed dp all-reduce of the micro-batch's gradients on a dp axis, not
+// one per parameter after the pipeline); PipeDream's stage r holds p - 1 - r
+// more copies of its weights, SpecTrain's every stage one (u). A plan whose
+// stages carry meshes of their own is refused naming the stage's mesh (the
+// programs read each rank's stage off the plan's pp axis; simulate crashed
+// on one).
+TEST(CostModel, AsyncPipeliningIsPricedPerMicroBatchAndStageMeshesAreRefused) {
   const ModelSpec spec = tiny_gpt();
   for (int dp : {1, 2}) {
     const ClusterModel c = cluster(2 * dp, 1e-5, 1e9);
-    TrainerOptions a = pipeline_options(spec, dp, false);
-    (void)estimate_step(spec, a, c);  // the synchronous plan is priced
+    const TrainerOptions sync = pipeline_options(spec, dp, false);
+    const Programs sp = build_programs(spec, sync, c);
+    const StepEstimate se = simulate(sp, c);
+    const int m = sync.dist.plan->microbatches;
+    CutOptions co;
+    co.param_casts_join_consumers = false;       // as the trainer cuts under async
+    const ModelGraph mb = build_model(spec, 2);  // a micro-batch: 8 examples per replica / 4
+    const PipelineCut cut = cut_pipeline(mb.graph, mb.loss, sync.dist.plan->stages, co);
     for (AsyncMode mode : {AsyncMode::pipedream, AsyncMode::spectrain}) {
-      Plan ap = *a.dist.plan;
+      Plan ap = *sync.dist.plan;
       ap.async = mode;
-      TrainerOptions o = a;
+      TrainerOptions o = sync;
       o.dist.plan = std::make_shared<Plan>(ap);
       check_pipeline_options(o);  // the runtime takes it
-      try {
-        (void)estimate_step(spec, o, c);
-        ADD_FAILURE() << "parallel.async = " << async_name(mode) << " was priced (dp " << dp << ")";
-      } catch (const ConfigError& e) {
-        const std::string what = e.what();
-        EXPECT_NE(what.find(fmt::format("parallel.async = \"{}\"", async_name(mode))),
-                  std::string::npos)
-            << what;
-        EXPECT_NE(what.find("synchronous pipeline schedules only"), std::string::npos) << what;
+      const Programs pr = build_programs(spec, o, c);
+      const StepEstimate e = simulate(pr, c);
+      ASSERT_EQ(e.ranks.size(), static_cast<size_t>(2 * dp));
+      for (int r = 0; r < 2 * dp; ++r) {
+        const int stage = o.dist.plan->mesh.coord(r, "pp");
+        const Program& prog =
+            pr.programs[static_cast<size_t>(pr.ranks[static_cast<size_t>(r)].program)];
+        int updates = 0, reduces = 0;
+        for (const Task& t : prog.tasks) {
+          updates += t.category == "optimizer";
+          reduces += t.kind == Task::Kind::collective;
+        }
+        EXPECT_EQ(updates, m) << async_name(mode) << " rank " << r;
+        EXPECT_EQ(reduces, dp > 1 ? m : 0) << async_name(mode) << " rank " << r;
+        // The memory: the synchronous stage's plus the weight copies.
+        const Graph& fg = cut.stages[static_cast<size_t>(stage)].forward.graph;
+        int64_t param_bytes = 0;
+        for (ValueId v : fg.params()) param_bytes += fg.value(v).shape.numel() * 4;
+        const int copies = mode == AsyncMode::pipedream ? 1 - stage : 1;
+        EXPECT_GT(param_bytes, 0);
+        EXPECT_EQ(e.ranks[static_cast<size_t>(r)].peak_memory_bytes,
+                  se.ranks[static_cast<size_t>(r)].peak_memory_bytes + copies * param_bytes)
+            << async_name(mode) << " rank " << r;
       }
+      if (dp > 1) continue;
+      // Bytes: the runtime's own prediction, per stage.
+      LocalWorld::run(2, [&](Communicator& world) {
+        PipelineOptions po;
+        po.async = mode;
+        po.update = [](int) {};
+        PipelineRuntime rt(world, cut, make_schedule(ScheduleKind::one_f_one_b, 2, m), po);
+        EXPECT_GT(rt.predicted_bytes_sent(), 0u);
+        EXPECT_EQ(e.ranks[static_cast<size_t>(world.rank())].bytes_sent, rt.predicted_bytes_sent())
+            << async_name(mode) << " rank " << world.rank();
+      });
+      // The synchronous step sends wte's gradient once; async sends it
+      // (and the value) per micro-batch: more bytes.
+      EXPECT_GT(e.ranks[0].bytes_sent, se.ranks[0].bytes_sent);
     }
   }
   // docs/plan.md's example: stage 0 tensor-parallel on ranks {0, 1}, stage 1 on rank 2.
