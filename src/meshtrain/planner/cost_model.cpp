@@ -919,10 +919,12 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
   };
   std::map<std::vector<int>, std::shared_ptr<const PipelineBuilt>> cuts;
   std::map<PpKey, int> programs;
-  out.notes.push_back(
+  out.notes.push_back(fmt::format(
       "pipeline: tensor-parallel collectives inside a stage pass are folded into the pass's "
-      "time on the group of the rank the pass was built for; data-parallel gradients are "
-      "all-reduced per parameter after the pipeline, not overlapped (as the runtime does)");
+      "time on the group of the rank the pass was built for{}",
+      async ? ""
+            : "; data-parallel gradients are all-reduced per parameter after the pipeline, not "
+              "overlapped (as the runtime does)"));
   if (async) {
     out.notes.push_back(fmt::format(
         "pipeline: parallel.async = {}: one window of the stream without flush in its steady "
