@@ -1255,6 +1255,22 @@ TEST(CostModel, AsyncPipeliningIsPricedPerMicroBatchAndStageMeshesAreRefused) {
                   se.ranks[static_cast<size_t>(r)].peak_memory_bytes + copies * param_bytes)
             << async_name(mode) << " rank " << r;
       }
+      // No flush, no warm-up: each stage runs at its own pace, so on links
+      // that cost ~nothing the step is the busiest stage's compute (m x (F +
+      // B + update)), where the synchronous step waits in the bubble.
+      if (dp == 1) {
+        const ClusterModel fast = cluster(2, 1e-12, 1e18);
+        const StepEstimate af = estimate_step(spec, o, fast);
+        const StepEstimate sf = estimate_step(spec, sync, fast);
+        double busiest = 0, sync_busiest = 0;
+        for (int r = 0; r < 2; ++r) {
+          busiest = std::max(busiest, af.ranks[static_cast<size_t>(r)].compute_s);
+          sync_busiest = std::max(sync_busiest, sf.ranks[static_cast<size_t>(r)].compute_s);
+        }
+        EXPECT_GE(af.step_s, busiest * (1 - 1e-9));
+        EXPECT_LT(af.step_s - busiest, 0.01 * af.step_s) << async_name(mode);
+        EXPECT_GT(sf.step_s - sync_busiest, 0.1 * sf.step_s) << "the synchronous bubble";
+      }
       if (dp > 1) continue;
       // Bytes: the runtime's own prediction, per stage.
       LocalWorld::run(2, [&](Communicator& world) {
