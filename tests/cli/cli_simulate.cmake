@@ -42,3 +42,34 @@ expect_run(RC 1 STDERR "error: .*${dir}/missing.toml"
   COMMAND ${MESHTRAIN} simulate ${gpt} --cluster ${dir}/missing.toml)
 expect_run(RC 1 STDERR "error: .*(mesh|parallel).*32"
   COMMAND ${MESHTRAIN} simulate ${gpt} ${cluster} --set parallel.tp=3)
+
+# Asynchronous pipelining is priced as its steady-state window (each
+# stage updates after every micro-batch; the note says so); before, it was
+# priced as the flushed 1F1B step. A plan whose stages carry meshes of their
+# own is refused naming the stage's mesh (simulate crashed on docs/plan.md's
+# example).
+foreach(mode pipedream spectrain)
+  expect_run(RC 0 STDOUT "predicted step time: [0-9.]+ (s|ms|us)"
+    "note: pipeline: parallel.async = ${mode}: one window of the stream without flush"
+    "an update after every micro-batch, after that micro-batch's gradients are all-reduced over dp"
+    COMMAND ${MESHTRAIN} simulate ${gpt} ${cluster} --set parallel.pp=2 --set parallel.microbatches=2
+      --set parallel.async=${mode} --set optim.clip_grad_norm=0)
+endforeach()
+file(WRITE ${dir}/three.toml "device = \"cpu\"
+[devices.cpu]
+peak_tflops = 0.1
+memory_gb = 16
+memory_bandwidth_gb_s = 20
+[[nodes]]
+name = \"n0\"
+ranks = [0, 1, 2]
+")
+file(WRITE ${dir}/xmesh.json "{\"model\": \"mlp\", \"mesh\": [{\"name\": \"world\", \"size\": 3}],
+  \"values\": {\"fc1.w\": {\"dims\": [null, \"tp\"]}, \"fc1.b\": {\"dims\": [\"tp\"]}},
+  \"stages\": [
+    {\"layers\": [\"fc1\"], \"ranks\": [0, 1], \"mesh\": [{\"name\": \"tp\", \"size\": 2}]},
+    {\"layers\": [\"fc2\", \"head\"], \"ranks\": [2], \"mesh\": []}],
+  \"microbatches\": 2}")
+expect_run(RC 1 STDERR "error: plan: stages\\[0\\].mesh: the cost model prices pipelines on the plan's mesh"
+  COMMAND ${MESHTRAIN} simulate --config ${SRC}/configs/mlp_fashion.toml --cluster ${dir}/three.toml
+    --plan ${dir}/xmesh.json)

@@ -24,6 +24,7 @@
 #include "meshtrain/spmd/collective_runner.h"
 #include "meshtrain/spmd/pipeline_runtime.h"
 #include "meshtrain/spmd/pipeline_stage.h"
+#include "meshtrain/spmd/plan.h"
 #include "meshtrain/spmd/schedule.h"
 #include "meshtrain/spmd/shorthand.h"
 #include "meshtrain/train/pipeline_training.h"
@@ -1199,6 +1200,111 @@ TEST(CostModel, ZeroOneAndTwoUnderAPipeline) {
       EXPECT_NE(std::string(e.what()).find("parallel.async"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("dist.zero_stage"), std::string::npos) << e.what();
     }
+  }
+}
+
+// Asynchronous pipelining (parallel.async) is priced as its steady-state
+// window: every stage sends what PipelineRuntime::predicted_bytes_sent says
+// (m activations / gradients and the tied wte each way per micro-batch);
+// each backward is followed by the stage's update (m optimizer tasks, after
+// a packed dp all-reduce of the micro-batch's gradients on a dp axis, not
+// one per parameter after the pipeline); PipeDream's stage r holds p - 1 - r
+// more copies of its weights, SpecTrain's every stage one (u). A plan whose
+// stages carry meshes of their own is refused naming the stage's mesh (the
+// programs read each rank's stage off the plan's pp axis; simulate crashed
+// on one).
+TEST(CostModel, AsyncPipeliningIsPricedPerMicroBatchAndStageMeshesAreRefused) {
+  const ModelSpec spec = tiny_gpt();
+  for (int dp : {1, 2}) {
+    const ClusterModel c = cluster(2 * dp, 1e-5, 1e9);
+    const TrainerOptions sync = pipeline_options(spec, dp, false);
+    const Programs sp = build_programs(spec, sync, c);
+    const StepEstimate se = simulate(sp, c);
+    const int m = sync.dist.plan->microbatches;
+    CutOptions co;
+    co.param_casts_join_consumers = false;       // as the trainer cuts under async
+    const ModelGraph mb = build_model(spec, 2);  // a micro-batch: 8 examples per replica / 4
+    const PipelineCut cut = cut_pipeline(mb.graph, mb.loss, sync.dist.plan->stages, co);
+    for (AsyncMode mode : {AsyncMode::pipedream, AsyncMode::spectrain}) {
+      Plan ap = *sync.dist.plan;
+      ap.async = mode;
+      TrainerOptions o = sync;
+      o.dist.plan = std::make_shared<Plan>(ap);
+      check_pipeline_options(o);  // the runtime takes it
+      const Programs pr = build_programs(spec, o, c);
+      const StepEstimate e = simulate(pr, c);
+      ASSERT_EQ(e.ranks.size(), static_cast<size_t>(2 * dp));
+      for (int r = 0; r < 2 * dp; ++r) {
+        const int stage = o.dist.plan->mesh.coord(r, "pp");
+        const Program& prog =
+            pr.programs[static_cast<size_t>(pr.ranks[static_cast<size_t>(r)].program)];
+        int updates = 0, reduces = 0;
+        for (const Task& t : prog.tasks) {
+          updates += t.category == "optimizer";
+          reduces += t.kind == Task::Kind::collective;
+        }
+        EXPECT_EQ(updates, m) << async_name(mode) << " rank " << r;
+        EXPECT_EQ(reduces, dp > 1 ? m : 0) << async_name(mode) << " rank " << r;
+        // The memory: the synchronous stage's plus the weight copies.
+        const Graph& fg = cut.stages[static_cast<size_t>(stage)].forward.graph;
+        int64_t param_bytes = 0;
+        for (ValueId v : fg.params()) param_bytes += fg.value(v).shape.numel() * 4;
+        const int copies = mode == AsyncMode::pipedream ? 1 - stage : 1;
+        EXPECT_GT(param_bytes, 0);
+        EXPECT_EQ(e.ranks[static_cast<size_t>(r)].peak_memory_bytes,
+                  se.ranks[static_cast<size_t>(r)].peak_memory_bytes + copies * param_bytes)
+            << async_name(mode) << " rank " << r;
+      }
+      // No flush, no warm-up: each stage runs at its own pace, so on links
+      // that cost ~nothing the step is the busiest stage's compute (m x (F +
+      // B + update)), where the synchronous step waits in the bubble.
+      if (dp == 1) {
+        const ClusterModel fast = cluster(2, 1e-12, 1e18);
+        const StepEstimate af = estimate_step(spec, o, fast);
+        const StepEstimate sf = estimate_step(spec, sync, fast);
+        double busiest = 0, sync_busiest = 0;
+        for (int r = 0; r < 2; ++r) {
+          busiest = std::max(busiest, af.ranks[static_cast<size_t>(r)].compute_s);
+          sync_busiest = std::max(sync_busiest, sf.ranks[static_cast<size_t>(r)].compute_s);
+        }
+        EXPECT_GE(af.step_s, busiest * (1 - 1e-9));
+        EXPECT_LT(af.step_s - busiest, 0.01 * af.step_s) << async_name(mode);
+        EXPECT_GT(sf.step_s - sync_busiest, 0.1 * sf.step_s) << "the synchronous bubble";
+      }
+      if (dp > 1) continue;
+      // Bytes: the runtime's own prediction, per stage.
+      LocalWorld::run(2, [&](Communicator& world) {
+        PipelineOptions po;
+        po.async = mode;
+        po.update = [](int) {};
+        PipelineRuntime rt(world, cut, make_schedule(ScheduleKind::one_f_one_b, 2, m), po);
+        EXPECT_GT(rt.predicted_bytes_sent(), 0u);
+        EXPECT_EQ(e.ranks[static_cast<size_t>(world.rank())].bytes_sent, rt.predicted_bytes_sent())
+            << async_name(mode) << " rank " << world.rank();
+      });
+      // The synchronous step sends wte's gradient once; async sends it
+      // (and the value) per micro-batch: more bytes.
+      EXPECT_GT(e.ranks[0].bytes_sent, se.ranks[0].bytes_sent);
+    }
+  }
+  // docs/plan.md's example: stage 0 tensor-parallel on ranks {0, 1}, stage 1 on rank 2.
+  const ModelSpec xs = mlp();
+  const Plan xp = plan_from_json(
+      R"({"model": "mlp", "mesh": [{"name": "world", "size": 3}],
+          "values": {"fc1.w": {"dims": [null, "tp"]}, "fc1.b": {"dims": ["tp"]}},
+          "stages": [
+            {"layers": ["fc1"], "ranks": [0, 1], "mesh": [{"name": "tp", "size": 2}]},
+            {"layers": ["fc2", "head"], "ranks": [2], "mesh": []}],
+          "microbatches": 2})",
+      "xmesh");
+  ASSERT_TRUE(xp.stage_meshes());
+  TrainerOptions x = mlp_options(3);
+  x.dist.plan = std::make_shared<Plan>(xp);
+  try {
+    (void)estimate_step(xs, x, cluster(3, 1e-5, 1e9));
+    ADD_FAILURE() << "a plan with stage meshes was priced";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("stages[0].mesh"), std::string::npos) << e.what();
   }
 }
 

@@ -868,6 +868,19 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
   const PipelineSchedule schedule =
       make_schedule(plan.schedule, p, plan.microbatches, plan.virtual_stages);
   const ScheduleSimulation unit = simulate(schedule);
+  // Asynchronous pipelining (parallel.async, 1F1B only): no flush; a step
+  // is a window of the endless stream (make_async_window), priced in its
+  // steady state: every stage runs its m forwards and m backwards, each
+  // backward followed by the stage's update (on a dp axis after the
+  // all-reduce of that micro-batch's gradients, which blocks the compute
+  // thread, as PipelineTraining's async_update does). The stream's messages
+  // of one window pair up with the neighbour's across windows, so a
+  // receive here waits on its own lane and holds no pass back: each stage
+  // runs at its own pace, and the step is the slowest stage's m x (F + B +
+  // update). Bytes are the window's, as PipelineRuntime::predicted_bytes_sent.
+  const bool async = plan.async != AsyncMode::none;
+  const PipelineSchedule steps =
+      async ? make_async_window(p, plan.microbatches, 1, false) : schedule;
 
   // The cache key: the plan but its schedule and micro-batch count (the
   // cut does not depend on them), the micro-batch size, the coordinates.
@@ -906,10 +919,20 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
   };
   std::map<std::vector<int>, std::shared_ptr<const PipelineBuilt>> cuts;
   std::map<PpKey, int> programs;
-  out.notes.push_back(
+  out.notes.push_back(fmt::format(
       "pipeline: tensor-parallel collectives inside a stage pass are folded into the pass's "
-      "time on the group of the rank the pass was built for; data-parallel gradients are "
-      "all-reduced per parameter after the pipeline, not overlapped (as the runtime does)");
+      "time on the group of the rank the pass was built for{}",
+      async ? ""
+            : "; data-parallel gradients are all-reduced per parameter after the pipeline, not "
+              "overlapped (as the runtime does)"));
+  if (async) {
+    out.notes.push_back(fmt::format(
+        "pipeline: parallel.async = {}: one window of the stream without flush in its steady "
+        "state (each stage at its own pace: no warm-up, no wait on its neighbours' messages); "
+        "an update after every micro-batch{}",
+        async_name(plan.async),
+        dp_world > 1 ? ", after that micro-batch's gradients are all-reduced over dp" : ""));
+  }
 
   for (int r = 0; r < world; ++r) {
     std::vector<int> coords;
@@ -1019,16 +1042,117 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       auto tag = [](int kind, int mb, int s) {
         return (static_cast<int64_t>(kind) << 40) | (static_cast<int64_t>(mb) << 20) | s;
       };
-      for (const PipelineAction& a : schedule.actions[static_cast<size_t>(stage)]) {
+      // The stage's parameters (first holder of each name).
+      int64_t param_numel = 0, param_bytes = 0;
+      std::vector<std::pair<std::string, int64_t>> stage_params;  // name, elements
+      {
+        std::set<std::string> held;
+        for (size_t s = 0; s < cut.stages.size(); ++s) {
+          if (static_cast<int>(s) % p != stage) continue;
+          const Graph& fg = cut.stages[s].forward.graph;
+          for (ValueId v : fg.params()) {
+            const Value& val = fg.value(v);
+            if (!held.insert(val.name).second) continue;
+            param_numel += val.shape.numel();
+            param_bytes += val.shape.numel() * 4;
+            stage_params.emplace_back(val.name, val.shape.numel());
+          }
+        }
+      }
+      const bool sharded = zero >= 1 && dp_world > 1;
+      const int64_t opt_numel = sharded ? zero1_shard_elements(param_numel, dp_world) : param_numel;
+      const double opt_s =
+          optimizer_seconds(dev, opt_numel, kinds, slow, Pricing::of(dev, o.precision));
+      // The parameters held by several stages (GPT's tied wte): the holders
+      // (physical stages) and this stage's f32 bytes of each.
+      struct Shared {
+        std::vector<int> holders;
+        uint64_t bytes = 0;
+        int64_t id = 0;
+      };
+      std::vector<Shared> shared;
+      for (const auto& [name, vstages] : cut.shared_params) {
+        Shared sh;
+        sh.id = static_cast<int64_t>(shared.size()) + 1;
+        std::set<int> hs;
+        for (int vs : vstages) hs.insert(vs % p);
+        sh.holders.assign(hs.begin(), hs.end());
+        for (int vs : vstages) {
+          if (vs % p != stage) continue;
+          const Graph& fg = cut.stages[static_cast<size_t>(vs)].forward.graph;
+          if (auto v = fg.find(name))
+            sh.bytes = static_cast<uint64_t>(fg.value(*v).shape.numel()) * 4;
+        }
+        shared.push_back(std::move(sh));
+      }
+      // Async: the stream's k-th message of a kind between two stages pairs
+      // with the neighbour's k-th (tags by position, not micro-batch id);
+      // receives on their own lane (2), waited on by nothing.
+      const int recv_lane = async ? 2 : 0;
+      int fwd_count = 0, bwd_count = 0;
+      std::map<int, int> sent_count, recv_count;  // tag kind -> messages so far
+      auto async_tag = [&](std::map<int, int>& count, int kind) {
+        return tag(kind, count[kind]++, 0);
+      };
+      int last_update = -1;
+      for (const PipelineAction& a : steps.actions[static_cast<size_t>(stage)]) {
         const StageTimes& t = st[static_cast<size_t>(a.stage)];
         const std::string where = describe(a);
         switch (a.kind) {
           case ActionKind::forward:
+            if (async) {
+              // The owner of a shared parameter sends its value to each
+              // mirror before the forward; the mirror receives it.
+              for (const Shared& sh : shared) {
+                const std::vector<int>& h = sh.holders;
+                if (h.size() < 2 || std::find(h.begin(), h.end(), stage) == h.end()) continue;
+                const int64_t tg = (int64_t{3} << 40) | (sh.id << 20) | fwd_count;
+                if (stage == h.front()) {
+                  for (size_t k = 1; k < h.size(); ++k) {
+                    std::vector<int> after;
+                    if (last_update >= 0) after.push_back(last_update);
+                    b.p2p(Task::Kind::send, "send shared value " + where, h[k], tg, sh.bytes,
+                          send_lane, after);
+                  }
+                } else {
+                  b.p2p(Task::Kind::recv, "recv shared value " + where, h.front(), tg, sh.bytes,
+                        recv_lane);
+                }
+              }
+              ++fwd_count;
+            }
             done[{a.microbatch, a.stage}] = pass(where, "forward", t.f);
             break;
           case ActionKind::backward:
             if (t.recompute) pass("recompute " + where, "forward", t.f);
             done[{a.microbatch, a.stage}] = pass(where, "backward", t.b);
+            if (async) {
+              // The mirror's part of a shared gradient goes to the owner,
+              // which adds it before its update.
+              for (const Shared& sh : shared) {
+                const std::vector<int>& h = sh.holders;
+                if (h.size() < 2 || std::find(h.begin(), h.end(), stage) == h.end()) continue;
+                const int64_t tg = (int64_t{4} << 40) | (sh.id << 20) | bwd_count;
+                if (stage == h.front()) {
+                  for (size_t k = 1; k < h.size(); ++k) {
+                    b.p2p(Task::Kind::recv, "recv shared gradient " + where, h[k], tg, sh.bytes,
+                          recv_lane);
+                  }
+                } else {
+                  b.p2p(Task::Kind::send, "send shared gradient " + where, h.front(), tg, sh.bytes,
+                        send_lane, {done.at({a.microbatch, a.stage})});
+                }
+              }
+              ++bwd_count;
+              // The micro-batch's gradients averaged over the stage's
+              // replicas (one packed all-reduce), then the update.
+              if (dp_world > 1) {
+                comm::CollectiveShape cs{
+                    Collective::all_reduce, static_cast<size_t>(param_numel), {}, 4, 0};
+                b.collective("all_reduce grads " + where, "dp", cs, 0);
+              }
+              last_update = b.compute("optimizer " + where, "optimizer", opt_s, 0);
+            }
             break;
           case ActionKind::backward_input:
             if (t.recompute) pass("recompute " + where, "forward", t.f);
@@ -1038,19 +1162,25 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
             pass(where, "backward", t.bw);
             break;
           case ActionKind::send_activation:
-            b.p2p(Task::Kind::send, where, a.peer, tag(0, a.microbatch, a.stage), t.act_bytes,
+            b.p2p(Task::Kind::send, where, a.peer,
+                  async ? async_tag(sent_count, 0) : tag(0, a.microbatch, a.stage), t.act_bytes,
                   send_lane, {done.at({a.microbatch, a.stage})});
             break;
           case ActionKind::send_grad:
-            b.p2p(Task::Kind::send, where, a.peer, tag(1, a.microbatch, a.stage), t.grad_bytes,
+            b.p2p(Task::Kind::send, where, a.peer,
+                  async ? async_tag(sent_count, 1) : tag(1, a.microbatch, a.stage), t.grad_bytes,
                   send_lane, {done.at({a.microbatch, a.stage})});
             break;
           case ActionKind::recv_activation:
             // The matching send is tagged with the sending (previous) stage.
-            b.p2p(Task::Kind::recv, where, a.peer, tag(0, a.microbatch, a.stage - 1), 0, 0);
+            b.p2p(Task::Kind::recv, where, a.peer,
+                  async ? async_tag(recv_count, 0) : tag(0, a.microbatch, a.stage - 1), 0,
+                  recv_lane);
             break;
           case ActionKind::recv_grad:
-            b.p2p(Task::Kind::recv, where, a.peer, tag(1, a.microbatch, a.stage + 1), 0, 0);
+            b.p2p(Task::Kind::recv, where, a.peer,
+                  async ? async_tag(recv_count, 1) : tag(1, a.microbatch, a.stage + 1), 0,
+                  recv_lane);
             break;
         }
       }
@@ -1062,20 +1192,13 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
       for (size_t i = 0; i < b.p.tasks.size(); ++i) {
         if (b.p.tasks[i].kind == Task::Kind::send) sends.push_back(static_cast<int>(i));
       }
-      int64_t shared_tag = 0;
+      size_t shared_ix = 0;
       for (const auto& [name, vstages] : cut.shared_params) {
-        ++shared_tag;
-        std::set<int> hs;
-        for (int vs : vstages) hs.insert(vs % p);
-        const std::vector<int> h(hs.begin(), hs.end());
-        if (h.size() < 2 || !hs.count(stage)) continue;
-        uint64_t bytes = 0;
-        for (int vs : vstages) {
-          if (vs % p != stage) continue;
-          const Graph& fg = cut.stages[static_cast<size_t>(vs)].forward.graph;
-          if (auto v = fg.find(name)) bytes = static_cast<uint64_t>(fg.value(*v).shape.numel()) * 4;
-        }
-        const int64_t tg = (int64_t{2} << 40) | shared_tag;
+        const Shared& sh = shared[shared_ix++];
+        const std::vector<int>& h = sh.holders;
+        if (async || h.size() < 2 || std::find(h.begin(), h.end(), stage) == h.end()) continue;
+        const uint64_t bytes = sh.bytes;
+        const int64_t tg = (int64_t{2} << 40) | sh.id;
         const std::string what = fmt::format("shared gradient {}", name);
         if (stage == h.front()) {
           for (size_t k = 1; k < h.size(); ++k) {
@@ -1092,38 +1215,25 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         }
       }
       // Gradients over dp, one all-reduce per parameter (lane 0, after the
-      // pipeline's last pass), then the optimizer.
-      int64_t param_numel = 0, param_bytes = 0;
-      std::set<std::string> held;
-      std::vector<std::pair<std::string, int64_t>> stage_params;  // name, elements
-      for (size_t s = 0; s < cut.stages.size(); ++s) {
-        if (static_cast<int>(s) % p != stage) continue;
-        const Graph& fg = cut.stages[s].forward.graph;
-        for (ValueId v : fg.params()) {
-          const Value& val = fg.value(v);
-          if (!held.insert(val.name).second) continue;
-          param_numel += val.shape.numel();
-          param_bytes += val.shape.numel() * 4;
-          stage_params.emplace_back(val.name, val.shape.numel());
-          if (dp_world > 1 && zero >= 2) {
-            comm::CollectiveShape cs{Collective::reduce_scatterv, 0,
-                                     even_counts(val.shape.numel(), dp_world), 4, 0};
-            b.collective(fmt::format("reduce_scatterv grad {}", val.name), "dp", cs, 0);
-          } else if (dp_world > 1) {
-            comm::CollectiveShape cs{
-                Collective::all_reduce, static_cast<size_t>(val.shape.numel()), {}, 4, 0};
-            b.collective(fmt::format("all_reduce grad {}", val.name), "dp", cs, 0);
-          }
+      // pipeline's last pass), then the optimizer (async: done per
+      // micro-batch above).
+      for (const auto& [name, numel] : stage_params) {
+        if (async) break;
+        if (dp_world > 1 && zero >= 2) {
+          comm::CollectiveShape cs{Collective::reduce_scatterv, 0, even_counts(numel, dp_world), 4,
+                                   0};
+          b.collective(fmt::format("reduce_scatterv grad {}", name), "dp", cs, 0);
+        } else if (dp_world > 1) {
+          comm::CollectiveShape cs{Collective::all_reduce, static_cast<size_t>(numel), {}, 4, 0};
+          b.collective(fmt::format("all_reduce grad {}", name), "dp", cs, 0);
         }
       }
       // ZeRO-1 / 2: each dp rank updates its 1/dp of every parameter (its
       // reduced shard of the gradient at 2), then the updated parameters are
       // all-gathered. ZeRO-3 gathers the same bytes at the start of the
-      // next step instead (one step's time is the same).
-      const bool sharded = zero >= 1 && dp_world > 1;
-      const int64_t opt_numel = sharded ? zero1_shard_elements(param_numel, dp_world) : param_numel;
-      b.compute("optimizer", "optimizer",
-                optimizer_seconds(dev, opt_numel, kinds, slow, Pricing::of(dev, o.precision)), 0);
+      // next step instead (one step's time is the same). Refused with
+      // parallel.async (check_pipeline_options).
+      if (!async) b.compute("optimizer", "optimizer", opt_s, 0);
       if (sharded) {
         for (const auto& [name, numel] : stage_params) {
           comm::CollectiveShape cs{Collective::all_gatherv, 0, even_counts(numel, dp_world), 4, 0};
@@ -1149,7 +1259,12 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
         pm.recompute = pm.recompute || rc;
         pm.arena_bytes = std::max(pm.arena_bytes, built->arena[s]);
       }
-      b.p.peak_memory_bytes = pipeline_stage_memory(pm);
+      // Async: PipeDream's stage r stashes up to p - 1 - r older versions of
+      // its weights; SpecTrain keeps one smoothed change u beside them.
+      const int64_t weight_copies = plan.async == AsyncMode::pipedream   ? p - 1 - stage
+                                    : plan.async == AsyncMode::spectrain ? 1
+                                                                         : 0;
+      b.p.peak_memory_bytes = pipeline_stage_memory(pm) + weight_copies * param_bytes;
       b.p.memory_detail = fmt::format(
           "parameters + gradients {} B{}, optimizer state {} B{}, activations kept {} B x {} in "
           "flight{}, largest pass arena {} B",
@@ -1163,6 +1278,10 @@ void build_pipeline(const ModelSpec& model_spec, const TrainerOptions& o,
           pm.recompute ? fmt::format(" + one recomputed stash {} B", pm.stash_bytes)
                        : std::string(),
           pm.arena_bytes);
+      if (weight_copies > 0) {
+        b.p.memory_detail += fmt::format(", {} weight copies {} B ({})", weight_copies,
+                                         weight_copies * param_bytes, async_name(plan.async));
+      }
       out.programs.push_back(std::move(b.p));
     }
     const Program& prog = out.programs[static_cast<size_t>(bind.program)];
@@ -1186,6 +1305,21 @@ Programs build_programs(const ModelSpec& spec, const TrainerOptions& run_options
   const int world = cluster.world();
   if (world < 1) throw ConfigError(fmt::format("cluster {}: no ranks", cluster.source));
   if (options.dist.plan) options.dist.plan->mesh.check_world(world, "the plan's mesh");
+  // A plan the runtime runs but the programs below do not describe:
+  // refused rather than priced as something else (or crashed on).
+  if (options.dist.plan) {
+    const Plan& plan = *options.dist.plan;
+    // Stages on meshes of their own: the pipeline programs read each rank's
+    // stage and peers off the plan's pp axis, which such a plan has not.
+    for (size_t s = 0; s < plan.stages.size(); ++s) {
+      if (!plan.stages[s].has_mesh) continue;
+      throw ConfigError(fmt::format(
+          "plan: stages[{}].mesh: the cost model prices pipelines on the plan's mesh (a pp "
+          "axis) only, not stages on meshes of their own (docs/planner.md); plan or simulate "
+          "without stage meshes",
+          s));
+    }
+  }
   // The programs exchange f32 gradients by all-reduce (or ZeRO's
   // reduce-scatter / all-gather); another scheme or a codec moves other
   // bytes at other times, which the model does not price: refused rather
