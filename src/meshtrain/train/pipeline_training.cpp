@@ -478,28 +478,7 @@ struct PipelineTraining::Impl {
     precision = decide_precision(requested, uses, o.exec.backend, o.exec.fast,
                                  o.bf16_rate_factor_for_testing, stash_sizes,
                                  o.storage_cost_factor_for_testing);
-    if (measure && world.size() > 1) {
-      Tensor t = Tensor::empty({8}, DType::f64);
-      double* d = t.data<double>();
-      d[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
-      d[1] = precision.f32_gflops;
-      d[2] = precision.bf16_gflops;
-      d[3] = precision.measured ? 1.0 : 0.0;
-      d[4] = precision.bf16_storage ? 1.0 : 0.0;
-      d[5] = static_cast<double>(precision.stash_elements);
-      d[6] = precision.f32_matmul_s;
-      d[7] = precision.storage_cast_s;
-      world.broadcast(t, 0);
-      precision.measured = d[3] != 0.0;
-      precision.f32_gflops = d[1];
-      precision.bf16_gflops = d[2];
-      precision.stash_elements = static_cast<int64_t>(d[5]);
-      precision.f32_matmul_s = d[6];
-      precision.storage_cast_s = d[7];
-      apply_precision_policy(precision);
-      precision.chosen = d[0] != 0.0 ? DType::bf16 : DType::f32;
-      precision.bf16_storage = d[4] != 0.0;
-    }
+    if (measure && world.size() > 1) follow_rank0_precision(world, precision);
     o.precision = precision.chosen;
     o.bf16_storage = precision.bf16_storage;
     spec.compute = precision.chosen;

@@ -237,4 +237,33 @@ PrecisionDecision decide_precision(const std::string& requested, const std::vect
   return d;
 }
 
+void follow_rank0_precision(Communicator& comm, PrecisionDecision& d) {
+  Tensor t = Tensor::empty({11}, DType::f64);
+  double* v = t.data<double>();
+  v[0] = d.chosen == DType::bf16 ? 1.0 : 0.0;
+  v[1] = d.f32_gflops;
+  v[2] = d.bf16_gflops;
+  v[3] = d.measured ? 1.0 : 0.0;
+  v[4] = d.bf16_storage ? 1.0 : 0.0;
+  v[5] = static_cast<double>(d.stash_elements);
+  v[6] = d.f32_matmul_s;
+  v[7] = d.storage_cast_s;
+  v[8] = static_cast<double>(d.memory_limit);
+  v[9] = static_cast<double>(d.f32_plan_bytes);
+  v[10] = static_cast<double>(d.storage_plan_bytes);
+  comm.broadcast(t, 0);
+  d.memory_limit = static_cast<int64_t>(v[8]);
+  d.f32_plan_bytes = static_cast<int64_t>(v[9]);
+  d.storage_plan_bytes = static_cast<int64_t>(v[10]);
+  d.measured = v[3] != 0.0;
+  d.f32_gflops = v[1];
+  d.bf16_gflops = v[2];
+  d.stash_elements = static_cast<int64_t>(v[5]);
+  d.f32_matmul_s = v[6];
+  d.storage_cast_s = v[7];
+  apply_precision_policy(d);
+  d.chosen = v[0] != 0.0 ? DType::bf16 : DType::f32;
+  d.bf16_storage = v[4] != 0.0;
+}
+
 }  // namespace mt

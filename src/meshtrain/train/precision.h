@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "meshtrain/comm/communicator.h"
 #include "meshtrain/graph/graph.h"
 #include "meshtrain/tensor/backend.h"
 #include "meshtrain/tensor/kernels.h"
@@ -98,5 +99,10 @@ PrecisionDecision decide_precision(const std::string& requested, const std::vect
 // lossy and breaks step-by-step equality with the single-process run), and
 // the reason says so when auto keeps matmuls in f32.
 void apply_precision_policy(PrecisionDecision& d);
+
+// Every rank of `comm` takes rank 0's decision (its measured rates, stash,
+// memory figures and choice; one broadcast), so ranks whose own
+// measurements would differ train alike.
+void follow_rank0_precision(Communicator& comm, PrecisionDecision& d);
 
 }  // namespace mt

@@ -916,34 +916,7 @@ struct Trainer::Impl {
       precision.storage_plan_bytes = storage_plan;
       apply_precision_policy(precision);
     }
-    if (measure && world > 1) {
-      Tensor t = Tensor::empty({11}, DType::f64);
-      double* d = t.data<double>();
-      d[0] = precision.chosen == DType::bf16 ? 1.0 : 0.0;
-      d[1] = precision.f32_gflops;
-      d[2] = precision.bf16_gflops;
-      d[3] = precision.measured ? 1.0 : 0.0;
-      d[4] = precision.bf16_storage ? 1.0 : 0.0;
-      d[5] = static_cast<double>(precision.stash_elements);
-      d[6] = precision.f32_matmul_s;
-      d[7] = precision.storage_cast_s;
-      d[8] = static_cast<double>(precision.memory_limit);
-      d[9] = static_cast<double>(precision.f32_plan_bytes);
-      d[10] = static_cast<double>(precision.storage_plan_bytes);
-      comm->broadcast(t, 0);
-      precision.memory_limit = static_cast<int64_t>(d[8]);
-      precision.f32_plan_bytes = static_cast<int64_t>(d[9]);
-      precision.storage_plan_bytes = static_cast<int64_t>(d[10]);
-      precision.measured = d[3] != 0.0;
-      precision.f32_gflops = d[1];
-      precision.bf16_gflops = d[2];
-      precision.stash_elements = static_cast<int64_t>(d[5]);
-      precision.f32_matmul_s = d[6];
-      precision.storage_cast_s = d[7];
-      apply_precision_policy(precision);
-      precision.chosen = d[0] != 0.0 ? DType::bf16 : DType::f32;
-      precision.bf16_storage = d[4] != 0.0;
-    }
+    if (measure && world > 1) follow_rank0_precision(*comm, precision);
     o.precision = precision.chosen;
     o.bf16_storage = precision.bf16_storage;
     spec.compute = precision.chosen;
