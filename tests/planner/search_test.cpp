@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "meshtrain/base/error.h"
 #include "meshtrain/planner/balance.h"
@@ -54,6 +55,39 @@ TrainerOptions options(int64_t batch) {
   o.eval = false;
   o.optimizer = "adamw";
   return o;
+}
+
+// The search settings of the LP tests: every plan listed, no
+// recomputation, ZeRO-0 only.
+SearchOptions lp_search() {
+  SearchOptions o;
+  o.top = 1000;
+  o.recompute = false;
+  o.zero_stages = {0};
+  return o;
+}
+
+// A search's even and uneven twins of the shape `pick` selects (the last
+// of each listed).
+struct Twins {
+  SearchResult r;
+  const PlanCandidate* even = nullptr;
+  const PlanCandidate* uneven = nullptr;
+};
+Twins twins(SearchResult r, const std::function<bool(const PlanCandidate&)>& pick) {
+  Twins t{std::move(r)};
+  for (const PlanCandidate& p : t.r.best) {
+    if (pick(p)) (p.uneven ? t.uneven : t.even) = &p;
+  }
+  return t;
+}
+Twins dp_twins(SearchResult r, int dp) {
+  return twins(std::move(r), [dp](const PlanCandidate& p) { return p.shape.dp == dp; });
+}
+
+// A rank's predicted forward + backward: its compute before the update.
+double before_update(const RankEstimate& e) {
+  return e.compute_s - e.optimizer_s;
 }
 
 TEST(PlanSearch, NeverReturnsAPlanOverMemory) {
@@ -136,17 +170,10 @@ TEST(PlanSearch, LpSharesEqualiseComputeOnUnequalDevices) {
   // third of the batch, and the predicted compute times agree within 10%.
   ClusterModel c = cluster(2, 1e12);
   c.slowdown = {1, 2};
-  SearchOptions o;
-  o.top = 1000;
-  o.recompute = false;
-  o.zero_stages = {0};
-  const SearchResult r = search_plans(mlp(), options(48), c, o);
-  const PlanCandidate* even = nullptr;
-  const PlanCandidate* uneven = nullptr;
-  for (const PlanCandidate& p : r.best) {
-    if (p.shape.dp != 2) continue;
-    (p.uneven ? uneven : even) = &p;
-  }
+  SearchOptions o = lp_search();
+  const Twins tw = dp_twins(search_plans(mlp(), options(48), c, o), 2);
+  const PlanCandidate* even = tw.even;
+  const PlanCandidate* uneven = tw.uneven;
   ASSERT_NE(even, nullptr);
   ASSERT_NE(uneven, nullptr);
   EXPECT_EQ(uneven->shape.batch_shares, (std::vector<int64_t>{32, 16}));
@@ -178,28 +205,20 @@ TEST(PlanSearch, LpSharesCountTheFixedCostsAsAConstant) {
   c.kinds[0].memory_bandwidth = 1e10;  // an update of over 20% of the compute
   c.kinds[0].op_overhead_s = 1e-4;     // a large per-kernel time
   c.slowdown = {1, 3};
-  SearchOptions o;
-  o.top = 1000;
-  o.recompute = false;
-  o.zero_stages = {0};
+  SearchOptions o = lp_search();
   const int64_t batch = 96;
-  const SearchResult r = search_plans(mlp(), options(batch), c, o);
-  const PlanCandidate* even = nullptr;
-  const PlanCandidate* uneven = nullptr;
-  for (const PlanCandidate& p : r.best) {
-    if (p.shape.dp != 2) continue;
-    (p.uneven ? uneven : even) = &p;
-  }
+  const Twins tw = dp_twins(search_plans(mlp(), options(batch), c, o), 2);
+  const PlanCandidate* even = tw.even;
+  const PlanCandidate* uneven = tw.uneven;
   ASSERT_NE(even, nullptr);
   ASSERT_NE(uneven, nullptr);
-  auto before_sync = [](const RankEstimate& e) { return e.compute_s - e.optimizer_s; };
   double a[2], b[2], whole[2];
   for (int i = 0; i < 2; ++i) {
     const RankEstimate& e = even->estimate.ranks[static_cast<size_t>(i)];
     b[i] = e.overhead_s;
-    a[i] = (before_sync(e) - b[i]) / (static_cast<double>(batch) / 2);
+    a[i] = (before_update(e) - b[i]) / (static_cast<double>(batch) / 2);
     whole[i] = e.compute_s;
-    EXPECT_GT(e.overhead_s, 0.2 * before_sync(e)) << i;
+    EXPECT_GT(e.overhead_s, 0.2 * before_update(e)) << i;
     EXPECT_GT(e.optimizer_s, 0.2 * e.compute_s) << i;
   }
   EXPECT_DOUBLE_EQ(b[0], b[1]);  // not slowed: the emulation stretches kernels only
@@ -208,8 +227,8 @@ TEST(PlanSearch, LpSharesCountTheFixedCostsAsAConstant) {
   const double x1 = (t - b[1]) / a[1];
   ASSERT_EQ(uneven->shape.batch_shares.size(), 2u);
   EXPECT_NEAR(static_cast<double>(uneven->shape.batch_shares[1]), x1, 1.0);
-  const double u0 = before_sync(uneven->estimate.ranks[0]);
-  const double u1 = before_sync(uneven->estimate.ranks[1]);
+  const double u0 = before_update(uneven->estimate.ranks[0]);
+  const double u1 = before_update(uneven->estimate.ranks[1]);
   EXPECT_LT(std::max(u0, u1) / std::min(u0, u1), 1.10) << u0 << " vs " << u1;
   // The two other splits, priced the same way.
   auto price = [&](double slow_share) {
@@ -248,21 +267,13 @@ TEST(PlanSearch, LpConstantTermHoldsTheWeightTraffic) {
   c.kinds[0].weight_bandwidth = 4e9;  // 0.6 ms of weights per step, the FLOPs 1.6 ms
   c.kinds[0].op_overhead_s = 1e-5;
   c.slowdown = {1, 2};
-  SearchOptions o;
-  o.top = 1000;
-  o.recompute = false;
-  o.zero_stages = {0};
+  SearchOptions o = lp_search();
   const int64_t batch = 96;
-  const SearchResult r = search_plans(mlp(), options(batch), c, o);
-  const PlanCandidate* even = nullptr;
-  const PlanCandidate* uneven = nullptr;
-  for (const PlanCandidate& p : r.best) {
-    if (p.shape.dp != 2) continue;
-    (p.uneven ? uneven : even) = &p;
-  }
+  const Twins tw = dp_twins(search_plans(mlp(), options(batch), c, o), 2);
+  const PlanCandidate* even = tw.even;
+  const PlanCandidate* uneven = tw.uneven;
   ASSERT_NE(even, nullptr);
   ASSERT_NE(uneven, nullptr);
-  auto before_sync = [](const RankEstimate& e) { return e.compute_s - e.optimizer_s; };
   double a[2], b[2], a_old[2], b_old[2];
   // MLP 784-256-256-10: each weight read once forward, once by the input
   // gradient (not the first layer's: its input needs none), its gradient
@@ -273,11 +284,11 @@ TEST(PlanSearch, LpConstantTermHoldsTheWeightTraffic) {
   for (int i = 0; i < 2; ++i) {
     const RankEstimate& e = even->estimate.ranks[static_cast<size_t>(i)];
     EXPECT_NEAR(e.traffic_s, traffic * c.slowdown[static_cast<size_t>(i)], 1e-9) << i;
-    EXPECT_GT(e.traffic_s, 0.2 * before_sync(e)) << i;
+    EXPECT_GT(e.traffic_s, 0.2 * before_update(e)) << i;
     b[i] = e.overhead_s + e.traffic_s;
-    a[i] = (before_sync(e) - b[i]) / (static_cast<double>(batch) / 2);
+    a[i] = (before_update(e) - b[i]) / (static_cast<double>(batch) / 2);
     b_old[i] = e.overhead_s;
-    a_old[i] = (before_sync(e) - b_old[i]) / (static_cast<double>(batch) / 2);
+    a_old[i] = (before_update(e) - b_old[i]) / (static_cast<double>(batch) / 2);
   }
   auto lp_slow_share = [&](const double* ai, const double* bi) {
     const double t =
@@ -290,8 +301,8 @@ TEST(PlanSearch, LpConstantTermHoldsTheWeightTraffic) {
   EXPECT_GT(lp_slow_share(a_old, b_old), x1 + 1.5);
   ASSERT_EQ(uneven->shape.batch_shares.size(), 2u);
   EXPECT_NEAR(static_cast<double>(uneven->shape.batch_shares[1]), x1, 1.0);
-  const double u0 = before_sync(uneven->estimate.ranks[0]);
-  const double u1 = before_sync(uneven->estimate.ranks[1]);
+  const double u0 = before_update(uneven->estimate.ranks[0]);
+  const double u1 = before_update(uneven->estimate.ranks[1]);
   EXPECT_LT(std::max(u0, u1) / std::min(u0, u1), 1.05) << u0 << " vs " << u1;
   // The search on the model before (the traffic hidden under the FLOPs)
   // hands the slow rank more, which priced with the traffic is unbalanced.
@@ -307,7 +318,7 @@ TEST(PlanSearch, LpConstantTermHoldsTheWeightTraffic) {
   TrainerOptions po = options(batch);
   po.dist.batch_shares = before->shape.batch_shares;
   const StepEstimate old = estimate_step(mlp(), po, c);
-  const double o0 = before_sync(old.ranks[0]), o1 = before_sync(old.ranks[1]);
+  const double o0 = before_update(old.ranks[0]), o1 = before_update(old.ranks[1]);
   EXPECT_GT(std::max(o0, o1) / std::min(o0, o1), 1.05) << o0 << " vs " << o1;
   EXPECT_LT(uneven->estimate.step_s, old.step_s);
 }
@@ -324,30 +335,23 @@ TEST(PlanSearch, LpSharesRefinedFromTwoPricedPoints) {
   ClusterModel c = cluster(4, 1e12, 4);
   c.kinds[0].memory_bandwidth = 4e9;  // dW of 1024 x 1024 bytes-bound below ~25 examples
   c.slowdown = {1, 1, 2, 6};
-  SearchOptions o;
-  o.top = 1000;
-  o.recompute = false;
-  o.zero_stages = {0};
+  SearchOptions o = lp_search();
   ModelSpec m = mlp();
   m.hidden = {1024, 1024};
   const int64_t batch = 256;
-  const SearchResult r = search_plans(m, options(batch), c, o);
-  const PlanCandidate* even = nullptr;
-  const PlanCandidate* uneven = nullptr;
-  for (const PlanCandidate& p : r.best) {
-    if (p.shape.dp != 4) continue;
-    (p.uneven ? uneven : even) = &p;
-  }
+  const Twins tw = dp_twins(search_plans(m, options(batch), c, o), 4);
+  const PlanCandidate* even = tw.even;
+  const PlanCandidate* uneven = tw.uneven;
   ASSERT_NE(even, nullptr);
   ASSERT_NE(uneven, nullptr);
-  auto fb = [](const RankEstimate& e) { return e.compute_s - e.optimizer_s; };
   // The first LP, by hand from the even plan (per-kernel time constant).
   BalanceProblem first;
   first.total = static_cast<double>(batch);
   first.min_units.assign(4, 1);
   for (int i = 0; i < 4; ++i) {
     const RankEstimate& e = even->estimate.ranks[static_cast<size_t>(i)];
-    first.time_per_unit.push_back((fb(e) - e.overhead_s) / (static_cast<double>(batch) / 4));
+    first.time_per_unit.push_back((before_update(e) - e.overhead_s) /
+                                  (static_cast<double>(batch) / 4));
     first.fixed_time.push_back(e.overhead_s);
   }
   const std::vector<int64_t> x1 = round_shares(first, balance_lp(first));
@@ -356,7 +360,8 @@ TEST(PlanSearch, LpSharesRefinedFromTwoPricedPoints) {
   const StepEstimate e1 = estimate_step(m, o1, c);
   auto spread = [&](const StepEstimate& e) {
     double lo = 1e300, hi = 0;
-    for (const RankEstimate& x : e.ranks) lo = std::min(lo, fb(x)), hi = std::max(hi, fb(x));
+    for (const RankEstimate& x : e.ranks)
+      lo = std::min(lo, before_update(x)), hi = std::max(hi, before_update(x));
     return hi / lo;
   };
   // The secant LP, by hand.
@@ -364,9 +369,10 @@ TEST(PlanSearch, LpSharesRefinedFromTwoPricedPoints) {
   for (size_t i = 0; i < 4; ++i) {
     const double x = static_cast<double>(x1[i]), per = static_cast<double>(batch) / 4;
     if (std::abs(x - per) < 0.5) continue;
-    const double a = (fb(e1.ranks[i]) - fb(even->estimate.ranks[i])) / (x - per);
+    const double a =
+        (before_update(e1.ranks[i]) - before_update(even->estimate.ranks[i])) / (x - per);
     second.time_per_unit[i] = a;
-    second.fixed_time[i] = std::max(0.0, fb(even->estimate.ranks[i]) - a * per);
+    second.fixed_time[i] = std::max(0.0, before_update(even->estimate.ranks[i]) - a * per);
   }
   const std::vector<int64_t> x2 = round_shares(second, balance_lp(second));
   EXPECT_NE(x2, x1) << "the first shares are already the secant's";
@@ -384,19 +390,16 @@ TEST(PlanSearch, LpLayersBalanceUnequalPipelineStages) {
   gpt.layers = 4, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
   ClusterModel c = cluster(2, 1e12);
   c.slowdown = {1, 3};
-  SearchOptions o;
-  o.top = 1000;
-  o.recompute = false;
-  o.zero_stages = {0};
+  SearchOptions o = lp_search();
   o.schedules = {ScheduleKind::one_f_one_b};
   o.microbatch_factors = {2};
-  const SearchResult r = search_plans(gpt, options(16), c, o);
-  const PlanCandidate* even = nullptr;
-  const PlanCandidate* uneven = nullptr;
-  for (const PlanCandidate& p : r.best) {
-    if (p.shape.pp != 2 || !p.devices.empty()) continue;  // the cluster's order: fast stage first
-    (p.uneven ? uneven : even) = &p;
-  }
+  // The cluster's device order: the fast stage first.
+  const Twins tw = twins(search_plans(gpt, options(16), c, o), [](const PlanCandidate& p) {
+    return p.shape.pp == 2 && p.devices.empty();
+  });
+  const SearchResult& r = tw.r;
+  const PlanCandidate* even = tw.even;
+  const PlanCandidate* uneven = tw.uneven;
   ASSERT_NE(even, nullptr) << (r.refusals.empty() ? "" : r.refusals.front());
   ASSERT_NE(uneven, nullptr);
   EXPECT_EQ(uneven->shape.stage_layers, (std::vector<int64_t>{3, 1}));
@@ -459,17 +462,11 @@ TEST(PlanSearch, LpHeadsBalanceUnequalTensorRanks) {
   gpt.layers = 2, gpt.d_model = 64, gpt.heads = 4, gpt.seq_len = 32;
   ClusterModel c = cluster(2, 1e12);
   c.slowdown = {1, 3};
-  SearchOptions o;
-  o.top = 1000;
-  o.recompute = false;
-  o.zero_stages = {0};
-  const SearchResult r = search_plans(gpt, options(8), c, o);
-  const PlanCandidate* even = nullptr;
-  const PlanCandidate* uneven = nullptr;
-  for (const PlanCandidate& p : r.best) {
-    if (p.shape.tp != 2) continue;
-    (p.uneven ? uneven : even) = &p;
-  }
+  SearchOptions o = lp_search();
+  const Twins tw = twins(search_plans(gpt, options(8), c, o),
+                         [](const PlanCandidate& p) { return p.shape.tp == 2; });
+  const PlanCandidate* even = tw.even;
+  const PlanCandidate* uneven = tw.uneven;
   ASSERT_NE(even, nullptr);
   ASSERT_NE(uneven, nullptr);
   EXPECT_EQ(uneven->shape.tp_ratios, (std::vector<int64_t>{3, 1}));
@@ -518,10 +515,7 @@ TEST(PlanSearch, DeviceOrdersGroupLikeDevices) {
   ClusterModel c = cluster(4, 1e12, 4);
   c.kinds = {kind("fast", 4e11, 1e12), kind("slow", 1e11, 1e12)};
   c.kind_of = {0, 1, 0, 1};
-  SearchOptions o;
-  o.top = 1000;
-  o.recompute = false;
-  o.zero_stages = {0};
+  SearchOptions o = lp_search();
   o.schedules = {ScheduleKind::one_f_one_b};
   o.microbatch_factors = {2};
   const SearchResult r = search_plans(mlp(), options(48), c, o);
