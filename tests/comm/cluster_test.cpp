@@ -5,6 +5,7 @@
 // the layout says the ranks do not share a node or links are emulated.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <random>
@@ -220,8 +221,15 @@ TEST(LinkEmulation, CollectivesAndObserverShowEmulatedTime) {
   // The same ring through the same emulating transport with links that
   // delay nothing: what the copies and the reduction take on this build
   // (a sanitizer build or a loaded machine takes several times longer).
-  const double work = run(0.0, 1e15).first;
-  const auto [observed, counted] = run(L, W);
+  // Noise (a preempted thread, a sanitizer's bookkeeping) only adds time,
+  // so each is the fastest of three runs: one run at a time missed the
+  // bound by 0.1 ms under ASan on a loaded machine.
+  double work = 1e9, observed = 1e9, counted = 1e9;
+  for (int i = 0; i < 3; ++i) work = std::min(work, run(0.0, 1e15).first);
+  for (int i = 0; i < 3; ++i) {
+    const auto [o, c] = run(L, W);
+    if (o < observed) observed = o, counted = c;
+  }
   const double expected = 3 * L + static_cast<double>(count * 4) / W;
   EXPECT_GE(observed, expected * 0.95);
   // The slack: 10% of the emulated time and twice that work (the old fixed
